@@ -1,0 +1,1 @@
+//! Element types (TODO model helper).

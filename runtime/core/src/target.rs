@@ -1,0 +1,1 @@
+//! Target specifications (TODO toolchain helper).

@@ -1,0 +1,71 @@
+//! xtask: metrale's build system and user commands (`cargo xtask <command>`). One module per command;
+//! each module owns its clap `Args` and a `run` function. Shells out as little as possible: only to
+//! `cargo` (to build the server binary), `pip` (to fetch wheels) and `xcrun` (Metal).
+
+use clap::{Parser, Subcommand};
+
+mod audit;
+mod bench_record;
+mod build_target;
+mod fetch_model;
+mod list_targets;
+mod quickstart;
+mod toolchain;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "metrale: build, audit and benchmark per-target LLM server binaries")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the pinned compilers (NVRTC + CUDA headers from PyPI wheels) into .toolchain/.
+    Toolchain(toolchain::Args),
+    /// Print the (hardware, model, quant) targets that can be built.
+    ListTargets(list_targets::Args),
+    /// Render, compile and attest a target's kernels and build its server binary.
+    BuildTarget(build_target::Args),
+    /// Check that a server binary's embedded kernels still match the sources.
+    Audit(audit::Args),
+    /// Run a benchmark with a built server binary and write a record carrying its attestation.
+    BenchRecord(bench_record::Args),
+    /// Download a known model (checked by sha256) and print its path.
+    FetchModel(fetch_model::Args),
+    /// A new user's first command: model + toolchain + build + serve + one answer.
+    Quickstart(quickstart::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Toolchain(a) => toolchain::run(a),
+        Cmd::ListTargets(a) => list_targets::run(a),
+        Cmd::BuildTarget(a) => build_target::run(a),
+        Cmd::Audit(a) => audit::run(a),
+        Cmd::BenchRecord(a) => bench_record::run(a),
+        Cmd::FetchModel(a) => fetch_model::run(a),
+        Cmd::Quickstart(a) => quickstart::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(match e.downcast_ref::<xtask_exit::Exit>() {
+            Some(x) => x.0,
+            None => 1,
+        });
+    }
+}
+
+/// A command that wants a specific exit status (e.g. `audit` returns 1 on a mismatch after printing
+/// its report) returns `Err(Exit(code).into())`.
+mod xtask_exit {
+    #[derive(Debug)]
+    pub struct Exit(pub i32);
+    impl std::fmt::Display for Exit {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "exit status {}", self.0)
+        }
+    }
+    impl std::error::Error for Exit {}
+}
