@@ -1,7 +1,321 @@
-//! TODO
-#[derive(clap::Args)]
-pub struct Args {}
+//! `cargo xtask bench-record DIR/metrale-server --model PATH`: benchmark a built server binary through its
+//! own HTTP API and write `bench/records/<date>-<target>.json`, a record that carries the binary's
+//! embedded attestation (from `metrale-server --attestation`) and its sha256, so a published number can
+//! be traced to the exact kernels that produced it.
+//!
+//! What is measured (medians of `--reps` repetitions after one warm-up request):
+//! - `cold_start_s`: process spawn to the first streamed token of the first request;
+//! - `decode_tok_s` (batch 1): one streamed completion of `--gen-tokens` tokens with `ignore_eos`,
+//!   (tokens - 1) / (last token time - first token time), i.e. pure decode, prefill excluded;
+//! - `prefill_tok_s`: a prompt of exactly `--prompt-tokens` token ids and `max_tokens = 1`, prompt tokens
+//!   over the request's wall time (HTTP overhead included, so a lower bound);
+//! - `concurrent`: for each `--concurrency` value c, c simultaneous streams of `--gen-tokens` tokens:
+//!   total generated tokens over wall time, and the median per-stream inter-token latency.
+//!
+//! Everything goes over loopback HTTP to the real binary: the numbers are what a client sees.
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The server binary to benchmark (e.g. dist/h200-smollm2-135m-q4_1/metrale-server).
+    pub binary: PathBuf,
+    /// The checkpoint to serve (GGUF file or HF directory).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt length of the prefill measurement, in tokens.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per decode measurement.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Repetitions of each measurement (the record keeps all and reports the median).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Concurrency levels for the throughput measurement, comma-separated (empty: skip).
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub concurrency: Vec<usize>,
+    /// Folder for the record.
+    #[arg(long, default_value = "bench/records")]
+    pub out: PathBuf,
+    /// Extra arguments passed to the server (e.g. "--parallel 16").
+    #[arg(long, allow_hyphen_values = true)]
+    pub server_args: Option<String>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let binary = args
+        .binary
+        .canonicalize()
+        .with_context(|| format!("server binary {} not found; build one with `cargo xtask build-target`", args.binary.display()))?;
+    let attestation = command_output(&binary, &["--attestation"])?;
+    let attestation: Value = serde_json::from_str(&attestation)
+        .with_context(|| format!("{} --attestation did not print JSON", binary.display()))?;
+    let target_info = command_output(&binary, &["--target-info"]).unwrap_or_default();
+    let binary_sha256 = hex::encode(Sha256::digest(std::fs::read(&binary)?));
+
+    let mut server_args: Vec<String> = vec!["--model".into(), args.model.display().to_string()];
+    let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
+    if let Some(extra) = &args.server_args {
+        server_args.extend(extra.split_whitespace().map(String::from));
+    } else if max_c > 1 {
+        server_args.extend(["--parallel".to_string(), max_c.to_string()]);
+    }
+    let port = free_port()?;
+    server_args.extend(["--host".into(), "127.0.0.1".into(), "--port".into(), port.to_string()]);
+    let base = format!("http://127.0.0.1:{port}");
+
+    eprintln!("starting {} {}", binary.display(), server_args.join(" "));
+    let spawned = Instant::now();
+    let server = Server(
+        Command::new(&binary)
+            .args(&server_args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?,
+    );
+    wait_healthy(&base, Duration::from_secs(120))?;
+    let health_s = spawned.elapsed().as_secs_f64();
+    let first = stream_completion(&base, &[1, 2, 3], 2)?;
+    let cold_start_s = spawned.elapsed().as_secs_f64() - (first.total_s - first.first_token_s);
+    eprintln!("healthy after {health_s:.2} s, first token after {cold_start_s:.2} s");
+
+    let prompt = prompt_tokens(&base, args.prompt_tokens)?;
+    let short_prompt = &prompt[..prompt.len().min(8)];
+
+    // Warm-up, then the measurements.
+    stream_completion(&base, short_prompt, args.gen_tokens.min(16))?;
+    let mut decode = Vec::new();
+    for _ in 0..args.reps {
+        let r = stream_completion(&base, short_prompt, args.gen_tokens)?;
+        if r.tokens != args.gen_tokens {
+            bail!("asked for {} tokens with ignore_eos, got {}", args.gen_tokens, r.tokens);
+        }
+        decode.push(r.decode_tok_s());
+    }
+    let mut prefill = Vec::new();
+    for _ in 0..args.reps {
+        let t = Instant::now();
+        let v = post(&base, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}))?;
+        let secs = t.elapsed().as_secs_f64();
+        let n = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+        if n != prompt.len() {
+            bail!("server counted {n} prompt tokens, sent {}", prompt.len());
+        }
+        prefill.push(n as f64 / secs);
+    }
+    let mut concurrent = Vec::new();
+    for &c in args.concurrency.iter().filter(|&&c| c > 0) {
+        let t = Instant::now();
+        let results: Vec<Result<Stream>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..c)
+                .map(|_| s.spawn(|| stream_completion(&base, short_prompt, args.gen_tokens)))
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("bench thread panicked")).collect()
+        });
+        let wall = t.elapsed().as_secs_f64();
+        let streams = results.into_iter().collect::<Result<Vec<_>>>()?;
+        let tokens: usize = streams.iter().map(|s| s.tokens).sum();
+        let mut itl: Vec<f64> = streams.iter().flat_map(|s| s.gaps()).collect();
+        concurrent.push(json!({
+            "concurrency": c,
+            "output_tok_s": tokens as f64 / wall,
+            "median_itl_ms": median(&mut itl) * 1e3,
+            "median_ttft_ms": median(&mut streams.iter().map(|s| s.first_token_s).collect::<Vec<_>>()) * 1e3,
+        }));
+    }
+    drop(server);
+
+    let target = attestation_target(&attestation).unwrap_or_else(|| "unknown".into());
+    let date = time::OffsetDateTime::now_utc();
+    let record = json!({
+        "schema": "metrale.bench-record/v1",
+        "date": date.format(&time::format_description::well_known::Rfc3339)?,
+        "target": target,
+        "binary": {"path": binary.display().to_string(), "sha256": binary_sha256},
+        "model": {"path": args.model.display().to_string(), "sha256": file_sha256(&args.model).ok()},
+        "machine": machine(),
+        "settings": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "reps": args.reps,
+                     "server_args": server_args},
+        "metrics": {
+            "cold_start_s": cold_start_s,
+            "health_s": health_s,
+            "decode_tok_s": median(&mut decode.clone()),
+            "decode_us_per_token": 1e6 / median(&mut decode.clone()),
+            "prefill_tok_s": median(&mut prefill.clone()),
+            "concurrent": concurrent,
+        },
+        "raw": {"decode_tok_s": decode, "prefill_tok_s": prefill},
+        "target_info": target_info,
+        "attestation": attestation,
+    });
+    std::fs::create_dir_all(&args.out)?;
+    let file = args.out.join(format!(
+        "{}-{}.json",
+        date.date(),
+        target.replace('/', "-")
+    ));
+    std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")?;
+    println!("{}", serde_json::to_string_pretty(&record["metrics"])?);
+    println!("{}", file.display());
+    Ok(())
+}
+
+/// Kills the server when the benchmark ends, on every path.
+struct Server(Child);
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Stream {
+    tokens: usize,
+    first_token_s: f64,
+    total_s: f64,
+    /// Arrival time of each content chunk, seconds from the request.
+    arrivals: Vec<f64>,
+}
+
+impl Stream {
+    fn decode_tok_s(&self) -> f64 {
+        let (first, last) = (self.arrivals[0], *self.arrivals.last().unwrap());
+        (self.tokens.saturating_sub(1)) as f64 / (last - first).max(1e-9)
+    }
+    fn gaps(&self) -> Vec<f64> {
+        self.arrivals.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+}
+
+/// A streamed /v1/completions request with `ignore_eos`; one SSE chunk per token is expected (no stop
+/// strings, so the server holds nothing back but incomplete UTF-8).
+fn stream_completion(base: &str, prompt: &[u32], max_tokens: usize) -> Result<Stream> {
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let t = Instant::now();
+    let resp = ureq::post(format!("{base}/v1/completions")).send_json(&body).context("streamed completion")?;
+    let reader = BufReader::new(resp.into_body().into_reader());
+    let mut arrivals = Vec::new();
+    let mut tokens = None;
+    for line in reader.lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).with_context(|| format!("bad SSE chunk {data}"))?;
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = Some(n as usize);
+        }
+        if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+            arrivals.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let tokens = tokens.context("stream ended without a usage chunk")?;
+    if arrivals.is_empty() {
+        bail!("stream carried no tokens");
+    }
+    Ok(Stream { tokens, first_token_s: arrivals[0], total_s: t.elapsed().as_secs_f64(), arrivals })
+}
+
+/// Exactly `n` token ids of ordinary English text, from the server's own tokenizer.
+fn prompt_tokens(base: &str, n: usize) -> Result<Vec<u32>> {
+    let text = "The quick brown fox jumps over the lazy dog while the engineers measure every kernel. ".repeat(n / 8 + 8);
+    let v = post(base, "/tokenize", &json!({"content": text}))?;
+    let mut ids: Vec<u32> = v["tokens"]
+        .as_array()
+        .context("/tokenize returned no tokens array")?
+        .iter()
+        .filter_map(|t| t.as_u64().map(|x| x as u32))
+        .collect();
+    if ids.len() < n {
+        bail!("tokenizer gave {} tokens, need {n}", ids.len());
+    }
+    ids.truncate(n);
+    Ok(ids)
+}
+
+fn post(base: &str, path: &str, body: &Value) -> Result<Value> {
+    let mut resp = ureq::post(format!("{base}{path}")).send_json(body).with_context(|| format!("POST {path}"))?;
+    Ok(resp.body_mut().read_json()?)
+}
+
+fn wait_healthy(base: &str, timeout: Duration) -> Result<()> {
+    let t = Instant::now();
+    while t.elapsed() < timeout {
+        if let Ok(r) = ureq::get(format!("{base}/health")).call() {
+            if r.status() == 200 {
+                return Ok(());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("server did not report healthy within {timeout:?}")
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn command_output(binary: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new(binary).args(args).output().with_context(|| format!("running {}", binary.display()))?;
+    if !out.status.success() {
+        bail!("{} {} failed: {}", binary.display(), args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn file_sha256(path: &Path) -> Result<String> {
+    let mut h = Sha256::new();
+    std::io::copy(&mut std::fs::File::open(path)?, &mut h)?;
+    Ok(hex::encode(h.finalize()))
+}
+
+/// The "hw/model/quant" a statement was built for: the first string found under a key named
+/// "target" anywhere in the attestation.
+fn attestation_target(v: &Value) -> Option<String> {
+    match v {
+        Value::Object(m) => m
+            .get("target")
+            .and_then(|t| t.as_str().map(String::from))
+            .or_else(|| m.values().find_map(attestation_target)),
+        Value::Array(a) => a.iter().find_map(attestation_target),
+        _ => None,
+    }
+}
+
+fn machine() -> Value {
+    let gpu = Command::new("nvidia-smi")
+        .args(["--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()));
+    json!({
+        "gpu": gpu,
+        "cpu": cpu,
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+    })
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
 }
