@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# metrale's test command (README.md's second command; .ci/run calls it). On a fresh machine it installs
+# everything the tests need itself: the pinned compiler wheels (cargo xtask toolchain), the default model
+# (cargo xtask fetch-model), a Python venv with the official openai client; then builds once, in
+# release, and runs every test: the Rust workspace's, then the server tests that drive the real binary.
+# Fails loudly: any step that fails stops the run with its exit status.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+step "build (release, once)"
+cargo build --release --workspace --all-targets
+
+step "toolchain (NVRTC + CUDA headers from pinned wheels)"
+cargo xtask toolchain
+export METRALE_REQUIRE_TOOLCHAIN=1
+
+step "default model"
+METRALE_MODEL=$(cargo xtask fetch-model smollm2-135m | tail -n 1)
+export METRALE_MODEL
+test -f "$METRALE_MODEL" || { echo "fetch-model did not print a model path (got '$METRALE_MODEL')" >&2; exit 1; }
+
+step "python client venv (official openai package)"
+venv=target/venv-tests
+[ -x $venv/bin/python ] || python3 -m venv $venv
+$venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+
+step "cargo test (release)"
+cargo test --release --workspace
+
+step "server tests (openai client + curl against the real binary)"
+METRALE_SERVER_BIN=$PWD/target/release/metrale-server $venv/bin/python -m pytest -q tests/python
