@@ -1,0 +1,209 @@
+// common.cuh: what every metrale CUDA kernel shares: warp/block reductions, the device weight
+// formats and their dequantisation, the padded shared-memory layout of activation rows, RMSNorm
+// staging and the "two rows per warp" matrix-vector core.
+//
+// Contract with the runtime (runtime/backend/src/cuda/): weights are repacked at load time into
+// the layouts below; activations are f32, row-major [token][feature].
+//
+// Weight formats (a matrix has ROWS rows of K elements, K a multiple of 32; NB = K/32 blocks per row):
+//   q4_1: qs  = uint4  [ROWS][NB]  (the 16 nibble bytes of each GGUF block, GGUF nibble order:
+//                                   low nibble of byte j is element j, high nibble element j+16)
+//         sc  = half2  [ROWS][NB]  (d, m): w = q*d + m
+//   q8_0: qs  = int8   [ROWS][NB][32]  (32-byte aligned)
+//         sc  = half   [ROWS][NB]      w = q*d
+//   bf16: qs  = bf16   [ROWS][K]       sc unused (may be null)
+// The template picks the format of the layer matrices (METRALE_W_*) and of the embedding / LM head
+// (METRALE_E_*) with a macro defined before including this header.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define MT_INLINE __device__ __forceinline__
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace mt {
+
+constexpr int WARP = 32;
+
+MT_INLINE float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+MT_INLINE float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Activation rows in shared memory: each 32-element block is padded to 36 floats, so that lane L
+// reading block L with 16-byte loads is free of bank conflicts.
+MT_INLINE int pad_idx(int e) { return (e >> 5) * 36 + (e & 31); }
+template <int K> struct Padded {
+    static_assert(K % 32 == 0, "row length must be a multiple of 32");
+    static constexpr int FLOATS = (K / 32) * 36;
+};
+
+// Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024). `red` holds 32 floats.
+MT_INLINE float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : 0.f;
+    return warp_sum(r);
+}
+
+// Stage row x[K] into padded shared memory xs, optionally RMS-normalised and scaled by w.
+template <int K, bool NORM>
+MT_INLINE void stage_row(const float* __restrict__ x, const float* __restrict__ w, float eps,
+                         float* xs, float* red) {
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < K; e += blockDim.x) {
+        float v = x[e];
+        xs[pad_idx(e)] = v;
+        ss += v * v;
+    }
+    if (NORM) {
+        const float tot = block_sum(ss, red);
+        const float inv = rsqrtf(tot / (float)K + eps);
+        __syncthreads();
+        for (int e = threadIdx.x; e < K; e += blockDim.x) xs[pad_idx(e)] = xs[pad_idx(e)] * inv * w[e];
+    }
+}
+
+// ---- weight formats: each loads one 32-element block of one row, dequantised to f32 ----
+struct WQ41 {
+    const uint4* qs; const half2* sc;
+    template <int K> MT_INLINE void load(int row, int b, float w[32]) const {
+        constexpr int NB = K / 32;
+        const uint4 q = __ldg(qs + (size_t)row * NB + b);
+        const float2 dm = __half22float2(__ldg(sc + (size_t)row * NB + b));
+        const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned int byte = (wd[j] >> (8 * i)) & 0xffu;
+                w[4 * j + i] = (float)(byte & 0xfu) * dm.x + dm.y;
+                w[16 + 4 * j + i] = (float)(byte >> 4) * dm.x + dm.y;
+            }
+        }
+    }
+};
+
+struct WQ80 {
+    const signed char* qs; const half* sc;
+    template <int K> MT_INLINE void load(int row, int b, float w[32]) const {
+        constexpr int NB = K / 32;
+        const uint4* p = reinterpret_cast<const uint4*>(qs + ((size_t)row * NB + b) * 32);
+        const uint4 a = __ldg(p), c = __ldg(p + 1);
+        const float d = __half2float(__ldg(sc + (size_t)row * NB + b));
+        const unsigned int wd[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int v = (int)(signed char)((wd[j] >> (8 * i)) & 0xffu);
+                w[4 * j + i] = (float)v * d;
+            }
+        }
+    }
+};
+
+struct WBF16 {
+    const __nv_bfloat16* qs; const void* sc;
+    template <int K> MT_INLINE void load(int row, int b, float w[32]) const {
+        const uint4* p = reinterpret_cast<const uint4*>(qs + (size_t)row * K + (size_t)b * 32);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 u = __ldg(p + j);
+            const unsigned int wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                // bf16 -> f32 is a 16-bit shift: exact.
+                w[8 * j + 2 * i] = __uint_as_float(wd[i] << 16);
+                w[8 * j + 2 * i + 1] = __uint_as_float(wd[i] & 0xffff0000u);
+            }
+        }
+    }
+};
+
+#if defined(METRALE_W_q4_1)
+typedef WQ41 WLayer;
+#elif defined(METRALE_W_bf16)
+typedef WBF16 WLayer;
+#else
+#error "define METRALE_W_<quant> (q4_1 or bf16) before including common.cuh"
+#endif
+
+#if defined(METRALE_E_q8_0)
+typedef WQ80 WEmbed;
+#elif defined(METRALE_E_bf16)
+typedef WBF16 WEmbed;
+#else
+#error "define METRALE_E_<quant> (q8_0 or bf16) before including common.cuh"
+#endif
+
+// Build a weight view from the two raw pointers the runtime passes.
+template <class W> MT_INLINE W make_w(const void* qs, const void* sc) {
+    W w;
+    w.qs = reinterpret_cast<decltype(w.qs)>(qs);
+    w.sc = reinterpret_cast<decltype(w.sc)>(sc);
+    return w;
+}
+
+// How many tokens a block stages in shared memory for a row length K (static smem stays < 40 KiB).
+template <int K> struct TokTile {
+    static constexpr int BYTES = Padded<K>::FLOATS * 4;
+    static constexpr int RAW = 40960 / BYTES;
+    static constexpr int N = RAW < 1 ? 1 : (RAW > 8 ? 8 : RAW);
+};
+
+// One warp computes rows r0 and r0+1 of W (K columns) against the nt (<= TB) staged activation rows
+// in xs (padded, stride Padded<K>::FLOATS). Result (already warp-reduced, valid on every lane) in acc.
+template <int K, int TB, class W>
+MT_INLINE void rows2_dot(const W& w, int r0, const float* xs, int nt, float acc[2][TB]) {
+    constexpr int NB = K / 32;
+    constexpr int XS = Padded<K>::FLOATS;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[r][t] = 0.f;
+    for (int b = lane; b < NB; b += 32) {
+        float w0[32], w1[32];
+        w.template load<K>(r0, b, w0);
+        w.template load<K>(r0 + 1, b, w1);
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            if (t < nt) {
+                const float4* xv = reinterpret_cast<const float4*>(xs + t * XS + b * 36);
+                float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float4 v = xv[j];
+                    a0 += w0[4 * j] * v.x + w0[4 * j + 1] * v.y + w0[4 * j + 2] * v.z + w0[4 * j + 3] * v.w;
+                    a1 += w1[4 * j] * v.x + w1[4 * j + 1] * v.y + w1[4 * j + 2] * v.z + w1[4 * j + 3] * v.w;
+                }
+                acc[0][t] += a0;
+                acc[1][t] += a1;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+// Matrix-vector kernels: blockDim.x = MV_THREADS, grid = (row-pair groups, token tiles).
+constexpr int MV_THREADS = 256;
+constexpr int MV_WARPS = MV_THREADS / 32;
+
+}  // namespace mt
