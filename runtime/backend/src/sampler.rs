@@ -1,5 +1,28 @@
 //! Sampling: the parameters of one request and the host reference sampler every backend must match.
-//! TODO(cpu-engine): implement; this file fixes the parameter struct only.
+//!
+//! The pipeline, in order, on a copy of one logits row (`sample`):
+//! 1. **logprobs** of the sampled token and `top_logprobs` are taken from the *unmodified* logits
+//!    (log-softmax of the raw row), as OpenAI and vLLM report them.
+//! 2. **repetition penalty** (llama.cpp / HF semantics): every distinct token of `history` (prompt and
+//!    generated) gets `l / p` when `l > 0`, else `l * p`.
+//! 3. **presence / frequency penalties** (OpenAI semantics), over the *generated* tokens only:
+//!    `l -= presence * [count > 0] + frequency * count`.
+//! 4. `temperature == 0` -> greedy: the arg-max of the penalised row (lowest id wins ties).
+//! 5. otherwise `l / temperature`, softmax, then the filters: top-k (keep the k most likely), top-p
+//!    (keep the smallest prefix of the sorted candidates whose mass reaches `top_p`), min-p (keep
+//!    tokens with `p >= min_p * p_max`). Tokens less likely than `exp(-30)` times the most likely one
+//!    are never candidates (this only bounds the sort; their total mass is below 1e-8).
+//! 6. one uniform number `u = uniform(seed, draw)` picks the token by walking the cumulative mass of
+//!    the kept candidates in order (probability descending, id ascending) until it exceeds
+//!    `u * kept_mass` (accumulated in f64).
+//!
+//! Randomness is counter-based so any backend (a GPU included) reproduces it without state:
+//! `uniform(seed, draw)` is the `(draw+1)`-th output of SplitMix64 seeded with `seed`, i.e.
+//! `z = seed + (draw + 1) * 0x9E3779B97F4A7C15` (wrapping), `z = (z ^ z>>30) * 0xBF58476D1CE4E5B9`,
+//! `z = (z ^ z>>27) * 0x94D049BB133111EB`, `z ^= z>>31`, `u = (z >> 11) * 2^-53` in [0, 1).
+//!
+//! Invariants: `sample` never panics on any finite or non-finite row of length >= 1; the same
+//! (logits, params, history, draw) always gives the same token.
 
 /// How to choose the next token. Defaults are "no effect" values; `temperature == 0` means greedy.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,5 +52,320 @@ impl Default for SamplingParams {
             seed: 0,
             top_logprobs: 0,
         }
+    }
+}
+
+impl SamplingParams {
+    /// True when the choice is the arg-max of the (penalised) logits.
+    pub fn is_greedy(&self) -> bool {
+        !(self.temperature > 0.0)
+    }
+}
+
+/// The sampler's answer for one row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// log-softmax of `token` under the unmodified logits.
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens under the unmodified logits, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// SplitMix64 finaliser applied to `seed + (draw + 1) * golden`: the counter-based uniform in [0, 1)
+/// used for draw number `draw` of a sequence with `seed` (see the module docs for the exact function).
+pub fn uniform(seed: u64, draw: u64) -> f64 {
+    let mut z = seed.wrapping_add(draw.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Index of the largest value; the lowest index wins ties; NaNs are never chosen unless all are NaN.
+pub fn argmax(row: &[f32]) -> usize {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in row.iter().enumerate() {
+        if !v.is_nan() && (!found || v > best_v) {
+            best = i;
+            best_v = v;
+            found = true;
+        }
+    }
+    best
+}
+
+/// `log(sum(exp(row)))`, computed stably; NaNs are skipped.
+pub fn log_sum_exp(row: &[f32]) -> f32 {
+    let max = row.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return max;
+    }
+    let s: f64 = row.iter().filter(|v| !v.is_nan()).map(|&v| ((v - max) as f64).exp()).sum();
+    max + s.ln() as f32
+}
+
+/// The `n` largest entries of `row` as (id, value), value descending, id ascending on ties.
+pub fn top_n(row: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let n = n.min(row.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..row.len() as u32).filter(|&i| !row[i as usize].is_nan()).collect();
+    let cmp = |a: &u32, b: &u32| {
+        row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b))
+    };
+    if idx.len() > n {
+        idx.select_nth_unstable_by(n - 1, cmp);
+        idx.truncate(n);
+    }
+    idx.sort_unstable_by(cmp);
+    idx.into_iter().map(|i| (i, row[i as usize])).collect()
+}
+
+/// Apply the repetition penalty over `history` and presence/frequency penalties over its last
+/// `n_generated` entries (the generated tokens), in place. Ids outside the row are ignored.
+pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &[u32], n_generated: usize) {
+    let rep = params.repetition_penalty;
+    if rep != 1.0 && rep > 0.0 {
+        let mut seen = std::collections::HashSet::with_capacity(history.len());
+        for &t in history {
+            if let Some(l) = logits.get_mut(t as usize) {
+                if seen.insert(t) {
+                    *l = if *l > 0.0 { *l / rep } else { *l * rep };
+                }
+            }
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let gen = &history[history.len().saturating_sub(n_generated)..];
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &t in gen {
+            *counts.entry(t).or_insert(0) += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * c as f32;
+            }
+        }
+    }
+}
+
+/// The kept candidates after temperature and the top-k / top-p / min-p filters, as (id, weight)
+/// in sampling order (weight descending, id ascending); weights are unnormalised probabilities.
+pub fn candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
+    let t = params.temperature as f64;
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    if !max.is_finite() {
+        // Degenerate row (all -inf/NaN, or +inf present): fall back to the arg-max.
+        return vec![(argmax(logits) as u32, 1.0)];
+    }
+    let floor = max - 30.0 * t;
+    let mut c: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, &l)| !l.is_nan() && (l as f64) >= floor)
+        .map(|(i, &l)| (i as u32, ((l as f64 - max) / t).exp()))
+        .collect();
+    let cmp = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if params.top_k > 0 && c.len() > params.top_k {
+        c.select_nth_unstable_by(params.top_k - 1, cmp);
+        c.truncate(params.top_k);
+    }
+    c.sort_unstable_by(cmp);
+    if params.top_p < 1.0 {
+        let total: f64 = c.iter().map(|x| x.1).sum();
+        let target = params.top_p.max(0.0) as f64 * total;
+        let mut acc = 0.0;
+        let mut keep = c.len();
+        for (i, x) in c.iter().enumerate() {
+            acc += x.1;
+            if acc >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+        c.truncate(keep.max(1));
+    }
+    if params.min_p > 0.0 {
+        let pmax = c[0].1; // c is sorted and never empty here
+        let thr = params.min_p as f64 * pmax;
+        let keep = c.iter().take_while(|x| x.1 >= thr).count();
+        c.truncate(keep.max(1));
+    }
+    c
+}
+
+/// Sample one token from `logits` (see the module docs for the pipeline). `history` is every token of
+/// the sequence so far (prompt and generated); its last `draw` entries are the generated ones, and
+/// `draw` is the index of this draw in the sequence.
+pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u64) -> Sampled {
+    if logits.is_empty() {
+        return Sampled { token: 0, logprob: 0.0, top_logprobs: Vec::new() };
+    }
+    let lse = log_sum_exp(logits);
+    let top_logprobs = top_n(logits, params.top_logprobs).into_iter().map(|(i, l)| (i, l - lse)).collect();
+
+    let needs_penalty = params.repetition_penalty != 1.0
+        || params.presence_penalty != 0.0
+        || params.frequency_penalty != 0.0;
+    let mut owned;
+    let row: &[f32] = if needs_penalty {
+        owned = logits.to_vec();
+        apply_penalties(&mut owned, params, history, draw.min(history.len() as u64) as usize);
+        &owned
+    } else {
+        logits
+    };
+
+    let token = if params.is_greedy() {
+        argmax(row) as u32
+    } else {
+        let c = candidates(row, params);
+        let total: f64 = c.iter().map(|x| x.1).sum();
+        let target = uniform(params.seed, draw) * total;
+        let mut acc = 0.0;
+        let mut chosen = c[c.len() - 1].0;
+        for &(id, w) in &c {
+            acc += w;
+            if acc > target {
+                chosen = id;
+                break;
+            }
+        }
+        chosen
+    };
+    let logprob = logits[token as usize] - lse;
+    Sampled { token, logprob, top_logprobs }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SamplingParams {
+        SamplingParams { temperature: 1.0, ..Default::default() }
+    }
+
+    #[test]
+    fn uniform_is_splitmix64() {
+        // Reference values of SplitMix64 seeded with 0 (the published first outputs).
+        let first = [0xE220A8397B1DCDAFu64, 0x6E789E6AA1B965F4, 0x06C45D188009454F];
+        for (d, &want) in first.iter().enumerate() {
+            let u = uniform(0, d as u64);
+            assert_eq!(u, (want >> 11) as f64 / (1u64 << 53) as f64);
+        }
+        assert!((0..10_000).map(|d| uniform(42, d)).all(|u| (0.0..1.0).contains(&u)));
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_logprobs_from_raw_logits() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let s = sample(&logits, &SamplingParams { top_logprobs: 2, ..Default::default() }, &[], 0);
+        assert_eq!(s.token, 1); // lowest id wins the tie
+        let lse = (1f32.exp() + 2.0 * 3f32.exp() + 2f32.exp()).ln();
+        assert!((s.logprob - (3.0 - lse)).abs() < 1e-6);
+        assert_eq!(s.top_logprobs.len(), 2);
+        assert_eq!(s.top_logprobs[0].0, 1);
+        assert_eq!(s.top_logprobs[1].0, 3);
+    }
+
+    #[test]
+    fn deterministic_per_seed_and_draw() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let p = SamplingParams { temperature: 0.8, seed: 7, ..Default::default() };
+        let a: Vec<u32> = (0..50).map(|d| sample(&logits, &p, &[], d).token).collect();
+        let b: Vec<u32> = (0..50).map(|d| sample(&logits, &p, &[], d).token).collect();
+        assert_eq!(a, b);
+        let p2 = SamplingParams { seed: 8, ..p };
+        let c: Vec<u32> = (0..50).map(|d| sample(&logits, &p2, &[], d).token).collect();
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn temperature_distribution_matches_softmax() {
+        let logits = [0.0f32, 1.0, 2.0, -1.0];
+        let t = 0.7f32;
+        let p = SamplingParams { temperature: t, seed: 123, ..Default::default() };
+        let n = 200_000;
+        let mut counts = [0usize; 4];
+        for d in 0..n {
+            counts[sample(&logits, &p, &[], d).token as usize] += 1;
+        }
+        let w: Vec<f64> = logits.iter().map(|&l| ((l / t) as f64).exp()).collect();
+        let z: f64 = w.iter().sum();
+        for i in 0..4 {
+            let want = w[i] / z;
+            let got = counts[i] as f64 / n as f64;
+            // 5 standard deviations of a binomial proportion.
+            let sd = (want * (1.0 - want) / n as f64).sqrt();
+            assert!((got - want).abs() < 5.0 * sd + 1e-9, "token {i}: got {got}, want {want}");
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_k_most_likely() {
+        let logits = [0.0f32, 5.0, 4.0, 3.0, 4.5];
+        let p = SamplingParams { top_k: 2, ..params() };
+        let c = candidates(&logits, &p);
+        assert_eq!(c.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 4]);
+        for d in 0..2000 {
+            let t = sample(&logits, &p, &[], d).token;
+            assert!(t == 1 || t == 4);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_prefix_reaching_mass() {
+        // probabilities 0.5, 0.25, 0.125, 0.125
+        let logits = [2f32.ln() * 2.0, 2f32.ln(), 0.0, 0.0];
+        let ids = |tp: f32| {
+            candidates(&logits, &SamplingParams { top_p: tp, ..params() }).iter().map(|x| x.0).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(0.5), vec![0]);
+        assert_eq!(ids(0.6), vec![0, 1]);
+        assert_eq!(ids(0.75), vec![0, 1]);
+        assert_eq!(ids(0.8), vec![0, 1, 2]);
+        assert_eq!(ids(0.0), vec![0]);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_fraction_of_max() {
+        let logits = [0.0f32, (0.5f32).ln(), (0.09f32).ln(), (0.2f32).ln()];
+        let c = candidates(&logits, &SamplingParams { min_p: 0.1, ..params() });
+        assert_eq!(c.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 3]);
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative() {
+        let mut l = vec![2.0f32, -2.0, 1.0];
+        let p = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        apply_penalties(&mut l, &p, &[0, 1, 0, 99], 0);
+        assert_eq!(l, vec![1.0, -4.0, 1.0]);
+        // Greedy picks another token once the repeated one is penalised.
+        let s = sample(&[2.0, -2.0, 1.5], &p, &[0], 0);
+        assert_eq!(s.token, 2);
+        assert!((s.logprob - (1.5 - log_sum_exp(&[2.0, -2.0, 1.5]))).abs() < 1e-6);
+    }
+
+    #[test]
+    fn presence_and_frequency_count_generated_tokens_only() {
+        let mut l = vec![0.0f32; 4];
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        // history: prompt [3, 3] then generated [1, 1, 2]
+        apply_penalties(&mut l, &p, &[3, 3, 1, 1, 2], 3);
+        assert_eq!(l, vec![0.0, -1.0, -0.75, 0.0]);
+    }
+
+    #[test]
+    fn degenerate_rows_do_not_panic() {
+        let p = params();
+        assert_eq!(sample(&[f32::NAN, 1.0], &p, &[], 0).token, 1);
+        let _ = sample(&[f32::NEG_INFINITY; 3], &p, &[], 0);
+        let _ = sample(&[f32::INFINITY, 0.0], &p, &[], 0);
+        let _ = sample(&[], &p, &[], 0);
+        let _ = sample(&[1.0], &SamplingParams { top_k: 5, top_p: 0.0, min_p: 1.0, ..p }, &[7, 7], 3);
     }
 }
