@@ -1,0 +1,400 @@
+//! The device layer of the CUDA backend: the CUDA context and stream, device buffers addressed by
+//! raw pointers, the kernel modules of one target (cubin first, PTX as fallback) and one launch
+//! function per kernel entry point. The only place in the crate that calls the driver.
+//!
+//! Invariants:
+//! - One context, one non-default stream (graphs capture it); cudarc's per-buffer event tracking is
+//!   off, so every ordering is the stream's program order.
+//! - Every kernel is launched with the grid and block its template's header comment states, computed
+//!   by `plan`; the shape constants come from the target the blobs were built for.
+//! - A device whose compute capability differs from the blobs' cubin arch is refused before any
+//!   module is loaded.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result as dres, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
+};
+use metrale_core::BackendError;
+
+use super::plan::{self, arch_capability};
+
+/// The eight kernel templates a CUDA target compiles (kernels/cuda/README.md), with the entry point
+/// each exports.
+pub const KERNELS: [(&str, &str); 8] = [
+    ("embed", "embed"),
+    ("attn_in", "attn_in"),
+    ("attention", "attention"),
+    ("attn_out", "attn_out"),
+    ("ffn_in", "ffn_in"),
+    ("ffn_out", "ffn_out"),
+    ("lm_head", "lm_head"),
+    ("sample", "argmax_logprob"),
+];
+
+/// One compiled kernel: cubin for the exact arch, PTX as fallback.
+#[derive(Debug, Clone)]
+pub struct KernelBlob {
+    pub name: String,
+    pub cubin: Vec<u8>,
+    pub ptx: Option<Vec<u8>>,
+}
+
+/// The compiled kernels of one target.
+#[derive(Debug, Clone)]
+pub struct KernelSet {
+    /// "hw/model/quant"
+    pub target: String,
+    /// Cubin arch, e.g. "sm_90a".
+    pub arch: String,
+    pub blobs: BTreeMap<String, KernelBlob>,
+}
+
+fn dev_err(what: impl std::fmt::Display) -> impl FnOnce(cudarc::driver::DriverError) -> BackendError {
+    let what = what.to_string();
+    move |e| BackendError::Device(format!("{what}: {e}"))
+}
+
+impl KernelSet {
+    /// Read `<dir>/<name>.cubin` (and `<name>.ptx` when present) for every kernel in [`KERNELS`].
+    pub fn from_dir(dir: &Path, target: &str, arch: &str) -> Result<KernelSet, BackendError> {
+        let mut blobs = BTreeMap::new();
+        for (name, _) in KERNELS {
+            let cp = dir.join(format!("{name}.cubin"));
+            let cubin = std::fs::read(&cp).map_err(|e| {
+                BackendError::Device(format!(
+                    "kernel {name}: cannot read {}: {e}; build the target's kernels first (cargo xtask build-target ... --kernels-only)",
+                    cp.display()
+                ))
+            })?;
+            let ptx = std::fs::read(dir.join(format!("{name}.ptx"))).ok();
+            blobs.insert(name.to_string(), KernelBlob { name: name.to_string(), cubin, ptx });
+        }
+        Ok(KernelSet { target: target.into(), arch: arch.into(), blobs })
+    }
+}
+
+/// A device allocation addressed by its raw pointer (kept alive by the slice).
+pub struct DevBuf {
+    _slice: CudaSlice<u8>,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+/// The loaded kernel functions.
+struct Funcs {
+    embed: CudaFunction,
+    attn_in: CudaFunction,
+    attention: CudaFunction,
+    attn_out: CudaFunction,
+    ffn_in: CudaFunction,
+    ffn_out: CudaFunction,
+    lm_head: CudaFunction,
+    argmax: CudaFunction,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+/// Shape constants the kernels were compiled with (from the target's MODEL.toml).
+#[derive(Debug, Clone, Copy)]
+pub struct Dims {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+}
+
+impl Dims {
+    pub fn qd(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kd(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    /// f32 elements of one slot's KV cache for K (or V) per token.
+    pub fn kv_per_token(&self) -> usize {
+        self.layers * self.kv_heads * self.head_dim
+    }
+}
+
+/// The CUDA context, stream and kernels of one target.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub sm_count: usize,
+    pub dims: Dims,
+    pub device_name: String,
+    pub cc: (i32, i32),
+    f: Funcs,
+    /// "cubin" or "ptx": how the modules were loaded
+    pub loaded_from: &'static str,
+}
+
+/// Device count, or 0 when no driver is present (for tests that skip without a GPU).
+pub fn device_count() -> usize {
+    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n as usize).unwrap_or(0)).unwrap_or(0)
+}
+
+impl Gpu {
+    /// Open device `ordinal`, check its arch against the kernels', and load every module.
+    pub fn open(ordinal: usize, set: &KernelSet, dims: Dims) -> Result<Gpu, BackendError> {
+        if device_count() == 0 {
+            return Err(BackendError::Device(format!(
+                "no CUDA device found (driver library not loadable or no GPU); this binary's kernels are built for {} ({})",
+                set.arch, set.target
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(dev_err(format!("open CUDA device {ordinal}")))?;
+        // One stream and program order: no per-buffer events (they would also break graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let cc = ctx.compute_capability().map_err(dev_err("compute capability"))?;
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let want = arch_capability(&set.arch)
+            .ok_or_else(|| BackendError::Device(format!("kernel set {}: unknown cubin arch {:?}", set.target, set.arch)))?;
+        if cc != want {
+            let hw = set.target.split('/').next().unwrap_or("?");
+            return Err(BackendError::Device(format!(
+                "built for {} ({hw}); device {ordinal} is sm_{}{} ({device_name}): build the target for this GPU (cargo xtask list-targets)",
+                set.arch, cc.0, cc.1
+            )));
+        }
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(dev_err("SM count"))? as usize;
+        let stream = ctx.new_stream().map_err(dev_err("create stream"))?;
+        let mut modules = Vec::new();
+        let mut funcs: BTreeMap<&str, CudaFunction> = BTreeMap::new();
+        let mut loaded_from = "cubin";
+        for (name, entry) in KERNELS {
+            let blob = set.blobs.get(name).ok_or_else(|| {
+                BackendError::Device(format!("kernel set {}: kernel {name} is missing", set.target))
+            })?;
+            let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(blob.cubin.clone())) {
+                Ok(m) => m,
+                Err(e_cubin) => match &blob.ptx {
+                    Some(ptx) => {
+                        loaded_from = "ptx";
+                        let mut p = ptx.clone();
+                        p.push(0);
+                        ctx.load_module(cudarc::nvrtc::Ptx::from_binary(p)).map_err(|e| {
+                            BackendError::Device(format!("kernel {name}: cubin refused ({e_cubin}) and PTX refused ({e})"))
+                        })?
+                    }
+                    None => return Err(BackendError::Device(format!("kernel {name}: cubin refused by the driver: {e_cubin}"))),
+                },
+            };
+            let f = module
+                .load_function(entry)
+                .map_err(dev_err(format!("kernel {name}: entry point {entry} not found")))?;
+            funcs.insert(name, f);
+            modules.push(module);
+        }
+        let mut take = |n: &str| funcs.remove(n).expect("every kernel was loaded above");
+        let f = Funcs {
+            embed: take("embed"),
+            attn_in: take("attn_in"),
+            attention: take("attention"),
+            attn_out: take("attn_out"),
+            ffn_in: take("ffn_in"),
+            ffn_out: take("ffn_out"),
+            lm_head: take("lm_head"),
+            argmax: take("sample"),
+            _modules: modules,
+        };
+        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from })
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> (usize, usize) {
+        self.ctx.mem_get_info().unwrap_or((0, 0))
+    }
+
+    /// Allocate `bytes` (zeroed).
+    pub fn alloc(&self, bytes: usize) -> Result<DevBuf, BackendError> {
+        let slice = self.stream.alloc_zeros::<u8>(bytes.max(16)).map_err(|e| {
+            let (free, _) = self.mem_info();
+            BackendError::OutOfMemory {
+                device: self.device_name.clone(),
+                needed: bytes as u64,
+                free: free as u64,
+                hint: format!("cuMemAlloc failed ({e}); use fewer slots or a smaller context"),
+            }
+        })?;
+        let ptr = {
+            let (p, _sync) = slice.device_ptr(&self.stream);
+            p
+        };
+        Ok(DevBuf { _slice: slice, ptr, bytes })
+    }
+
+    /// Allocate and fill from `data`.
+    pub fn upload<T: Copy>(&self, data: &[T]) -> Result<DevBuf, BackendError> {
+        let bytes = std::mem::size_of_val(data);
+        let b = self.alloc(bytes)?;
+        self.write(&b, 0, data)?;
+        Ok(b)
+    }
+
+    /// Copy `data` to `buf` at byte offset `off` (waits for the copy).
+    pub fn write<T: Copy>(&self, buf: &DevBuf, off: usize, data: &[T]) -> Result<(), BackendError> {
+        let bytes = std::mem::size_of_val(data);
+        if off + bytes > buf.bytes {
+            return Err(BackendError::Device(format!("write of {bytes} bytes at {off} past a buffer of {}", buf.bytes)));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        unsafe { dres::memcpy_htod_async(buf.ptr + off as u64, data, self.stream.cu_stream()) }
+            .map_err(dev_err("copy to device"))?;
+        self.sync()
+    }
+
+    /// Read `out.len()` elements from `buf` at byte offset `off` (waits for the stream first).
+    pub fn read<T: Copy>(&self, buf: &DevBuf, off: usize, out: &mut [T]) -> Result<(), BackendError> {
+        let bytes = std::mem::size_of_val(out);
+        if off + bytes > buf.bytes {
+            return Err(BackendError::Device(format!("read of {bytes} bytes at {off} past a buffer of {}", buf.bytes)));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        unsafe { dres::memcpy_dtoh_async(out, buf.ptr + off as u64, self.stream.cu_stream()) }
+            .map_err(dev_err("copy from device"))?;
+        self.sync()
+    }
+
+    pub fn sync(&self) -> Result<(), BackendError> {
+        self.stream.synchronize().map_err(dev_err("stream synchronize (a kernel failed)"))
+    }
+
+    fn mv_cfg(&self, row_pairs: usize, k: usize, ntok: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: plan::mv_grid(row_pairs, k, ntok, self.sm_count), block_dim: (plan::MV_THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// embed(table_qs, table_sc, tokens, x, ntok)
+    pub fn embed(&self, table: &DevMat, tokens: u64, x: u64, ntok: usize) -> Result<(), BackendError> {
+        let n = ntok as i32;
+        let cfg = LaunchConfig { grid_dim: (ntok as u32, 1, 1), block_dim: (plan::EMBED_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let sc = table.sc_ptr();
+        let mut b = self.stream.launch_builder(&self.f.embed);
+        b.arg(&table.qs.ptr).arg(&sc).arg(&tokens).arg(&x).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch embed"))
+    }
+
+    /// attn_in(x, norm, wqkv_qs, wqkv_sc, q, kc, vc, pos, slot, layer, ctx, ntok)
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_in(&self, x: u64, norm: u64, w: &DevMat, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, ntok: usize) -> Result<(), BackendError> {
+        let d = self.dims;
+        let cfg = self.mv_cfg((d.qd() + 2 * d.kd()) / 2, d.hidden, ntok);
+        let (l, c, n) = (layer as i32, ctx as i32, ntok as i32);
+        let sc = w.sc_ptr();
+        let mut b = self.stream.launch_builder(&self.f.attn_in);
+        b.arg(&x).arg(&norm).arg(&w.qs.ptr).arg(&sc).arg(&q).arg(&kc).arg(&vc).arg(&pos).arg(&slot).arg(&l).arg(&c).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch attn_in"))
+    }
+
+    /// attention(q, kc, vc, pos, slot, layer, ctx, nsplit, part_ml, part_acc)
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(&self, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, nsplit: usize, part_ml: u64, part_acc: u64, ntok: usize) -> Result<(), BackendError> {
+        let cfg = LaunchConfig { grid_dim: (self.dims.kv_heads as u32, nsplit as u32, ntok as u32), block_dim: (plan::ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let (l, c, s) = (layer as i32, ctx as i32, nsplit as i32);
+        let mut b = self.stream.launch_builder(&self.f.attention);
+        b.arg(&q).arg(&kc).arg(&vc).arg(&pos).arg(&slot).arg(&l).arg(&c).arg(&s).arg(&part_ml).arg(&part_acc);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch attention"))
+    }
+
+    /// attn_out(part_ml, part_acc, nsplit, wo_qs, wo_sc, x, ntok)
+    pub fn attn_out(&self, part_ml: u64, part_acc: u64, nsplit: usize, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
+        let d = self.dims;
+        let cfg = self.mv_cfg(d.hidden / 2, d.qd(), ntok);
+        let (s, n) = (nsplit as i32, ntok as i32);
+        let sc = w.sc_ptr();
+        let mut b = self.stream.launch_builder(&self.f.attn_out);
+        b.arg(&part_ml).arg(&part_acc).arg(&s).arg(&w.qs.ptr).arg(&sc).arg(&x).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch attn_out"))
+    }
+
+    /// ffn_in(x, norm, wgu_qs, wgu_sc, h, ntok)
+    pub fn ffn_in(&self, x: u64, norm: u64, w: &DevMat, h: u64, ntok: usize) -> Result<(), BackendError> {
+        let d = self.dims;
+        let cfg = self.mv_cfg(d.ffn, d.hidden, ntok);
+        let n = ntok as i32;
+        let sc = w.sc_ptr();
+        let mut b = self.stream.launch_builder(&self.f.ffn_in);
+        b.arg(&x).arg(&norm).arg(&w.qs.ptr).arg(&sc).arg(&h).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch ffn_in"))
+    }
+
+    /// ffn_out(h, wdown_qs, wdown_sc, x, ntok)
+    pub fn ffn_out(&self, h: u64, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
+        let d = self.dims;
+        let cfg = self.mv_cfg(d.hidden / 2, d.ffn, ntok);
+        let n = ntok as i32;
+        let sc = w.sc_ptr();
+        let mut b = self.stream.launch_builder(&self.f.ffn_out);
+        b.arg(&h).arg(&w.qs.ptr).arg(&sc).arg(&x).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch ffn_out"))
+    }
+
+    /// lm_head(x, sel, norm, wout_qs, wout_sc, logits, nout)
+    pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize) -> Result<(), BackendError> {
+        let d = self.dims;
+        let cfg = self.mv_cfg(d.vocab / 2, d.hidden, nout);
+        let n = nout as i32;
+        let sc = w.sc_ptr();
+        let mut b = self.stream.launch_builder(&self.f.lm_head);
+        b.arg(&x).arg(&sel).arg(&norm).arg(&w.qs.ptr).arg(&sc).arg(&logits).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch lm_head"))
+    }
+
+    /// argmax_logprob(logits, out_tok, out_logprob, nout)
+    pub fn argmax(&self, logits: u64, out_tok: u64, out_lp: u64, nout: usize) -> Result<(), BackendError> {
+        let cfg = LaunchConfig { grid_dim: (nout as u32, 1, 1), block_dim: (plan::SAMPLE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let n = nout as i32;
+        let mut b = self.stream.launch_builder(&self.f.argmax);
+        b.arg(&logits).arg(&out_tok).arg(&out_lp).arg(&n);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch argmax_logprob"))
+    }
+
+    /// Start capturing this stream's launches into a graph.
+    pub fn begin_capture(&self) -> Result<(), BackendError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(dev_err("begin graph capture"))
+    }
+
+    /// End the capture and instantiate the graph.
+    pub fn end_capture(&self) -> Result<cudarc::driver::CudaGraph, BackendError> {
+        self.stream
+            .end_capture(sys::CUgraphInstantiate_flags_enum(0))
+            .map_err(dev_err("end graph capture"))?
+            .ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))
+    }
+}
+
+/// A weight matrix on the device (layout of `plan::HostMat`).
+pub struct DevMat {
+    pub qs: DevBuf,
+    pub sc: Option<DevBuf>,
+    pub rows: usize,
+    pub k: usize,
+}
+
+impl DevMat {
+    pub fn upload(gpu: &Gpu, m: &plan::HostMat) -> Result<DevMat, BackendError> {
+        let qs = gpu.upload(&m.qs)?;
+        let sc = if m.sc.is_empty() { None } else { Some(gpu.upload(&m.sc)?) };
+        Ok(DevMat { qs, sc, rows: m.rows, k: m.k })
+    }
+    pub fn sc_ptr(&self) -> u64 {
+        self.sc.as_ref().map(|b| b.ptr).unwrap_or(0)
+    }
+    pub fn bytes(&self) -> usize {
+        self.qs.bytes + self.sc.as_ref().map(|b| b.bytes).unwrap_or(0)
+    }
+}

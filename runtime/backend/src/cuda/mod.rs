@@ -1,0 +1,441 @@
+//! The CUDA backend (feature `cuda`): runs the Llama forward pass of one target with that target's
+//! compiled kernels (kernels/cuda/*.cu.hbs) through cudarc.
+//!
+//! Owns: the device copies of the weights (repacked once at load into the layouts of
+//! kernels/cuda/common.cuh: Q4_1 nibbles and (d, m) pairs split, Q8_0 int8 and scales split, q/k/v
+//! stacked, gate/up interleaved), the f32 KV cache `[slot][layer][kv_head][pos][head_dim]`, the
+//! activation buffers (allocated once for `max_step_tokens`), the decode CUDA graphs, and the
+//! per-step launch sequence: `embed`, then per layer `attn_in` (RMSNorm+QKV+RoPE+KV write),
+//! `attention` (split-K GQA), `attn_out` (combine+O-proj+residual), `ffn_in` (RMSNorm+gate/up+SiLU),
+//! `ffn_out` (down+residual), then `lm_head` (final norm + LM head on each sequence's last token)
+//! and `argmax_logprob` (greedy token and its logprob on the device).
+//!
+//! Invariants:
+//! - Nothing is allocated on the device after `CudaBackend::new`; a step larger than
+//!   `max_step_tokens` runs as several chunks in order.
+//! - A pure decode step (every sequence one token) of `n` sequences replays a graph captured for
+//!   (n, attention splits); inputs reach the graph only through the fixed token/pos/slot/sel buffers.
+//! - Greedy requests without penalties or logprob lists return only ids and logprobs from the device;
+//!   other requests copy their logits row back and use the host sampler (`crate::sampler::sample`),
+//!   so every backend samples identically.
+
+pub mod gpu;
+pub mod plan;
+
+use std::collections::HashMap;
+
+use cudarc::driver::CudaGraph;
+use metrale_core::BackendError;
+use metrale_model::{ModelConfig, Weights};
+
+use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId};
+pub use gpu::{device_count, Dims, Gpu, KernelBlob, KernelSet, KERNELS};
+use gpu::{DevBuf, DevMat};
+use plan::{DevFormat, HostMat};
+
+/// How to size the backend.
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// KV-cache slots (concurrent sequences).
+    pub slots: usize,
+    /// Tokens per slot.
+    pub slot_capacity: usize,
+    /// Most tokens one launch sequence processes (prefill chunks are split to this).
+    pub max_step_tokens: usize,
+    /// Capture and replay CUDA graphs for decode steps.
+    pub graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions { device: 0, slots: 8, slot_capacity: 4096, max_step_tokens: 512, graphs: true }
+    }
+}
+
+struct LayerW {
+    attn_norm: DevBuf,
+    wqkv: DevMat,
+    wo: DevMat,
+    ffn_norm: DevBuf,
+    wgu: DevMat,
+    wdown: DevMat,
+}
+
+/// Activation and I/O buffers, sized once.
+struct Bufs {
+    x: DevBuf,
+    q: DevBuf,
+    h: DevBuf,
+    part_ml: DevBuf,
+    part_acc: DevBuf,
+    logits: DevBuf,
+    tokens: DevBuf,
+    pos: DevBuf,
+    slot: DevBuf,
+    sel: DevBuf,
+    out_tok: DevBuf,
+    out_lp: DevBuf,
+    kc: DevBuf,
+    vc: DevBuf,
+}
+
+/// The CUDA backend of one target.
+pub struct CudaBackend {
+    gpu: Gpu,
+    opts: CudaOptions,
+    emb: DevMat,
+    /// `None` when the LM head is tied to the embedding.
+    out: Option<DevMat>,
+    out_norm: DevBuf,
+    layers: Vec<LayerW>,
+    b: Bufs,
+    graphs: HashMap<(usize, usize), CudaGraph>,
+    weight_bytes: u64,
+    kv_bytes: u64,
+    /// Counters for tests and benchmarks.
+    pub stats: Stats,
+}
+
+/// What the backend did (tests and benchmarks read it).
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    pub graph_captures: u64,
+    pub graph_launches: u64,
+    pub direct_steps: u64,
+}
+
+// SAFETY: the backend is used by one thread at a time (`&mut self`); cudarc binds the context to the
+// calling thread before every driver call, and the graphs are only touched through `&mut self`.
+unsafe impl Send for CudaBackend {}
+
+fn model_err(e: impl std::fmt::Display) -> BackendError {
+    BackendError::Model(e.to_string())
+}
+
+impl Dims {
+    /// The kernel constants of a target's model shape.
+    pub fn from_shape(s: &metrale_core::target::ModelShape) -> Dims {
+        Dims {
+            layers: s.layers as usize,
+            hidden: s.hidden as usize,
+            heads: s.heads as usize,
+            kv_heads: s.kv_heads as usize,
+            head_dim: s.head_dim as usize,
+            ffn: s.ffn as usize,
+            vocab: s.vocab as usize,
+        }
+    }
+}
+
+/// Refuse a checkpoint whose shape is not the one the kernels were compiled for.
+fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendError> {
+    let pairs = [
+        ("layers", c.n_layers, d.layers),
+        ("hidden", c.hidden, d.hidden),
+        ("heads", c.n_heads, d.heads),
+        ("kv_heads", c.n_kv_heads, d.kv_heads),
+        ("head_dim", c.head_dim, d.head_dim),
+        ("ffn", c.ffn, d.ffn),
+        ("vocab", c.vocab, d.vocab),
+    ];
+    for (field, got, want) in pairs {
+        if got != want {
+            return Err(BackendError::Model(format!(
+                "model {}: {field} is {got}, but this binary's kernels ({target}) are compiled for {want}; build the target for this model",
+                c.name
+            )));
+        }
+    }
+    if c.rope_scaling.is_some() {
+        return Err(BackendError::Model(format!(
+            "model {}: RoPE scaling is not implemented by the CUDA kernels yet",
+            c.name
+        )));
+    }
+    Ok(())
+}
+
+/// A weight matrix from `weights`, checked to be `rows` x `k`, repacked to `fmt`.
+fn host_mat(w: &Weights, name: &str, fmt: DevFormat, rows: usize, k: usize) -> Result<HostMat, BackendError> {
+    let t = w.get(name).map_err(model_err)?;
+    if t.row_len() != k || t.n_rows() != rows {
+        return Err(BackendError::Model(format!(
+            "tensor {name}: expected {rows} rows of {k}, got {} rows of {}",
+            t.n_rows(),
+            t.row_len()
+        )));
+    }
+    HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
+}
+
+fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
+    let t = w.get(name).map_err(model_err)?;
+    if t.n_elems() != n {
+        return Err(BackendError::Model(format!("tensor {name}: expected {n} elements, got {}", t.n_elems())));
+    }
+    Ok(t.to_f32())
+}
+
+impl CudaBackend {
+    /// Load `weights` (checked against `config` and the kernels' shape) onto device `opts.device`.
+    pub fn new(
+        set: &KernelSet,
+        dims: Dims,
+        weights_fmt: &str,
+        embedding_fmt: &str,
+        config: &ModelConfig,
+        weights: &Weights,
+        opts: CudaOptions,
+    ) -> Result<CudaBackend, BackendError> {
+        check_config(config, &dims, &set.target)?;
+        let wf = DevFormat::from_quant_name(weights_fmt)
+            .ok_or_else(|| BackendError::Model(format!("unknown weights format {weights_fmt:?}")))?;
+        let ef = DevFormat::from_quant_name(embedding_fmt)
+            .ok_or_else(|| BackendError::Model(format!("unknown embedding format {embedding_fmt:?}")))?;
+        if opts.slots == 0 || opts.slot_capacity == 0 || opts.max_step_tokens == 0 {
+            return Err(BackendError::Invalid("slots, slot capacity and max step tokens must be positive".into()));
+        }
+        let gpu = Gpu::open(opts.device, set, dims)?;
+        let d = dims;
+        let (hd, qd, kd) = (d.hidden, d.qd(), d.kd());
+
+        let emb = DevMat::upload(&gpu, &host_mat(weights, "token_embd.weight", ef, d.vocab, hd)?)?;
+        let out = if weights.contains("output.weight") {
+            Some(DevMat::upload(&gpu, &host_mat(weights, "output.weight", ef, d.vocab, hd)?)?)
+        } else {
+            None
+        };
+        let out_norm = gpu.upload(&host_vec(weights, "output_norm.weight", hd)?)?;
+        let mut layers = Vec::with_capacity(d.layers);
+        for l in 0..d.layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let wq = host_mat(weights, &n("attn_q"), wf, qd, hd)?;
+            let wk = host_mat(weights, &n("attn_k"), wf, kd, hd)?;
+            let wv = host_mat(weights, &n("attn_v"), wf, kd, hd)?;
+            let wqkv = HostMat::concat_rows(&n("attn_qkv"), &[wq, wk, wv]).map_err(model_err)?;
+            let wo = host_mat(weights, &n("attn_output"), wf, hd, qd)?;
+            let wg = host_mat(weights, &n("ffn_gate"), wf, d.ffn, hd)?;
+            let wu = host_mat(weights, &n("ffn_up"), wf, d.ffn, hd)?;
+            let wgu = HostMat::interleave_rows(&n("ffn_gate_up"), &wg, &wu).map_err(model_err)?;
+            let wdown = host_mat(weights, &n("ffn_down"), wf, hd, d.ffn)?;
+            layers.push(LayerW {
+                attn_norm: gpu.upload(&host_vec(weights, &n("attn_norm"), hd)?)?,
+                wqkv: DevMat::upload(&gpu, &wqkv)?,
+                wo: DevMat::upload(&gpu, &wo)?,
+                ffn_norm: gpu.upload(&host_vec(weights, &n("ffn_norm"), hd)?)?,
+                wgu: DevMat::upload(&gpu, &wgu)?,
+                wdown: DevMat::upload(&gpu, &wdown)?,
+            });
+        }
+        let mut weight_bytes = (emb.bytes() + out.as_ref().map(|m| m.bytes()).unwrap_or(0) + out_norm.bytes) as u64;
+        for l in &layers {
+            weight_bytes += (l.attn_norm.bytes + l.wqkv.bytes() + l.wo.bytes() + l.ffn_norm.bytes + l.wgu.bytes() + l.wdown.bytes()) as u64;
+        }
+
+        let t = opts.max_step_tokens;
+        let nout = opts.slots; // at most one output per sequence (= slot) of a chunk
+        let kv_elems = opts
+            .slots
+            .checked_mul(opts.slot_capacity)
+            .and_then(|n| n.checked_mul(d.kv_per_token()))
+            .ok_or_else(|| BackendError::Invalid("KV cache size overflows".into()))?;
+        let f = 4usize;
+        let b = Bufs {
+            x: gpu.alloc(t * hd * f)?,
+            q: gpu.alloc(t * qd * f)?,
+            h: gpu.alloc(t * d.ffn * f)?,
+            part_ml: gpu.alloc(t * d.heads * plan::MAX_SPLITS * 8)?,
+            part_acc: gpu.alloc(t * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
+            logits: gpu.alloc(nout * d.vocab * f)?,
+            tokens: gpu.alloc(t * 4)?,
+            pos: gpu.alloc(t * 4)?,
+            slot: gpu.alloc(t * 4)?,
+            sel: gpu.alloc(nout * 4)?,
+            out_tok: gpu.alloc(nout * 4)?,
+            out_lp: gpu.alloc(nout * 4)?,
+            kc: gpu.alloc(kv_elems * f)?,
+            vc: gpu.alloc(kv_elems * f)?,
+        };
+        let kv_bytes = 2 * (kv_elems * f) as u64;
+        Ok(CudaBackend { gpu, opts, emb, out, out_norm, layers, b, graphs: HashMap::new(), weight_bytes, kv_bytes, stats: Stats::default() })
+    }
+
+    /// The device layer (tests and benchmarks).
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Enqueue the whole forward pass of one chunk (inputs already in the token/pos/slot/sel buffers).
+    fn enqueue(&self, ntok: usize, nout: usize, nsplit: usize) -> Result<(), BackendError> {
+        let g = &self.gpu;
+        let b = &self.b;
+        let cap = self.opts.slot_capacity;
+        g.embed(&self.emb, b.tokens.ptr, b.x.ptr, ntok)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos.ptr, b.slot.ptr, l, cap, ntok)?;
+            g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos.ptr, b.slot.ptr, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, ntok)?;
+            g.attn_out(b.part_ml.ptr, b.part_acc.ptr, nsplit, &w.wo, b.x.ptr, ntok)?;
+            g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
+            g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
+        }
+        if nout > 0 {
+            let head = self.out.as_ref().unwrap_or(&self.emb);
+            g.lm_head(b.x.ptr, b.sel.ptr, self.out_norm.ptr, head, b.logits.ptr, nout)?;
+            g.argmax(b.logits.ptr, b.out_tok.ptr, b.out_lp.ptr, nout)?;
+        }
+        Ok(())
+    }
+
+    /// Run one chunk: write inputs, launch (graph for decode chunks), wait.
+    fn run_chunk(&mut self, tokens: &[i32], pos: &[i32], slot: &[i32], sel: &[i32], decode: bool) -> Result<(), BackendError> {
+        let ntok = tokens.len();
+        let nout = sel.len();
+        let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
+        let nsplit = plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
+        self.gpu.write(&self.b.tokens, 0, tokens)?;
+        self.gpu.write(&self.b.pos, 0, pos)?;
+        self.gpu.write(&self.b.slot, 0, slot)?;
+        self.gpu.write(&self.b.sel, 0, sel)?;
+        if decode && self.opts.graphs && nout == ntok {
+            let key = (ntok, nsplit);
+            if !self.graphs.contains_key(&key) {
+                self.gpu.begin_capture()?;
+                let r = self.enqueue(ntok, nout, nsplit);
+                let graph = self.gpu.end_capture();
+                r?;
+                self.graphs.insert(key, graph?);
+                self.stats.graph_captures += 1;
+            }
+            self.graphs[&key]
+                .launch()
+                .map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+            self.stats.graph_launches += 1;
+        } else {
+            self.enqueue(ntok, nout, nsplit)?;
+            self.stats.direct_steps += 1;
+        }
+        self.gpu.sync()
+    }
+
+    fn validate(&self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
+        let mut seen = vec![false; self.opts.slots];
+        for s in batch {
+            if s.slot >= self.opts.slots {
+                return Err(BackendError::Invalid(format!("slot {} out of range (backend has {} slots)", s.slot, self.opts.slots)));
+            }
+            if std::mem::replace(&mut seen[s.slot], true) {
+                return Err(BackendError::Invalid(format!("slot {} appears twice in one step", s.slot)));
+            }
+            if s.tokens.is_empty() {
+                return Err(BackendError::Invalid(format!("slot {}: a step needs at least one token", s.slot)));
+            }
+            let end = s.start_pos.checked_add(s.tokens.len()).unwrap_or(usize::MAX);
+            if end > self.opts.slot_capacity {
+                return Err(BackendError::Invalid(format!(
+                    "slot {}: positions up to {end} exceed the slot capacity of {} tokens",
+                    s.slot, self.opts.slot_capacity
+                )));
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.gpu.dims.vocab) {
+                return Err(BackendError::Invalid(format!("token id {t} >= vocab {}", self.gpu.dims.vocab)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a request's token can be taken from the device's greedy pick.
+fn device_greedy(s: &SeqStep<'_>) -> bool {
+    let p = s.sampling;
+    p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.top_logprobs == 0 && !s.want_logits
+}
+
+impl Backend for CudaBackend {
+    fn info(&self) -> BackendInfo {
+        let g = &self.gpu;
+        BackendInfo {
+            name: "cuda".into(),
+            device: format!("{} (sm_{}{}, {} SMs)", g.device_name, g.cc.0, g.cc.1, g.sm_count),
+            slots: self.opts.slots,
+            slot_capacity: self.opts.slot_capacity,
+            weight_bytes: self.weight_bytes,
+            kv_bytes: self.kv_bytes,
+        }
+    }
+
+    fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError> {
+        self.validate(batch)?;
+        let decode = batch.iter().all(|s| s.tokens.len() == 1);
+        let maxt = self.opts.max_step_tokens;
+        let mut outputs: Vec<Option<SeqOutput>> = vec![None; batch.len()];
+        // Pack (sequence, token range) pieces into chunks of at most max_step_tokens tokens.
+        let mut tokens = Vec::with_capacity(maxt);
+        let mut pos = Vec::with_capacity(maxt);
+        let mut slot = Vec::with_capacity(maxt);
+        let mut sel = Vec::new();
+        let mut sel_seq = Vec::new();
+        let mut pending: Vec<(usize, usize)> = batch.iter().enumerate().map(|(i, _)| (i, 0)).collect();
+        pending.reverse();
+        while let Some((i, from)) = pending.pop() {
+            let s = &batch[i];
+            let room = maxt - tokens.len();
+            let take = (s.tokens.len() - from).min(room);
+            for j in from..from + take {
+                tokens.push(s.tokens[j] as i32);
+                pos.push((s.start_pos + j) as i32);
+                slot.push(s.slot as i32);
+            }
+            if from + take == s.tokens.len() {
+                sel.push(tokens.len() as i32 - 1);
+                sel_seq.push(i);
+            } else {
+                pending.push((i, from + take));
+            }
+            if tokens.len() == maxt || pending.is_empty() {
+                self.run_chunk(&tokens, &pos, &slot, &sel, decode)?;
+                self.collect(batch, &sel_seq, &mut outputs)?;
+                tokens.clear();
+                pos.clear();
+                slot.clear();
+                sel.clear();
+                sel_seq.clear();
+            }
+        }
+        Ok(outputs.into_iter().map(|o| o.expect("every sequence's last token was in a chunk")).collect())
+    }
+
+    fn release(&mut self, _slot: SlotId) {
+        // Attention reads only positions < start_pos + len of the slot's next step, which that step
+        // writes first: nothing to clear.
+    }
+}
+
+impl CudaBackend {
+    /// Turn the device outputs of a chunk into `SeqOutput`s for the sequences it finished.
+    fn collect(&self, batch: &[SeqStep<'_>], sel_seq: &[usize], outputs: &mut [Option<SeqOutput>]) -> Result<(), BackendError> {
+        let n = sel_seq.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut tok = vec![0i32; n];
+        let mut lp = vec![0f32; n];
+        self.gpu.read(&self.b.out_tok, 0, &mut tok)?;
+        self.gpu.read(&self.b.out_lp, 0, &mut lp)?;
+        let vocab = self.gpu.dims.vocab;
+        for (k, &i) in sel_seq.iter().enumerate() {
+            let s = &batch[i];
+            let out = if device_greedy(s) {
+                SeqOutput { token: tok[k] as u32, logprob: lp[k], top_logprobs: Vec::new(), logits: None }
+            } else {
+                let mut row = vec![0f32; vocab];
+                self.gpu.read(&self.b.logits, k * vocab * 4, &mut row)?;
+                let r = sampler::sample(&row, s.sampling, s.history, s.draw);
+                SeqOutput { token: r.token, logprob: r.logprob, top_logprobs: r.top_logprobs, logits: s.want_logits.then_some(row) }
+            };
+            outputs[i] = Some(out);
+        }
+        Ok(())
+    }
+}
