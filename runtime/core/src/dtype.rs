@@ -1,1 +1,312 @@
-//! Element types (TODO model helper).
+//! Element types of model tensors and their host (reference) numerics.
+//!
+//! Owns: the closed set of weight element types the runtime accepts ([`DType`]), their GGUF/ggml type
+//! ids, their block geometry (how many elements a block holds and how many bytes it takes), checked
+//! row sizes, and the reference dequantisation of one row to f32 ([`dequantize_row`]). Every backend's
+//! dequantisation is tested against this one.
+//!
+//! Invariants:
+//! - A row of `n` elements of a block type is `n / block_elems()` whole blocks; a row length that is not
+//!   a multiple of the block length has no byte size ([`DType::row_bytes`] returns `None`).
+//! - Size arithmetic is checked: `row_bytes` never overflows, it returns `None`.
+//! - Block layouts are ggml's (ggml-common.h), little-endian, blocks of 32 elements:
+//!   `Q4_0` = f16 d, 16 bytes of nibbles, w = (q - 8) * d;
+//!   `Q4_1` = f16 d, f16 m, 16 bytes of nibbles, w = q * d + m;
+//!   `Q8_0` = f16 d, 32 i8, w = q * d.
+//!   In the 4-bit types the low nibble of byte j is element j and the high nibble is element j + 16.
+
+use half::{bf16, f16};
+
+/// Element type of a tensor, as stored in a GGUF or safetensors file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[allow(non_camel_case_types)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+/// Elements per block of the quantized types (ggml's QK4_0 = QK4_1 = QK8_0 = 32).
+pub const QK: usize = 32;
+
+/// Error of the host numerics: a buffer whose size does not match the row it should hold.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DTypeError {
+    #[error("{dtype}: a row of {elems} elements is not a whole number of {block}-element blocks")]
+    PartialBlock { dtype: DType, elems: usize, block: usize },
+    #[error("{dtype}: a row of {elems} elements takes {expected} bytes, got {got}")]
+    Size { dtype: DType, elems: usize, expected: usize, got: usize },
+    #[error("{dtype}: a row of {elems} elements overflows usize")]
+    Overflow { dtype: DType, elems: usize },
+}
+
+impl DType {
+    /// Every type, in ggml id order.
+    pub const ALL: [DType; 6] = [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::BF16];
+
+    /// The ggml / GGUF type id (`enum ggml_type`).
+    pub const fn ggml_id(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q4_1 => 3,
+            DType::Q8_0 => 8,
+            DType::BF16 => 30,
+        }
+    }
+
+    /// The type with this ggml id, or `None` for ids this runtime does not support.
+    pub const fn from_ggml(id: u32) -> Option<DType> {
+        match id {
+            0 => Some(DType::F32),
+            1 => Some(DType::F16),
+            2 => Some(DType::Q4_0),
+            3 => Some(DType::Q4_1),
+            8 => Some(DType::Q8_0),
+            30 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name as ggml and the target files spell it: f32, f16, bf16, q4_0, q4_1, q8_0.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Parse a name as [`DType::name`] spells it (case-insensitive).
+    pub fn from_name(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(s))
+    }
+
+    /// Elements per block: 1 for the float types, 32 for the quantized ones.
+    pub const fn block_elems(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
+        }
+    }
+
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q4_0 => 2 + QK / 2,
+            DType::Q4_1 => 2 + 2 + QK / 2,
+            DType::Q8_0 => 2 + QK,
+        }
+    }
+
+    /// Whether this is a block-quantized type.
+    pub const fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+
+    /// Bytes taken by a row of `n` elements; `None` when `n` is not a multiple of the block length or
+    /// the size overflows.
+    pub fn row_bytes(self, n: usize) -> Option<usize> {
+        if n % self.block_elems() != 0 {
+            return None;
+        }
+        (n / self.block_elems()).checked_mul(self.block_bytes())
+    }
+
+    /// Bytes taken by `n_rows` rows of `row_len` elements (checked).
+    pub fn tensor_bytes(self, row_len: usize, n_rows: usize) -> Option<usize> {
+        self.row_bytes(row_len)?.checked_mul(n_rows)
+    }
+
+    fn check_row(self, elems: usize, got: usize) -> Result<(), DTypeError> {
+        if elems % self.block_elems() != 0 {
+            return Err(DTypeError::PartialBlock { dtype: self, elems, block: self.block_elems() });
+        }
+        let expected = self.row_bytes(elems).ok_or(DTypeError::Overflow { dtype: self, elems })?;
+        if expected != got {
+            return Err(DTypeError::Size { dtype: self, elems, expected, got });
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Dequantize (or widen) one row: `bytes` must hold exactly `out.len()` elements of `dtype`
+/// (`dtype.row_bytes(out.len())` bytes). This is the reference every backend is checked against.
+pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), DTypeError> {
+    dtype.check_row(out.len(), bytes.len())?;
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::Q4_0 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(dtype.block_bytes())) {
+                let d = f16_at(b, 0);
+                let qs = &b[2..];
+                for j in 0..QK / 2 {
+                    o[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
+                    o[j + QK / 2] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(dtype.block_bytes())) {
+                let d = f16_at(b, 0);
+                let m = f16_at(b, 2);
+                let qs = &b[4..];
+                for j in 0..QK / 2 {
+                    o[j] = (qs[j] & 0x0f) as f32 * d + m;
+                    o[j + QK / 2] = (qs[j] >> 4) as f32 * d + m;
+                }
+            }
+        }
+        DType::Q8_0 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(dtype.block_bytes())) {
+                let d = f16_at(b, 0);
+                for j in 0..QK {
+                    o[j] = (b[2 + j] as i8) as f32 * d;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: f32) -> [u8; 2] {
+        f16::from_f32(x).to_le_bytes()
+    }
+
+    #[test]
+    fn ids_round_trip_and_geometry() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_ggml(d.ggml_id()), Some(d));
+            assert_eq!(DType::from_name(d.name()), Some(d));
+        }
+        assert_eq!(DType::from_ggml(6), None); // Q5_0: not supported
+        assert_eq!(DType::from_ggml(u32::MAX), None);
+        assert_eq!((DType::Q4_0.block_elems(), DType::Q4_0.block_bytes()), (32, 18));
+        assert_eq!((DType::Q4_1.block_elems(), DType::Q4_1.block_bytes()), (32, 20));
+        assert_eq!((DType::Q8_0.block_elems(), DType::Q8_0.block_bytes()), (32, 34));
+        assert_eq!(DType::Q4_1.row_bytes(576), Some(18 * 20));
+        assert_eq!(DType::Q4_1.row_bytes(33), None);
+        assert_eq!(DType::F32.row_bytes(usize::MAX), None);
+        assert_eq!(DType::BF16.row_bytes(3), Some(6));
+        assert_eq!(DType::Q8_0.tensor_bytes(64, usize::MAX), None);
+    }
+
+    #[test]
+    fn q4_0_hand_block() {
+        // d = 0.5; byte j = (low = j % 16, high = 15 - j % 16)
+        let mut b = Vec::from(h(0.5));
+        for j in 0..16u8 {
+            b.push((j & 0x0f) | ((15 - j) << 4));
+        }
+        let mut out = [0f32; 32];
+        dequantize_row(DType::Q4_0, &b, &mut out).unwrap();
+        for j in 0..16 {
+            assert_eq!(out[j], (j as f32 - 8.0) * 0.5, "element {j}");
+            assert_eq!(out[j + 16], ((15 - j) as f32 - 8.0) * 0.5, "element {}", j + 16);
+        }
+        // by hand: element 0 = (0-8)*0.5 = -4, element 16 = (15-8)*0.5 = 3.5, element 31 = (0-8)*.5
+        assert_eq!((out[0], out[16], out[31]), (-4.0, 3.5, -4.0));
+    }
+
+    #[test]
+    fn q4_1_hand_block() {
+        // d = 0.25, m = -1.0; byte 0 = 0x3A: element 0 = 10*0.25-1 = 1.5, element 16 = 3*0.25-1 = -0.25
+        let mut b = Vec::from(h(0.25));
+        b.extend_from_slice(&h(-1.0));
+        b.push(0x3A);
+        b.extend(std::iter::repeat_n(0xF0u8, 15)); // low 0 -> -1.0, high 15 -> 2.75
+        let mut out = [0f32; 32];
+        dequantize_row(DType::Q4_1, &b, &mut out).unwrap();
+        assert_eq!(out[0], 1.5);
+        assert_eq!(out[16], -0.25);
+        for j in 1..16 {
+            assert_eq!(out[j], -1.0);
+            assert_eq!(out[j + 16], 2.75);
+        }
+    }
+
+    #[test]
+    fn q8_0_hand_block_two_blocks() {
+        let mut b = Vec::new();
+        for (d, base) in [(0.125f32, 0i32), (2.0, -16)] {
+            b.extend_from_slice(&h(d));
+            for j in 0..32 {
+                b.push(((base + j) as i8) as u8);
+            }
+        }
+        let mut out = [0f32; 64];
+        dequantize_row(DType::Q8_0, &b, &mut out).unwrap();
+        assert_eq!(out[0], 0.0);
+        assert_eq!(out[31], 31.0 * 0.125);
+        assert_eq!(out[32], -32.0); // -16 * 2
+        assert_eq!(out[63], 30.0); // 15 * 2
+    }
+
+    #[test]
+    fn float_types() {
+        let vals = [1.0f32, -2.5, 0.0, 65504.0];
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect();
+        // bf16 of 1.0 is 0x3F80, of -2.5 is 0xC020
+        let bf16b = [0x80, 0x3F, 0x20, 0xC0, 0, 0, 0x80, 0x47];
+        let mut out = [0f32; 4];
+        dequantize_row(DType::F32, &f32b, &mut out).unwrap();
+        assert_eq!(out, vals);
+        dequantize_row(DType::F16, &f16b, &mut out).unwrap();
+        assert_eq!(out, vals);
+        dequantize_row(DType::BF16, &bf16b, &mut out).unwrap();
+        assert_eq!(out, [1.0, -2.5, 0.0, 65536.0]);
+    }
+
+    #[test]
+    fn size_errors() {
+        let mut out = [0f32; 32];
+        assert_eq!(
+            dequantize_row(DType::Q4_1, &[0u8; 19], &mut out),
+            Err(DTypeError::Size { dtype: DType::Q4_1, elems: 32, expected: 20, got: 19 })
+        );
+        let mut out = [0f32; 31];
+        assert!(matches!(
+            dequantize_row(DType::Q8_0, &[0u8; 34], &mut out),
+            Err(DTypeError::PartialBlock { .. })
+        ));
+    }
+}

@@ -1,1 +1,117 @@
-//! TODO
+//! metrale-model: everything about a model that is not computation.
+//!
+//! Owns: reading a checkpoint (a GGUF file, or an HF directory of config.json + safetensors +
+//! tokenizer files) into one [`Model`]: the typed [`ModelConfig`], the [`Weights`] (memory-mapped,
+//! named with GGUF llama names, shapes in ggml order), the [`Tokenizer`] and the [`ChatTemplate`].
+//! It does not run anything: backends read `Model::weights` and `Model::config`.
+//!
+//! Invariants:
+//! - Only the llama architecture is accepted; anything else is refused naming what was found.
+//! - A malformed file is a [`ModelError`] naming the file and the field, never a panic; no allocation
+//!   is sized from a count read from a file before that count is bounded by the file's size.
+//! - Weights are zero-copy views of the memory maps, except the HF reader's q/k projections, which are
+//!   row-permuted to GGUF's rope convention (adjacent pairs) and owned (see [`hf`]). Every backend
+//!   implements exactly that one rope convention.
+//! - After `Model::load`, every tensor a llama forward pass reads exists with the shape the config
+//!   implies (see [`config::validate_llama`]).
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod hf;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{ModelConfig, RopeScaling};
+pub use error::ModelError;
+pub use tokenizer::Tokenizer;
+pub use weights::{TensorRef, Weights};
+
+use std::path::{Path, PathBuf};
+
+/// Which kind of checkpoint a model was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Gguf,
+    HfSafetensors,
+}
+
+/// A loaded model: config, weights, tokenizer and chat template.
+#[derive(Debug)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub path: PathBuf,
+    pub format: Format,
+}
+
+impl Model {
+    /// Load a `.gguf` file or an HF checkpoint directory.
+    pub fn load(path: &Path) -> Result<Model, ModelError> {
+        let meta = std::fs::metadata(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        if meta.is_dir() {
+            return hf::load(path);
+        }
+        let mut magic = [0u8; 4];
+        {
+            use std::io::Read;
+            let mut f =
+                std::fs::File::open(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+            let n = f.read(&mut magic).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+            if n == 4 && magic != gguf::MAGIC && path.extension().is_some_and(|e| e == "safetensors") {
+                return Err(ModelError::Mismatch {
+                    path: path.to_path_buf(),
+                    field: "path".into(),
+                    expected: "a .gguf file or an HF checkpoint directory (pass the directory that holds \
+                               config.json, not the .safetensors file)"
+                        .into(),
+                    got: "a .safetensors file".into(),
+                });
+            }
+        }
+        load_gguf(path)
+    }
+
+    /// The chat template, or an error saying the model has none (pass one with --chat-template).
+    pub fn require_chat_template(&self) -> Result<&ChatTemplate, ModelError> {
+        self.chat_template.as_ref().ok_or_else(|| ModelError::Missing {
+            path: self.path.clone(),
+            field: "chat template".into(),
+            hint: "the model ships none; give one explicitly (e.g. --chat-template FILE)".into(),
+        })
+    }
+}
+
+fn load_gguf(path: &Path) -> Result<Model, ModelError> {
+    let g = gguf::GgufFile::open(path)?;
+    let config = ModelConfig::from_gguf(&g)?;
+    let tokenizer = Tokenizer::from_gguf(&g, config.bos, config.eos.clone(), config.add_bos)?;
+    if tokenizer.vocab_size() > config.vocab {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: "metadata 'tokenizer.ggml.tokens'".into(),
+            expected: format!("at most token_embd's {} rows", config.vocab),
+            got: format!("{} tokens", tokenizer.vocab_size()),
+        });
+    }
+    let text = |id: Option<u32>| id.map(|i| String::from_utf8_lossy(tokenizer.token_bytes_ref(i)).into_owned());
+    let bos_text = text(config.bos).unwrap_or_default();
+    let eos_text = text(config.eos.first().copied()).unwrap_or_default();
+    let chat_template = chat::ChatTemplate::from_gguf(&g, &bos_text, &eos_text)?;
+    let gguf::GgufFile { header, map, .. } = g;
+    let mut weights = Weights::new(path.to_path_buf(), vec![map]);
+    for t in header.tensors {
+        weights.insert(
+            t.name,
+            t.dtype,
+            t.shape,
+            weights::Source::Mapped { map: 0, offset: t.file_offset, len: t.n_bytes },
+        )?;
+    }
+    config::validate_llama(&config, &weights)?;
+    Ok(Model { config, weights, tokenizer, chat_template, path: path.to_path_buf(), format: Format::Gguf })
+}

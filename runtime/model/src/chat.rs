@@ -1,0 +1,217 @@
+//! Chat templates: a model's Jinja template rendered with minijinja.
+//!
+//! Owns: compiling a template once ([`ChatTemplate::new`]), finding it in a GGUF file
+//! (`tokenizer.chat_template`) or an HF directory (`chat_template.jinja`, else `tokenizer_config.json`'s
+//! `chat_template`, a string or a list of named templates), and rendering a conversation.
+//!
+//! The environment matches transformers' `apply_chat_template`: `trim_blocks` and `lstrip_blocks` on,
+//! loop controls (`break`/`continue`), Python string/dict/list methods through minijinja-contrib's
+//! pycompat (`.strip()`, `.startswith()`, `.items()`...), `raise_exception(msg)` failing the render with
+//! the template's message, `strftime_now(fmt)`, and the variables `messages`, `add_generation_prompt`,
+//! `bos_token`, `eos_token`.
+
+use crate::error::{ModelError, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source_len", &self.source.len())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+fn terr(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Template { msg: e.to_string() }
+}
+
+fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
+    // Templates use it for "today's date" in system prompts. Formatting without a time crate: support
+    // the directives templates use (%d %m %Y %B %b %y %H %M %S); anything else is kept verbatim.
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let days = secs.div_euclid(86400);
+    let tod = secs.rem_euclid(86400);
+    // civil_from_days (Howard Hinnant)
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
+    const MONTHS: [&str; 12] = [
+        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+        "November", "December",
+    ];
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out += &format!("{d:02}"),
+            Some('m') => out += &format!("{m:02}"),
+            Some('Y') => out += &y.to_string(),
+            Some('y') => out += &format!("{:02}", y % 100),
+            Some('B') => out += month,
+            Some('b') => out += &month[..3],
+            Some('H') => out += &format!("{:02}", tod / 3600),
+            Some('M') => out += &format!("{:02}", tod % 3600 / 60),
+            Some('S') => out += &format!("{:02}", tod % 60),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    Ok(out)
+}
+
+impl ChatTemplate {
+    /// Compile a template source. `bos_token`/`eos_token` are empty until [`ChatTemplate::with_tokens`].
+    pub fn new(source: &str) -> Result<ChatTemplate> {
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
+        });
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat", source.to_string()).map_err(terr)?;
+        Ok(ChatTemplate { env, source: source.to_string(), bos_token: String::new(), eos_token: String::new() })
+    }
+
+    /// Set the strings the template sees as `bos_token` and `eos_token`.
+    pub fn with_tokens(mut self, bos_token: impl Into<String>, eos_token: impl Into<String>) -> ChatTemplate {
+        self.bos_token = bos_token.into();
+        self.eos_token = eos_token.into();
+        self
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The template of a GGUF file (`tokenizer.chat_template`), if it has one.
+    pub fn from_gguf(g: &crate::gguf::GgufFile, bos_token: &str, eos_token: &str) -> Result<Option<ChatTemplate>> {
+        match g.opt_str("tokenizer.chat_template")? {
+            None => Ok(None),
+            Some(src) => Ok(Some(
+                ChatTemplate::new(src)
+                    .map_err(|e| terr(format!("{}: tokenizer.chat_template: {e}", g.path.display())))?
+                    .with_tokens(bos_token, eos_token),
+            )),
+        }
+    }
+
+    /// The template of an HF directory: `chat_template.jinja`, else `tokenizer_config.json`'s
+    /// `chat_template` (a string, or a list of `{name, template}` of which `default` is used).
+    /// `bos_token`/`eos_token` are read from tokenizer_config.json.
+    pub fn from_hf(dir: &Path) -> Result<Option<ChatTemplate>> {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read(&cfg_path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| ModelError::Malformed {
+                path: cfg_path.clone(),
+                field: "json".into(),
+                msg: e.to_string(),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(source) => return Err(ModelError::Io { path: cfg_path, source }),
+        };
+        let tok = |k: &str| -> String {
+            match cfg.get(k) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(o) => o.get("content").and_then(|c| c.as_str()).unwrap_or("").to_string(),
+                None => String::new(),
+            }
+        };
+        let jinja_path = dir.join("chat_template.jinja");
+        let src = match std::fs::read_to_string(&jinja_path) {
+            Ok(s) => Some(s),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match cfg.get("chat_template") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(str::to_string),
+                Some(other) => {
+                    return Err(ModelError::Mismatch {
+                        path: cfg_path,
+                        field: "chat_template".into(),
+                        expected: "a string or a list of {name, template}".into(),
+                        got: other.to_string(),
+                    })
+                }
+            },
+            Err(source) => return Err(ModelError::Io { path: jinja_path, source }),
+        };
+        match src {
+            None => Ok(None),
+            Some(s) => Ok(Some(
+                ChatTemplate::new(&s)
+                    .map_err(|e| terr(format!("{}: {e}", dir.display())))?
+                    .with_tokens(tok("bos_token"), tok("eos_token")),
+            )),
+        }
+    }
+
+    /// Render a conversation to the prompt text. Errors carry the template's own message (e.g. from
+    /// `raise_exception`) or the location of the failure.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let t = self.env.get_template("chat").map_err(terr)?;
+        t.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg += &format!(": {s}");
+                src = s.source();
+            }
+            terr(msg)
+        })
+    }
+}

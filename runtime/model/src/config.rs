@@ -1,0 +1,458 @@
+//! The typed model configuration, normalised from GGUF metadata or an HF `config.json`.
+//!
+//! Owns: [`ModelConfig`] and the two readers that fill it, plus the check that a model's tensors have
+//! the shapes and types a llama forward pass needs ([`validate_llama`]).
+//! Invariants: only the llama architecture is accepted (GGUF `general.architecture = llama`; HF
+//! `model_type = llama` / `LlamaForCausalLM`); every count is > 0; `n_heads` is a multiple of
+//! `n_kv_heads`; `head_dim` is even; after [`validate_llama`], every tensor a llama forward pass reads
+//! exists with the shape these numbers imply.
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::weights::Weights;
+use metrale_core::dtype::DType;
+use serde_json::Value as Json;
+use std::path::Path;
+
+/// The architectures this runtime runs.
+pub const SUPPORTED_ARCHS: &str = "llama (GGUF general.architecture = llama; HF LlamaForCausalLM)";
+
+/// RoPE frequency scaling.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3.1-style: wavelength-dependent scaling of the inverse frequencies.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: usize },
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+    /// Per-dimension frequency divisors stored in the GGUF tensor `rope_freqs.weight` (head_dim / 2
+    /// floats), as llama.cpp's converter writes llama3 scaling.
+    FreqFactors,
+}
+
+/// Everything a backend needs to size and run a llama model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Human name (GGUF general.name, HF `_name_or_path`, else the file/dir name).
+    pub name: String,
+    /// "llama".
+    pub arch: String,
+    /// "llama" for GGUF llama and HF LlamaForCausalLM alike.
+    pub model_type: String,
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    /// Rows of token_embd (the logits' width).
+    pub vocab: usize,
+    pub rope_theta: f32,
+    pub norm_eps: f32,
+    pub max_context: usize,
+    /// The LM head is token_embd (no output.weight).
+    pub tied_embeddings: bool,
+    pub rope_scaling: Option<RopeScaling>,
+    pub bos: Option<u32>,
+    /// End-of-generation ids (eos, then eot/eom when the file names them), deduplicated.
+    pub eos: Vec<u32>,
+    /// Whether prompts start with `bos` by default.
+    pub add_bos: bool,
+}
+
+fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
+    if v == 0 {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: field.into(),
+            expected: "a positive integer".into(),
+            got: "0".into(),
+        });
+    }
+    Ok(v)
+}
+
+fn push_unique(v: &mut Vec<u32>, id: u32) {
+    if !v.contains(&id) {
+        v.push(id);
+    }
+}
+
+impl ModelConfig {
+    /// Check the relations between the numbers (heads divide, head_dim even...).
+    fn check(&self, path: &Path) -> Result<()> {
+        let mm = |field: &str, expected: String, got: String| ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: field.into(),
+            expected,
+            got,
+        };
+        if self.n_heads % self.n_kv_heads != 0 {
+            return Err(mm(
+                "n_kv_heads",
+                format!("a divisor of n_heads ({})", self.n_heads),
+                self.n_kv_heads.to_string(),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(mm("head_dim", "an even number (RoPE rotates pairs)".into(), self.head_dim.to_string()));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(mm("rope_theta", "a positive finite number".into(), self.rope_theta.to_string()));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return Err(mm("norm_eps", "a positive finite number".into(), self.norm_eps.to_string()));
+        }
+        for id in self.bos.iter().chain(&self.eos) {
+            if *id as usize >= self.vocab {
+                return Err(mm("bos/eos token id", format!("< vocab ({})", self.vocab), id.to_string()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Read the config from a GGUF file's metadata and its token_embd tensor.
+    pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+        let path = g.path.as_path();
+        let arch = g.req_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(ModelError::UnsupportedArch {
+                path: path.to_path_buf(),
+                arch: arch.to_string(),
+                supported: SUPPORTED_ARCHS.into(),
+            });
+        }
+        let k = |s: &str| format!("llama.{s}");
+        let n_layers = positive(path, "llama.block_count", g.req_usize(&k("block_count"))?)?;
+        let hidden = positive(path, "llama.embedding_length", g.req_usize(&k("embedding_length"))?)?;
+        let n_heads = positive(path, "llama.attention.head_count", g.req_usize(&k("attention.head_count"))?)?;
+        let n_kv_heads = match g.opt_u64(&k("attention.head_count_kv"))? {
+            Some(v) => positive(path, "llama.attention.head_count_kv", v as usize)?,
+            None => n_heads,
+        };
+        let head_dim = match g.opt_u64(&k("attention.key_length"))? {
+            Some(v) => positive(path, "llama.attention.key_length", v as usize)?,
+            None => hidden / n_heads,
+        };
+        if let Some(rot) = g.opt_u64(&k("rope.dimension_count"))? {
+            if rot != head_dim as u64 {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: "metadata 'llama.rope.dimension_count'".into(),
+                    value: format!("{rot} (partial rotary embedding)"),
+                    supported: format!("the head dimension, {head_dim}"),
+                });
+            }
+        }
+        let ffn = positive(path, "llama.feed_forward_length", g.req_usize(&k("feed_forward_length"))?)?;
+        let rope_theta = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
+        let norm_eps = g.opt_f32(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5);
+        let max_context = positive(path, "llama.context_length", g.req_usize(&k("context_length"))?)?;
+        let embd = g.header.tensors.iter().find(|t| t.name == "token_embd.weight").ok_or_else(|| {
+            ModelError::MissingTensor {
+                path: path.to_path_buf(),
+                name: "token_embd.weight".into(),
+                available: g.header.tensors.len(),
+                hint: String::new(),
+            }
+        })?;
+        let vocab = embd.shape.get(1).copied().unwrap_or(1);
+        let tied_embeddings = !g.header.tensors.iter().any(|t| t.name == "output.weight");
+        let rope_scaling = if g.header.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
+            Some(RopeScaling::FreqFactors)
+        } else {
+            match g.opt_str(&k("rope.scaling.type"))? {
+                None | Some("none") => None,
+                Some("linear") => {
+                    let factor = g.opt_f32(&k("rope.scaling.factor"))?.unwrap_or(1.0);
+                    (factor != 1.0).then_some(RopeScaling::Linear { factor })
+                }
+                Some(other) => {
+                    return Err(ModelError::Unsupported {
+                        path: path.to_path_buf(),
+                        field: "metadata 'llama.rope.scaling.type'".into(),
+                        value: other.into(),
+                        supported: "none, linear (llama3 via rope_freqs.weight)".into(),
+                    })
+                }
+            }
+        };
+        let tok_id = |key: &str| -> Result<Option<u32>> {
+            Ok(g.opt_u64(key)?.and_then(|v| u32::try_from(v).ok()))
+        };
+        let bos = tok_id("tokenizer.ggml.bos_token_id")?;
+        let mut eos = Vec::new();
+        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            if let Some(id) = tok_id(key)? {
+                push_unique(&mut eos, id);
+            }
+        }
+        // llama.cpp's default for BPE vocabularies is false (true for the llama3 pre-tokenizer);
+        // the file's explicit flag wins.
+        let pre = g.opt_str("tokenizer.ggml.pre")?;
+        let default_add_bos = match g.opt_str("tokenizer.ggml.model")? {
+            Some("llama") => true,
+            _ => matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe")),
+        };
+        let add_bos = g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos) && bos.is_some();
+        let name = match g.opt_str("general.name")? {
+            Some(n) => n.to_string(),
+            None => file_stem(path),
+        };
+        let c = ModelConfig {
+            name,
+            arch: arch.to_string(),
+            model_type: "llama".into(),
+            n_layers,
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            rope_theta,
+            norm_eps,
+            max_context,
+            tied_embeddings,
+            rope_scaling,
+            bos,
+            eos,
+            add_bos,
+        };
+        c.check(path)?;
+        Ok(c)
+    }
+
+    /// Read the config from an HF `config.json` (already parsed). `add_bos` comes from the tokenizer
+    /// files; `generation_eos` from generation_config.json when present.
+    pub(crate) fn from_hf(
+        path: &Path,
+        cfg: &Json,
+        add_bos: bool,
+        generation_eos: &[u32],
+    ) -> Result<ModelConfig> {
+        let field = |k: &str| format!("config.json {k}");
+        let mm = |k: &str, expected: &str, got: &Json| ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: field(k),
+            expected: expected.into(),
+            got: got.to_string(),
+        };
+        let opt_usize = |k: &str| -> Result<Option<usize>> {
+            match cfg.get(k) {
+                None | Some(Json::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|u| usize::try_from(u).ok())
+                    .map(Some)
+                    .ok_or_else(|| mm(k, "a non-negative integer", v)),
+            }
+        };
+        let req_usize = |k: &str| -> Result<usize> {
+            let v = opt_usize(k)?.ok_or_else(|| ModelError::Missing {
+                path: path.to_path_buf(),
+                field: field(k),
+                hint: "a llama config.json has it".into(),
+            })?;
+            positive(path, &field(k), v)
+        };
+        let opt_f32 = |k: &str| -> Result<Option<f32>> {
+            match cfg.get(k) {
+                None | Some(Json::Null) => Ok(None),
+                Some(v) => v.as_f64().map(|f| Some(f as f32)).ok_or_else(|| mm(k, "a number", v)),
+            }
+        };
+        let model_type = cfg.get("model_type").and_then(Json::as_str).unwrap_or("");
+        let archs: Vec<&str> = cfg
+            .get("architectures")
+            .and_then(Json::as_array)
+            .map(|a| a.iter().filter_map(Json::as_str).collect())
+            .unwrap_or_default();
+        if model_type != "llama" || !(archs.is_empty() || archs.contains(&"LlamaForCausalLM")) {
+            return Err(ModelError::UnsupportedArch {
+                path: path.to_path_buf(),
+                arch: format!("model_type={model_type:?} architectures={archs:?}"),
+                supported: SUPPORTED_ARCHS.into(),
+            });
+        }
+        if let Some(act) = cfg.get("hidden_act").and_then(Json::as_str) {
+            if act != "silu" {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: field("hidden_act"),
+                    value: act.into(),
+                    supported: "silu".into(),
+                });
+            }
+        }
+        for k in ["attention_bias", "mlp_bias"] {
+            if cfg.get(k).and_then(Json::as_bool) == Some(true) {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: field(k),
+                    value: "true".into(),
+                    supported: "false (llama without biases)".into(),
+                });
+            }
+        }
+        let n_layers = req_usize("num_hidden_layers")?;
+        let hidden = req_usize("hidden_size")?;
+        let n_heads = req_usize("num_attention_heads")?;
+        let n_kv_heads = match opt_usize("num_key_value_heads")? {
+            Some(v) => positive(path, &field("num_key_value_heads"), v)?,
+            None => n_heads,
+        };
+        let head_dim = match opt_usize("head_dim")? {
+            Some(v) => positive(path, &field("head_dim"), v)?,
+            None => hidden / n_heads,
+        };
+        let ffn = req_usize("intermediate_size")?;
+        let vocab = req_usize("vocab_size")?;
+        // Defaults are transformers' LlamaConfig defaults.
+        let rope_theta = opt_f32("rope_theta")?.unwrap_or(10000.0);
+        let norm_eps = opt_f32("rms_norm_eps")?.unwrap_or(1e-6);
+        let max_context = opt_usize("max_position_embeddings")?.unwrap_or(2048);
+        let max_context = positive(path, &field("max_position_embeddings"), max_context)?;
+        let tied_embeddings = match cfg.get("tie_word_embeddings") {
+            None | Some(Json::Null) => false,
+            Some(v) => v.as_bool().ok_or_else(|| mm("tie_word_embeddings", "a bool", v))?,
+        };
+        let rope_scaling = match cfg.get("rope_scaling") {
+            None | Some(Json::Null) => None,
+            Some(rs) => {
+                let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Json::as_str).unwrap_or("");
+                let f = |k: &str, d: f64| rs.get(k).and_then(Json::as_f64).unwrap_or(d) as f32;
+                match kind {
+                    "default" => None,
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: f("factor", 8.0),
+                        low_freq_factor: f("low_freq_factor", 1.0),
+                        high_freq_factor: f("high_freq_factor", 4.0),
+                        original_max_position: rs
+                            .get("original_max_position_embeddings")
+                            .and_then(Json::as_u64)
+                            .unwrap_or(8192) as usize,
+                    }),
+                    "linear" => Some(RopeScaling::Linear { factor: f("factor", 1.0) }),
+                    other => {
+                        return Err(ModelError::Unsupported {
+                            path: path.to_path_buf(),
+                            field: field("rope_scaling.rope_type"),
+                            value: other.into(),
+                            supported: "default, linear, llama3".into(),
+                        })
+                    }
+                }
+            }
+        };
+        let id_list = |k: &str| -> Result<Vec<u32>> {
+            match cfg.get(k) {
+                None | Some(Json::Null) => Ok(vec![]),
+                Some(Json::Array(a)) => a
+                    .iter()
+                    .map(|v| v.as_u64().and_then(|u| u32::try_from(u).ok()).ok_or_else(|| mm(k, "token ids", v)))
+                    .collect(),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|u| u32::try_from(u).ok())
+                    .map(|u| vec![u])
+                    .ok_or_else(|| mm(k, "a token id or a list of them", v)),
+            }
+        };
+        let bos = id_list("bos_token_id")?.first().copied();
+        let mut eos = Vec::new();
+        for id in id_list("eos_token_id")?.into_iter().chain(generation_eos.iter().copied()) {
+            push_unique(&mut eos, id);
+        }
+        let name = cfg
+            .get("_name_or_path")
+            .and_then(Json::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .unwrap_or_else(|| file_stem(path));
+        let c = ModelConfig {
+            name,
+            arch: "llama".into(),
+            model_type: "llama".into(),
+            n_layers,
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            rope_theta,
+            norm_eps,
+            max_context,
+            tied_embeddings,
+            rope_scaling,
+            bos,
+            eos,
+            add_bos: add_bos && bos.is_some(),
+        };
+        c.check(path)?;
+        Ok(c)
+    }
+
+    /// Size of one token's K and V over all layers, in elements (for KV cache sizing).
+    pub fn kv_elems_per_token(&self) -> usize {
+        2 * self.n_layers * self.n_kv_heads * self.head_dim
+    }
+}
+
+fn file_stem(path: &Path) -> String {
+    path.file_stem().or(path.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Check that every tensor a llama forward pass reads is present with the right shape and a usable
+/// type: norms must be float (f32/f16/bf16), matrices any supported type.
+pub fn validate_llama(c: &ModelConfig, w: &Weights) -> Result<()> {
+    let q = c.n_heads * c.head_dim;
+    let kv = c.n_kv_heads * c.head_dim;
+    let mut want: Vec<(String, Vec<usize>, bool)> = vec![
+        ("token_embd.weight".into(), vec![c.hidden, c.vocab], false),
+        ("output_norm.weight".into(), vec![c.hidden], true),
+    ];
+    if !c.tied_embeddings {
+        want.push(("output.weight".into(), vec![c.hidden, c.vocab], false));
+    }
+    if c.rope_scaling == Some(RopeScaling::FreqFactors) {
+        want.push(("rope_freqs.weight".into(), vec![c.head_dim / 2], true));
+    }
+    for l in 0..c.n_layers {
+        let b = |s: &str| format!("blk.{l}.{s}.weight");
+        want.push((b("attn_norm"), vec![c.hidden], true));
+        want.push((b("attn_q"), vec![c.hidden, q], false));
+        want.push((b("attn_k"), vec![c.hidden, kv], false));
+        want.push((b("attn_v"), vec![c.hidden, kv], false));
+        want.push((b("attn_output"), vec![q, c.hidden], false));
+        want.push((b("ffn_norm"), vec![c.hidden], true));
+        want.push((b("ffn_gate"), vec![c.hidden, c.ffn], false));
+        want.push((b("ffn_up"), vec![c.hidden, c.ffn], false));
+        want.push((b("ffn_down"), vec![c.ffn, c.hidden], false));
+    }
+    for (name, shape, is_norm) in want {
+        let t = w.get(&name)?;
+        // GGUF drops trailing 1-dims; compare without them
+        let mut got = t.shape.clone();
+        while got.len() > shape.len() && got.last() == Some(&1) {
+            got.pop();
+        }
+        if got != shape {
+            return Err(ModelError::Mismatch {
+                path: w.path.clone(),
+                field: format!("tensor '{name}' shape"),
+                expected: format!("{shape:?} (ggml order) from the config"),
+                got: format!("{:?}", t.shape),
+            });
+        }
+        if is_norm && !matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(ModelError::Mismatch {
+                path: w.path.clone(),
+                field: format!("tensor '{name}' type"),
+                expected: "f32, f16 or bf16 (a norm vector)".into(),
+                got: t.dtype.to_string(),
+            });
+        }
+    }
+    Ok(())
+}

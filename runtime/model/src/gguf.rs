@@ -1,0 +1,596 @@
+//! GGUF reader (versions 2 and 3, little-endian).
+//!
+//! Owns: parsing a GGUF header (metadata key/values of every type, tensor infos, alignment) from a
+//! byte slice, and the typed getters the config and tokenizer use. The tensor data is not copied:
+//! [`GgufFile`] keeps the memory map and [`crate::Weights`] hands out slices of it.
+//!
+//! Invariants (checked while parsing, so a malformed file is an error and never a panic):
+//! - every read is bounds-checked; a truncated file names the field being read and its offset;
+//! - no allocation is sized from an unchecked count: a count or length is first bounded by the bytes
+//!   left in the file (each element takes at least its minimum encoded size);
+//! - tensor names are unique, have 1..=4 dimensions, a supported ggml type, a row length that is a whole
+//!   number of blocks, an offset aligned to `general.alignment`, and data that lies inside the file.
+
+use crate::error::{ModelError, Result};
+use metrale_core::dtype::DType;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The GGUF magic, "GGUF" read as a little-endian u32.
+pub const MAGIC: [u8; 4] = *b"GGUF";
+/// Default data alignment when `general.alignment` is absent.
+pub const DEFAULT_ALIGNMENT: u64 = 32;
+/// ggml's GGML_MAX_DIMS.
+pub const MAX_DIMS: u32 = 4;
+
+/// Metadata value types (gguf_type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum ValueType {
+    U8 = 0,
+    I8 = 1,
+    U16 = 2,
+    I16 = 3,
+    U32 = 4,
+    I32 = 5,
+    F32 = 6,
+    Bool = 7,
+    String = 8,
+    Array = 9,
+    U64 = 10,
+    I64 = 11,
+    F64 = 12,
+}
+
+impl ValueType {
+    fn from_u32(v: u32) -> Option<ValueType> {
+        use ValueType::*;
+        Some(match v {
+            0 => U8,
+            1 => I8,
+            2 => U16,
+            3 => I16,
+            4 => U32,
+            5 => I32,
+            6 => F32,
+            7 => Bool,
+            8 => String,
+            9 => Array,
+            10 => U64,
+            11 => I64,
+            12 => F64,
+            _ => return None,
+        })
+    }
+
+    /// Smallest number of bytes one value of this type takes in the file.
+    fn min_size(self) -> usize {
+        use ValueType::*;
+        match self {
+            U8 | I8 | Bool => 1,
+            U16 | I16 => 2,
+            U32 | I32 | F32 => 4,
+            U64 | I64 | F64 => 8,
+            String => 8,     // u64 length
+            Array => 4 + 8, // u32 type + u64 count
+        }
+    }
+}
+
+/// One metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    String(String),
+    /// Element type and elements (all of that type).
+    Array(ValueType, Vec<Value>),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+impl Value {
+    /// A short description of the value's type, for errors.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::U8(_) => "u8",
+            Value::I8(_) => "i8",
+            Value::U16(_) => "u16",
+            Value::I16(_) => "i16",
+            Value::U32(_) => "u32",
+            Value::I32(_) => "i32",
+            Value::F32(_) => "f32",
+            Value::Bool(_) => "bool",
+            Value::String(_) => "string",
+            Value::Array(..) => "array",
+            Value::U64(_) => "u64",
+            Value::I64(_) => "i64",
+            Value::F64(_) => "f64",
+        }
+    }
+
+    /// The value as an unsigned integer, if it is a non-negative integer of any width.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U8(v) => Some(v as u64),
+            Value::U16(v) => Some(v as u64),
+            Value::U32(v) => Some(v as u64),
+            Value::U64(v) => Some(v),
+            Value::I8(v) => u64::try_from(v).ok(),
+            Value::I16(v) => u64::try_from(v).ok(),
+            Value::I32(v) => u64::try_from(v).ok(),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// The value as a signed integer, if it is an integer that fits.
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Value::I8(v) => Some(v as i64),
+            Value::I16(v) => Some(v as i64),
+            Value::I32(v) => Some(v as i64),
+            Value::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    /// The value as a float (f32 or f64).
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F32(v) => Some(v as f64),
+            Value::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Value::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor's description from the header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: DType,
+    /// ggml order: `shape[0]` is the contiguous dimension.
+    pub shape: Vec<usize>,
+    /// Offset of the data from the start of the file (absolute, already checked to be in bounds).
+    pub file_offset: usize,
+    /// Size of the data in bytes.
+    pub n_bytes: usize,
+}
+
+/// A parsed GGUF header.
+#[derive(Debug, Clone)]
+pub struct GgufHeader {
+    pub version: u32,
+    pub metadata: BTreeMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    pub alignment: u64,
+    /// Absolute offset of the data section.
+    pub data_offset: usize,
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    fn err(&self, field: &str, msg: impl Into<String>) -> ModelError {
+        ModelError::Malformed { path: self.path.to_path_buf(), field: field.to_string(), msg: msg.into() }
+    }
+
+    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
+        if n > self.remaining() {
+            return Err(self.err(
+                field,
+                format!(
+                    "truncated: need {n} bytes at offset {}, the file has {} bytes",
+                    self.pos,
+                    self.buf.len()
+                ),
+            ));
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, field: &str) -> Result<[u8; N]> {
+        let s = self.take(N, field)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    fn u32(&mut self, field: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array(field)?))
+    }
+
+    fn u64(&mut self, field: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array(field)?))
+    }
+
+    /// A count of elements that each take at least `min_size` bytes: bounded by the bytes left.
+    fn count(&mut self, field: &str, min_size: usize) -> Result<usize> {
+        let at = self.pos;
+        let n = self.u64(field)?;
+        let left = self.remaining() as u64;
+        if n.checked_mul(min_size as u64).is_none_or(|b| b > left) {
+            return Err(self.err(
+                field,
+                format!(
+                    "count {n} at offset {at} is absurd: {n} elements of at least {min_size} bytes \
+                     do not fit in the {left} bytes left in the file"
+                ),
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self, field: &str) -> Result<String> {
+        let at = self.pos;
+        let len = self.count(field, 1)?;
+        let bytes = self.take(len, field)?;
+        String::from_utf8(bytes.to_vec())
+            .map_err(|e| self.err(field, format!("string at offset {at} is not valid UTF-8: {e}")))
+    }
+
+    fn value_type(&mut self, field: &str) -> Result<ValueType> {
+        let at = self.pos;
+        let t = self.u32(field)?;
+        ValueType::from_u32(t)
+            .ok_or_else(|| self.err(field, format!("unknown value type {t} at offset {at} (known: 0..=12)")))
+    }
+
+    fn value(&mut self, t: ValueType, field: &str, depth: u32) -> Result<Value> {
+        Ok(match t {
+            ValueType::U8 => Value::U8(self.array::<1>(field)?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(field)?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(field)?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(field)?)),
+            ValueType::U32 => Value::U32(self.u32(field)?),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(field)?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(field)?)),
+            ValueType::Bool => {
+                let b = self.array::<1>(field)?[0];
+                match b {
+                    0 => Value::Bool(false),
+                    1 => Value::Bool(true),
+                    _ => return Err(self.err(field, format!("bool byte is {b}, expected 0 or 1"))),
+                }
+            }
+            ValueType::String => Value::String(self.string(field)?),
+            ValueType::U64 => Value::U64(self.u64(field)?),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(field)?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(field)?)),
+            ValueType::Array => {
+                if depth >= 2 {
+                    return Err(self.err(field, "arrays nested deeper than 2 levels"));
+                }
+                let et = self.value_type(field)?;
+                let n = self.count(field, et.min_size())?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.value(et, field, depth + 1)?);
+                }
+                Value::Array(et, v)
+            }
+        })
+    }
+}
+
+/// Parse a GGUF header from the whole file's bytes. `path` is used in errors only.
+pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
+    let mut r = Reader { buf, pos: 0, path };
+    let magic = r.array::<4>("magic")?;
+    if magic != MAGIC {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: "magic".into(),
+            expected: "\"GGUF\" (a GGUF file)".into(),
+            got: format!("{:?}", String::from_utf8_lossy(&magic)),
+        });
+    }
+    let version = r.u32("version")?;
+    if version != 2 && version != 3 {
+        let hint = if version.swap_bytes() == 2 || version.swap_bytes() == 3 {
+            " (a big-endian GGUF: only little-endian files are supported)"
+        } else {
+            ""
+        };
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: "version".into(),
+            expected: "2 or 3".into(),
+            got: format!("{version}{hint}"),
+        });
+    }
+    // A tensor info takes at least 8 (name len) + 4 (n_dims) + 4 (type) + 8 (offset) bytes; a KV at
+    // least 8 (key len) + 4 (type) + 1 (value).
+    let n_tensors = r.count("tensor_count", 24)?;
+    let n_kv = r.count("metadata_kv_count", 13)?;
+    let mut metadata = BTreeMap::new();
+    for i in 0..n_kv {
+        let key = r.string(&format!("metadata key #{i}"))?;
+        let field = format!("metadata '{key}'");
+        let t = r.value_type(&field)?;
+        let v = r.value(t, &field, 0)?;
+        if metadata.insert(key.clone(), v).is_some() {
+            return Err(r.err(&field, "duplicate metadata key"));
+        }
+    }
+    let alignment = match metadata.get("general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some(v) => match v.as_u64() {
+            Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
+            _ => {
+                return Err(ModelError::Mismatch {
+                    path: path.to_path_buf(),
+                    field: "metadata 'general.alignment'".into(),
+                    expected: "a power of two integer between 1 and 2^20".into(),
+                    got: format!("{v:?}"),
+                })
+            }
+        },
+    };
+
+    struct Raw {
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        offset: u64,
+        n_bytes: usize,
+    }
+    let mut raws = Vec::with_capacity(n_tensors);
+    let mut seen = std::collections::HashSet::with_capacity(n_tensors);
+    for i in 0..n_tensors {
+        let name = r.string(&format!("tensor info #{i} name"))?;
+        let field = format!("tensor '{name}'");
+        let n_dims = r.u32(&field)?;
+        if n_dims == 0 || n_dims > MAX_DIMS {
+            return Err(r.err(&field, format!("n_dims is {n_dims}, expected 1..={MAX_DIMS}")));
+        }
+        let mut shape = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            let d = r.u64(&field)?;
+            let d = usize::try_from(d)
+                .ok()
+                .filter(|&d| d > 0 && d <= buf.len().saturating_mul(2).max(1 << 20))
+                .ok_or_else(|| r.err(&field, format!("dimension {d} is absurd for a {} byte file", buf.len())))?;
+            shape.push(d);
+        }
+        let type_id = r.u32(&field)?;
+        let dtype = DType::from_ggml(type_id).ok_or_else(|| ModelError::Unsupported {
+            path: path.to_path_buf(),
+            field: format!("{field} ggml type"),
+            value: format!("{type_id} ({})", ggml_type_name(type_id)),
+            supported: DType::ALL.iter().map(|d| format!("{} ({})", d.ggml_id(), d)).collect::<Vec<_>>().join(", "),
+        })?;
+        let offset = r.u64(&field)?;
+        let row = dtype.row_bytes(shape[0]).ok_or_else(|| {
+            r.err(
+                &field,
+                format!("row length {} is not a multiple of {}'s block of {}", shape[0], dtype, dtype.block_elems()),
+            )
+        })?;
+        let n_bytes = shape[1..]
+            .iter()
+            .try_fold(row, |acc, &d| acc.checked_mul(d))
+            .filter(|&b| b <= buf.len())
+            .ok_or_else(|| {
+                r.err(&field, format!("shape {shape:?} of {dtype} is larger than the whole file ({} bytes)", buf.len()))
+            })?;
+        if offset % alignment != 0 {
+            return Err(r.err(&field, format!("data offset {offset} is not a multiple of the alignment {alignment}")));
+        }
+        if !seen.insert(name.clone()) {
+            return Err(r.err(&field, "duplicate tensor name"));
+        }
+        raws.push(Raw { name, dtype, shape, offset, n_bytes });
+    }
+    let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
+    let mut tensors = Vec::with_capacity(raws.len());
+    for t in raws {
+        let end = data_offset.checked_add(t.offset).and_then(|s| s.checked_add(t.n_bytes as u64));
+        match end {
+            Some(end) if end <= buf.len() as u64 => {}
+            _ => {
+                return Err(ModelError::Malformed {
+                    path: path.to_path_buf(),
+                    field: format!("tensor '{}'", t.name),
+                    msg: format!(
+                        "data offset {} + {} bytes is past the end of the file ({} bytes; data section starts at {})",
+                        t.offset,
+                        t.n_bytes,
+                        buf.len(),
+                        data_offset
+                    ),
+                })
+            }
+        }
+        tensors.push(TensorInfo {
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+            file_offset: (data_offset + t.offset) as usize,
+            n_bytes: t.n_bytes,
+        });
+    }
+    Ok(GgufHeader { version, metadata, tensors, alignment, data_offset: data_offset as usize })
+}
+
+/// ggml's name for a type id, for error messages about unsupported types.
+pub fn ggml_type_name(id: u32) -> &'static str {
+    match id {
+        0 => "F32",
+        1 => "F16",
+        2 => "Q4_0",
+        3 => "Q4_1",
+        6 => "Q5_0",
+        7 => "Q5_1",
+        8 => "Q8_0",
+        9 => "Q8_1",
+        10 => "Q2_K",
+        11 => "Q3_K",
+        12 => "Q4_K",
+        13 => "Q5_K",
+        14 => "Q6_K",
+        15 => "Q8_K",
+        16..=23 => "IQ*",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        30 => "BF16",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => "unknown",
+    }
+}
+
+/// A GGUF file: its header plus the memory map its tensors point into.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub header: GgufHeader,
+    pub(crate) map: memmap2::Mmap,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.header.version)
+            .field("metadata_keys", &self.header.metadata.len())
+            .field("tensors", &self.header.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Memory-map and parse a GGUF file. The file must not be modified while it is mapped.
+    pub fn open(path: &Path) -> Result<GgufFile> {
+        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the map is read-only; the runtime's contract is that model files are not modified
+        // while a server has them loaded (as for every mmap-based loader).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let header = parse_header(&map, path)?;
+        Ok(GgufFile { path: path.to_path_buf(), header, map })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.header.metadata.get(key)
+    }
+
+    fn mismatch(&self, key: &str, expected: &str, v: &Value) -> ModelError {
+        let got = match v {
+            Value::String(s) => format!("string {s:?}"),
+            Value::Array(t, e) => format!("array of {} {:?}", e.len(), t),
+            other => format!("{} {other:?}", other.type_name()),
+        };
+        ModelError::Mismatch {
+            path: self.path.clone(),
+            field: format!("metadata '{key}'"),
+            expected: expected.into(),
+            got,
+        }
+    }
+
+    fn missing(&self, key: &str) -> ModelError {
+        ModelError::Missing { path: self.path.clone(), field: format!("metadata '{key}'"), hint: String::new() }
+    }
+
+    /// An optional non-negative integer (any integer type).
+    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| self.mismatch(key, "a non-negative integer", v)),
+        }
+    }
+
+    /// A required non-negative integer that fits usize.
+    pub fn req_usize(&self, key: &str) -> Result<usize> {
+        let v = self.opt_u64(key)?.ok_or_else(|| self.missing(key))?;
+        usize::try_from(v).map_err(|_| self.mismatch(key, "an integer that fits usize", &Value::U64(v)))
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(|f| Some(f as f32)).ok_or_else(|| self.mismatch(key, "a float", v)),
+        }
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.mismatch(key, "a bool", v)),
+        }
+    }
+
+    pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.mismatch(key, "a string", v)),
+        }
+    }
+
+    pub fn req_str(&self, key: &str) -> Result<&str> {
+        self.opt_str(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    /// An optional array of strings.
+    pub fn opt_str_array(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v @ Value::Array(_, items)) => items
+                .iter()
+                .map(|i| i.as_str().ok_or_else(|| self.mismatch(key, "an array of strings", v)))
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(self.mismatch(key, "an array of strings", v)),
+        }
+    }
+
+    /// An optional array of integers (any integer type), as i64.
+    pub fn opt_int_array(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v @ Value::Array(_, items)) => items
+                .iter()
+                .map(|i| i.as_i64().ok_or_else(|| self.mismatch(key, "an array of integers", v)))
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(self.mismatch(key, "an array of integers", v)),
+        }
+    }
+}

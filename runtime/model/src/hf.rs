@@ -1,0 +1,285 @@
+//! HF checkpoint reader: `config.json` + `model.safetensors` (or shards listed in
+//! `model.safetensors.index.json`) + `tokenizer.json` + `tokenizer_config.json`.
+//!
+//! Owns: mapping HF llama tensor names to GGUF names, safetensors row-major shapes to ggml order
+//! (reversed), and the Q/K row permutation.
+//!
+//! Rope convention: HF llama rotates the two halves of each head (`rotate_half`: element j pairs with
+//! j + head_dim/2); GGUF/llama.cpp rotates adjacent pairs (2j, 2j+1). llama.cpp's converter permutes
+//! the rows of q_proj (with n_heads) and k_proj (with n_kv_heads) so the adjacent-pair rotation computes
+//! the same thing: within each head, new row 2j + t = old row t * head_dim/2 + j (t in {0, 1}). This
+//! reader does the same, so every backend implements one rope convention. Those two tensors per layer
+//! are therefore owned buffers (a copy of their bytes); every other tensor is a zero-copy view of the
+//! memory-mapped safetensors files.
+
+use crate::config::{validate_llama, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::weights::{Source, Weights};
+use crate::{ChatTemplate, Format, Model, Tokenizer};
+use metrale_core::dtype::DType;
+use serde_json::Value as Json;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path};
+
+fn read_json(path: &Path) -> Result<Option<Json>> {
+    match std::fs::read(path) {
+        Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|e| ModelError::Malformed {
+            path: path.to_path_buf(),
+            field: "json".into(),
+            msg: e.to_string(),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(ModelError::Io { path: path.to_path_buf(), source }),
+    }
+}
+
+fn required_json(path: &Path, what: &str) -> Result<Json> {
+    read_json(path)?.ok_or_else(|| ModelError::Missing {
+        path: path.to_path_buf(),
+        field: "file".into(),
+        hint: format!("an HF llama checkpoint directory needs {what}"),
+    })
+}
+
+/// The GGUF name of an HF llama tensor, or `None` for tensors the runtime ignores
+/// (`rotary_emb.inv_freq`, recomputed from the config).
+pub fn gguf_name(hf: &str) -> Option<Option<String>> {
+    match hf {
+        "model.embed_tokens.weight" => return Some(Some("token_embd.weight".into())),
+        "model.norm.weight" => return Some(Some("output_norm.weight".into())),
+        "lm_head.weight" => return Some(Some("output.weight".into())),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let short = match rest {
+        "input_layernorm.weight" => "attn_norm",
+        "self_attn.q_proj.weight" => "attn_q",
+        "self_attn.k_proj.weight" => "attn_k",
+        "self_attn.v_proj.weight" => "attn_v",
+        "self_attn.o_proj.weight" => "attn_output",
+        "post_attention_layernorm.weight" => "ffn_norm",
+        "mlp.gate_proj.weight" => "ffn_gate",
+        "mlp.up_proj.weight" => "ffn_up",
+        "mlp.down_proj.weight" => "ffn_down",
+        "self_attn.rotary_emb.inv_freq" => return Some(None),
+        _ => return None,
+    };
+    Some(Some(format!("blk.{layer}.{short}.weight")))
+}
+
+/// Permute the rows of an HF q_proj/k_proj (`rows` rows of `row_bytes` bytes, `n_head` heads) from
+/// HF's half-split rope layout to GGUF's adjacent-pair layout, as llama.cpp's converter does.
+pub fn permute_qk_rows(data: &[u8], rows: usize, row_bytes: usize, n_head: usize) -> Option<Vec<u8>> {
+    if n_head == 0 || rows % (2 * n_head) != 0 || data.len() != rows.checked_mul(row_bytes)? {
+        return None;
+    }
+    let hd = rows / n_head;
+    let half = hd / 2;
+    let mut out = Vec::with_capacity(data.len());
+    for h in 0..n_head {
+        for j in 0..half {
+            for t in 0..2 {
+                let src = h * hd + t * half + j;
+                out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    Some(out)
+}
+
+fn plain_file_name(name: &str) -> bool {
+    let mut c = Path::new(name).components();
+    matches!((c.next(), c.next()), (Some(Component::Normal(_)), None))
+}
+
+pub(crate) fn load(dir: &Path) -> Result<Model> {
+    let cfg = required_json(&dir.join("config.json"), "config.json")?;
+    let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
+    let gen_cfg = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
+    let tok_path = dir.join("tokenizer.json");
+    let tok_json = std::fs::read(&tok_path).map_err(|source| ModelError::Io { path: tok_path.clone(), source })?;
+
+    // add_bos: tokenizer_config.json's flag when present, else whether tokenizer.json's post-processor
+    // inserts the BOS token (what HF's encode(add_special_tokens=True) would do).
+    let add_bos = match tok_cfg.get("add_bos_token").and_then(Json::as_bool) {
+        Some(b) => b,
+        None => {
+            let tj: Json = serde_json::from_slice(&tok_json).map_err(|e| ModelError::Malformed {
+                path: tok_path.clone(),
+                field: "json".into(),
+                msg: e.to_string(),
+            })?;
+            let bos_str = match tok_cfg.get("bos_token") {
+                Some(Json::String(s)) => Some(s.clone()),
+                Some(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
+                None => None,
+            };
+            match (bos_str, tj.get("post_processor")) {
+                (Some(b), Some(pp)) if !b.is_empty() => {
+                    pp.get("single").map(|s| s.to_string().contains(&format!("\"{b}\""))).unwrap_or(false)
+                }
+                _ => false,
+            }
+        }
+    };
+    let generation_eos: Vec<u32> = match gen_cfg.get("eos_token_id") {
+        Some(Json::Array(a)) => a.iter().filter_map(|v| v.as_u64()).filter_map(|v| u32::try_from(v).ok()).collect(),
+        Some(v) => v.as_u64().and_then(|v| u32::try_from(v).ok()).into_iter().collect(),
+        None => vec![],
+    };
+    let cfg_path = dir.join("config.json");
+    let mut config = ModelConfig::from_hf(&cfg_path, &cfg, add_bos, &generation_eos)?;
+
+    // Which safetensors files.
+    let index_path = dir.join("model.safetensors.index.json");
+    let (files, weight_map): (Vec<String>, Option<BTreeMap<String, String>>) = match read_json(&index_path)? {
+        Some(idx) => {
+            let wm = idx.get("weight_map").and_then(Json::as_object).ok_or_else(|| ModelError::Missing {
+                path: index_path.clone(),
+                field: "weight_map".into(),
+                hint: "a sharded checkpoint's index maps each tensor to its file".into(),
+            })?;
+            let mut map = BTreeMap::new();
+            for (k, v) in wm {
+                let f = v.as_str().filter(|f| plain_file_name(f)).ok_or_else(|| ModelError::Mismatch {
+                    path: index_path.clone(),
+                    field: format!("weight_map['{k}']"),
+                    expected: "a file name in the same directory".into(),
+                    got: v.to_string(),
+                })?;
+                map.insert(k.clone(), f.to_string());
+            }
+            let files: BTreeSet<String> = map.values().cloned().collect();
+            (files.into_iter().collect(), Some(map))
+        }
+        None => (vec!["model.safetensors".into()], None),
+    };
+    let mut maps = Vec::with_capacity(files.len());
+    for f in &files {
+        let p = dir.join(f);
+        let io = |source| ModelError::Io { path: p.clone(), source };
+        let file = std::fs::File::open(&p).map_err(io)?;
+        // SAFETY: read-only map; model files must not change while loaded.
+        maps.push(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?);
+    }
+    let mut weights = Weights::new(dir.to_path_buf(), Vec::new());
+    let mut located: BTreeMap<String, String> = BTreeMap::new();
+    let mut owned: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut mapped: Vec<(String, DType, Vec<usize>, usize, usize, usize)> = Vec::new();
+    for (fi, (f, map)) in files.iter().zip(&maps).enumerate() {
+        let p = dir.join(f);
+        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| ModelError::Malformed {
+            path: p.clone(),
+            field: "safetensors header".into(),
+            msg: e.to_string(),
+        })?;
+        for (hf_name, view) in st.tensors() {
+            let name = match gguf_name(&hf_name) {
+                Some(Some(n)) => n,
+                Some(None) => continue,
+                None => {
+                    return Err(ModelError::Unsupported {
+                        path: p.clone(),
+                        field: "tensor".into(),
+                        value: hf_name,
+                        supported: "the tensors of a llama checkpoint (model.embed_tokens, model.layers.N.\
+                                    {input_layernorm,self_attn.{q,k,v,o}_proj,post_attention_layernorm,\
+                                    mlp.{gate,up,down}_proj}, model.norm, lm_head)"
+                            .into(),
+                    })
+                }
+            };
+            let dtype = match view.dtype() {
+                safetensors::Dtype::F32 => DType::F32,
+                safetensors::Dtype::F16 => DType::F16,
+                safetensors::Dtype::BF16 => DType::BF16,
+                other => {
+                    return Err(ModelError::Unsupported {
+                        path: p.clone(),
+                        field: format!("tensor '{hf_name}' dtype"),
+                        value: format!("{other:?}"),
+                        supported: "F32, F16, BF16".into(),
+                    })
+                }
+            };
+            let shape: Vec<usize> = view.shape().iter().rev().copied().collect();
+            if shape.is_empty() || shape.contains(&0) {
+                return Err(ModelError::Mismatch {
+                    path: p.clone(),
+                    field: format!("tensor '{hf_name}' shape"),
+                    expected: "1 or more non-zero dimensions".into(),
+                    got: format!("{:?}", view.shape()),
+                });
+            }
+            if let Some(wm) = &weight_map {
+                if wm.get(&hf_name) != Some(f) {
+                    // present in a shard the index does not name for it: skip (the index is the truth)
+                    continue;
+                }
+            }
+            located.insert(hf_name.clone(), f.clone());
+            let data = view.data();
+            let is_q = name.ends_with(".attn_q.weight");
+            let is_k = name.ends_with(".attn_k.weight");
+            if is_q || is_k {
+                let n_head = if is_q { config.n_heads } else { config.n_kv_heads };
+                let rows: usize = shape[1..].iter().product();
+                let rb = dtype.row_bytes(shape[0]).unwrap_or(0);
+                let permuted = permute_qk_rows(data, rows, rb, n_head).ok_or_else(|| ModelError::Mismatch {
+                    path: p.clone(),
+                    field: format!("tensor '{hf_name}' shape"),
+                    expected: format!("a matrix whose row count is a multiple of 2 x {n_head} heads"),
+                    got: format!("{:?}", view.shape()),
+                })?;
+                owned.push((name, dtype, shape, permuted));
+            } else {
+                let offset = data.as_ptr() as usize - map.as_ptr() as usize;
+                mapped.push((name, dtype, shape, fi, offset, data.len()));
+            }
+        }
+    }
+    if let Some(wm) = &weight_map {
+        for (k, f) in wm {
+            if !located.contains_key(k) {
+                return Err(ModelError::MissingTensor {
+                    path: dir.join(f),
+                    name: k.clone(),
+                    available: located.len(),
+                    hint: format!("{} names this file for it", index_path.display()),
+                });
+            }
+        }
+    }
+    weights.maps = maps;
+    for (name, dtype, shape, map, offset, len) in mapped {
+        weights.insert(name, dtype, shape, Source::Mapped { map, offset, len })?;
+    }
+    for (name, dtype, shape, bytes) in owned {
+        weights.insert(name, dtype, shape, Source::Owned(bytes))?;
+    }
+    if weights.contains("output.weight") {
+        config.tied_embeddings = false;
+    } else if !config.tied_embeddings {
+        return Err(ModelError::MissingTensor {
+            path: dir.to_path_buf(),
+            name: "lm_head.weight".into(),
+            available: weights.len(),
+            hint: "config.json has tie_word_embeddings false, so the checkpoint needs its own LM head".into(),
+        });
+    }
+    validate_llama(&config, &weights)?;
+
+    let tokenizer = Tokenizer::from_hf_json(&tok_json, &tok_path, config.bos, config.eos.clone(), config.add_bos)?;
+    if tokenizer.vocab_size() > config.vocab {
+        return Err(ModelError::Mismatch {
+            path: tok_path,
+            field: "vocabulary size".into(),
+            expected: format!("<= config.json vocab_size ({})", config.vocab),
+            got: tokenizer.vocab_size().to_string(),
+        });
+    }
+    let chat_template = ChatTemplate::from_hf(dir)?;
+    Ok(Model { config, weights, tokenizer, chat_template, path: dir.to_path_buf(), format: Format::HfSafetensors })
+}

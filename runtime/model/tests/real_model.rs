@@ -1,0 +1,89 @@
+//! Tests against the real default model (SmolLM2-135M-Instruct Q4_1 GGUF). They read its path from
+//! METRALE_MODEL and skip (pass, printing why) when it is unset. Expected numbers are REFERENCE.md's.
+
+use metrale_core::dtype::DType;
+use metrale_model::{ChatMessage, Format, Model};
+use std::path::PathBuf;
+
+fn model_path() -> Option<PathBuf> {
+    match std::env::var_os("METRALE_MODEL") {
+        Some(p) => Some(PathBuf::from(p)),
+        None => {
+            eprintln!("skipped: METRALE_MODEL is not set (path of SmolLM2-135M-Instruct.Q4_1.gguf)");
+            None
+        }
+    }
+}
+
+#[test]
+fn config_and_weights_match_reference() {
+    let Some(p) = model_path() else { return };
+    let t0 = std::time::Instant::now();
+    let m = Model::load(&p).unwrap();
+    eprintln!("load took {:?}", t0.elapsed());
+    let c = &m.config;
+    assert_eq!(m.format, Format::Gguf);
+    assert_eq!((c.arch.as_str(), c.model_type.as_str()), ("llama", "llama"));
+    assert_eq!((c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim), (30, 576, 9, 3, 64));
+    assert_eq!((c.ffn, c.vocab, c.max_context), (1536, 49152, 8192));
+    assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(c.norm_eps, 1e-5);
+    assert!(c.tied_embeddings);
+    assert_eq!(c.rope_scaling, None);
+    assert_eq!((c.bos, c.eos.as_slice(), c.add_bos), (Some(1), &[2u32][..], false));
+    let count = |d: DType| m.weights.names().filter(|n| m.weights.get(n).unwrap().dtype == d).count();
+    assert_eq!(count(DType::Q4_1), 210);
+    assert_eq!(count(DType::F32), 61);
+    assert_eq!(m.weights.get("token_embd.weight").unwrap().dtype, DType::Q8_0);
+    assert_eq!(m.weights.get("token_embd.weight").unwrap().shape, vec![576, 49152]);
+    assert_eq!(m.weights.len(), 272);
+    assert!(m.weights.get("output.weight").is_err());
+    assert_eq!(m.weights.owned_bytes(), 0);
+    let q = m.weights.get("blk.0.attn_q.weight").unwrap();
+    assert_eq!((q.row_len(), q.n_rows()), (576, 576));
+    let err = m.weights.get("blk.30.attn_q.weight").unwrap_err().to_string();
+    assert!(err.contains("blk.30.attn_q.weight"), "{err}");
+    eprintln!("weights: {} bytes", m.weights.total_bytes());
+    assert!(m.weights.total_bytes() > 90_000_000 && m.weights.total_bytes() < 98_362_432);
+    // every row of a norm and of a quantized matrix dequantizes to finite numbers
+    let norm = m.weights.get("blk.0.attn_norm.weight").unwrap().to_f32();
+    assert!(norm.iter().all(|x| x.is_finite()) && norm.iter().any(|&x| x != 0.0));
+    let mut row = vec![0f32; 576];
+    q.dequantize_row(575, &mut row).unwrap();
+    assert!(row.iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn tokenizer_specials() {
+    let Some(p) = model_path() else { return };
+    let m = Model::load(&p).unwrap();
+    let t = &m.tokenizer;
+    assert_eq!(t.vocab_size(), 49152);
+    assert_eq!(t.token_to_id("<|im_start|>"), Some(1));
+    assert_eq!(t.token_to_id("<|im_end|>"), Some(2));
+    assert!(t.is_special(1) && t.is_special(2) && !t.is_special(100));
+    let ids = t.encode("<|im_start|>user", false, true).unwrap();
+    assert_eq!(ids[0], 1);
+    let plain = t.encode("<|im_start|>user", false, false).unwrap();
+    assert!(!plain.contains(&1), "parse_special=false must tokenize the markup as text: {plain:?}");
+    assert_eq!(t.decode(&plain, false), "<|im_start|>user");
+    assert_eq!(t.decode(&ids, false), "<|im_start|>user");
+    assert_eq!(t.decode(&ids, true), "user");
+    assert_eq!(t.encode("hi", true, false).unwrap()[0], 1);
+    // a multi-byte character split across byte tokens: token_bytes concatenate to the UTF-8
+    let e = t.encode("🦀", false, false).unwrap();
+    let bytes: Vec<u8> = e.iter().flat_map(|&i| t.token_bytes(i)).collect();
+    assert_eq!(bytes, "🦀".as_bytes());
+}
+
+#[test]
+fn chat_template_renders() {
+    let Some(p) = model_path() else { return };
+    let m = Model::load(&p).unwrap();
+    let tpl = m.require_chat_template().unwrap();
+    let s = tpl
+        .render(&[ChatMessage::new("user", "What is the capital of France? Answer in one sentence.")], true)
+        .unwrap();
+    eprintln!("{s:?}");
+    assert!(s.ends_with("<|im_start|>assistant\n"));
+}
