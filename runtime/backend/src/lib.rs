@@ -9,6 +9,7 @@
 //! Invariants: only this crate's `cuda` module links the CUDA driver; nothing here knows HTTP.
 
 pub mod sampler;
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 

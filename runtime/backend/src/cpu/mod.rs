@@ -1,0 +1,437 @@
+//! The CPU backend: the Llama-family forward pass on the host, the numerical reference of every other
+//! backend.
+//!
+//! Owns: a copy of the model's weights in their stored (quantized) form, an f32 KV cache per slot, a
+//! rayon pool of `threads` workers, and the forward pass of one [`Backend::step`]: every token of
+//! every sequence of the batch (prefill chunks and decode tokens alike) goes through each layer
+//! together, as one `[tokens, hidden]` activation matrix; matrix products run through the fused
+//! dequantize-and-dot ops of [`ops`] in parallel over output rows; attention runs in parallel over
+//! (token, head). Only the last position of each sequence goes through the LM head, and the host
+//! [`crate::sampler`] picks the token.
+//!
+//! Invariants: activations and accumulation are f32; weights are never dequantized as a whole; a
+//! slot's cache rows `0..start_pos` are whatever earlier steps of that slot wrote (the engine keeps
+//! `start_pos` honest; `release` forgets them); every input is validated and refused with
+//! `BackendError::Invalid` instead of panicking.
+
+pub mod ops;
+
+use crate::sampler;
+use crate::{Backend, BackendInfo, SeqOutput, SeqStep, SlotId};
+use metrale_core::dtype::{dequantize_row, DType};
+use metrale_core::BackendError;
+use metrale_model::{Model, RopeScaling};
+use ops::MatRef;
+use rayon::prelude::*;
+
+/// One weight matrix, owned, in its stored dtype: `rows` rows of `cols` elements.
+#[derive(Debug)]
+pub struct QTensor {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<u8>,
+}
+
+impl QTensor {
+    pub fn mat(&self) -> MatRef<'_> {
+        MatRef { dtype: self.dtype, rows: self.rows, cols: self.cols, data: &self.data }
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: QTensor,
+    wk: QTensor,
+    wv: QTensor,
+    wo: QTensor,
+    ffn_norm: Vec<f32>,
+    w_gate: QTensor,
+    w_up: QTensor,
+    w_down: QTensor,
+}
+
+/// Shape constants of the loaded model.
+#[derive(Debug, Clone)]
+pub struct Dims {
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub norm_eps: f32,
+}
+
+impl Dims {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// One slot's KV cache: `[n_layers][capacity][kv_dim]` for K and for V.
+struct SlotCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// The CPU backend (see the module docs).
+pub struct CpuBackend {
+    dims: Dims,
+    embd: QTensor,
+    lm_head: Option<QTensor>,
+    out_norm: Vec<f32>,
+    layers: Vec<Layer>,
+    inv_freq: Vec<f32>,
+    kv: Vec<SlotCache>,
+    slot_capacity: usize,
+    threads: usize,
+    pool: rayon::ThreadPool,
+}
+
+fn model_err(e: impl std::fmt::Display) -> BackendError {
+    BackendError::Model(e.to_string())
+}
+
+fn load_matrix(model: &Model, name: &str, rows: usize, cols: usize) -> Result<QTensor, BackendError> {
+    let t = model.weights.get(name).map_err(model_err)?;
+    if t.shape.len() != 2 || t.shape[0] != cols || t.shape[1] != rows {
+        return Err(BackendError::Model(format!(
+            "tensor '{name}': expected ggml shape [{cols}, {rows}], got {:?}",
+            t.shape
+        )));
+    }
+    if t.dtype.row_bytes(cols).map(|b| b * rows) != Some(t.data.len()) {
+        return Err(BackendError::Model(format!("tensor '{name}': {} bytes do not fit {} {:?}", t.data.len(), t.dtype, t.shape)));
+    }
+    Ok(QTensor { dtype: t.dtype, rows, cols, data: t.data.to_vec() })
+}
+
+fn load_vector(model: &Model, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
+    let t = model.weights.get(name).map_err(model_err)?;
+    if t.n_elems() != n || t.shape[0] != n {
+        return Err(BackendError::Model(format!("tensor '{name}': expected {n} elements, got shape {:?}", t.shape)));
+    }
+    let mut out = vec![0f32; n];
+    dequantize_row(t.dtype, t.data, &mut out).map_err(|e| BackendError::Model(format!("tensor '{name}': {e}")))?;
+    Ok(out)
+}
+
+impl CpuBackend {
+    /// Copy the model's weights (in their stored form) and allocate `slots` KV caches of
+    /// `slot_capacity` tokens each (f32; pages are touched only when used). `threads` workers run the
+    /// matrix products (0 = one per available core).
+    pub fn load(model: &Model, slots: usize, slot_capacity: usize, threads: usize) -> Result<CpuBackend, BackendError> {
+        let c = &model.config;
+        if slots == 0 || slot_capacity == 0 {
+            return Err(BackendError::Invalid(format!(
+                "slots ({slots}) and slot capacity ({slot_capacity}) must both be at least 1"
+            )));
+        }
+        if c.head_dim > 512 || c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 {
+            return Err(BackendError::Model(format!(
+                "unsupported head layout: {} heads of {} with {} KV heads",
+                c.n_heads, c.head_dim, c.n_kv_heads
+            )));
+        }
+        let dims = Dims {
+            n_layers: c.n_layers,
+            hidden: c.hidden,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            ffn: c.ffn,
+            vocab: c.vocab,
+            norm_eps: c.norm_eps,
+        };
+        let (h, q, kv, f) = (dims.hidden, dims.q_dim(), dims.kv_dim(), dims.ffn);
+        let embd = load_matrix(model, "token_embd.weight", dims.vocab, h)?;
+        let lm_head = if model.weights.contains("output.weight") {
+            Some(load_matrix(model, "output.weight", dims.vocab, h)?)
+        } else if c.tied_embeddings {
+            None
+        } else {
+            return Err(BackendError::Model("no output.weight and the config does not tie embeddings".into()));
+        };
+        let out_norm = load_vector(model, "output_norm.weight", h)?;
+        let mut layers = Vec::with_capacity(dims.n_layers);
+        for i in 0..dims.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: load_vector(model, &n("attn_norm"), h)?,
+                wq: load_matrix(model, &n("attn_q"), q, h)?,
+                wk: load_matrix(model, &n("attn_k"), kv, h)?,
+                wv: load_matrix(model, &n("attn_v"), kv, h)?,
+                wo: load_matrix(model, &n("attn_output"), h, q)?,
+                ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
+                w_gate: load_matrix(model, &n("ffn_gate"), f, h)?,
+                w_up: load_matrix(model, &n("ffn_up"), f, h)?,
+                w_down: load_matrix(model, &n("ffn_down"), h, f)?,
+            });
+        }
+        let inv_freq = match &c.rope_scaling {
+            None => ops::rope_inv_freq(dims.head_dim, c.rope_theta, None, None),
+            Some(RopeScaling::Linear { factor }) => ops::rope_inv_freq(dims.head_dim, c.rope_theta, None, None)
+                .into_iter()
+                .map(|f| f / factor)
+                .collect(),
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }) => {
+                let s = ops::Llama3RopeScaling {
+                    factor: *factor,
+                    low_freq_factor: *low_freq_factor,
+                    high_freq_factor: *high_freq_factor,
+                    original_max_position_embeddings: *original_max_position as f32,
+                };
+                ops::rope_inv_freq(dims.head_dim, c.rope_theta, Some(&s), None)
+            }
+            Some(RopeScaling::FreqFactors) => {
+                let ff = load_vector(model, "rope_freqs.weight", dims.head_dim / 2)?;
+                ops::rope_inv_freq(dims.head_dim, c.rope_theta, None, Some(&ff))
+            }
+        };
+        Self::from_parts(dims, embd, lm_head, out_norm, layers, inv_freq, slots, slot_capacity, threads)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn from_parts(
+        dims: Dims,
+        embd: QTensor,
+        lm_head: Option<QTensor>,
+        out_norm: Vec<f32>,
+        layers: Vec<Layer>,
+        inv_freq: Vec<f32>,
+        slots: usize,
+        slot_capacity: usize,
+        threads: usize,
+    ) -> Result<CpuBackend, BackendError> {
+        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let per_slot = dims
+            .n_layers
+            .checked_mul(slot_capacity)
+            .and_then(|x| x.checked_mul(dims.kv_dim()))
+            .ok_or_else(|| BackendError::Invalid(format!("KV cache of {slot_capacity} tokens overflows")))?;
+        let mut kv = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            let mut k = Vec::new();
+            let mut v = Vec::new();
+            let need = (per_slot as u64) * 4 * 2;
+            k.try_reserve_exact(per_slot)
+                .and_then(|_| v.try_reserve_exact(per_slot))
+                .map_err(|_| BackendError::OutOfMemory {
+                    device: "cpu".into(),
+                    needed: need,
+                    free: 0,
+                    hint: "lower the context size or the number of parallel slots".into(),
+                })?;
+            k.resize(per_slot, 0.0);
+            v.resize(per_slot, 0.0);
+            kv.push(SlotCache { k, v });
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("metrale-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Device(format!("cannot start {threads} CPU worker threads: {e}")))?;
+        Ok(CpuBackend { dims, embd, lm_head, out_norm, layers, inv_freq, kv, slot_capacity, threads, pool })
+    }
+
+    /// Shape constants of the loaded model.
+    pub fn dims(&self) -> &Dims {
+        &self.dims
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        let mut n = self.embd.data.len() + self.lm_head.as_ref().map_or(0, |t| t.data.len()) + self.out_norm.len() * 4;
+        for l in &self.layers {
+            n += (l.attn_norm.len() + l.ffn_norm.len()) * 4;
+            for t in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                n += t.data.len();
+            }
+        }
+        n as u64
+    }
+
+    fn validate(&self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
+        let mut used = vec![false; self.kv.len()];
+        for (i, s) in batch.iter().enumerate() {
+            if s.slot >= self.kv.len() {
+                return Err(BackendError::Invalid(format!("entry {i}: slot {} does not exist ({} slots)", s.slot, self.kv.len())));
+            }
+            if std::mem::replace(&mut used[s.slot], true) {
+                return Err(BackendError::Invalid(format!("entry {i}: slot {} appears twice in one step", s.slot)));
+            }
+            if s.tokens.is_empty() {
+                return Err(BackendError::Invalid(format!("entry {i}: no tokens")));
+            }
+            let end = s.start_pos.checked_add(s.tokens.len());
+            if end.is_none_or(|e| e > self.slot_capacity) {
+                return Err(BackendError::Invalid(format!(
+                    "entry {i}: positions {}..{}+{} exceed the slot capacity {}",
+                    s.start_pos, s.start_pos, s.tokens.len(), self.slot_capacity
+                )));
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.dims.vocab) {
+                return Err(BackendError::Invalid(format!("entry {i}: token id {t} is outside the vocabulary ({})", self.dims.vocab)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Run the layers over the batch and return the final-normed hidden state of the last position of
+    /// each entry (`[batch.len()][hidden]`). Writes the entries' K/V into their slots.
+    fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
+        let d = self.dims.clone();
+        let (h, qd, kvd, hd) = (d.hidden, d.q_dim(), d.kv_dim(), d.head_dim);
+        let cap = self.slot_capacity;
+        // (slot, position) of every token, in batch order.
+        let mut tok_meta: Vec<(usize, usize)> = Vec::new();
+        let mut ids: Vec<u32> = Vec::new();
+        let mut last_rows = Vec::with_capacity(batch.len());
+        for s in batch {
+            for (j, &t) in s.tokens.iter().enumerate() {
+                tok_meta.push((s.slot, s.start_pos + j));
+                ids.push(t);
+            }
+            last_rows.push(ids.len() - 1);
+        }
+        let n = ids.len();
+        let mut x = vec![0f32; n * h];
+        let erb = self.embd.mat().row_bytes();
+        for (row, &t) in x.chunks_exact_mut(h).zip(&ids) {
+            let t = t as usize;
+            dequantize_row(self.embd.dtype, &self.embd.data[t * erb..(t + 1) * erb], row).expect("validated at load");
+        }
+        let mut xn = vec![0f32; n * h];
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        let mut att = vec![0f32; n * qd];
+        let mut o = vec![0f32; n * h];
+        let mut g = vec![0f32; n * d.ffn];
+        let mut u = vec![0f32; n * d.ffn];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let pool = &self.pool;
+        let layers = &self.layers;
+        let inv_freq = &self.inv_freq;
+        let kv = &mut self.kv;
+        pool.install(|| {
+            for (li, l) in layers.iter().enumerate() {
+                for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+                    ops::rmsnorm(xr, &l.attn_norm, d.norm_eps, xnr);
+                }
+                ops::matmul(l.wq.mat(), &xn, n, &mut q);
+                ops::matmul(l.wk.mat(), &xn, n, &mut k);
+                ops::matmul(l.wv.mat(), &xn, n, &mut v);
+                for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
+                    ops::rope_inplace(&mut q[i * qd..(i + 1) * qd], hd, pos, inv_freq);
+                    ops::rope_inplace(&mut k[i * kvd..(i + 1) * kvd], hd, pos, inv_freq);
+                    let at = (li * cap + pos) * kvd;
+                    kv[slot].k[at..at + kvd].copy_from_slice(&k[i * kvd..(i + 1) * kvd]);
+                    kv[slot].v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);
+                }
+                let kv_ro: &Vec<SlotCache> = kv;
+                let qr = &q;
+                att.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| {
+                    let (ti, head) = (idx / d.n_heads, idx % d.n_heads);
+                    let (slot, pos) = tok_meta[ti];
+                    let base = li * cap * kvd;
+                    let n_ctx = pos + 1;
+                    let c = &kv_ro[slot];
+                    ops::attention_head(
+                        &qr[ti * qd..(ti + 1) * qd],
+                        &c.k[base..base + n_ctx * kvd],
+                        &c.v[base..base + n_ctx * kvd],
+                        n_ctx,
+                        head,
+                        d.n_heads,
+                        d.n_kv_heads,
+                        hd,
+                        scale,
+                        scores,
+                        out,
+                    );
+                });
+                ops::matmul(l.wo.mat(), &att, n, &mut o);
+                ops::add_inplace(&mut x, &o);
+                for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+                    ops::rmsnorm(xr, &l.ffn_norm, d.norm_eps, xnr);
+                }
+                ops::matmul(l.w_gate.mat(), &xn, n, &mut g);
+                ops::matmul(l.w_up.mat(), &xn, n, &mut u);
+                let gr = &g;
+                u.par_chunks_mut(d.ffn).zip(gr.par_chunks(d.ffn)).for_each(|(ur, grr)| {
+                    let up = ur.to_vec();
+                    ops::swiglu(grr, &up, ur);
+                });
+                ops::matmul(l.w_down.mat(), &u, n, &mut o);
+                ops::add_inplace(&mut x, &o);
+            }
+        });
+        let mut out = vec![0f32; batch.len() * h];
+        for (dst, &r) in out.chunks_exact_mut(h).zip(&last_rows) {
+            ops::rmsnorm(&x[r * h..(r + 1) * h], &self.out_norm, d.norm_eps, dst);
+        }
+        out
+    }
+
+    /// Logits (`[rows][vocab]`) of final-normed hidden states (`[rows][hidden]`).
+    fn lm_head(&self, hidden: &[f32], rows: usize) -> Vec<f32> {
+        let w = self.lm_head.as_ref().unwrap_or(&self.embd);
+        let mut logits = vec![0f32; rows * self.dims.vocab];
+        self.pool.install(|| ops::matmul(w.mat(), hidden, rows, &mut logits));
+        logits
+    }
+}
+
+impl Backend for CpuBackend {
+    fn info(&self) -> BackendInfo {
+        let kv_bytes = self.kv.iter().map(|c| (c.k.len() + c.v.len()) as u64 * 4).sum();
+        BackendInfo {
+            name: "cpu".into(),
+            device: format!("cpu ({} threads, {})", self.threads, ops::simd_level()),
+            slots: self.kv.len(),
+            slot_capacity: self.slot_capacity,
+            weight_bytes: self.weight_bytes(),
+            kv_bytes,
+        }
+    }
+
+    fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.validate(batch)?;
+        let hidden = self.forward_hidden(batch);
+        let logits = self.lm_head(&hidden, batch.len());
+        let vocab = self.dims.vocab;
+        let outs = self.pool.install(|| {
+            batch
+                .par_iter()
+                .zip(logits.par_chunks(vocab))
+                .map(|(s, row)| {
+                    let r = sampler::sample(row, s.sampling, s.history, s.draw);
+                    SeqOutput {
+                        token: r.token,
+                        logprob: r.logprob,
+                        top_logprobs: r.top_logprobs,
+                        logits: s.want_logits.then(|| row.to_vec()),
+                    }
+                })
+                .collect()
+        });
+        Ok(outs)
+    }
+
+    fn release(&mut self, _slot: SlotId) {
+        // Nothing to do: a slot's cache rows are overwritten before they are read again (attention
+        // only reads positions below the new sequence's own `start_pos + len`).
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,595 @@
+//! The CPU reference ops of the Llama forward pass: small, public, f32 activations and accumulation.
+//! Other backends (CUDA) test their kernels against these functions on random inputs.
+//!
+//! Weight matrices are ggml-ordered: a `[rows, cols]` matrix is `rows` rows of `cols` contiguous
+//! elements (ggml `shape = [cols, rows]`), each row stored in the weight's [`DType`] (blocks of 32 for
+//! the quantized types). Dot products dequantize on the fly inside the loop and accumulate in f32;
+//! they are written as fixed-size block loops so rustc vectorizes them, and on x86-64 the same code is
+//! compiled a second time with AVX2/FMA enabled and chosen at run time ([`simd_level`]).
+//!
+//! Conventions: RoPE rotates *adjacent* pairs `(x[2i], x[2i+1])` of each head by `pos * inv_freq[i]`
+//! (the GGUF / llama.cpp "normal" rope; GGUF Q/K weights are permuted for it). Attention is causal
+//! grouped-query attention: query head `h` reads KV head `h / (n_heads / n_kv_heads)`.
+
+use metrale_core::dtype::{DType, QK};
+
+/// f16 bits -> f32 (exact for every value, subnormals, infinities and NaN included).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = if exp == 0 {
+        if man == 0 {
+            0
+        } else {
+            // subnormal: man * 2^-24
+            let mag = man as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -mag } else { mag };
+        }
+    } else if exp == 0x1f {
+        0x7f80_0000 | (man << 13)
+    } else {
+        ((exp + 112) << 23) | (man << 13)
+    };
+    f32::from_bits(sign | bits)
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * w` (RMSNorm of one row).
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss = dot_f32(x, x);
+    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = xi * scale * wi;
+    }
+}
+
+/// f32 dot product with 16 independent lanes (vectorizes; the summation order is fixed).
+#[inline(always)]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = 0.0;
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    hsum16(&acc) + s
+}
+
+#[inline(always)]
+fn hsum16(acc: &[f32; 16]) -> f32 {
+    let mut h = [0f32; 8];
+    for l in 0..8 {
+        h[l] = acc[l] + acc[l + 8];
+    }
+    (h[0] + h[4]) + (h[1] + h[5]) + ((h[2] + h[6]) + (h[3] + h[7]))
+}
+
+/// `out += y`.
+pub fn add_inplace(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// SwiGLU: `out = silu(gate) * up`, `silu(g) = g / (1 + exp(-g))`.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+/// In-place softmax over the whole slice (max-subtracted; an empty slice is left alone).
+pub fn softmax_inplace(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Index of the largest value (lowest index on ties).
+pub fn argmax(x: &[f32]) -> usize {
+    crate::sampler::argmax(x)
+}
+
+/// Llama 3 rope scaling ("rope_type": "llama3" in HF configs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: f32,
+}
+
+/// Inverse frequencies `inv_freq[i] = theta^(-2i/head_dim)` for `i < head_dim/2`, with Llama 3 scaling
+/// applied when given, then divided by `freq_factors[i]` when given (GGUF `rope_freqs.weight`).
+pub fn rope_inv_freq(
+    head_dim: usize,
+    theta: f32,
+    scaling: Option<&Llama3RopeScaling>,
+    freq_factors: Option<&[f32]>,
+) -> Vec<f32> {
+    let half = head_dim / 2;
+    (0..half)
+        .map(|i| {
+            let mut f = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+            if let Some(s) = scaling {
+                let old = s.original_max_position_embeddings as f64;
+                let low_wl = old / s.low_freq_factor as f64;
+                let high_wl = old / s.high_freq_factor as f64;
+                let wl = 2.0 * std::f64::consts::PI / f;
+                f = if wl < high_wl {
+                    f
+                } else if wl > low_wl {
+                    f / s.factor as f64
+                } else {
+                    let smooth = (old / wl - s.low_freq_factor as f64)
+                        / (s.high_freq_factor as f64 - s.low_freq_factor as f64);
+                    (1.0 - smooth) * f / s.factor as f64 + smooth * f
+                };
+            }
+            if let Some(ff) = freq_factors {
+                f /= ff[i] as f64;
+            }
+            f as f32
+        })
+        .collect()
+}
+
+/// Rotate each of the `x.len() / head_dim` heads of `x` in place for position `pos`: adjacent pairs
+/// `(x[2i], x[2i+1])` by the angle `pos * inv_freq[i]` (angles computed in f64).
+pub fn rope_inplace(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32]) {
+    let half = head_dim / 2;
+    let mut cs = [(0f32, 0f32); 256];
+    let cs = &mut cs[..half.min(256)];
+    for (i, c) in cs.iter_mut().enumerate() {
+        let a = pos as f64 * inv_freq[i] as f64;
+        *c = (a.cos() as f32, a.sin() as f32);
+    }
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, &(c, s)) in cs.iter().enumerate() {
+            let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+            head[2 * i] = x0 * c - x1 * s;
+            head[2 * i + 1] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/// Grouped-query attention of one query position over `n_ctx` cached positions.
+/// `q`: `[n_heads * head_dim]`; `k`, `v`: `[n_ctx][n_kv_heads * head_dim]` (positions 0..n_ctx of one
+/// layer of one sequence's cache); `out`: `[n_heads * head_dim]`; `scores`: scratch of `n_ctx`.
+/// Scores are `q·k * scale` (scale = 1/sqrt(head_dim) for Llama), softmaxed over all `n_ctx`
+/// positions (causality is the caller's choice of `n_ctx`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_ctx: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    for h in 0..n_heads {
+        attention_head(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores,
+            &mut out[h * head_dim..(h + 1) * head_dim]);
+    }
+}
+
+/// One query head of [`attention`]: writes `out` = `[head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_head(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_ctx: usize,
+    h: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let kv_dim = n_kv_heads * head_dim;
+    let g = h / (n_heads / n_kv_heads);
+    let qh = &q[h * head_dim..(h + 1) * head_dim];
+    scores.clear();
+    scores.extend((0..n_ctx).map(|p| dot_f32(qh, &k[p * kv_dim + g * head_dim..][..head_dim]) * scale));
+    softmax_inplace(scores);
+    out.fill(0.0);
+    for (p, &w) in scores.iter().enumerate() {
+        let vp = &v[p * kv_dim + g * head_dim..][..head_dim];
+        for (o, &x) in out.iter_mut().zip(vp) {
+            *o += w * x;
+        }
+    }
+}
+
+/// The per-token activation data a fused dot needs besides `x` itself: for Q4_0/Q4_1 the sum of
+/// each 32-element block of `x` (the offset terms `-8*d*Σx` and `m*Σx`).
+pub fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks_exact(QK).map(|c| c.iter().sum()).collect()
+}
+
+// ---- fused dot products: one weight row (bytes) with one f32 activation row ----
+
+#[inline(always)]
+fn dot_q4_1_row(row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
+    let mut racc = [0f32; 16];
+    let mut moff = 0f32;
+    for ((b, xb), &s) in row.chunks_exact(20).zip(x.chunks_exact(QK)).zip(xs) {
+        let d = f16_at(b, 0);
+        let m = f16_at(b, 2);
+        let qs = &b[4..20];
+        let mut acc = [0f32; 16];
+        for j in 0..16 {
+            acc[j] = (qs[j] & 0x0f) as f32 * xb[j] + (qs[j] >> 4) as f32 * xb[j + 16];
+        }
+        for j in 0..16 {
+            racc[j] += d * acc[j];
+        }
+        moff += m * s;
+    }
+    hsum16(&racc) + moff
+}
+
+#[inline(always)]
+fn dot_q4_0_row(row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
+    let mut racc = [0f32; 16];
+    let mut off = 0f32;
+    for ((b, xb), &s) in row.chunks_exact(18).zip(x.chunks_exact(QK)).zip(xs) {
+        let d = f16_at(b, 0);
+        let qs = &b[2..18];
+        let mut acc = [0f32; 16];
+        for j in 0..16 {
+            acc[j] = (qs[j] & 0x0f) as f32 * xb[j] + (qs[j] >> 4) as f32 * xb[j + 16];
+        }
+        for j in 0..16 {
+            racc[j] += d * acc[j];
+        }
+        off += d * s;
+    }
+    hsum16(&racc) - 8.0 * off
+}
+
+#[inline(always)]
+fn dot_q8_0_row(row: &[u8], x: &[f32]) -> f32 {
+    let mut racc = [0f32; 16];
+    for (b, xb) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
+        let d = f16_at(b, 0);
+        let qs = &b[2..34];
+        let mut acc = [0f32; 16];
+        for j in 0..16 {
+            acc[j] = (qs[j] as i8) as f32 * xb[j] + (qs[j + 16] as i8) as f32 * xb[j + 16];
+        }
+        for j in 0..16 {
+            racc[j] += d * acc[j];
+        }
+    }
+    hsum16(&racc)
+}
+
+#[inline(always)]
+fn dot_f32_row(row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (b, xb) in row.chunks_exact(64).zip(x.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += f32::from_le_bytes([b[4 * l], b[4 * l + 1], b[4 * l + 2], b[4 * l + 3]]) * xb[l];
+        }
+    }
+    let rem = x.len() / 16 * 16;
+    let mut s = 0.0;
+    for (i, xi) in x.iter().enumerate().skip(rem) {
+        s += f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]) * xi;
+    }
+    hsum16(&acc) + s
+}
+
+#[inline(always)]
+fn dot_16bit_row(row: &[u8], x: &[f32], bf: bool) -> f32 {
+    let conv = |lo: u8, hi: u8| {
+        let h = u16::from_le_bytes([lo, hi]);
+        if bf { f32::from_bits((h as u32) << 16) } else { f16_to_f32(h) }
+    };
+    let mut acc = [0f32; 16];
+    for (b, xb) in row.chunks_exact(32).zip(x.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += conv(b[2 * l], b[2 * l + 1]) * xb[l];
+        }
+    }
+    let rem = x.len() / 16 * 16;
+    let mut s = 0.0;
+    for (i, xi) in x.iter().enumerate().skip(rem) {
+        s += conv(row[2 * i], row[2 * i + 1]) * xi;
+    }
+    hsum16(&acc) + s
+}
+
+/// Dot product of one weight row (`cols` elements of `dtype`, `row.len() == dtype.row_bytes(cols)`)
+/// with `x` (`cols` f32), dequantizing on the fly, f32 accumulation. `xs` = [`block_sums`]`(x)`
+/// (only read for Q4_0/Q4_1). Panics if the lengths disagree (callers validate shapes at load).
+#[inline(always)]
+pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
+    match dtype {
+        DType::Q4_1 => dot_q4_1_row(row, x, xs),
+        DType::Q4_0 => dot_q4_0_row(row, x, xs),
+        DType::Q8_0 => dot_q8_0_row(row, x),
+        DType::F32 => dot_f32_row(row, x),
+        DType::F16 => dot_16bit_row(row, x, false),
+        DType::BF16 => dot_16bit_row(row, x, true),
+    }
+}
+
+/// A weight matrix view: `rows` rows of `cols` elements of `dtype`, row-major in `data`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl MatRef<'_> {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.cols).expect("validated at load")
+    }
+}
+
+/// Rows per cache block of [`matmul_rows`]: a block of weight rows stays in L1 while every token of
+/// the chunk passes over it.
+pub const ROW_BLOCK: usize = 8;
+
+#[inline(always)]
+fn matmul_rows_body(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize, out_t: &mut [f32]) {
+    let rb = w.row_bytes();
+    let nb = w.cols / QK.min(w.cols.max(1));
+    let nrows = out_t.len() / n_tok;
+    let mut r = 0;
+    while r < nrows {
+        let re = (r + ROW_BLOCK).min(nrows);
+        for t in 0..n_tok {
+            let xt = &x[t * w.cols..(t + 1) * w.cols];
+            let xst = if xs.is_empty() { xs } else { &xs[t * nb..(t + 1) * nb] };
+            for rr in r..re {
+                let row = &w.data[(r0 + rr) * rb..(r0 + rr + 1) * rb];
+                out_t[rr * n_tok + t] = dot_row(w.dtype, row, xt, xst);
+            }
+        }
+        r = re;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn matmul_rows_avx2(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize, out_t: &mut [f32]) {
+    matmul_rows_body(w, r0, x, xs, n_tok, out_t)
+}
+
+/// Which instruction set the fused dots run with on this machine: "avx2" or "generic".
+pub fn simd_level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return "avx2";
+        }
+    }
+    "generic"
+}
+
+/// `out_t[rr * n_tok + t] = dot(W[r0 + rr], x[t])` for `rr < out_t.len() / n_tok` and `t < n_tok`:
+/// a block of output rows for every token (rows-major output). `x` is `[n_tok][cols]`, `xs` the
+/// concatenated [`block_sums`] of each token (may be empty unless the weight is Q4_0/Q4_1).
+pub fn matmul_rows(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize, out_t: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd_level() == "avx2" {
+            // SAFETY: the CPU supports avx2 and fma (checked just above).
+            unsafe { matmul_rows_avx2(w, r0, x, xs, n_tok, out_t) };
+            return;
+        }
+    }
+    matmul_rows_body(w, r0, x, xs, n_tok, out_t)
+}
+
+/// Matrix-vector product `out[r] = dot(W[r], x)` for every row (single-threaded reference).
+pub fn matvec(w: MatRef<'_>, x: &[f32], out: &mut [f32]) {
+    let xs = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) { block_sums(x) } else { Vec::new() };
+    matmul_rows(w, 0, x, &xs, 1, out)
+}
+
+/// Matrix product over tokens, parallel over output rows on the current rayon pool:
+/// `out[t * rows + r] = dot(W[r], x[t])`, `x` = `[n_tok][cols]`, `out` = `[n_tok][rows]`.
+pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+    use rayon::prelude::*;
+    assert_eq!(x.len(), n_tok * w.cols, "matmul: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
+    assert_eq!(out.len(), n_tok * w.rows, "matmul: out has {} values, expected {} x {}", out.len(), n_tok, w.rows);
+    let xs: Vec<f32> = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
+        x.chunks_exact(w.cols).flat_map(block_sums).collect()
+    } else {
+        Vec::new()
+    };
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance, each a multiple of ROW_BLOCK rows.
+    let chunk_rows = (w.rows.div_ceil(threads * 4)).div_ceil(ROW_BLOCK).max(1) * ROW_BLOCK;
+    if n_tok == 1 {
+        out.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, o)| {
+            matmul_rows(w, i * chunk_rows, x, &xs, 1, o);
+        });
+        return;
+    }
+    let mut out_t = vec![0f32; w.rows * n_tok];
+    out_t.par_chunks_mut(chunk_rows * n_tok).enumerate().for_each(|(i, o)| {
+        matmul_rows(w, i * chunk_rows, x, &xs, n_tok, o);
+    });
+    for r in 0..w.rows {
+        for t in 0..n_tok {
+            out[t * w.rows + r] = out_t[r * n_tok + t];
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use metrale_core::dtype::dequantize_row;
+
+    /// Deterministic pseudo-random values in [-1, 1).
+    pub(crate) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        (0..n as u64).map(|i| (crate::sampler::uniform(seed, i) * 2.0 - 1.0) as f32).collect()
+    }
+
+    fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
+        (0..n as u64).map(|i| (crate::sampler::uniform(seed, i) * 256.0) as u8).collect()
+    }
+
+    /// Random valid weight bytes of `dtype` (finite f16 scales).
+    pub(crate) fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let n = dtype.tensor_bytes(cols, rows).unwrap();
+        let mut b = rand_bytes(n, seed);
+        let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
+        match dtype {
+            DType::F32 => {
+                for (i, c) in b.chunks_exact_mut(4).enumerate() {
+                    c.copy_from_slice(&((crate::sampler::uniform(seed, i as u64) as f32) - 0.5).to_le_bytes());
+                }
+            }
+            DType::F16 => {
+                for (i, c) in b.chunks_exact_mut(2).enumerate() {
+                    c.copy_from_slice(&h(crate::sampler::uniform(seed, i as u64) as f32 - 0.5));
+                }
+            }
+            DType::BF16 => {
+                for (i, c) in b.chunks_exact_mut(2).enumerate() {
+                    let v = half::bf16::from_f32(crate::sampler::uniform(seed, i as u64) as f32 - 0.5);
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            DType::Q4_0 | DType::Q8_0 => {
+                for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                    c[..2].copy_from_slice(&h(0.01 + (i % 7) as f32 * 0.003));
+                }
+            }
+            DType::Q4_1 => {
+                for (i, c) in b.chunks_exact_mut(20).enumerate() {
+                    c[..2].copy_from_slice(&h(0.01 + (i % 7) as f32 * 0.003));
+                    c[2..4].copy_from_slice(&h(-0.05 + (i % 5) as f32 * 0.01));
+                }
+            }
+        }
+        b
+    }
+
+    #[test]
+    fn f16_conversion_matches_half_for_every_value() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            let got = f16_to_f32(h);
+            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{h:#x}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn fused_dots_match_dequantize_then_dot() {
+        let (rows, cols) = (37, 96);
+        for (k, dt) in DType::ALL.into_iter().enumerate() {
+            let w = rand_weights(dt, rows, cols, 11 + k as u64);
+            let x = rand_vec(cols * 3, 5);
+            let m = MatRef { dtype: dt, rows, cols, data: &w };
+            let mut got = vec![0f32; rows * 3];
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            pool.install(|| matmul(m, &x, 3, &mut got));
+            let rb = dt.row_bytes(cols).unwrap();
+            for t in 0..3 {
+                let mut single = vec![0f32; rows];
+                matvec(m, &x[t * cols..(t + 1) * cols], &mut single);
+                for r in 0..rows {
+                    let mut deq = vec![0f32; cols];
+                    dequantize_row(dt, &w[r * rb..(r + 1) * rb], &mut deq).unwrap();
+                    let want: f64 = deq.iter().zip(&x[t * cols..]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let g = got[t * rows + r];
+                    assert!((g as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{dt} r{r} t{t}: {g} vs {want}");
+                    assert_eq!(g.to_bits(), single[r].to_bits(), "matmul and matvec differ");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rmsnorm_swiglu_softmax_by_hand() {
+        let mut o = [0f32; 2];
+        rmsnorm(&[3.0, 4.0], &[1.0, 2.0], 0.0, &mut o);
+        let s = (12.5f32).sqrt();
+        assert!((o[0] - 3.0 / s).abs() < 1e-6 && (o[1] - 8.0 / s).abs() < 1e-6);
+        swiglu(&[0.0, 1.0], &[5.0, 2.0], &mut o);
+        assert_eq!(o[0], 0.0);
+        assert!((o[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+        let mut p = [1.0f32, 1.0, 1.0f32 + 2f32.ln()];
+        softmax_inplace(&mut p);
+        assert!((p[0] - 0.25).abs() < 1e-6 && (p[2] - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_adjacent_pairs() {
+        let inv = rope_inv_freq(4, 100.0, None, None);
+        assert!((inv[0] - 1.0).abs() < 1e-7 && (inv[1] - 0.1).abs() < 1e-7);
+        let mut x = [1.0f32, 0.0, 0.0, 2.0];
+        rope_inplace(&mut x, 4, 3, &inv);
+        let (c0, s0, c1, s1) = (3f32.cos(), 3f32.sin(), 0.3f32.cos(), 0.3f32.sin());
+        let want = [c0, s0, -2.0 * s1, 2.0 * c1];
+        for i in 0..4 {
+            assert!((x[i] - want[i]).abs() < 1e-6, "{i}: {} vs {}", x[i], want[i]);
+        }
+        // Llama 3 scaling: a low frequency is divided by the factor, a high one is kept.
+        let s = Llama3RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 };
+        let plain = rope_inv_freq(128, 500000.0, None, None);
+        let scaled = rope_inv_freq(128, 500000.0, Some(&s), None);
+        assert_eq!(scaled[0], plain[0]);
+        assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn attention_matches_naive_gqa() {
+        let (n_heads, n_kv, hd, n_ctx) = (4, 2, 8, 5);
+        let q = rand_vec(n_heads * hd, 1);
+        let k = rand_vec(n_ctx * n_kv * hd, 2);
+        let v = rand_vec(n_ctx * n_kv * hd, 3);
+        let mut out = vec![0f32; n_heads * hd];
+        let mut sc = Vec::new();
+        attention(&q, &k, &v, n_ctx, n_heads, n_kv, hd, 0.5, &mut sc, &mut out);
+        for h in 0..n_heads {
+            let g = h / 2;
+            let s: Vec<f64> = (0..n_ctx)
+                .map(|p| (0..hd).map(|i| q[h * hd + i] as f64 * k[p * n_kv * hd + g * hd + i] as f64).sum::<f64>() * 0.5)
+                .collect();
+            let m = s.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+            for i in 0..hd {
+                let want: f64 = (0..n_ctx).map(|p| (s[p] - m).exp() / z * v[p * n_kv * hd + g * hd + i] as f64).sum();
+                assert!((out[h * hd + i] as f64 - want).abs() < 1e-5);
+            }
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! Self-consistency of the CPU forward pass on a small random model: a prompt run as one prefill
+//! chunk, as several chunks, token by token, and batched beside another sequence must give the same
+//! logits (to f32 rounding: the sums are the same, only their grouping over tokens differs).
+use super::*;
+use crate::sampler::SamplingParams;
+use crate::cpu::ops::tests::{rand_vec, rand_weights};
+
+fn tiny(dtype: DType) -> CpuBackend {
+    let dims = Dims { n_layers: 2, hidden: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, ffn: 96, vocab: 50, norm_eps: 1e-5 };
+    let mut seed = 100;
+    let mut m = |rows: usize, cols: usize, dt: DType| {
+        seed += 1;
+        QTensor { dtype: dt, rows, cols, data: rand_weights(dt, rows, cols, seed) }
+    };
+    let embd = m(dims.vocab, dims.hidden, DType::Q8_0);
+    let layers = (0..dims.n_layers)
+        .map(|i| Layer {
+            attn_norm: rand_vec(64, 900 + i as u64).iter().map(|v| 1.0 + 0.2 * v).collect(),
+            wq: m(64, 64, dtype),
+            wk: m(32, 64, dtype),
+            wv: m(32, 64, dtype),
+            wo: m(64, 64, dtype),
+            ffn_norm: rand_vec(64, 950 + i as u64).iter().map(|v| 1.0 + 0.2 * v).collect(),
+            w_gate: m(96, 64, dtype),
+            w_up: m(96, 64, dtype),
+            w_down: m(64, 96, dtype),
+        })
+        .collect();
+    let inv = ops::rope_inv_freq(16, 10000.0, None, None);
+    CpuBackend::from_parts(dims, embd, None, vec![1.0; 64], layers, inv, 3, 32, 2).unwrap()
+}
+
+fn run(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]) -> Vec<f32> {
+    let p = SamplingParams::default();
+    let s = SeqStep { slot, start_pos: start, tokens: toks, history: hist, sampling: &p, draw: 0, want_logits: true };
+    b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32) {
+    let m = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(m <= tol, "max diff {m} > {tol}");
+}
+
+#[test]
+fn prefill_chunks_decode_and_batching_agree() {
+    for dt in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::F16, DType::BF16, DType::F32] {
+        let mut b = tiny(dt);
+        let prompt: Vec<u32> = vec![1, 7, 3, 49, 20, 11, 5, 8, 30];
+        let whole = run(&mut b, 0, 0, &prompt, &prompt);
+        // three chunks in slot 1
+        run(&mut b, 1, 0, &prompt[..4], &prompt[..4]);
+        run(&mut b, 1, 4, &prompt[4..7], &prompt[..7]);
+        let chunked = run(&mut b, 1, 7, &prompt[7..], &prompt);
+        close(&whole, &chunked, 1e-4);
+        // token by token in slot 2
+        let mut last = Vec::new();
+        for i in 0..prompt.len() {
+            last = run(&mut b, 2, i, &prompt[i..i + 1], &prompt[..=i]);
+        }
+        close(&whole, &last, 1e-4);
+        // batched: slot 0 decodes one more token while slot 1 prefills a fresh prompt
+        let p = SamplingParams::default();
+        let next = [4u32];
+        let mut h0 = prompt.clone();
+        h0.push(4);
+        let other: Vec<u32> = vec![2, 2, 9];
+        let out = b
+            .step(&[
+                SeqStep { slot: 0, start_pos: prompt.len(), tokens: &next, history: &h0, sampling: &p, draw: 0, want_logits: true },
+                SeqStep { slot: 1, start_pos: 0, tokens: &other, history: &other, sampling: &p, draw: 0, want_logits: true },
+            ])
+            .unwrap();
+        let alone0 = run(&mut b, 2, prompt.len(), &next, &h0);
+        let alone1 = run(&mut b, 2, 0, &other, &other);
+        close(out[0].logits.as_ref().unwrap(), &alone0, 1e-4);
+        close(out[1].logits.as_ref().unwrap(), &alone1, 1e-4);
+        assert_eq!(out[0].token as usize, ops::argmax(&alone0));
+    }
+}
+
+#[test]
+fn invalid_steps_are_refused() {
+    let mut b = tiny(DType::Q4_1);
+    let p = SamplingParams::default();
+    let bad = |slot, start, toks: &'static [u32]| SeqStep { slot, start_pos: start, tokens: toks, history: toks, sampling: &p, draw: 0, want_logits: false };
+    assert!(b.step(&[bad(3, 0, &[1])]).is_err());
+    assert!(b.step(&[bad(0, 31, &[1, 2])]).is_err());
+    assert!(b.step(&[bad(0, 0, &[50])]).is_err());
+    assert!(b.step(&[bad(0, 0, &[])]).is_err());
+    assert!(b.step(&[bad(0, 0, &[1]), bad(0, 1, &[1])]).is_err());
+    assert!(b.step(&[bad(0, 31, &[1])]).is_ok());
+}
