@@ -1,1 +1,565 @@
-//! Target specifications (TODO toolchain helper).
+//! Target specifications: one target is a (hardware, model, quant) triple, declared as data under
+//! `targets/` and parsed here into typed structs. Every struct denies unknown keys, so a typo in a
+//! TOML file is an error naming the file and the key, never a silently ignored setting.
+//!
+//! ## Files
+//! - `targets/<hw>/HARDWARE.toml`: the hardware (`name`, `backend` = cuda | metal | cpu, and for cuda:
+//!   `cubin_arch`, `ptx_arch`, `sm_count`, `memory_gib`, `l2_mib`, `smem_per_block_kib`, ...).
+//! - `targets/<hw>/<model>/<quant>/MODEL.toml`: what this target bakes in: `[quant]`, the kernel
+//!   template list `kernels`, and optional overrides of the model's `[sampling.*]` / `[behavior]`.
+//! - `targets/models/<model>.toml`: the model's shape (`[model]`, incl. `[model.rope_scaling]`),
+//!   `[[model_types]]`, default `[sampling.chat]`, `[sampling.completion]` and `[behavior]`.
+//!
+//! ## Why `extends`
+//! The shape block of a model is the same on every hardware, so it is written once, in
+//! `targets/models/<model>.toml`; each MODEL.toml starts with `extends = "<model>"`. Resolution is a
+//! deep merge of tables: the shared file first, then the MODEL.toml on top (a MODEL.toml may override
+//! any key, e.g. `[behavior] parallel` on a small machine). The result, [`TargetSpec::model_toml`],
+//! is a self-contained TOML text without `extends`: it is what `build-target` embeds in the binary
+//! and what [`TargetSpec::from_toml`] parses at run time (it refuses an unresolved `extends`). The
+//! file path contract `targets/<hw>/<model>/<quant>/MODEL.toml` therefore holds, and no shape constant
+//! exists twice. `targets/models/` is not a hardware directory: hardware directories are exactly the
+//! ones holding a HARDWARE.toml.
+//!
+//! ## Invariants
+//! - `hardware.name == id.hw`, `model.name == id.model`, `quant.name == id.quant`.
+//! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count` and `smem_per_block_kib`; metal hardware
+//!   has `metal_std`. Shapes are consistent (`heads * head_dim == hidden`, `heads % kv_heads == 0`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Error while reading or checking a target.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("{path}: field `{field}`: expected {expected}, got {got}")]
+    Invalid { path: String, field: String, expected: String, got: String },
+    #[error("target {id} not found ({path} does not exist); available targets: {available}")]
+    NotFound { id: String, path: PathBuf, available: String },
+    #[error("bad target id `{got}`: expected hw/model/quant, e.g. h200/smollm2-135m/q4_1")]
+    BadId { got: String },
+}
+
+/// A target's identity. Displayed as `hw/model/quant`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TargetId {
+    pub hw: String,
+    pub model: String,
+    pub quant: String,
+}
+
+impl TargetId {
+    pub fn new(hw: &str, model: &str, quant: &str) -> Self {
+        TargetId { hw: hw.to_string(), model: model.to_string(), quant: quant.to_string() }
+    }
+}
+
+impl fmt::Display for TargetId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.hw, self.model, self.quant)
+    }
+}
+
+impl std::str::FromStr for TargetId {
+    type Err = TargetError;
+    fn from_str(s: &str) -> Result<Self, TargetError> {
+        let parts: Vec<&str> = s.split('/').collect();
+        let ok = |p: &str| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && p != "." && p != "..";
+        if parts.len() == 3 && parts.iter().all(|p| ok(p)) {
+            Ok(TargetId::new(parts[0], parts[1], parts[2]))
+        } else {
+            Err(TargetError::BadId { got: s.to_string() })
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cuda,
+    Metal,
+    Cpu,
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Cuda => "cuda",
+            BackendKind::Metal => "metal",
+            BackendKind::Cpu => "cpu",
+        })
+    }
+}
+
+/// `targets/<hw>/HARDWARE.toml`. Optional fields are required per backend (see module docs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    pub name: String,
+    pub backend: BackendKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// e.g. "sm_90a": the exact arch cubins are compiled for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cubin_arch: Option<String>,
+    /// e.g. "compute_90": the virtual arch of the PTX fallback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ptx_arch: Option<String>,
+    /// Compute capability as major*10+minor, e.g. 90 (what the device must report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_capability: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_count: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_gib: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bandwidth_gbs: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub l2_mib: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub smem_per_block_kib: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub smem_per_sm_kib: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_threads_per_block: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_threads_per_sm: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warp_size: Option<u32>,
+    /// Metal: the language standard passed to `xcrun metal -std=...`, e.g. "metal3.1".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metal_std: Option<String>,
+    /// Metal: GPU cores (the analogue of SMs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_cores: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threadgroup_mem_kib: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simd_width: Option<u32>,
+    /// CPU: cores the defaults are sized for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<u32>,
+}
+
+/// llama3-style RoPE frequency scaling (Llama 3.1/3.2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RopeScaling {
+    /// "llama3" (the only kind supported).
+    pub rope_type: String,
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: u32,
+}
+
+/// `[model]`: the shape constants kernels are specialised on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelShape {
+    pub family: String,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    pub layers: u32,
+    pub hidden: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub ffn: u32,
+    pub vocab: u32,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub max_context: u32,
+    pub tied_embeddings: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+/// `[quant]`: how weights are stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quant {
+    pub name: String,
+    /// dtype of the linear layers' weights: "q4_1" | "bf16".
+    pub weights: String,
+    /// dtype of the token embedding (also the tied LM head): "q8_0" | "bf16" | ...
+    pub embedding: String,
+}
+
+/// One `[[model_types]]` entry: a checkpoint with this (model_type, hidden_size) is served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelType {
+    pub model_type: String,
+    pub hidden_size: u32,
+}
+
+/// Sampling defaults a request gets when it sets none of them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingPreset {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+}
+
+/// `[sampling.chat]` (chat completions) and `[sampling.completion]` (plain completions).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sampling {
+    #[serde(default)]
+    pub chat: SamplingPreset,
+    #[serde(default)]
+    pub completion: SamplingPreset,
+}
+
+/// `[behavior]`: server defaults baked into the binary.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Behavior {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ctx_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<usize>,
+}
+
+/// The resolved MODEL.toml (after `extends`), as parsed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelFile {
+    model: ModelShape,
+    quant: Quant,
+    model_types: Vec<ModelType>,
+    #[serde(default)]
+    sampling: Sampling,
+    #[serde(default)]
+    behavior: Behavior,
+    #[serde(default)]
+    kernels: Vec<String>,
+}
+
+/// A fully parsed and checked target.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetSpec {
+    pub id: TargetId,
+    pub hardware: Hardware,
+    pub model: ModelShape,
+    pub quant: Quant,
+    pub model_types: Vec<ModelType>,
+    pub sampling: Sampling,
+    pub behavior: Behavior,
+    /// Kernel template names (`kernels/<backend>/<name>.<ext>.hbs`), in declaration order.
+    pub kernels: Vec<String>,
+    /// HARDWARE.toml text as read.
+    pub hardware_toml: String,
+    /// The resolved MODEL.toml text (no `extends`): the text embedded in binaries.
+    pub model_toml: String,
+}
+
+/// Name of the folder of shared model files inside the targets root.
+pub const MODELS_DIR: &str = "models";
+
+fn read(path: &Path) -> Result<String, TargetError> {
+    std::fs::read_to_string(path).map_err(|source| TargetError::Io { path: path.to_path_buf(), source })
+}
+
+fn parse_value(text: &str, path: &str) -> Result<toml::Table, TargetError> {
+    text.parse::<toml::Table>().map_err(|e| TargetError::Parse { path: path.to_string(), message: e.to_string() })
+}
+
+/// Deep merge: tables merge key by key, anything else in `top` replaces `base`.
+fn merge(base: &mut toml::Table, top: toml::Table) {
+    for (k, v) in top {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+impl TargetSpec {
+    pub fn hardware_path(root: &Path, id: &TargetId) -> PathBuf {
+        root.join(&id.hw).join("HARDWARE.toml")
+    }
+    pub fn model_path(root: &Path, id: &TargetId) -> PathBuf {
+        root.join(&id.hw).join(&id.model).join(&id.quant).join("MODEL.toml")
+    }
+
+    /// Reads `targets_root/<hw>/<model>/<quant>/MODEL.toml`, resolves its `extends`, and returns the
+    /// self-contained TOML text plus the repo-relative-to-root paths of the files it came from.
+    pub fn resolve_model_toml(root: &Path, id: &TargetId) -> Result<(String, Vec<PathBuf>), TargetError> {
+        let path = Self::model_path(root, id);
+        let text = read(&path)?;
+        let mut top = parse_value(&text, &path.display().to_string())?;
+        let mut files = vec![path.clone()];
+        let resolved = match top.remove("extends") {
+            None => top,
+            Some(toml::Value::String(name)) => {
+                let valid = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && !name.starts_with('.');
+                if !valid {
+                    return Err(TargetError::Invalid { path: path.display().to_string(), field: "extends".into(), expected: "a model name (a file targets/models/<name>.toml)".into(), got: name });
+                }
+                let base_path = root.join(MODELS_DIR).join(format!("{name}.toml"));
+                let base_text = read(&base_path)?;
+                let mut base = parse_value(&base_text, &base_path.display().to_string())?;
+                if base.contains_key("extends") {
+                    return Err(TargetError::Invalid { path: base_path.display().to_string(), field: "extends".into(), expected: "no extends in a shared model file".into(), got: "extends".into() });
+                }
+                merge(&mut base, top);
+                files.insert(0, base_path);
+                base
+            }
+            Some(other) => {
+                return Err(TargetError::Invalid { path: path.display().to_string(), field: "extends".into(), expected: "a string".into(), got: other.type_str().into() })
+            }
+        };
+        let text = toml::to_string(&resolved).map_err(|e| TargetError::Parse { path: path.display().to_string(), message: e.to_string() })?;
+        Ok((text, files))
+    }
+
+    /// Loads and checks a target from the `targets/` folder.
+    pub fn load(targets_root: &Path, id: &TargetId) -> Result<TargetSpec, TargetError> {
+        let hw_path = Self::hardware_path(targets_root, id);
+        let model_path = Self::model_path(targets_root, id);
+        if !hw_path.is_file() || !model_path.is_file() {
+            let missing = if hw_path.is_file() { model_path } else { hw_path };
+            let available = list_targets(targets_root)
+                .map(|v| v.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", "))
+                .unwrap_or_else(|e| format!("(cannot list: {e})"));
+            return Err(TargetError::NotFound { id: id.to_string(), path: missing, available });
+        }
+        let hw_text = read(&hw_path)?;
+        let (model_text, _) = Self::resolve_model_toml(targets_root, id)?;
+        Self::parse(&hw_text, &hw_path.display().to_string(), &model_text, &model_path.display().to_string(), id)
+    }
+
+    /// Parses the embedded texts (HARDWARE.toml and the resolved MODEL.toml) of a target.
+    pub fn from_toml(hardware_toml: &str, model_toml: &str, id: &TargetId) -> Result<TargetSpec, TargetError> {
+        Self::parse(hardware_toml, &format!("{}/HARDWARE.toml", id.hw), model_toml, &format!("{id}/MODEL.toml"), id)
+    }
+
+    fn parse(hw_text: &str, hw_path: &str, model_text: &str, model_path: &str, id: &TargetId) -> Result<TargetSpec, TargetError> {
+        let hardware: Hardware = toml::from_str(hw_text).map_err(|e| TargetError::Parse { path: hw_path.to_string(), message: e.to_string() })?;
+        if model_text.parse::<toml::Table>().map(|t| t.contains_key("extends")).unwrap_or(false) {
+            return Err(TargetError::Invalid { path: model_path.to_string(), field: "extends".into(), expected: "a resolved MODEL.toml (TargetSpec::resolve_model_toml)".into(), got: "extends".into() });
+        }
+        let m: ModelFile = toml::from_str(model_text).map_err(|e| TargetError::Parse { path: model_path.to_string(), message: e.to_string() })?;
+        let spec = TargetSpec {
+            id: id.clone(),
+            hardware,
+            model: m.model,
+            quant: m.quant,
+            model_types: m.model_types,
+            sampling: m.sampling,
+            behavior: m.behavior,
+            kernels: m.kernels,
+            hardware_toml: hw_text.to_string(),
+            model_toml: model_text.to_string(),
+        };
+        spec.check(hw_path, model_path)?;
+        Ok(spec)
+    }
+
+    fn check(&self, hw_path: &str, model_path: &str) -> Result<(), TargetError> {
+        let inv = |path: &str, field: &str, expected: String, got: String| TargetError::Invalid { path: path.to_string(), field: field.to_string(), expected, got };
+        if self.hardware.name != self.id.hw {
+            return Err(inv(hw_path, "name", format!("\"{}\" (the folder name)", self.id.hw), format!("\"{}\"", self.hardware.name)));
+        }
+        if self.model.name != self.id.model {
+            return Err(inv(model_path, "model.name", format!("\"{}\" (the folder name)", self.id.model), format!("\"{}\"", self.model.name)));
+        }
+        if self.quant.name != self.id.quant {
+            return Err(inv(model_path, "quant.name", format!("\"{}\" (the folder name)", self.id.quant), format!("\"{}\"", self.quant.name)));
+        }
+        match self.hardware.backend {
+            BackendKind::Cuda => {
+                let h = &self.hardware;
+                for (field, present) in [
+                    ("cubin_arch", h.cubin_arch.is_some()),
+                    ("ptx_arch", h.ptx_arch.is_some()),
+                    ("sm_count", h.sm_count.is_some()),
+                    ("smem_per_block_kib", h.smem_per_block_kib.is_some()),
+                    ("compute_capability", h.compute_capability.is_some()),
+                ] {
+                    if !present {
+                        return Err(inv(hw_path, field, "a value (required for backend = \"cuda\")".into(), "nothing".into()));
+                    }
+                }
+                if let Some(a) = &h.cubin_arch {
+                    if !a.starts_with("sm_") {
+                        return Err(inv(hw_path, "cubin_arch", "sm_<NN>[a], e.g. sm_90a".into(), a.clone()));
+                    }
+                }
+                if let Some(a) = &h.ptx_arch {
+                    if !a.starts_with("compute_") {
+                        return Err(inv(hw_path, "ptx_arch", "compute_<NN>[a], e.g. compute_90".into(), a.clone()));
+                    }
+                }
+            }
+            BackendKind::Metal => {
+                if self.hardware.metal_std.is_none() {
+                    return Err(inv(hw_path, "metal_std", "a value such as \"metal3.1\" (required for backend = \"metal\")".into(), "nothing".into()));
+                }
+            }
+            BackendKind::Cpu => {}
+        }
+        let m = &self.model;
+        if m.heads == 0 || m.kv_heads == 0 || m.heads % m.kv_heads != 0 {
+            return Err(inv(model_path, "model.kv_heads", format!("a divisor of heads ({})", m.heads), m.kv_heads.to_string()));
+        }
+        if m.heads * m.head_dim != m.hidden {
+            return Err(inv(model_path, "model.head_dim", format!("hidden / heads = {}", m.hidden / m.heads.max(1)), m.head_dim.to_string()));
+        }
+        for (field, v) in [("model.layers", m.layers), ("model.ffn", m.ffn), ("model.vocab", m.vocab), ("model.max_context", m.max_context)] {
+            if v == 0 {
+                return Err(inv(model_path, field, "a positive number".into(), "0".into()));
+            }
+        }
+        if let Some(rs) = &m.rope_scaling {
+            if rs.rope_type != "llama3" {
+                return Err(inv(model_path, "model.rope_scaling.rope_type", "\"llama3\"".into(), rs.rope_type.clone()));
+            }
+        }
+        if self.model_types.is_empty() {
+            return Err(inv(model_path, "model_types", "at least one [[model_types]] entry".into(), "none".into()));
+        }
+        for q in [&self.quant.weights, &self.quant.embedding] {
+            if !["q4_0", "q4_1", "q8_0", "bf16", "f16", "f32"].contains(&q.as_str()) {
+                return Err(inv(model_path, "quant.weights/embedding", "one of q4_0, q4_1, q8_0, bf16, f16, f32".into(), q.clone()));
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for k in &self.kernels {
+            if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return Err(inv(model_path, "kernels", "names of [A-Za-z0-9_]+".into(), format!("\"{k}\"")));
+            }
+            if !seen.insert(k) {
+                return Err(inv(model_path, "kernels", "each kernel once".into(), format!("\"{k}\" twice")));
+            }
+        }
+        if self.hardware.backend == BackendKind::Cpu && !self.kernels.is_empty() {
+            return Err(inv(model_path, "kernels", "an empty list (the cpu backend has no compiled kernels)".into(), format!("{:?}", self.kernels)));
+        }
+        Ok(())
+    }
+
+    /// Whether a checkpoint with this config is served by this target.
+    pub fn serves(&self, model_type: &str, hidden_size: usize) -> bool {
+        self.model_types.iter().any(|t| t.model_type == model_type && t.hidden_size as usize == hidden_size)
+    }
+
+    /// Human-readable multi-line description (used by `metrale-server --target-info`).
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        let h = &self.hardware;
+        let m = &self.model;
+        s.push_str(&format!("target:   {}\n", self.id));
+        s.push_str(&format!("hardware: {} (backend {})", h.name, h.backend));
+        if let Some(d) = &h.description {
+            s.push_str(&format!(" - {d}"));
+        }
+        s.push('\n');
+        if let (Some(c), Some(p)) = (&h.cubin_arch, &h.ptx_arch) {
+            s.push_str(&format!("arch:     cubin {c}, ptx {p}\n"));
+        }
+        if let Some(n) = h.sm_count {
+            s.push_str(&format!("SMs:      {n}\n"));
+        }
+        if let Some(n) = h.gpu_cores {
+            s.push_str(&format!("GPU cores: {n}\n"));
+        }
+        if let Some(n) = h.memory_gib {
+            s.push_str(&format!("memory:   {n} GiB\n"));
+        }
+        s.push_str(&format!(
+            "model:    {} ({}): {} layers, hidden {}, {} heads / {} kv heads of {}, ffn {}, vocab {}, rope theta {}, eps {}, context {}{}\n",
+            m.name, m.family, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab, m.rope_theta, m.norm_eps, m.max_context,
+            if m.tied_embeddings { ", tied embeddings" } else { "" }
+        ));
+        if let Some(r) = &m.rope_scaling {
+            s.push_str(&format!(
+                "rope scaling: {} factor {}, low {}, high {}, original context {}\n",
+                r.rope_type, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
+            ));
+        }
+        s.push_str(&format!("quant:    {} (weights {}, embedding {})\n", self.quant.name, self.quant.weights, self.quant.embedding));
+        let pairs: Vec<String> = self.model_types.iter().map(|t| format!("({}, {})", t.model_type, t.hidden_size)).collect();
+        s.push_str(&format!("serves (model_type, hidden_size): {}\n", pairs.join(", ")));
+        let preset = |p: &SamplingPreset| {
+            let mut v = Vec::new();
+            if let Some(x) = p.temperature { v.push(format!("temperature={x}")) }
+            if let Some(x) = p.top_p { v.push(format!("top_p={x}")) }
+            if let Some(x) = p.top_k { v.push(format!("top_k={x}")) }
+            if let Some(x) = p.min_p { v.push(format!("min_p={x}")) }
+            if let Some(x) = p.repetition_penalty { v.push(format!("repetition_penalty={x}")) }
+            if v.is_empty() { "(none)".to_string() } else { v.join(" ") }
+        };
+        s.push_str(&format!("sampling.chat:       {}\n", preset(&self.sampling.chat)));
+        s.push_str(&format!("sampling.completion: {}\n", preset(&self.sampling.completion)));
+        let b = &self.behavior;
+        let o = |x: Option<usize>| x.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
+        s.push_str(&format!("behavior: max_tokens {}, ctx_size {}, parallel {}\n", o(b.max_tokens), o(b.ctx_size), o(b.parallel)));
+        s.push_str(&format!("kernels:  {}\n", if self.kernels.is_empty() { "(none)".to_string() } else { self.kernels.join(", ") }));
+        s
+    }
+}
+
+/// Every buildable target under `root`, sorted: `<hw>/HARDWARE.toml` x `<hw>/<model>/<quant>/MODEL.toml`.
+pub fn list_targets(root: &Path) -> Result<Vec<TargetId>, TargetError> {
+    let dirs = |p: &Path| -> Result<Vec<String>, TargetError> {
+        let mut v = Vec::new();
+        for e in std::fs::read_dir(p).map_err(|source| TargetError::Io { path: p.to_path_buf(), source })? {
+            let e = e.map_err(|source| TargetError::Io { path: p.to_path_buf(), source })?;
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                if let Some(n) = e.file_name().to_str() {
+                    v.push(n.to_string());
+                }
+            }
+        }
+        v.sort();
+        Ok(v)
+    };
+    let mut out = Vec::new();
+    for hw in dirs(root)? {
+        let hw_dir = root.join(&hw);
+        if !hw_dir.join("HARDWARE.toml").is_file() {
+            continue;
+        }
+        for model in dirs(&hw_dir)? {
+            for quant in dirs(&hw_dir.join(&model))? {
+                if hw_dir.join(&model).join(&quant).join("MODEL.toml").is_file() {
+                    out.push(TargetId::new(&hw, &model, &quant));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Groups targets by hardware, for display.
+pub fn matrix(ids: &[TargetId]) -> BTreeMap<String, Vec<String>> {
+    let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for id in ids {
+        m.entry(id.hw.clone()).or_default().push(format!("{}/{}", id.model, id.quant));
+    }
+    m
+}
