@@ -4,7 +4,31 @@
 //! the serving metrics. It knows nothing of HTTP, JSON or text: the server turns text into token ids and
 //! back, and handles stop strings.
 //!
-//! TODO(cpu-engine): implement. The public API below is the contract the server codes against.
+//! Architecture: [`Engine::spawn`] moves the backend onto a dedicated OS thread running the loop;
+//! [`EngineHandle`] (cheap to clone, Send + Sync) submits requests over a channel and reads metrics.
+//! Each loop iteration: take new requests, drop the cancelled ones (their event receiver is gone),
+//! admit waiting requests (FIFO) into free slots, then build one step: one token for every decoding
+//! sequence, then prefill chunks (at most `prefill_chunk` tokens each, at most `max_step_tokens` in
+//! all, but always at least one chunk so prefill progresses), run it, stream the sampled tokens.
+//! When nothing runs or waits, the loop blocks on the channel; when every handle is dropped, it ends.
+//!
+//! Invariants: a request owns exactly one slot from admission to its end, and the slot is released
+//! exactly once; `start_pos` given to the backend is always the number of tokens already in the
+//! slot; a request that ends sends exactly one `Done` or `Error` (unless its receiver is gone);
+//! stop tokens are not streamed as `Token` events but count in `completion_tokens`; generation never
+//! needs more positions than the slot holds (`max_tokens` is clipped at submit time).
+
+pub mod metrics;
+
+pub use metrics::{Histogram, MetricsSnapshot};
+pub use metrale_backend::BackendInfo;
+
+use metrale_backend::{Backend, SeqStep};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc as tmpsc;
 
 use metrale_backend::sampler::SamplingParams;
 
@@ -46,3 +70,398 @@ pub enum SubmitError {
     #[error("the engine has stopped: {0}")]
     Stopped(String),
 }
+
+/// Scheduler settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Most prompt tokens of one sequence per step.
+    pub prefill_chunk: usize,
+    /// Most tokens (decode + prefill) per step, unless one decode token per running sequence needs more.
+    pub max_step_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { prefill_chunk: 256, max_step_tokens: 512 }
+    }
+}
+
+/// The engine (see the module docs); [`Engine::spawn`] starts it.
+pub struct Engine;
+
+struct Submitted {
+    req: GenerateRequest,
+    tx: tmpsc::UnboundedSender<Event>,
+    at: Instant,
+}
+
+struct Shared {
+    tx: Mutex<Option<mpsc::Sender<Submitted>>>,
+    info: BackendInfo,
+    metrics: Mutex<MetricsSnapshot>,
+    /// Submitted but not yet admitted into a slot.
+    waiting: AtomicUsize,
+    dead: Mutex<Option<String>>,
+}
+
+/// A handle on a running engine: submit requests, read metrics and backend info.
+#[derive(Clone)]
+pub struct EngineHandle {
+    shared: Arc<Shared>,
+}
+
+impl Engine {
+    /// Start the engine loop on its own thread, owning `backend`.
+    pub fn spawn(backend: Box<dyn Backend>, cfg: EngineConfig) -> EngineHandle {
+        let info = backend.info();
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            tx: Mutex::new(Some(tx)),
+            info,
+            metrics: Mutex::new(MetricsSnapshot::default()),
+            waiting: AtomicUsize::new(0),
+            dead: Mutex::new(None),
+        });
+        // The loop holds the shared state weakly only, so that dropping the last handle drops the
+        // sender and ends the loop.
+        let weak = Arc::downgrade(&shared);
+        std::thread::Builder::new()
+            .name("metrale-engine".into())
+            .spawn(move || Loop::new(backend, cfg, rx, weak).run())
+            .expect("spawning the engine thread");
+        EngineHandle { shared }
+    }
+}
+
+impl EngineHandle {
+    /// Queue a request. Events arrive on the returned receiver; dropping it cancels the request.
+    /// `max_tokens` is clipped so that the prompt and the generated tokens fit one slot.
+    pub fn submit(&self, mut req: GenerateRequest) -> Result<tmpsc::UnboundedReceiver<Event>, SubmitError> {
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        let capacity = self.shared.info.slot_capacity;
+        if req.prompt.len() > capacity {
+            return Err(SubmitError::PromptTooLong { prompt: req.prompt.len(), capacity });
+        }
+        // The prompt fills positions 0..p; generated token k (k >= 1) is fed at position p + k - 1.
+        req.max_tokens = req.max_tokens.min(capacity + 1 - req.prompt.len());
+        if let Some(why) = self.shared.dead.lock().unwrap().clone() {
+            return Err(SubmitError::Stopped(why));
+        }
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let guard = self.shared.tx.lock().unwrap();
+        let sender = guard.as_ref().ok_or_else(|| SubmitError::Stopped("the engine was shut down".into()))?;
+        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        if sender.send(Submitted { req, tx, at: Instant::now() }).is_err() {
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            let why = self.shared.dead.lock().unwrap().clone().unwrap_or_else(|| "the engine thread has ended".into());
+            return Err(SubmitError::Stopped(why));
+        }
+        Ok(rx)
+    }
+
+    /// The current metrics.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut m = self.shared.metrics.lock().unwrap().clone();
+        m.num_requests_waiting = self.shared.waiting.load(Ordering::SeqCst);
+        m
+    }
+
+    /// What the backend reported when the engine started.
+    pub fn info(&self) -> BackendInfo {
+        self.shared.info.clone()
+    }
+
+    /// Why the engine stopped, if it did (a backend panic); `None` while it runs.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.dead.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Dropping the sender wakes the loop, which then ends.
+        self.tx.get_mut().unwrap().take();
+    }
+}
+
+struct Seq {
+    req: GenerateRequest,
+    tx: tmpsc::UnboundedSender<Event>,
+    slot: usize,
+    /// prompt + generated (the last generated token is fed at the next decode).
+    history: Vec<u32>,
+    /// Tokens of `history` already in the slot's KV cache.
+    cached: usize,
+    generated: usize,
+    submitted: Instant,
+    last_token_at: Option<Instant>,
+}
+
+impl Seq {
+    fn prefilling(&self) -> bool {
+        self.cached < self.req.prompt.len()
+    }
+}
+
+struct Loop {
+    backend: Box<dyn Backend>,
+    cfg: EngineConfig,
+    rx: mpsc::Receiver<Submitted>,
+    shared: std::sync::Weak<Shared>,
+    waiting: VecDeque<Submitted>,
+    running: Vec<Seq>,
+    free: Vec<usize>,
+    slots: usize,
+    capacity: usize,
+    m: MetricsSnapshot,
+    /// Events of this iteration, sent after the metrics are published (so a client that has seen
+    /// `Done` reads metrics that count its request).
+    outbox: Vec<(tmpsc::UnboundedSender<Event>, Event)>,
+}
+
+enum End {
+    Stop,
+    Length,
+    Abort,
+    Error(String),
+}
+
+impl Loop {
+    fn new(backend: Box<dyn Backend>, cfg: EngineConfig, rx: mpsc::Receiver<Submitted>, shared: std::sync::Weak<Shared>) -> Loop {
+        let info = backend.info();
+        Loop {
+            backend,
+            cfg: EngineConfig {
+                prefill_chunk: cfg.prefill_chunk.max(1),
+                max_step_tokens: cfg.max_step_tokens.max(1),
+            },
+            rx,
+            shared,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            free: (0..info.slots).rev().collect(),
+            slots: info.slots,
+            capacity: info.slot_capacity,
+            m: MetricsSnapshot::default(),
+            outbox: Vec::new(),
+        }
+    }
+
+    fn flush(&mut self) {
+        for (tx, ev) in self.outbox.drain(..) {
+            let _ = tx.send(ev); // a closed receiver is noticed (cancelled) on the next iteration
+        }
+    }
+
+    fn publish(&mut self) {
+        self.m.num_requests_running = self.running.len();
+        let used: usize = self.running.iter().map(|s| s.cached).sum();
+        self.m.kv_cache_usage_perc = used as f64 / (self.slots * self.capacity).max(1) as f64;
+        if let Some(sh) = self.shared.upgrade() {
+            *sh.metrics.lock().unwrap() = self.m.clone();
+        }
+    }
+
+    fn admitted(&self, n: usize) {
+        if let Some(sh) = self.shared.upgrade() {
+            sh.waiting.fetch_sub(n, Ordering::SeqCst);
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            // Intake: block only when idle.
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(s) => self.waiting.push_back(s),
+                    Err(_) => return, // every handle is gone
+                }
+            }
+            while let Ok(s) = self.rx.try_recv() {
+                self.waiting.push_back(s);
+            }
+            // Cancelled before admission.
+            let before = self.waiting.len();
+            self.waiting.retain(|s| !s.tx.is_closed());
+            let gone = before - self.waiting.len();
+            if gone > 0 {
+                self.admitted(gone);
+                self.m.request_success_total[2].1 += gone as u64;
+            }
+            // Admission.
+            while let (Some(_), false) = (self.free.last(), self.waiting.is_empty()) {
+                let s = self.waiting.pop_front().unwrap();
+                self.admitted(1);
+                if s.req.max_tokens == 0 {
+                    let ev = Event::Done { reason: FinishReason::Length, prompt_tokens: s.req.prompt.len(), completion_tokens: 0 };
+                    self.outbox.push((s.tx, ev));
+                    self.m.request_success_total[1].1 += 1;
+                    continue;
+                }
+                let slot = self.free.pop().unwrap();
+                let history = s.req.prompt.clone();
+                self.running.push(Seq { req: s.req, tx: s.tx, slot, history, cached: 0, generated: 0, submitted: s.at, last_token_at: None });
+            }
+            // Cancelled while running.
+            let mut i = 0;
+            while i < self.running.len() {
+                if self.running[i].tx.is_closed() {
+                    self.finish(i, End::Abort);
+                } else {
+                    i += 1;
+                }
+            }
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish();
+            self.flush();
+        }
+    }
+
+    /// Build and run one backend step, then stream its tokens.
+    fn step(&mut self) {
+        // (running index, tokens range in history) per batch entry: decodes first, then prefill chunks.
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        let mut budget = self.cfg.max_step_tokens;
+        for (i, s) in self.running.iter().enumerate() {
+            if !s.prefilling() {
+                plan.push((i, s.cached, s.cached + 1));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        let mut any_prefill = false;
+        for (i, s) in self.running.iter().enumerate() {
+            if s.prefilling() {
+                let left = s.req.prompt.len() - s.cached;
+                let n = left.min(self.cfg.prefill_chunk).min(budget);
+                let n = if n == 0 && !any_prefill && plan.is_empty() { left.min(self.cfg.prefill_chunk) } else { n };
+                if n == 0 {
+                    continue;
+                }
+                plan.push((i, s.cached, s.cached + n));
+                budget -= n.min(budget);
+                any_prefill = true;
+            }
+        }
+        let result = {
+            let steps: Vec<SeqStep<'_>> = plan
+                .iter()
+                .map(|&(i, a, b)| {
+                    let s = &self.running[i];
+                    SeqStep {
+                        slot: s.slot,
+                        start_pos: a,
+                        tokens: &s.history[a..b],
+                        history: &s.history[..b],
+                        sampling: &s.req.sampling,
+                        draw: s.generated as u64,
+                        want_logits: false,
+                    }
+                })
+                .collect();
+            let backend = &mut self.backend;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps)))
+        };
+        let outs = match result {
+            Ok(Ok(outs)) if outs.len() == plan.len() => outs,
+            Ok(Ok(outs)) => {
+                let msg = format!("backend returned {} outputs for {} sequences", outs.len(), plan.len());
+                self.fail_plan(&plan, &msg);
+                return;
+            }
+            Ok(Err(e)) => {
+                self.fail_plan(&plan, &format!("backend error: {e}"));
+                return;
+            }
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                let msg = format!("the backend panicked: {msg}");
+                if let Some(sh) = self.shared.upgrade() {
+                    *sh.dead.lock().unwrap() = Some(msg.clone());
+                }
+                // The backend's state is unknown after a panic: end everything.
+                for i in (0..self.running.len()).rev() {
+                    self.finish(i, End::Error(msg.clone()));
+                }
+                for s in std::mem::take(&mut self.waiting) {
+                    self.outbox.push((s.tx, Event::Error(msg.clone())));
+                }
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut ended: Vec<(usize, End)> = Vec::new();
+        for (&(i, a, b), out) in plan.iter().zip(outs) {
+            let s = &mut self.running[i];
+            let was_prefill = a < s.req.prompt.len();
+            s.cached = b;
+            if was_prefill {
+                self.m.prompt_tokens_total += (b - a) as u64;
+                if s.prefilling() {
+                    continue; // an intermediate chunk: its sample is not a generated token
+                }
+            }
+            s.generated += 1;
+            self.m.generation_tokens_total += 1;
+            match s.last_token_at {
+                None => self.m.time_to_first_token_seconds.observe((now - s.submitted).as_secs_f64()),
+                Some(t) => self.m.inter_token_latency_seconds.observe((now - t).as_secs_f64()),
+            }
+            s.last_token_at = Some(now);
+            let is_stop = !s.req.ignore_eos && s.req.stop_tokens.contains(&out.token);
+            if is_stop {
+                ended.push((i, End::Stop));
+                continue;
+            }
+            s.history.push(out.token);
+            let ev = Event::Token { id: out.token, logprob: out.logprob, top_logprobs: out.top_logprobs };
+            self.outbox.push((s.tx.clone(), ev));
+            if s.generated >= s.req.max_tokens {
+                ended.push((i, End::Length));
+            }
+        }
+        ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, e) in ended {
+            self.finish(i, e);
+        }
+    }
+
+    fn fail_plan(&mut self, plan: &[(usize, usize, usize)], msg: &str) {
+        let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
+        idx.sort_unstable_by(|a, b| b.cmp(a));
+        for i in idx {
+            self.finish(i, End::Error(msg.to_string()));
+        }
+    }
+
+    /// End running sequence `i`: send its last event, free its slot, record metrics.
+    fn finish(&mut self, i: usize, end: End) {
+        let s = self.running.swap_remove(i);
+        self.backend.release(s.slot);
+        self.free.push(s.slot);
+        let (prompt_tokens, completion_tokens) = (s.req.prompt.len(), s.generated);
+        let (k, ev) = match end {
+            End::Stop => (0, Some(Event::Done { reason: FinishReason::Stop, prompt_tokens, completion_tokens })),
+            End::Length => (1, Some(Event::Done { reason: FinishReason::Length, prompt_tokens, completion_tokens })),
+            End::Abort => (2, None),
+            End::Error(msg) => (3, Some(Event::Error(msg))),
+        };
+        if let Some(ev) = ev {
+            self.outbox.push((s.tx, ev));
+        }
+        self.m.request_success_total[k].1 += 1;
+        if k < 2 {
+            self.m.e2e_request_latency_seconds.observe(s.submitted.elapsed().as_secs_f64());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

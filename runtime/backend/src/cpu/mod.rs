@@ -15,6 +15,7 @@
 //! `BackendError::Invalid` instead of panicking.
 
 pub mod ops;
+pub mod synthetic;
 
 use crate::sampler;
 use crate::{Backend, BackendInfo, SeqOutput, SeqStep, SlotId};

@@ -452,55 +452,10 @@ pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::cpu::synthetic::{rand_vec, rand_weights};
     use metrale_core::dtype::dequantize_row;
-
-    /// Deterministic pseudo-random values in [-1, 1).
-    pub(crate) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        (0..n as u64).map(|i| (crate::sampler::uniform(seed, i) * 2.0 - 1.0) as f32).collect()
-    }
-
-    fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
-        (0..n as u64).map(|i| (crate::sampler::uniform(seed, i) * 256.0) as u8).collect()
-    }
-
-    /// Random valid weight bytes of `dtype` (finite f16 scales).
-    pub(crate) fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let n = dtype.tensor_bytes(cols, rows).unwrap();
-        let mut b = rand_bytes(n, seed);
-        let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
-        match dtype {
-            DType::F32 => {
-                for (i, c) in b.chunks_exact_mut(4).enumerate() {
-                    c.copy_from_slice(&((crate::sampler::uniform(seed, i as u64) as f32) - 0.5).to_le_bytes());
-                }
-            }
-            DType::F16 => {
-                for (i, c) in b.chunks_exact_mut(2).enumerate() {
-                    c.copy_from_slice(&h(crate::sampler::uniform(seed, i as u64) as f32 - 0.5));
-                }
-            }
-            DType::BF16 => {
-                for (i, c) in b.chunks_exact_mut(2).enumerate() {
-                    let v = half::bf16::from_f32(crate::sampler::uniform(seed, i as u64) as f32 - 0.5);
-                    c.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            DType::Q4_0 | DType::Q8_0 => {
-                for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
-                    c[..2].copy_from_slice(&h(0.01 + (i % 7) as f32 * 0.003));
-                }
-            }
-            DType::Q4_1 => {
-                for (i, c) in b.chunks_exact_mut(20).enumerate() {
-                    c[..2].copy_from_slice(&h(0.01 + (i % 7) as f32 * 0.003));
-                    c[2..4].copy_from_slice(&h(-0.05 + (i % 5) as f32 * 0.01));
-                }
-            }
-        }
-        b
-    }
 
     #[test]
     fn f16_conversion_matches_half_for_every_value() {

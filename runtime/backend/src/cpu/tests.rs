@@ -3,31 +3,9 @@
 //! logits (to f32 rounding: the sums are the same, only their grouping over tokens differs).
 use super::*;
 use crate::sampler::SamplingParams;
-use crate::cpu::ops::tests::{rand_vec, rand_weights};
 
 fn tiny(dtype: DType) -> CpuBackend {
-    let dims = Dims { n_layers: 2, hidden: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, ffn: 96, vocab: 50, norm_eps: 1e-5 };
-    let mut seed = 100;
-    let mut m = |rows: usize, cols: usize, dt: DType| {
-        seed += 1;
-        QTensor { dtype: dt, rows, cols, data: rand_weights(dt, rows, cols, seed) }
-    };
-    let embd = m(dims.vocab, dims.hidden, DType::Q8_0);
-    let layers = (0..dims.n_layers)
-        .map(|i| Layer {
-            attn_norm: rand_vec(64, 900 + i as u64).iter().map(|v| 1.0 + 0.2 * v).collect(),
-            wq: m(64, 64, dtype),
-            wk: m(32, 64, dtype),
-            wv: m(32, 64, dtype),
-            wo: m(64, 64, dtype),
-            ffn_norm: rand_vec(64, 950 + i as u64).iter().map(|v| 1.0 + 0.2 * v).collect(),
-            w_gate: m(96, 64, dtype),
-            w_up: m(96, 64, dtype),
-            w_down: m(64, 96, dtype),
-        })
-        .collect();
-    let inv = ops::rope_inv_freq(16, 10000.0, None, None);
-    CpuBackend::from_parts(dims, embd, None, vec![1.0; 64], layers, inv, 3, 32, 2).unwrap()
+    super::synthetic::tiny_backend(dtype, 0, 3, 32, 2)
 }
 
 fn run(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]) -> Vec<f32> {

@@ -1,0 +1,167 @@
+//! Serving metrics with vLLM's names: gauges, counters and latency histograms, kept by the engine
+//! loop and read by anyone through [`crate::EngineHandle::metrics`].
+//!
+//! Invariants: histogram bucket bounds are fixed (vLLM's) and `counts[i]` counts observations
+//! `<= bounds[i]` non-cumulatively; `+Inf` is `count`. `prometheus_text` renders cumulative buckets as
+//! the exposition format requires.
+
+use std::fmt::Write;
+
+/// vLLM's buckets for `time_to_first_token_seconds`.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+];
+/// vLLM's buckets for `inter_token_latency_seconds`.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+/// vLLM's buckets for `e2e_request_latency_seconds`.
+pub const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+];
+
+/// A histogram: upper bounds, per-bucket (non-cumulative) counts, sum and count of observations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Histogram {
+    pub bounds: Vec<f64>,
+    /// `counts[i]`: observations in `(bounds[i-1], bounds[i]]`.
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &[f64]) -> Histogram {
+        Histogram { bounds: bounds.to_vec(), counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// Cumulative counts per bound (the Prometheus `_bucket` values, without `+Inf`).
+    pub fn cumulative(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .scan(0u64, |acc, &c| {
+                *acc += c;
+                Some(*acc)
+            })
+            .collect()
+    }
+}
+
+/// A copy of the engine's metrics at one instant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricsSnapshot {
+    pub num_requests_running: usize,
+    pub num_requests_waiting: usize,
+    /// Fraction (0..=1) of the KV cache's token capacity in use, as vLLM reports it.
+    pub kv_cache_usage_perc: f64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    /// Requests finished, by reason: stop, length, abort (cancelled), error.
+    pub request_success_total: [(&'static str, u64); 4],
+    pub time_to_first_token_seconds: Histogram,
+    pub inter_token_latency_seconds: Histogram,
+    pub e2e_request_latency_seconds: Histogram,
+}
+
+impl Default for MetricsSnapshot {
+    fn default() -> Self {
+        MetricsSnapshot {
+            num_requests_running: 0,
+            num_requests_waiting: 0,
+            kv_cache_usage_perc: 0.0,
+            prompt_tokens_total: 0,
+            generation_tokens_total: 0,
+            request_success_total: [("stop", 0), ("length", 0), ("abort", 0), ("error", 0)],
+            time_to_first_token_seconds: Histogram::new(TTFT_BUCKETS),
+            inter_token_latency_seconds: Histogram::new(ITL_BUCKETS),
+            e2e_request_latency_seconds: Histogram::new(E2E_BUCKETS),
+        }
+    }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn fmt_f64(v: f64) -> String {
+    if v.is_infinite() {
+        if v > 0.0 { "+Inf".into() } else { "-Inf".into() }
+    } else {
+        format!("{v}")
+    }
+}
+
+impl MetricsSnapshot {
+    /// The snapshot in the Prometheus text exposition format (version 0.0.4), every sample labelled
+    /// `model_name="<model_name>"`, names as vLLM spells them (`vllm:num_requests_running`, ...).
+    pub fn prometheus_text(&self, model_name: &str) -> String {
+        let m = escape_label(model_name);
+        let mut s = String::new();
+        let scalar = |s: &mut String, name: &str, kind: &str, help: &str, v: String| {
+            let _ = writeln!(s, "# HELP vllm:{name} {help}");
+            let _ = writeln!(s, "# TYPE vllm:{name} {kind}");
+            let _ = writeln!(s, "vllm:{name}{{model_name=\"{m}\"}} {v}");
+        };
+        scalar(&mut s, "num_requests_running", "gauge", "Number of requests in model execution batches.", self.num_requests_running.to_string());
+        scalar(&mut s, "num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.num_requests_waiting.to_string());
+        scalar(&mut s, "kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", fmt_f64(self.kv_cache_usage_perc));
+        scalar(&mut s, "prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total.to_string());
+        scalar(&mut s, "generation_tokens_total", "counter", "Number of generation tokens processed.", self.generation_tokens_total.to_string());
+        let _ = writeln!(s, "# HELP vllm:request_success_total Count of successfully processed requests.");
+        let _ = writeln!(s, "# TYPE vllm:request_success_total counter");
+        for (reason, n) in &self.request_success_total {
+            let _ = writeln!(s, "vllm:request_success_total{{finished_reason=\"{reason}\",model_name=\"{m}\"}} {n}");
+        }
+        for (name, help, h) in [
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", &self.time_to_first_token_seconds),
+            ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", &self.inter_token_latency_seconds),
+            ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &self.e2e_request_latency_seconds),
+        ] {
+            let _ = writeln!(s, "# HELP vllm:{name} {help}");
+            let _ = writeln!(s, "# TYPE vllm:{name} histogram");
+            for (b, c) in h.bounds.iter().zip(h.cumulative()) {
+                let _ = writeln!(s, "vllm:{name}_bucket{{le=\"{}\",model_name=\"{m}\"}} {c}", fmt_f64(*b));
+            }
+            let _ = writeln!(s, "vllm:{name}_bucket{{le=\"+Inf\",model_name=\"{m}\"}} {}", h.count);
+            let _ = writeln!(s, "vllm:{name}_sum{{model_name=\"{m}\"}} {}", fmt_f64(h.sum));
+            let _ = writeln!(s, "vllm:{name}_count{{model_name=\"{m}\"}} {}", h.count);
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_le_and_cumulative_in_text() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        for v in [0.05, 0.1, 0.5, 3.0] {
+            h.observe(v);
+        }
+        assert_eq!(h.counts, vec![2, 1]);
+        assert_eq!(h.cumulative(), vec![2, 3]);
+        assert_eq!(h.count, 4);
+        assert!((h.sum - 3.65).abs() < 1e-12);
+        let mut s = MetricsSnapshot { num_requests_running: 2, prompt_tokens_total: 17, ..Default::default() };
+        s.time_to_first_token_seconds = h;
+        let text = s.prometheus_text("smol\"lm");
+        assert!(text.contains("vllm:num_requests_running{model_name=\"smol\\\"lm\"} 2\n"));
+        assert!(text.contains("# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name=\"smol\\\"lm\"} 17\n"));
+        assert!(text.contains("vllm:time_to_first_token_seconds_bucket{le=\"1\",model_name=\"smol\\\"lm\"} 3\n"));
+        assert!(text.contains("vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"smol\\\"lm\"} 4\n"));
+        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"smol\\\"lm\"} 4\n"));
+        assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
+    }
+}
