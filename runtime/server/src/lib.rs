@@ -9,6 +9,13 @@
 //! the engine receiver, which cancels the generation.
 
 pub mod api;
+pub mod cli;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod error;
+pub mod generate;
+pub mod routes;
+pub mod serve;
 pub mod sse;
+pub mod state;
 pub mod textstream;

@@ -1,1 +1,27 @@
-fn main() {}
+//! The `metrale-server` binary: parse the CLI, answer `--attestation` / `--target-info`, or serve.
+
+use clap::Parser;
+use metrale_server::cli::Cli;
+
+fn main() {
+    let cli = Cli::parse();
+    if cli.attestation {
+        println!("{}", metrale_kernels::attestation_json());
+        return;
+    }
+    if cli.target_info {
+        print!("{}", metrale_kernels::target_info());
+        return;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().worker_threads(2).build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(metrale_server::serve::run(cli)) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,123 @@
+//! The command line, in the style of llama-server and vLLM (aliases for both spellings).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "metrale-server",
+    version,
+    about = "OpenAI-compatible LLM server built by metrale for one (hardware, model, quant) target",
+    after_help = "Example: metrale-server --model SmolLM2-135M-Instruct.Q4_1.gguf --port 8080\n\
+                  Get the default model with: cargo xtask fetch-model smollm2-135m"
+)]
+pub struct Cli {
+    /// A .gguf file or an HF checkpoint directory (config.json + safetensors + tokenizer files).
+    #[arg(short = 'm', long, env = "METRALE_MODEL", required_unless_present_any = ["attestation", "target_info"])]
+    pub model: Option<PathBuf>,
+
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0 picks a free one and prints it).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+
+    /// Tokens one sequence can hold, prompt + generated (default: the target's [behavior] ctx_size,
+    /// capped by the model's context length).
+    #[arg(short = 'c', long, visible_alias = "max-model-len")]
+    pub ctx_size: Option<usize>,
+
+    /// Sequences served at once (KV-cache slots; default: the target's [behavior] parallel, else 4).
+    #[arg(short = 'n', long, visible_alias = "max-num-seqs")]
+    pub parallel: Option<usize>,
+
+    /// CPU threads for the cpu backend (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
+    #[arg(long, env = "METRALE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// The model name clients see (default: the model's own name).
+    #[arg(short = 'a', long, visible_alias = "served-model-name")]
+    pub alias: Option<String>,
+
+    /// A Jinja chat template file that replaces the model's own.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+
+    /// Print the embedded attestation (in-toto statement, JSON) and exit.
+    #[arg(long)]
+    pub attestation: bool,
+
+    /// Print what this binary was built for (target, shapes served, presets) and exit.
+    #[arg(long)]
+    pub target_info: bool,
+}
+
+/// Validate flag values that clap cannot (fail before loading anything).
+pub fn check(cli: &Cli) -> anyhow::Result<()> {
+    if cli.ctx_size == Some(0) {
+        anyhow::bail!("--ctx-size must be at least 2 tokens (got 0)");
+    }
+    if cli.parallel == Some(0) {
+        anyhow::bail!("--parallel must be at least 1 (got 0)");
+    }
+    if cli.threads == Some(0) {
+        anyhow::bail!("--threads must be at least 1 (got 0); leave it out to use every core");
+    }
+    if cli.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        anyhow::bail!("--api-key is empty; give a non-empty key or leave the flag out");
+    }
+    if let Some(m) = &cli.model {
+        if !m.exists() {
+            anyhow::bail!(
+                "model not found: {} (give a .gguf file or an HF checkpoint directory; the default model \
+                 comes from `cargo xtask fetch-model smollm2-135m`, which prints its path)",
+                m.display()
+            );
+        }
+    }
+    if let Some(t) = &cli.chat_template {
+        if !t.is_file() {
+            anyhow::bail!("--chat-template: no such file {}", t.display());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aliases_parse() {
+        let c = Cli::try_parse_from([
+            "metrale-server", "--model", "/", "--max-num-seqs", "3", "--served-model-name", "x", "--max-model-len", "512",
+        ])
+        .unwrap();
+        assert_eq!(c.parallel, Some(3));
+        assert_eq!(c.alias.as_deref(), Some("x"));
+        assert_eq!(c.ctx_size, Some(512));
+        assert!(check(&c).is_ok());
+    }
+
+    #[test]
+    fn attestation_needs_no_model() {
+        assert!(Cli::try_parse_from(["metrale-server", "--attestation"]).is_ok());
+    }
+
+    #[test]
+    fn bad_values_fail_early_with_a_fix() {
+        let c = Cli::try_parse_from(["metrale-server", "--model", "/nonexistent.gguf"]).unwrap();
+        let e = check(&c).unwrap_err().to_string();
+        assert!(e.contains("fetch-model"), "{e}");
+        let c = Cli::try_parse_from(["metrale-server", "--model", "/", "--parallel", "0"]).unwrap();
+        assert!(check(&c).is_err());
+        assert!(Cli::try_parse_from(["metrale-server", "--model", "/", "--port", "99999"]).is_err());
+    }
+}

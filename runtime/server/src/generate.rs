@@ -1,0 +1,376 @@
+//! One request's generation, from validated parameters to response bytes: submits one engine
+//! request per choice, turns each choice's token events into text deltas (through a
+//! [`TextStreamer`]) and logprob entries, and assembles either a whole response or an SSE stream.
+//!
+//! Invariants: every choice's receiver lives inside the returned future/stream, so a client that
+//! goes away drops it and the engine cancels that sequence; a choice that hits a stop string drops
+//! its receiver at once (the engine stops generating it); usage counts every generated token the
+//! engine produced for the response, including the token that completed a stop string or EOS.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use futures::stream::{self, BoxStream, SelectAll, StreamExt};
+use metrale_engine::{Event, FinishReason, GenerateRequest, SubmitError};
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::api::GenParams;
+use crate::error::ApiError;
+use crate::sse::{self, Header, Kind, TokenLogprob, Usage};
+use crate::state::Served;
+use crate::textstream::TextStreamer;
+
+/// Map an engine refusal to the client-facing error.
+pub fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::PromptTooLong { prompt, capacity } => too_long(prompt, capacity),
+        SubmitError::EmptyPrompt => ApiError::invalid("the prompt is empty (0 tokens)", Some("prompt")),
+        SubmitError::Stopped(m) => ApiError::unavailable(format!("the engine has stopped: {m}")),
+    }
+}
+
+/// The 400 for a prompt that does not fit the context, with both counts.
+pub fn too_long(prompt: usize, capacity: usize) -> ApiError {
+    ApiError::invalid_code(
+        format!(
+            "this model's maximum context length is {capacity} tokens, but the prompt has {prompt} tokens \
+             ; shorten the prompt, or restart the server with a \
+             larger --ctx-size"
+        ),
+        Some("messages"),
+        "context_length_exceeded",
+    )
+}
+
+/// What one choice produced since the last poll.
+enum ChoiceOut {
+    Delta { index: usize, text: String, logprobs: Vec<TokenLogprob> },
+    Finish { index: usize, text: String, logprobs: Vec<TokenLogprob>, reason: &'static str, completion_tokens: usize },
+    Error { error: ApiError },
+}
+
+/// One running choice: the engine receiver and the text state.
+struct Choice {
+    index: usize,
+    rx: Option<UnboundedReceiver<Event>>,
+    streamer: TextStreamer,
+    served: Arc<Served>,
+    want_logprobs: bool,
+    stop_tokens: Vec<u32>,
+    ignore_eos: bool,
+    tokens: usize,
+    pending_logprobs: Vec<TokenLogprob>,
+}
+
+impl Choice {
+    fn logprob_entry(&self, id: u32, logprob: f32, top: &[(u32, f32)]) -> TokenLogprob {
+        let tk = &self.served.model.tokenizer;
+        let piece = |id: u32| {
+            let b = tk.token_bytes(id);
+            (String::from_utf8_lossy(&b).into_owned(), b)
+        };
+        let (text, bytes) = piece(id);
+        TokenLogprob {
+            text,
+            bytes,
+            logprob,
+            top: top.iter().map(|&(t, lp)| {
+                let (s, b) = piece(t);
+                (s, b, lp)
+            }).collect(),
+        }
+    }
+
+    async fn next(&mut self) -> Option<ChoiceOut> {
+        let index = self.index;
+        loop {
+            let ev = self.rx.as_mut()?.recv().await;
+            match ev {
+                Some(Event::Token { id, logprob, top_logprobs }) => {
+                    self.tokens += 1;
+                    let is_stop_token = !self.ignore_eos && self.stop_tokens.contains(&id);
+                    if is_stop_token {
+                        continue; // the engine ends the sequence; EOS is never rendered
+                    }
+                    if self.want_logprobs {
+                        let e = self.logprob_entry(id, logprob, &top_logprobs);
+                        self.pending_logprobs.push(e);
+                    }
+                    let tk = &self.served.model.tokenizer;
+                    let bytes = if tk.is_special(id) { Vec::new() } else { tk.token_bytes(id) };
+                    let r = self.streamer.push(&bytes);
+                    if r.stopped {
+                        self.rx = None; // cancels the rest of this sequence
+                        return Some(ChoiceOut::Finish {
+                            index,
+                            text: r.text,
+                            logprobs: std::mem::take(&mut self.pending_logprobs),
+                            reason: "stop",
+                            completion_tokens: self.tokens,
+                        });
+                    }
+                    if !r.text.is_empty() {
+                        return Some(ChoiceOut::Delta {
+                            index,
+                            text: r.text,
+                            logprobs: std::mem::take(&mut self.pending_logprobs),
+                        });
+                    }
+                }
+                Some(Event::Done { reason, completion_tokens, .. }) => {
+                    self.rx = None;
+                    return Some(ChoiceOut::Finish {
+                        index,
+                        text: self.streamer.finish(),
+                        logprobs: std::mem::take(&mut self.pending_logprobs),
+                        reason: match reason {
+                            FinishReason::Stop => "stop",
+                            FinishReason::Length => "length",
+                        },
+                        completion_tokens: completion_tokens.max(self.tokens),
+                    });
+                }
+                Some(Event::Error(m)) => {
+                    self.rx = None;
+                    return Some(ChoiceOut::Error { error: ApiError::internal(format!("generation failed: {m}")) });
+                }
+                None => {
+                    self.rx = None;
+                    return Some(ChoiceOut::Error {
+                        error: ApiError::unavailable("the engine stopped before this request finished"),
+                    });
+                }
+            }
+        }
+    }
+
+    fn into_stream(self) -> BoxStream<'static, ChoiceOut> {
+        stream::unfold(self, |mut c| async move { c.next().await.map(|o| (o, c)) }).boxed()
+    }
+}
+
+/// A validated request ready to run: prompts (each run `params.n` times) and settings.
+pub struct Job {
+    pub kind: Kind,
+    pub prompts: Vec<Vec<u32>>,
+    pub params: GenParams,
+}
+
+/// Submit every choice to the engine; errors here are answered before any byte is sent.
+fn start(served: &Arc<Served>, job: &Job) -> Result<(SelectAll<BoxStream<'static, ChoiceOut>>, usize), ApiError> {
+    let p = &job.params;
+    let cap = served.ctx_size;
+    let mut all = SelectAll::new();
+    let mut prompt_tokens = 0;
+    for (pi, prompt) in job.prompts.iter().enumerate() {
+        if prompt.is_empty() {
+            return Err(ApiError::invalid("the prompt is empty (0 tokens)", Some("prompt")));
+        }
+        if prompt.len() > cap {
+            let mut e = too_long(prompt.len(), cap);
+            if job.kind == Kind::Completion {
+                e.param = Some("prompt".into());
+            }
+            return Err(e);
+        }
+        prompt_tokens += prompt.len();
+        // The first token is sampled from the prompt's last position, so a prompt of exactly `cap`
+        // tokens still gets one (the engine clips the same way).
+        let room = cap + 1 - prompt.len();
+        let max_tokens = p.max_tokens.or(served.default_max_tokens).unwrap_or(room).min(room);
+        for j in 0..p.n {
+            let mut sampling = p.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(j as u64);
+            let req = GenerateRequest {
+                prompt: prompt.clone(),
+                max_tokens,
+                sampling,
+                stop_tokens: served.stop_tokens.clone(),
+                ignore_eos: p.ignore_eos,
+            };
+            let rx = served.engine.submit(req).map_err(submit_error)?;
+            all.push(
+                Choice {
+                    index: pi * p.n + j,
+                    rx: Some(rx),
+                    streamer: TextStreamer::new(p.stops.clone()),
+                    served: served.clone(),
+                    want_logprobs: p.logprobs.is_some(),
+                    stop_tokens: served.stop_tokens.clone(),
+                    ignore_eos: p.ignore_eos,
+                    tokens: 0,
+                    pending_logprobs: Vec::new(),
+                }
+                .into_stream(),
+            );
+        }
+    }
+    Ok((all, prompt_tokens))
+}
+
+fn new_id(kind: Kind) -> String {
+    let prefix = match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    };
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Run a job and answer it, whole or streamed.
+pub async fn respond(served: Arc<Served>, job: Job) -> Result<Response, ApiError> {
+    let (choices, prompt_tokens) = start(&served, &job)?;
+    let header = Header {
+        kind: job.kind,
+        id: new_id(job.kind),
+        created: now(),
+        model: served.name.clone(),
+        include_usage: job.params.include_usage,
+    };
+    let n_choices = job.prompts.len() * job.params.n;
+    if job.params.stream {
+        Ok(stream_response(header, choices, n_choices, prompt_tokens, job.params.logprobs.is_some()))
+    } else {
+        whole_response(header, choices, n_choices, prompt_tokens, job.params.logprobs.is_some()).await
+    }
+}
+
+async fn whole_response(
+    header: Header,
+    mut choices: SelectAll<BoxStream<'static, ChoiceOut>>,
+    n: usize,
+    prompt_tokens: usize,
+    logprobs: bool,
+) -> Result<Response, ApiError> {
+    let mut text = vec![String::new(); n];
+    let mut lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
+    let mut finish = vec![String::from("stop"); n];
+    let mut completion_tokens = 0;
+    while let Some(out) = choices.next().await {
+        match out {
+            ChoiceOut::Delta { index, text: t, logprobs: l } => {
+                text[index].push_str(&t);
+                lps[index].extend(l);
+            }
+            ChoiceOut::Finish { index, text: t, logprobs: l, reason, completion_tokens: c } => {
+                text[index].push_str(&t);
+                lps[index].extend(l);
+                finish[index] = reason.to_owned();
+                completion_tokens += c;
+            }
+            ChoiceOut::Error { error, .. } => return Err(error),
+        }
+    }
+    let out: Vec<(String, Option<Value>, String)> = text
+        .into_iter()
+        .zip(lps)
+        .zip(finish)
+        .map(|((t, l), f)| (t, logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)), f))
+        .collect();
+    let body = header.full(out, Usage { prompt_tokens, completion_tokens });
+    Ok(axum::Json(body).into_response())
+}
+
+struct StreamState {
+    header: Header,
+    choices: SelectAll<BoxStream<'static, ChoiceOut>>,
+    queue: VecDeque<Bytes>,
+    usage: Usage,
+    logprobs: bool,
+    /// Characters sent so far per choice (completion logprobs' text_offset).
+    sent_chars: Vec<usize>,
+    finished: bool,
+}
+
+impl StreamState {
+    fn emit(&mut self, index: usize, text: &str, lps: &[TokenLogprob], finish: Option<&str>) {
+        let lp = (self.logprobs && (!lps.is_empty() || finish.is_none()))
+            .then(|| sse::logprobs_json(self.header.kind, lps, self.sent_chars[index]));
+        self.sent_chars[index] += text.chars().count();
+        let chunk = self.header.chunk(index, false, text, lp, finish);
+        self.queue.push_back(sse::data(&chunk));
+    }
+
+    fn handle(&mut self, out: ChoiceOut) {
+        match out {
+            ChoiceOut::Delta { index, text, logprobs } => self.emit(index, &text, &logprobs, None),
+            ChoiceOut::Finish { index, text, logprobs, reason, completion_tokens } => {
+                self.usage.completion_tokens += completion_tokens;
+                if !text.is_empty() || !logprobs.is_empty() {
+                    self.emit(index, &text, &logprobs, None);
+                }
+                self.emit(index, "", &[], Some(reason));
+            }
+            ChoiceOut::Error { error, .. } => {
+                // Headers are gone: report in-band, then end the stream.
+                self.queue.push_back(sse::data(&error.to_json()));
+                self.close();
+            }
+        }
+    }
+
+    fn close(&mut self) {
+        if self.header.include_usage {
+            let u = self.header.usage_chunk(self.usage);
+            self.queue.push_back(sse::data(&u));
+        }
+        self.queue.push_back(Bytes::from_static(sse::DONE));
+        self.finished = true;
+    }
+}
+
+fn stream_response(
+    header: Header,
+    choices: SelectAll<BoxStream<'static, ChoiceOut>>,
+    n: usize,
+    prompt_tokens: usize,
+    logprobs: bool,
+) -> Response {
+    let mut st = StreamState {
+        queue: VecDeque::new(),
+        choices,
+        usage: Usage { prompt_tokens, completion_tokens: 0 },
+        logprobs,
+        sent_chars: vec![0; n],
+        finished: false,
+        header,
+    };
+    // Every choice opens with its role chunk (chat) so the first delta of each carries the role.
+    if st.header.kind == Kind::Chat {
+        for i in 0..n {
+            let c = st.header.chunk(i, true, "", None, None);
+            st.queue.push_back(sse::data(&c));
+        }
+    }
+    let body = stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(b) = st.queue.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(b), st));
+            }
+            if st.finished {
+                return None;
+            }
+            match st.choices.next().await {
+                Some(out) => st.handle(out),
+                None => st.close(),
+            }
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::HeaderName::from_static("x-accel-buffering"), "no"),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
