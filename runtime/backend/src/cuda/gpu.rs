@@ -137,6 +137,10 @@ pub struct Gpu {
 
 /// Device count, or 0 when no driver is present (for tests that skip without a GPU).
 pub fn device_count() -> usize {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return 0;
+    }
     std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n as usize).unwrap_or(0)).unwrap_or(0)
 }
 

@@ -1,0 +1,150 @@
+//! Decode and prefill timing of the CUDA backend on the real model (numbers, not a test).
+//!
+//! Batch-1 decode: a chat prompt is prefilled, then `--steps` greedy decode steps are timed one by one
+//! with the host clock around `Backend::step` (what a caller sees per token: input copies, graph
+//! replay, output copies); the median and p10/p90 are reported. Prefill: one step of `--pp` tokens
+//! (pp512 by default) into a fresh slot, median of 5 after one warm-up. Batched decode: `--batch`
+//! sequences stepped together. Writes one JSON object to `--out` (and prints it).
+//!
+//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--out FILE]
+
+#[cfg(feature = "cuda")]
+fn main() {
+    use metrale_backend::cuda::{CudaBackend, CudaOptions, Dims, KernelSet};
+    use metrale_backend::sampler::SamplingParams;
+    use metrale_backend::{Backend, SeqStep};
+    use metrale_core::target::{TargetId, TargetSpec};
+    use std::time::Instant;
+
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 4 {
+        eprintln!("usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch 1,8,32] [--out FILE]");
+        std::process::exit(2);
+    }
+    let opt = |name: &str, dflt: &str| -> String {
+        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| dflt.to_string())
+    };
+    let steps: usize = opt("--steps", "256").parse().unwrap();
+    let pp: usize = opt("--pp", "512").parse().unwrap();
+    let batches: Vec<usize> = opt("--batch", "1,8,32,64").split(',').map(|s| s.parse().unwrap()).collect();
+    let out = opt("--out", "");
+    let target = &args[3];
+    let p: Vec<&str> = target.split('/').collect();
+    let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
+    let spec = TargetSpec::load(std::path::Path::new(&root), &TargetId::new(p[0], p[1], p[2])).expect("target");
+    let set = KernelSet::from_dir(std::path::Path::new(&args[2]), target, spec.hardware.cubin_arch.as_deref().unwrap()).expect("kernels");
+    let t0 = Instant::now();
+    let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
+    let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
+    let mut b = CudaBackend::new(
+        &set,
+        Dims::from_shape(&spec.model),
+        &spec.quant.weights,
+        &spec.quant.embedding,
+        &model.config,
+        &model.weights,
+        CudaOptions { slots: maxb + 1, slot_capacity: 2048, max_step_tokens: pp.max(512), ..Default::default() },
+    )
+    .expect("backend");
+    let load_s = t0.elapsed().as_secs_f64();
+    let info = b.info();
+    eprintln!("{info:?} (model load + upload {load_s:.2} s)");
+    let greedy = SamplingParams::default();
+    let chat = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n";
+    let prompt = model.tokenizer.encode(chat, false, true).unwrap();
+
+    let median = |v: &mut Vec<f64>| -> (f64, f64, f64) {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let q = |f: f64| v[((v.len() - 1) as f64 * f) as usize];
+        (q(0.5), q(0.1), q(0.9))
+    };
+
+    // batch-1 decode
+    let mut hist = prompt.clone();
+    let t_first = Instant::now();
+    let r = b.step(&[SeqStep { slot: 0, start_pos: 0, tokens: &prompt, history: &prompt, sampling: &greedy, draw: 0, want_logits: false }]).unwrap();
+    let ttft_ms = t_first.elapsed().as_secs_f64() * 1e3;
+    hist.push(r[0].token);
+    let mut times = Vec::new();
+    for s in 1..steps {
+        let n = hist.len();
+        let last = [hist[n - 1]];
+        let t = Instant::now();
+        let r = b.step(&[SeqStep { slot: 0, start_pos: n - 1, tokens: &last, history: &hist, sampling: &greedy, draw: s as u64, want_logits: false }]).unwrap();
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        hist.push(r[0].token);
+    }
+    let warm: Vec<f64> = times.iter().skip(16).copied().collect();
+    let (med, p10, p90) = median(&mut warm.clone());
+    let text = model.tokenizer.decode(&hist[prompt.len()..], false);
+    eprintln!("decode b=1: median {med:.1} us/token ({:.0} tok/s), p10 {p10:.1}, p90 {p90:.1}; first step (prefill {} tokens) {ttft_ms:.2} ms", 1e6 / med, prompt.len());
+    eprintln!("text: {text:?}");
+
+    // prefill pp tokens
+    let ids: Vec<u32> = (0..pp).map(|i| prompt[i % prompt.len()]).collect();
+    let mut pt = Vec::new();
+    for rep in 0..6 {
+        let t = Instant::now();
+        b.step(&[SeqStep { slot: 1, start_pos: 0, tokens: &ids, history: &ids, sampling: &greedy, draw: 0, want_logits: false }]).unwrap();
+        if rep > 0 {
+            pt.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let (pp_ms, _, _) = median(&mut pt);
+    eprintln!("prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s)", pp as f64 / pp_ms * 1e3);
+
+    // batched decode: every sequence starts from the prompt (prefilled together), then decodes
+    let mut batch_res = Vec::new();
+    for &nb in &batches {
+        let mut hs: Vec<Vec<u32>> = vec![prompt.clone(); nb];
+        for i in 0..nb {
+            b.release(i);
+        }
+        let mut ts = Vec::new();
+        for s in 0..64usize {
+            let steps_v: Vec<SeqStep> = (0..nb)
+                .map(|i| {
+                    let n = hs[i].len();
+                    let (start, toks): (usize, &[u32]) = if s == 0 { (0, &hs[i][..]) } else { (n - 1, &hs[i][n - 1..]) };
+                    SeqStep { slot: i, start_pos: start, tokens: toks, history: &hs[i], sampling: &greedy, draw: s as u64, want_logits: false }
+                })
+                .collect();
+            let t = Instant::now();
+            let r = b.step(&steps_v).unwrap();
+            let dt = t.elapsed().as_secs_f64() * 1e6;
+            drop(steps_v);
+            if s >= 8 {
+                ts.push(dt);
+            }
+            for (i, o) in r.into_iter().enumerate() {
+                hs[i].push(o.token);
+            }
+        }
+        let (m, _, _) = median(&mut ts);
+        eprintln!("decode batch {nb}: median {m:.1} us/step, {:.0} tok/s", nb as f64 * 1e6 / m);
+        batch_res.push(format!("{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"tok_s\": {:.1}}}", nb as f64 * 1e6 / m));
+    }
+    let nodes = 2 + 5 * spec.model.layers as usize + 1;
+    let json = format!(
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        info.device,
+        info.weight_bytes,
+        info.weight_bytes as f64 / 4.2e12 * 1e6,
+        nodes as f64 * 0.9,
+        1e6 / med,
+        warm.len(),
+        pp as f64 / pp_ms * 1e3,
+        batch_res.join(", "),
+        b.stats
+    );
+    println!("{json}");
+    if !out.is_empty() {
+        std::fs::write(&out, json + "\n").expect("write --out");
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("build with --features cuda");
+    std::process::exit(2);
+}

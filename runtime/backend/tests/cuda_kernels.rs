@@ -1,0 +1,387 @@
+//! Each CUDA kernel against the CPU reference ops (`metrale_backend::cpu::ops`) on fresh random
+//! inputs (the seed is printed), on a real GPU.
+//!
+//! Needs: a CUDA device, `METRALE_CUDA_KERNELS` = a folder holding `<kernel>.cubin` of one target, and
+//! `METRALE_CUDA_TARGET` = that target ("h200/smollm2-135m/q4_1" by default); `METRALE_TARGETS` =
+//! the targets/ folder (default: found upwards from the working directory). Without a GPU or without
+//! the variable, every test prints why and passes.
+//!
+//! Tolerances: outputs that are pure dequantisation (embedding rows) must be bit-identical; every
+//! reduction (matvec, norm, attention) is compared by ‖gpu − cpu‖₂ / ‖cpu‖₂ < 1e-4 (f32 accumulation
+//! in a different order lands near 1e-6), plus every element finite and written (outputs are poisoned
+//! with NaN first).
+#![cfg(feature = "cuda")]
+
+use metrale_backend::cpu::ops;
+use metrale_backend::cuda::gpu::{device_count, DevBuf, DevMat, Dims, Gpu, KernelSet};
+use metrale_backend::cuda::plan::{self, DevFormat, HostMat};
+use metrale_backend::sampler;
+use metrale_core::dtype::{dequantize_row, DType};
+use metrale_core::target::{TargetId, TargetSpec};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TOL: f64 = 1e-4;
+
+struct Env {
+    gpu: Gpu,
+    d: Dims,
+    wf: DevFormat,
+    ef: DevFormat,
+    eps: f32,
+    theta: f32,
+    rng: StdRng,
+}
+
+fn targets_root() -> std::path::PathBuf {
+    if let Ok(p) = std::env::var("METRALE_TARGETS") {
+        return p.into();
+    }
+    let mut dir = std::env::current_dir().unwrap();
+    loop {
+        if dir.join("targets").is_dir() {
+            return dir.join("targets");
+        }
+        if !dir.pop() {
+            panic!("targets/ not found above the working directory; set METRALE_TARGETS");
+        }
+    }
+}
+
+fn env(test: &str) -> Option<Env> {
+    let Ok(dir) = std::env::var("METRALE_CUDA_KERNELS") else {
+        eprintln!("{test}: skipped: METRALE_CUDA_KERNELS (a folder of <kernel>.cubin of one target) is unset");
+        return None;
+    };
+    if device_count() == 0 {
+        eprintln!("{test}: skipped: no CUDA device");
+        return None;
+    }
+    let target = std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
+    let parts: Vec<&str> = target.split('/').collect();
+    let spec = TargetSpec::load(&targets_root(), &TargetId::new(parts[0], parts[1], parts[2])).expect("target spec");
+    let arch = spec.hardware.cubin_arch.clone().expect("cuda target has a cubin arch");
+    let set = KernelSet::from_dir(std::path::Path::new(&dir), &target, &arch).expect("kernel set");
+    let d = Dims::from_shape(&spec.model);
+    let gpu = Gpu::open(0, &set, d).expect("open GPU and load kernels");
+    let seed: u64 = std::env::var("METRALE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+    eprintln!("{test}: target {target}, seed {seed} (set METRALE_TEST_SEED to replay)");
+    Some(Env {
+        gpu,
+        d,
+        wf: DevFormat::from_quant_name(&spec.quant.weights).unwrap(),
+        ef: DevFormat::from_quant_name(&spec.quant.embedding).unwrap(),
+        eps: spec.model.norm_eps as f32,
+        theta: spec.model.rope_theta as f32,
+        rng: StdRng::seed_from_u64(seed),
+    })
+}
+
+fn dtype_of(f: DevFormat) -> DType {
+    match f {
+        DevFormat::Q4_1 => DType::Q4_1,
+        DevFormat::Q8_0 => DType::Q8_0,
+        DevFormat::Bf16 => DType::BF16,
+    }
+}
+
+/// Random GGUF-format bytes of `rows` x `k` in the dtype of `f`, with weights of order 0.05.
+fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    let nb = k / 32;
+    match f {
+        DevFormat::Q4_1 => {
+            for _ in 0..rows * nb {
+                out.extend_from_slice(&half::f16::from_f32(rng.random_range(0.002..0.012)).to_le_bytes());
+                out.extend_from_slice(&half::f16::from_f32(rng.random_range(-0.09..0.0)).to_le_bytes());
+                for _ in 0..16 {
+                    out.push(rng.random());
+                }
+            }
+        }
+        DevFormat::Q8_0 => {
+            for _ in 0..rows * nb {
+                out.extend_from_slice(&half::f16::from_f32(rng.random_range(0.0002..0.0008)).to_le_bytes());
+                for _ in 0..32 {
+                    out.push(rng.random());
+                }
+            }
+        }
+        DevFormat::Bf16 => {
+            for _ in 0..rows * k {
+                out.extend_from_slice(&half::bf16::from_f32(rng.random_range(-0.08..0.08)).to_le_bytes());
+            }
+        }
+    }
+    out
+}
+
+fn rand_vec(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+struct Mat {
+    dtype: DType,
+    rows: usize,
+    k: usize,
+    data: Vec<u8>,
+}
+
+impl Mat {
+    fn new(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Mat {
+        Mat { dtype: dtype_of(f), rows, k, data: rand_weights(rng, f, rows, k) }
+    }
+    fn cpu(&self) -> ops::MatRef<'_> {
+        ops::MatRef { dtype: self.dtype, rows: self.rows, cols: self.k, data: &self.data }
+    }
+    fn host(&self, f: DevFormat) -> HostMat {
+        HostMat::repack("test", f, self.dtype, self.rows, self.k, &self.data).unwrap()
+    }
+    fn matvec(&self, x: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows];
+        ops::matvec(self.cpu(), x, &mut out);
+        out
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let mut num = 0f64;
+    let mut den = 0f64;
+    for (g, w) in got.iter().zip(want) {
+        assert!(g.is_finite(), "non-finite output {g} (unwritten or overflow)");
+        num += ((g - w) as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn check(what: &str, got: &[f32], want: &[f32]) {
+    let e = rel_err(got, want);
+    eprintln!("  {what}: rel err {e:.2e} over {} values", got.len());
+    assert!(e < TOL, "{what}: relative error {e:.3e} >= {TOL:e}");
+}
+
+fn read_f32(g: &Gpu, b: &DevBuf, n: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    g.read(b, 0, &mut v).unwrap();
+    v
+}
+
+fn poisoned(g: &Gpu, n: usize) -> DevBuf {
+    g.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+#[test]
+fn embed_rows_are_exact() {
+    let Some(mut e) = env("embed") else { return };
+    let d = e.d;
+    let table = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
+    let dm = DevMat::upload(&e.gpu, &table.host(e.ef)).unwrap();
+    let toks: Vec<i32> = (0..7).map(|_| e.rng.random_range(0..d.vocab as i32)).chain([0, d.vocab as i32 - 1]).collect();
+    let tb = e.gpu.upload(&toks).unwrap();
+    let x = poisoned(&e.gpu, toks.len() * d.hidden);
+    e.gpu.embed(&dm, tb.ptr, x.ptr, toks.len()).unwrap();
+    let got = read_f32(&e.gpu, &x, toks.len() * d.hidden);
+    let rb = table.dtype.row_bytes(d.hidden).unwrap();
+    for (i, &t) in toks.iter().enumerate() {
+        let mut want = vec![0f32; d.hidden];
+        dequantize_row(table.dtype, &table.data[t as usize * rb..(t as usize + 1) * rb], &mut want).unwrap();
+        assert_eq!(&got[i * d.hidden..(i + 1) * d.hidden], &want[..], "token {t}");
+    }
+}
+
+#[test]
+fn attn_in_norm_qkv_rope_and_kv_write() {
+    let Some(mut e) = env("attn_in") else { return };
+    let d = e.d;
+    let (qd, kd, hd) = (d.qd(), d.kd(), d.head_dim);
+    let slots = 2;
+    let ctx = 40;
+    let layer = d.layers - 1;
+    // 11 tokens: more than one token tile; two slots, scattered positions
+    let pos: Vec<i32> = vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 39, 17];
+    let slot: Vec<i32> = vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1];
+    let n = pos.len();
+    let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+    let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+    let wq = Mat::new(&mut e.rng, e.wf, qd, d.hidden);
+    let wk = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
+    let wv = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
+    let wqkv = HostMat::concat_rows("qkv", &[wq.host(e.wf), wk.host(e.wf), wv.host(e.wf)]).unwrap();
+    let g = &e.gpu;
+    let (xb, nb, wb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &wqkv).unwrap());
+    let qb = poisoned(g, n * qd);
+    let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
+    let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
+    let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
+    let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
+    g.attn_in(xb.ptr, nb.ptr, &wb, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n).unwrap();
+    let q = read_f32(g, &qb, n * qd);
+    let kcache = read_f32(g, &kc, cache_n);
+    let vcache = read_f32(g, &vc, cache_n);
+    let inv = ops::rope_inv_freq(hd, e.theta, None, None);
+    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) = (vec![], vec![], vec![], vec![], vec![]);
+    for t in 0..n {
+        let mut xn = vec![0f32; d.hidden];
+        ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
+        let mut qr = wq.matvec(&xn);
+        let mut kr = wk.matvec(&xn);
+        let vr = wv.matvec(&xn);
+        ops::rope_inplace(&mut qr, hd, pos[t] as usize, &inv);
+        ops::rope_inplace(&mut kr, hd, pos[t] as usize, &inv);
+        wq_all.extend(qr);
+        wk_all.extend(kr);
+        wv_all.extend(vr);
+        for h in 0..d.kv_heads {
+            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx + pos[t] as usize) * hd;
+            gk.extend_from_slice(&kcache[off..off + hd]);
+            gv.extend_from_slice(&vcache[off..off + hd]);
+        }
+    }
+    check("q (norm+proj+rope)", &q, &wq_all);
+    check("k cache (norm+proj+rope)", &gk, &wk_all);
+    check("v cache (norm+proj)", &gv, &wv_all);
+    // nothing else in the cache was touched
+    let written = kcache.iter().filter(|v| **v != 1e30).count();
+    assert_eq!(written, n * kd, "K cache entries written outside the tokens' positions");
+}
+
+#[test]
+fn attention_splits_combine_and_out_projection() {
+    let Some(mut e) = env("attention") else { return };
+    let d = e.d;
+    let (qd, hd) = (d.qd(), d.head_dim);
+    let slots = 2;
+    let ctx = 300;
+    let layer = 1;
+    let pos: Vec<i32> = vec![257, 7, 0];
+    let slot: Vec<i32> = vec![0, 1, 1];
+    let n = pos.len();
+    let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
+    let kc = rand_vec(&mut e.rng, cache_n, -1.0, 1.0);
+    let vc = rand_vec(&mut e.rng, cache_n, -1.0, 1.0);
+    let q = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
+    let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+    let wo = Mat::new(&mut e.rng, e.wf, d.hidden, qd);
+    // reference
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut want_x = Vec::new();
+    let mut scores = Vec::new();
+    for t in 0..n {
+        let len = pos[t] as usize + 1;
+        let kvd = d.kd();
+        let (mut k, mut v) = (vec![0f32; len * kvd], vec![0f32; len * kvd]);
+        for p in 0..len {
+            for h in 0..d.kv_heads {
+                let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx + p) * hd;
+                k[p * kvd + h * hd..][..hd].copy_from_slice(&kc[off..off + hd]);
+                v[p * kvd + h * hd..][..hd].copy_from_slice(&vc[off..off + hd]);
+            }
+        }
+        let mut att = vec![0f32; qd];
+        ops::attention(&q[t * qd..(t + 1) * qd], &k, &v, len, d.heads, d.kv_heads, hd, scale, &mut scores, &mut att);
+        let o = wo.matvec(&att);
+        want_x.extend(x[t * d.hidden..(t + 1) * d.hidden].iter().zip(&o).map(|(a, b)| a + b));
+    }
+    let g = &e.gpu;
+    let (kb, vb, qb) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&q).unwrap());
+    let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
+    let wb = DevMat::upload(g, &wo.host(e.wf)).unwrap();
+    let ml = g.alloc(n * d.heads * plan::MAX_SPLITS * 8).unwrap();
+    let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
+    let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
+    for nsplit in [1usize, 2, 4, 32, auto] {
+        let xb = g.upload(&x).unwrap();
+        g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, n).unwrap();
+        g.attn_out(ml.ptr, acc.ptr, nsplit, &wb, xb.ptr, n).unwrap();
+        let got = read_f32(g, &xb, n * d.hidden);
+        check(&format!("x + Wo*attention, {nsplit} splits"), &got, &want_x);
+    }
+}
+
+#[test]
+fn ffn_norm_gate_up_silu_down_residual() {
+    let Some(mut e) = env("ffn") else { return };
+    let d = e.d;
+    let n = 9; // more than one token tile of ffn_out
+    let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+    let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+    let wg = Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden);
+    let wu = Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden);
+    let wd = Mat::new(&mut e.rng, e.wf, d.hidden, d.ffn);
+    let mut want_h = Vec::new();
+    for t in 0..n {
+        let mut xn = vec![0f32; d.hidden];
+        ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
+        let (gt, up) = (wg.matvec(&xn), wu.matvec(&xn));
+        let mut h = vec![0f32; d.ffn];
+        ops::swiglu(&gt, &up, &mut h);
+        want_h.extend(h);
+    }
+    let g = &e.gpu;
+    let wgu = HostMat::interleave_rows("gu", &wg.host(e.wf), &wu.host(e.wf)).unwrap();
+    let (xb, nb, gub, db) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &wgu).unwrap(), DevMat::upload(g, &wd.host(e.wf)).unwrap());
+    let hb = poisoned(g, n * d.ffn);
+    g.ffn_in(xb.ptr, nb.ptr, &gub, hb.ptr, n).unwrap();
+    check("h = silu(gate)*up", &read_f32(g, &hb, n * d.ffn), &want_h);
+    // down + residual, fed with the reference h so the two kernels are checked separately
+    let hb2 = g.upload(&want_h).unwrap();
+    g.ffn_out(hb2.ptr, &db, xb.ptr, n).unwrap();
+    let mut want_x = Vec::new();
+    for t in 0..n {
+        let o = wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn]);
+        want_x.extend(x[t * d.hidden..(t + 1) * d.hidden].iter().zip(&o).map(|(a, b)| a + b));
+    }
+    check("x + Wdown*h", &read_f32(g, &xb, n * d.hidden), &want_x);
+}
+
+#[test]
+fn lm_head_and_device_argmax() {
+    let Some(mut e) = env("lm_head") else { return };
+    let d = e.d;
+    let n = 4;
+    let sel: Vec<i32> = vec![3, 0, 2];
+    let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+    let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+    let head = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
+    let g = &e.gpu;
+    let (xb, nb, hb, sb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &head.host(e.ef)).unwrap(), g.upload(&sel).unwrap());
+    let lb = poisoned(g, sel.len() * d.vocab);
+    g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len()).unwrap();
+    let logits = read_f32(g, &lb, sel.len() * d.vocab);
+    let mut want = Vec::new();
+    for &s in &sel {
+        let mut xn = vec![0f32; d.hidden];
+        ops::rmsnorm(&x[s as usize * d.hidden..(s as usize + 1) * d.hidden], &norm, e.eps, &mut xn);
+        want.extend(head.matvec(&xn));
+    }
+    check("logits", &logits, &want);
+    // argmax + logprob on the GPU's own logits must equal the host sampler's exactly / to 1e-5
+    let (tb, pb) = (g.alloc(16).unwrap(), g.alloc(16).unwrap());
+    g.argmax(lb.ptr, tb.ptr, pb.ptr, sel.len()).unwrap();
+    let mut tok = vec![0i32; sel.len()];
+    let mut lp = vec![0f32; sel.len()];
+    g.read(&tb, 0, &mut tok).unwrap();
+    g.read(&pb, 0, &mut lp).unwrap();
+    for i in 0..sel.len() {
+        let row = &logits[i * d.vocab..(i + 1) * d.vocab];
+        let want_t = sampler::argmax(row);
+        assert_eq!(tok[i] as usize, want_t, "row {i}");
+        let want_lp = row[want_t] - sampler::log_sum_exp(row);
+        assert!((lp[i] - want_lp).abs() < 1e-5, "row {i}: logprob {} vs {want_lp}", lp[i]);
+    }
+    // ties pick the lowest id, NaN is never chosen
+    let mut row = vec![-1.0f32; d.vocab];
+    row[5] = f32::NAN;
+    row[100] = 3.0;
+    row[d.vocab - 1] = 3.0;
+    row[7] = f32::NAN;
+    let rb = g.upload(&row).unwrap();
+    g.argmax(rb.ptr, tb.ptr, pb.ptr, 1).unwrap();
+    g.read(&tb, 0, &mut tok[..1]).unwrap();
+    assert_eq!(tok[0], 100);
+}
