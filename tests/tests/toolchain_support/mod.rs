@@ -1,0 +1,73 @@
+//! Shared helpers of the toolchain tests: repo paths, the toolchain gate, running xtask.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => repo().join("target"),
+    }
+}
+
+/// True when the pinned toolchain is installed. Otherwise prints why the test is skipped, or
+/// panics when METRALE_REQUIRE_TOOLCHAIN=1 (CI installs the toolchain first).
+pub fn toolchain_present(test: &str) -> bool {
+    let dir = metrale_codegen::toolchain::default_dir(&repo());
+    match metrale_codegen::toolchain::Toolchain::locate(&dir) {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("METRALE_REQUIRE_TOOLCHAIN").as_deref() == Ok("1") {
+                panic!("{test}: METRALE_REQUIRE_TOOLCHAIN=1 but {e}");
+            }
+            eprintln!("SKIP {test}: {e}");
+            false
+        }
+    }
+}
+
+/// target/release/xtask, built once per test process.
+pub fn xtask() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let st = Command::new(cargo).current_dir(repo()).args(["build", "--release", "--quiet", "-p", "xtask"]).status().expect("running cargo");
+            assert!(st.success(), "cargo build -p xtask failed");
+            target_dir().join("release").join("xtask")
+        })
+        .clone()
+}
+
+/// Runs xtask with `args`, returning its output (stdout+stderr shown on failure by callers).
+pub fn run_xtask(args: &[&str]) -> Output {
+    let out = Command::new(xtask()).current_dir(repo()).args(args).output().expect("running xtask");
+    eprintln!("$ xtask {}\n{}{}", args.join(" "), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+/// Copies `kernels/` and `targets/` of the repo into `dest` (a source tree for --repo).
+pub fn copy_sources(dest: &Path) {
+    for d in ["kernels", "targets"] {
+        copy_dir(&repo().join(d), &dest.join(d));
+    }
+}
+
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&p, to.join(e.file_name())).unwrap();
+        }
+    }
+}

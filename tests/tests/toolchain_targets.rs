@@ -1,0 +1,106 @@
+//! Targets as data: the committed matrix parses, list-targets lists it, unknown keys are errors.
+
+mod toolchain_support;
+
+use metrale_core::target::{list_targets, BackendKind, TargetError, TargetId, TargetSpec};
+use toolchain_support::*;
+
+#[test]
+fn the_matrix_is_listed_and_every_target_loads() {
+    let root = repo().join("targets");
+    let ids = list_targets(&root).unwrap();
+    let names: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    for hw in ["h200", "h100", "a100", "l40s", "cpu"] {
+        for model in ["smollm2-135m", "llama-3.2-1b"] {
+            for q in ["q4_1", "bf16"] {
+                assert!(names.contains(&format!("{hw}/{model}/{q}")), "{hw}/{model}/{q} missing from {names:?}");
+            }
+        }
+    }
+    assert!(names.contains(&"m3-max/smollm2-135m/q4_1".to_string()));
+    for id in &ids {
+        let s = TargetSpec::load(&root, id).unwrap_or_else(|e| panic!("{id}: {e}"));
+        assert_eq!(s.id, *id);
+        // the embedded texts parse back to the same spec (what the runtime does)
+        let again = TargetSpec::from_toml(&s.hardware_toml, &s.model_toml, id).unwrap();
+        assert_eq!(again, s);
+    }
+    let h200 = TargetSpec::load(&root, &TargetId::new("h200", "smollm2-135m", "q4_1")).unwrap();
+    assert_eq!(h200.hardware.backend, BackendKind::Cuda);
+    assert_eq!(h200.hardware.cubin_arch.as_deref(), Some("sm_90a"));
+    assert_eq!(h200.hardware.sm_count, Some(132));
+    assert_eq!((h200.model.layers, h200.model.hidden, h200.model.heads, h200.model.kv_heads, h200.model.ffn, h200.model.vocab), (30, 576, 9, 3, 1536, 49152));
+    assert_eq!(h200.quant.embedding, "q8_0");
+    assert!(h200.serves("llama", 576));
+    assert!(!h200.serves("llama", 2048));
+    let l = TargetSpec::load(&root, &TargetId::new("a100", "llama-3.2-1b", "bf16")).unwrap();
+    assert_eq!(l.model.rope_scaling.as_ref().unwrap().factor, 32.0);
+    assert_eq!(l.hardware.sm_count, Some(108));
+    // a MODEL.toml override of the shared model file
+    let cpu = TargetSpec::load(&root, &TargetId::new("cpu", "smollm2-135m", "q4_1")).unwrap();
+    assert_eq!(cpu.behavior.parallel, Some(4));
+    assert_eq!(cpu.behavior.ctx_size, Some(8192));
+}
+
+#[test]
+fn list_targets_command_prints_the_matrix() {
+    let out = run_xtask(&["list-targets"]);
+    assert!(out.status.success());
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("h200     cuda    smollm2-135m   q4_1   sm_90a      132"), "{s}");
+    assert!(s.contains("21 targets"), "{s}");
+}
+
+fn temp_targets() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    copy_dir(&repo().join("targets"), &d.path().join("targets"));
+    d
+}
+
+#[test]
+fn unknown_keys_are_errors_naming_file_and_key() {
+    let id = TargetId::new("h200", "smollm2-135m", "q4_1");
+    let cases = [
+        ("h200/HARDWARE.toml", "sm_cuont = 132\n", "sm_cuont"),
+        ("h200/smollm2-135m/q4_1/MODEL.toml", "\n[behavior]\nparalel = 3\n", "paralel"),
+        ("models/smollm2-135m.toml", "\n[sampling.chat]\ntop_q = 0.9\n", "top_q"),
+    ];
+    for (file, extra, key) in cases {
+        let d = temp_targets();
+        let root = d.path().join("targets");
+        let p = root.join(file);
+        let mut text = std::fs::read_to_string(&p).unwrap();
+        if extra.starts_with('\n') {
+            // replace an existing table so the TOML stays valid
+            let table = extra.lines().nth(1).unwrap();
+            if let Some(i) = text.find(table) {
+                let rest = &text[i + table.len()..];
+                text = format!("{}{}{}", &text[..i], extra.trim_start(), rest);
+            } else {
+                text.push_str(extra);
+            }
+        } else {
+            text = format!("{extra}{text}");
+        }
+        std::fs::write(&p, text).unwrap();
+        let err = TargetSpec::load(&root, &id).expect_err(&format!("{file}: unknown key `{key}` accepted"));
+        let msg = err.to_string();
+        assert!(matches!(err, TargetError::Parse { .. }), "{msg}");
+        assert!(msg.contains(key), "error does not name the key: {msg}");
+        assert!(msg.contains("toml"), "error does not name the file: {msg}");
+    }
+}
+
+#[test]
+fn inconsistent_targets_are_refused() {
+    let id = TargetId::new("h200", "smollm2-135m", "q4_1");
+    let d = temp_targets();
+    let root = d.path().join("targets");
+    let p = root.join("h200/HARDWARE.toml");
+    let t = std::fs::read_to_string(&p).unwrap().replace("cubin_arch = \"sm_90a\"\n", "");
+    std::fs::write(&p, t).unwrap();
+    let e = TargetSpec::load(&root, &id).unwrap_err().to_string();
+    assert!(e.contains("cubin_arch"), "{e}");
+    let e = TargetSpec::load(&root, &TargetId::new("h300", "smollm2-135m", "q4_1")).unwrap_err().to_string();
+    assert!(e.contains("not found") && e.contains("h200/smollm2-135m/q4_1"), "{e}");
+}
