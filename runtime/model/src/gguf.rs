@@ -245,8 +245,8 @@ impl<'a> Reader<'a> {
             return Err(self.err(
                 field,
                 format!(
-                    "count {n} at offset {at} is absurd: {n} elements of at least {min_size} bytes \
-                     do not fit in the {left} bytes left in the file"
+                    "count {n} at offset {at} is absurd or the file is truncated: {n} elements of at \
+                     least {min_size} bytes do not fit in the {left} bytes left in the file"
                 ),
             ));
         }

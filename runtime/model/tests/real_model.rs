@@ -87,3 +87,33 @@ fn chat_template_renders() {
     eprintln!("{s:?}");
     assert!(s.ends_with("<|im_start|>assistant\n"));
 }
+
+#[test]
+fn truncated_real_file_is_always_an_error() {
+    let Some(p) = model_path() else { return };
+    let bytes = std::fs::read(&p).unwrap();
+    let path = std::path::Path::new("truncated.gguf");
+    let full = metrale_model::gguf::parse_header(&bytes, path).unwrap();
+    let header_end = full.data_offset;
+    // every byte of the fixed header and the first metadata, then ~600 cuts spread over the rest of the
+    // header (tokens, merges, tensor infos) and the data section
+    let mut cuts: Vec<usize> = (0..512).collect();
+    cuts.extend((0..400).map(|i| 512 + i * (header_end - 512) / 400));
+    cuts.extend((0..200).map(|i| header_end + i * (bytes.len() - header_end) / 200));
+    cuts.push(bytes.len() - 1);
+    for n in cuts {
+        let r = std::panic::catch_unwind(|| metrale_model::gguf::parse_header(&bytes[..n], path).map(|_| ()))
+            .unwrap_or_else(|_| panic!("panic on a cut at {n}"));
+        let e = r.expect_err(&format!("a cut at {n} of {} parsed", bytes.len())).to_string();
+        assert!(e.contains("truncated.gguf"), "{e}");
+    }
+    // and two real truncated files through Model::load
+    let dir = tempfile::tempdir().unwrap();
+    for n in [header_end / 2, bytes.len() - 4096] {
+        let q = dir.path().join("cut.gguf");
+        std::fs::write(&q, &bytes[..n]).unwrap();
+        let e = Model::load(&q).unwrap_err().to_string();
+        eprintln!("cut at {n}: {e}");
+        assert!(e.contains("cut.gguf"), "{e}");
+    }
+}
