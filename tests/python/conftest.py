@@ -1,0 +1,97 @@
+"""Fixtures for the server tests: start the real release binary on a free port with the real model.
+
+Env: METRALE_MODEL (path of the model; the tests skip, saying so, when it is unset),
+METRALE_SERVER_BIN (default: target/release/metrale-server of this repo).
+The server runs with --api-key so that the 401 path is exercised; every client sends the key.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+API_KEY = "test-key-123"
+CTX_SIZE = 1024
+PARALLEL = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc, port, log_path, health_seen):
+        self.proc = proc
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.health_seen = health_seen  # every (status, body) /health answered before 200
+
+    def log(self) -> str:
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    model = os.environ.get("METRALE_MODEL")
+    if not model:
+        pytest.skip("METRALE_MODEL is not set (run `cargo xtask fetch-model smollm2-135m` and export its path)")
+    binary = os.environ.get("METRALE_SERVER_BIN", str(REPO / "target/release/metrale-server"))
+    if not os.path.isfile(binary):
+        pytest.fail(f"server binary {binary} not found: cargo build --release -p metrale-server")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [binary, "--model", model, "--port", str(port), "--ctx-size", str(CTX_SIZE),
+         "--parallel", str(PARALLEL), "--api-key", API_KEY],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+    health_seen = []
+    deadline = time.time() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            if time.time() > deadline:
+                pytest.fail(f"server not healthy after 180 s:\n{log_path.read_text()}")
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                if r.status_code == 200:
+                    break
+                health_seen.append((r.status_code, r.json()))
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        yield Server(proc, port, log_path, health_seen)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as c:
+        yield c
