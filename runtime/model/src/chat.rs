@@ -215,3 +215,53 @@ impl ChatTemplate {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs() -> Vec<ChatMessage> {
+        vec![ChatMessage::new("system", "  Be brief. "), ChatMessage::new("user", "Hi"), ChatMessage::new("assistant", "Hello")]
+    }
+
+    #[test]
+    fn python_methods_loop_controls_and_tokens() {
+        // expected output checked with python jinja2 3.1.6 (same settings, loopcontrols extension)
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% break %}{% endif %}\
+             {{ m.role.upper() }}:{{ m.content.strip() }}|{% if m.content.startswith('  ') %}indented|{% endif %}\
+             {% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}",
+        )
+        .unwrap()
+        .with_tokens("<s>", "</s>");
+        assert_eq!(t.render(&msgs(), true).unwrap(), "<s>SYSTEM:Be brief.|indented|USER:Hi|</s>");
+        assert_eq!(t.render(&msgs(), false).unwrap(), "<s>SYSTEM:Be brief.|indented|USER:Hi|");
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_like_transformers() {
+        // expected output checked with python jinja2 3.1.6 (trim_blocks, lstrip_blocks, loopcontrols)
+        let t = ChatTemplate::new("{% for m in messages %}\n    {% if true %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}")
+            .unwrap();
+        assert_eq!(t.render(&msgs()[1..2], false).unwrap(), "Hi\n");
+    }
+
+    #[test]
+    fn raise_exception_reaches_the_caller() {
+        let t = ChatTemplate::new(
+            "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}",
+        )
+        .unwrap();
+        let e = t.render(&msgs(), true).unwrap_err().to_string();
+        assert!(e.contains("Conversation must start with user"), "{e}");
+    }
+
+    #[test]
+    fn syntax_errors_and_strftime() {
+        assert!(ChatTemplate::new("{% if %}").is_err());
+        let t = ChatTemplate::new("{{ strftime_now('%Y-%m-%d %B %%') }}").unwrap();
+        let s = t.render(&[], false).unwrap();
+        assert_eq!(s.len() >= 14, true, "{s}");
+        assert!(s.starts_with("20") && s.ends_with(" %"), "{s}");
+    }
+}

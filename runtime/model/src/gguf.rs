@@ -594,3 +594,125 @@ impl GgufFile {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(o: &mut Vec<u8>, x: &str) {
+        o.extend((x.len() as u64).to_le_bytes());
+        o.extend(x.as_bytes());
+    }
+
+    /// A header with one key of every metadata type (and nested arrays), one F32 tensor, alignment 64.
+    fn every_type() -> Vec<u8> {
+        let mut o = b"GGUF".to_vec();
+        o.extend(3u32.to_le_bytes());
+        o.extend(1u64.to_le_bytes());
+        o.extend(15u64.to_le_bytes());
+        let kv = |o: &mut Vec<u8>, k: &str, t: u32, v: &[u8]| {
+            s(o, k);
+            o.extend(t.to_le_bytes());
+            o.extend(v);
+        };
+        kv(&mut o, "u8", 0, &[200]);
+        kv(&mut o, "i8", 1, &[(-5i8) as u8]);
+        kv(&mut o, "u16", 2, &60000u16.to_le_bytes());
+        kv(&mut o, "i16", 3, &(-30000i16).to_le_bytes());
+        kv(&mut o, "u32", 4, &4_000_000_000u32.to_le_bytes());
+        kv(&mut o, "i32", 5, &(-7i32).to_le_bytes());
+        kv(&mut o, "f32", 6, &1.5f32.to_le_bytes());
+        kv(&mut o, "bool", 7, &[1]);
+        let mut st = Vec::new();
+        s(&mut st, "héllo");
+        kv(&mut o, "string", 8, &st);
+        kv(&mut o, "u64", 10, &u64::MAX.to_le_bytes());
+        kv(&mut o, "i64", 11, &i64::MIN.to_le_bytes());
+        kv(&mut o, "f64", 12, &0.25f64.to_le_bytes());
+        let mut arr = 4u32.to_le_bytes().to_vec();
+        arr.extend(3u64.to_le_bytes());
+        for v in [1u32, 2, 3] {
+            arr.extend(v.to_le_bytes());
+        }
+        kv(&mut o, "arr_u32", 9, &arr);
+        // array of arrays of strings
+        let mut nested = 9u32.to_le_bytes().to_vec();
+        nested.extend(2u64.to_le_bytes());
+        for words in [&["a", "b"][..], &["c"][..]] {
+            nested.extend(8u32.to_le_bytes());
+            nested.extend((words.len() as u64).to_le_bytes());
+            for w in words {
+                s(&mut nested, w);
+            }
+        }
+        kv(&mut o, "nested", 9, &nested);
+        kv(&mut o, "general.alignment", 4, &64u32.to_le_bytes());
+        s(&mut o, "t");
+        o.extend(2u32.to_le_bytes());
+        o.extend(2u64.to_le_bytes());
+        o.extend(3u64.to_le_bytes());
+        o.extend(0u32.to_le_bytes());
+        o.extend(0u64.to_le_bytes());
+        while o.len() % 64 != 0 {
+            o.push(0);
+        }
+        for i in 0..6 {
+            o.extend((i as f32).to_le_bytes());
+        }
+        o
+    }
+
+    #[test]
+    fn every_metadata_type() {
+        let b = every_type();
+        let h = parse_header(&b, Path::new("every.gguf")).unwrap();
+        let m = &h.metadata;
+        assert_eq!(m["u8"], Value::U8(200));
+        assert_eq!(m["i8"], Value::I8(-5));
+        assert_eq!(m["u16"], Value::U16(60000));
+        assert_eq!(m["i16"], Value::I16(-30000));
+        assert_eq!(m["u32"], Value::U32(4_000_000_000));
+        assert_eq!(m["i32"], Value::I32(-7));
+        assert_eq!(m["f32"], Value::F32(1.5));
+        assert_eq!(m["bool"], Value::Bool(true));
+        assert_eq!(m["string"], Value::String("héllo".into()));
+        assert_eq!(m["u64"], Value::U64(u64::MAX));
+        assert_eq!(m["i64"], Value::I64(i64::MIN));
+        assert_eq!(m["f64"], Value::F64(0.25));
+        assert_eq!(m["arr_u32"], Value::Array(ValueType::U32, vec![Value::U32(1), Value::U32(2), Value::U32(3)]));
+        match &m["nested"] {
+            Value::Array(ValueType::Array, v) => {
+                assert_eq!(v.len(), 2);
+                assert_eq!(v[1], Value::Array(ValueType::String, vec![Value::String("c".into())]));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(m["i32"].as_u64(), None);
+        assert_eq!(m["i32"].as_i64(), Some(-7));
+        assert_eq!(m["u8"].as_u64(), Some(200));
+        assert_eq!(h.alignment, 64);
+        assert_eq!(h.data_offset % 64, 0);
+        assert_eq!(h.tensors.len(), 1);
+        let t = &h.tensors[0];
+        assert_eq!((t.name.as_str(), t.dtype, t.shape.clone(), t.n_bytes), ("t", DType::F32, vec![2, 3], 24));
+        assert_eq!(&b[t.file_offset + 4..t.file_offset + 8], &1f32.to_le_bytes());
+        // every cut of this file is an error, never a panic
+        for n in 0..b.len() {
+            assert!(parse_header(&b[..n], Path::new("every.gguf")).is_err(), "cut at {n}");
+        }
+    }
+
+    #[test]
+    fn bad_bool_and_invalid_utf8() {
+        let mut b = every_type();
+        let at = b.windows(4).position(|w| w == b"bool").unwrap() + 4 + 4;
+        b[at] = 2;
+        let e = parse_header(&b, Path::new("x.gguf")).unwrap_err().to_string();
+        assert!(e.contains("metadata 'bool'") && e.contains("expected 0 or 1"), "{e}");
+        let mut b = every_type();
+        let at = b.windows(6).position(|w| w == "héllo".as_bytes()).unwrap();
+        b[at + 1] = 0xff;
+        let e = parse_header(&b, Path::new("x.gguf")).unwrap_err().to_string();
+        assert!(e.contains("metadata 'string'") && e.contains("UTF-8"), "{e}");
+    }
+}

@@ -405,3 +405,25 @@ impl Tokenizer {
         self.eos.contains(&id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_alphabet() {
+        let m = byte_level_decoder();
+        assert_eq!(m.len(), 256);
+        let mut bytes: Vec<u8> = m.values().copied().collect();
+        bytes.sort();
+        bytes.dedup();
+        assert_eq!(bytes.len(), 256);
+        // GPT-2: space is 'Ġ' (U+0120), newline 'Ċ' (U+010A), 'a' is itself
+        assert_eq!(m[&'\u{120}'], b' ');
+        assert_eq!(m[&'\u{10A}'], b'\n');
+        assert_eq!(m[&'a'], b'a');
+        assert_eq!(token_to_bytes("Ġhello", ByteMode::ByteLevel, &m), b" hello");
+        assert_eq!(token_to_bytes("<0x0A>", ByteMode::SentencePiece, &m), b"\n");
+        assert_eq!(token_to_bytes("\u{2581}the", ByteMode::SentencePiece, &m), b" the");
+    }
+}
