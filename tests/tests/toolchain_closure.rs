@@ -11,27 +11,8 @@ use metrale_codegen::{build_kernels, BuildRequest, BuiltKernel};
 use metrale_core::target::{list_targets, BackendKind, TargetId, TargetSpec};
 use toolchain_support::*;
 
-const HEADERS: &[(&str, &str)] = &[
-    ("x.cuh", "#pragma once\n#include \"z.cuh\"\n__device__ inline float fx(float v) { return fz(v) * 2.0f; }\n"),
-    ("y.cuh", "#pragma once\n__device__ inline float fy(float v) { return v + 1.0f; }\n"),
-    ("z.cuh", "#pragma once\n__device__ inline float fz(float v) { return v * v * 1.0f; }\n"),
-];
-// fa: {x, z}; fb: {y}; fc: {y, z}
-const TEMPLATES: &[(&str, &str)] = &[
-    ("fa", "#include \"x.cuh\"\nconstexpr int H = {{model.hidden}};\nextern \"C\" __global__ void fa(float* o) { o[threadIdx.x % H] = fx(o[threadIdx.x]); }\n"),
-    ("fb", "#include \"y.cuh\"\n#include <cuda_fp16.h>\nextern \"C\" __global__ void fb(float* o) { o[threadIdx.x] = fy(__half2float(__float2half(o[0]))) * {{hw.sm_count}}; }\n"),
-    ("fc", "#include \"y.cuh\"\n#include \"z.cuh\"\nextern \"C\" __global__ void fc_one(float* o) { o[0] = fy(fz(o[0])); }\nextern \"C\" __global__ void fc_two(float* o) { o[1] = {{model.vocab}}; }\n"),
-];
-
 fn fixture(dir: &Path) -> TargetSpec {
-    let cuda = dir.join("kernels/cuda");
-    std::fs::create_dir_all(&cuda).unwrap();
-    for (n, t) in HEADERS {
-        std::fs::write(cuda.join(n), t).unwrap();
-    }
-    for (n, t) in TEMPLATES {
-        std::fs::write(cuda.join(format!("{n}.cu.hbs")), t).unwrap();
-    }
+    write_fixture_kernels(dir);
     let real = TargetSpec::load(&repo().join("targets"), &TargetId::new("h200", "smollm2-135m", "q4_1")).unwrap();
     let mut table: toml::Table = real.model_toml.parse().unwrap();
     table.insert("kernels".into(), toml::Value::Array(TEMPLATES.iter().map(|(n, _)| toml::Value::String(n.to_string())).collect()));

@@ -71,3 +71,44 @@ pub fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// Fixture CUDA headers (not the real kernels, so these tests do not depend on kernels/cuda).
+pub const HEADERS: &[(&str, &str)] = &[
+    ("x.cuh", "#pragma once\n#include \"z.cuh\"\n__device__ inline float fx(float v) { return fz(v) * 2.0f; }\n"),
+    ("y.cuh", "#pragma once\n__device__ inline float fy(float v) { return v + 1.0f; }\n"),
+    ("z.cuh", "#pragma once\n__device__ inline float fz(float v) { return v * v * 1.0f; }\n"),
+];
+// fa: {x, z}; fb: {y}; fc: {y, z}
+pub const TEMPLATES: &[(&str, &str)] = &[
+    ("fa", "#include \"x.cuh\"\nconstexpr int H = {{model.hidden}};\nextern \"C\" __global__ void fa(float* o) { o[threadIdx.x % H] = fx(o[threadIdx.x]); }\n"),
+    ("fb", "#include \"y.cuh\"\n#include <cuda_fp16.h>\nextern \"C\" __global__ void fb(float* o) { o[threadIdx.x] = fy(__half2float(__float2half(o[0]))) * {{hw.sm_count}}; }\n"),
+    ("fc", "#include \"y.cuh\"\n#include \"z.cuh\"\nextern \"C\" __global__ void fc_one(float* o) { o[0] = fy(fz(o[0])); }\nextern \"C\" __global__ void fc_two(float* o) { o[1] = {{model.vocab}}; }\n"),
+];
+
+
+/// Writes the fixture templates and headers into `dir/kernels/cuda/`.
+pub fn write_fixture_kernels(dir: &Path) {
+    let cuda = dir.join("kernels/cuda");
+    std::fs::create_dir_all(&cuda).unwrap();
+    for (n, t) in HEADERS {
+        std::fs::write(cuda.join(n), t).unwrap();
+    }
+    for (n, t) in TEMPLATES {
+        std::fs::write(cuda.join(format!("{n}.cu.hbs")), t).unwrap();
+    }
+}
+
+/// A source tree at `dir`: the repo's targets/, fixture kernels, and h200/smollm2-135m/q4_1 listing
+/// the fixture kernels.
+pub fn fixture_tree(dir: &Path) {
+    copy_dir(&repo().join("targets"), &dir.join("targets"));
+    write_fixture_kernels(dir);
+    let m = dir.join("targets/h200/smollm2-135m/q4_1/MODEL.toml");
+    let text: String = std::fs::read_to_string(&m)
+        .unwrap()
+        .lines()
+        .map(|l| if l.starts_with("kernels = ") { "kernels = [\"fa\", \"fb\", \"fc\"]".to_string() } else { l.to_string() })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&m, text).unwrap();
+}
