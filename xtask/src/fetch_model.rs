@@ -58,16 +58,11 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The repository root (the folder holding the workspace Cargo.toml).
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the repo root").to_path_buf()
-}
-
 /// The model cache folder: `$METRALE_MODELS_DIR` or `<repo>/.models`.
 pub fn models_dir() -> PathBuf {
     match std::env::var_os("METRALE_MODELS_DIR") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => repo_root().join(".models"),
+        _ => crate::build_target::repo_root().join(".models"),
     }
 }
 
