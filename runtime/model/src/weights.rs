@@ -10,8 +10,10 @@
 //!   those two tensors per layer are owned buffers.
 //! - Every entry's byte length equals `dtype.row_bytes(shape[0]) * prod(shape[1..])` (checked when the
 //!   entry is inserted).
-//! - Data is not guaranteed aligned (safetensors offsets are arbitrary): read elements with
-//!   `from_le_bytes`, never by casting the slice.
+//! - Alignment: GGUF tensor data starts at a multiple of `general.alignment` (32 by default) from
+//!   the start of a page-aligned map, so it is 32-byte aligned in memory; safetensors offsets and the
+//!   owned Q/K buffers carry no alignment guarantee. Read elements with `from_le_bytes` (or check
+//!   alignment first), never by casting an unchecked slice.
 
 use crate::error::{ModelError, Result};
 use metrale_core::dtype::{dequantize_row, DType};

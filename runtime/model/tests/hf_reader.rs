@@ -259,3 +259,11 @@ fn hf_tokenizer_and_template() {
     let out = tpl.render(&[ChatMessage::new("user", " hi ")], true).unwrap();
     assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
 }
+
+#[test]
+fn model_is_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Model>();
+    send_sync::<metrale_model::Tokenizer>();
+    send_sync::<metrale_model::ChatTemplate>();
+}

@@ -68,6 +68,27 @@ CASES = [
 ]
 
 
+# Random mixes of tricky pieces (seeded, so the file is reproducible): whitespace runs next to letters,
+# digits next to spaces, apostrophes, accents, CJK, emoji, special-token text.
+PIECES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n", "a", "the", "The", "Hello", "ing", "'s", "'ll",
+          "'T", "0", "7", "42", "2024", "3.14", ",", ".", "!", "?", "...", "--", "(", ")", "{", "}", "\"", "é",
+          "ñ", "ü", "ß", "中", "文字", "日本", "한", "🦀", "👍🏽", "🇫🇷", "α", "Ω", "∑", "€", "$", "#", "@", "_",
+          "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<", "|", ">", "x\u00a0y", "\u200b"]
+
+
+def random_cases(n, seed=20241130):
+    import random
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 24)))
+        out.append((text, i % 3 == 0))
+    return out
+
+
+CASES += random_cases(80)
+
+
 def llama_tokenize(text, parse_special):
     cmd = [TOK, "-m", MODEL, "--stdin", "--no-escape", "--ids", "--no-bos", "--log-disable"]
     if not parse_special:
