@@ -104,3 +104,39 @@ fn inconsistent_targets_are_refused() {
     let e = TargetSpec::load(&root, &TargetId::new("h300", "smollm2-135m", "q4_1")).unwrap_err().to_string();
     assert!(e.contains("not found") && e.contains("h200/smollm2-135m/q4_1"), "{e}");
 }
+
+#[test]
+fn without_the_toolchain_build_target_names_the_command_to_run() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(xtask())
+        .current_dir(repo())
+        .env("METRALE_TOOLCHAIN", cache.path().join("no-toolchain-here"))
+        .args(["build-target", "--hw", "a100", "--model", "llama-3.2-1b", "--quant", "bf16", "--kernels-only"])
+        .args(["--cache", cache.path().to_str().unwrap(), "--out", cache.path().join("out").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("cargo xtask toolchain") && err.contains("a100/llama-3.2-1b/bf16"), "{err}");
+}
+
+#[test]
+fn metal_target_renders_and_hashes_and_says_where_the_metallib_step_runs() {
+    if metrale_codegen::metal::available() {
+        eprintln!("SKIP: xcrun metal exists here; this test covers machines without it");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    let o = run_xtask(&["build-target", "--hw", "m3-max", "--model", "smollm2-135m", "--quant", "q4_1", "--out", out.to_str().unwrap(), "--cache", d.path().join("c").to_str().unwrap()]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("xcrun metal"), "{err}");
+    let src = std::fs::read_to_string(out.join("kernels/rmsnorm.metal")).unwrap();
+    assert!(src.contains("constant constexpr uint HIDDEN = 576;"), "{src}");
+    let att: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("attestation.json")).unwrap()).unwrap();
+    let k = &att["predicate"]["buildDefinition"]["internalParameters"]["kernels"]["rmsnorm"];
+    assert_eq!(k["closure_hash"].as_str().unwrap().len(), 64);
+    let headers: Vec<&str> = k["manifest"]["headers"].as_array().unwrap().iter().map(|h| h["path"].as_str().unwrap()).collect();
+    assert_eq!(headers, vec!["kernels/metal/common.h"]);
+}
