@@ -71,6 +71,19 @@ fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
     Ok(v)
 }
 
+/// hidden / n_heads, when the file does not give the head dimension: n_heads must divide hidden.
+fn derived_head_dim(path: &Path, field: &str, hidden: usize, n_heads: usize) -> Result<usize> {
+    if n_heads > hidden || hidden % n_heads != 0 {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: field.into(),
+            expected: format!("a divisor of the hidden size ({hidden}), since no head dimension is given"),
+            got: n_heads.to_string(),
+        });
+    }
+    Ok(hidden / n_heads)
+}
+
 fn push_unique(v: &mut Vec<u32>, id: u32) {
     if !v.contains(&id) {
         v.push(id);
@@ -131,7 +144,7 @@ impl ModelConfig {
         };
         let head_dim = match g.opt_u64(&k("attention.key_length"))? {
             Some(v) => positive(path, "llama.attention.key_length", v as usize)?,
-            None => hidden / n_heads,
+            None => derived_head_dim(path, "llama.attention.head_count", hidden, n_heads)?,
         };
         if let Some(rot) = g.opt_u64(&k("rope.dimension_count"))? {
             if rot != head_dim as u64 {
@@ -303,7 +316,7 @@ impl ModelConfig {
         };
         let head_dim = match opt_usize("head_dim")? {
             Some(v) => positive(path, &field("head_dim"), v)?,
-            None => hidden / n_heads,
+            None => derived_head_dim(path, &field("num_attention_heads"), hidden, n_heads)?,
         };
         let ffn = req_usize("intermediate_size")?;
         let vocab = req_usize("vocab_size")?;
@@ -395,7 +408,7 @@ impl ModelConfig {
 
     /// Size of one token's K and V over all layers, in elements (for KV cache sizing).
     pub fn kv_elems_per_token(&self) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim
+        2usize.saturating_mul(self.n_layers).saturating_mul(self.n_kv_heads).saturating_mul(self.head_dim)
     }
 }
 
@@ -406,32 +419,12 @@ fn file_stem(path: &Path) -> String {
 /// Check that every tensor a llama forward pass reads is present with the right shape and a usable
 /// type: norms must be float (f32/f16/bf16), matrices any supported type.
 pub fn validate_llama(c: &ModelConfig, w: &Weights) -> Result<()> {
-    let q = c.n_heads * c.head_dim;
-    let kv = c.n_kv_heads * c.head_dim;
-    let mut want: Vec<(String, Vec<usize>, bool)> = vec![
-        ("token_embd.weight".into(), vec![c.hidden, c.vocab], false),
-        ("output_norm.weight".into(), vec![c.hidden], true),
-    ];
-    if !c.tied_embeddings {
-        want.push(("output.weight".into(), vec![c.hidden, c.vocab], false));
-    }
-    if c.rope_scaling == Some(RopeScaling::FreqFactors) {
-        want.push(("rope_freqs.weight".into(), vec![c.head_dim / 2], true));
-    }
-    for l in 0..c.n_layers {
-        let b = |s: &str| format!("blk.{l}.{s}.weight");
-        want.push((b("attn_norm"), vec![c.hidden], true));
-        want.push((b("attn_q"), vec![c.hidden, q], false));
-        want.push((b("attn_k"), vec![c.hidden, kv], false));
-        want.push((b("attn_v"), vec![c.hidden, kv], false));
-        want.push((b("attn_output"), vec![q, c.hidden], false));
-        want.push((b("ffn_norm"), vec![c.hidden], true));
-        want.push((b("ffn_gate"), vec![c.hidden, c.ffn], false));
-        want.push((b("ffn_up"), vec![c.hidden, c.ffn], false));
-        want.push((b("ffn_down"), vec![c.ffn, c.hidden], false));
-    }
-    for (name, shape, is_norm) in want {
-        let t = w.get(&name)?;
+    // Checked one by one (no list sized from the config's counts): an absurd n_layers stops at the
+    // first missing tensor. Products saturate, so absurd head counts give a shape mismatch, not a panic.
+    let q = c.n_heads.saturating_mul(c.head_dim);
+    let kv = c.n_kv_heads.saturating_mul(c.head_dim);
+    let check = |name: &str, shape: &[usize], is_norm: bool| -> Result<()> {
+        let t = w.get(name)?;
         // GGUF drops trailing 1-dims; compare without them
         let mut got = t.shape.clone();
         while got.len() > shape.len() && got.last() == Some(&1) {
@@ -453,6 +446,27 @@ pub fn validate_llama(c: &ModelConfig, w: &Weights) -> Result<()> {
                 got: t.dtype.to_string(),
             });
         }
+        Ok(())
+    };
+    check("token_embd.weight", &[c.hidden, c.vocab], false)?;
+    check("output_norm.weight", &[c.hidden], true)?;
+    if !c.tied_embeddings {
+        check("output.weight", &[c.hidden, c.vocab], false)?;
+    }
+    if c.rope_scaling == Some(RopeScaling::FreqFactors) {
+        check("rope_freqs.weight", &[c.head_dim / 2], true)?;
+    }
+    for l in 0..c.n_layers {
+        let b = |s: &str| format!("blk.{l}.{s}.weight");
+        check(&b("attn_norm"), &[c.hidden], true)?;
+        check(&b("attn_q"), &[c.hidden, q], false)?;
+        check(&b("attn_k"), &[c.hidden, kv], false)?;
+        check(&b("attn_v"), &[c.hidden, kv], false)?;
+        check(&b("attn_output"), &[q, c.hidden], false)?;
+        check(&b("ffn_norm"), &[c.hidden], true)?;
+        check(&b("ffn_gate"), &[c.hidden, c.ffn], false)?;
+        check(&b("ffn_up"), &[c.hidden, c.ffn], false)?;
+        check(&b("ffn_down"), &[c.ffn, c.hidden], false)?;
     }
     Ok(())
 }

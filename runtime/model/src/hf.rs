@@ -72,7 +72,7 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
 /// Permute the rows of an HF q_proj/k_proj (`rows` rows of `row_bytes` bytes, `n_head` heads) from
 /// HF's half-split rope layout to GGUF's adjacent-pair layout, as llama.cpp's converter does.
 pub fn permute_qk_rows(data: &[u8], rows: usize, row_bytes: usize, n_head: usize) -> Option<Vec<u8>> {
-    if n_head == 0 || rows % (2 * n_head) != 0 || data.len() != rows.checked_mul(row_bytes)? {
+    if n_head == 0 || rows % n_head.checked_mul(2)? != 0 || data.len() != rows.checked_mul(row_bytes)? {
         return None;
     }
     let hd = rows / n_head;

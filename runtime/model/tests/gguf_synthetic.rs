@@ -290,3 +290,19 @@ fn byte_flips_never_panic() {
         }
     }
 }
+
+#[test]
+fn absurd_config_counts_are_errors_not_allocations() {
+    for (key, v, want) in [
+        ("llama.block_count", u32::MAX, "'blk.2.attn_norm.weight' not found"),
+        ("llama.attention.head_count", u32::MAX, "llama.attention.head_count: expected a divisor"),
+        ("llama.embedding_length", u32::MAX, "a divisor of the hidden size (4294967295)"),
+        ("llama.feed_forward_length", u32::MAX, "'blk.0.ffn_gate.weight' shape"),
+        ("llama.context_length", 0, "llama.context_length: expected a positive integer"),
+    ] {
+        let mut g = tiny_llama();
+        g.kv(key, V::U32(v));
+        let e = load_err(&g, "absurd.gguf");
+        assert!(e.contains(want), "{key}={v}: {e}");
+    }
+}

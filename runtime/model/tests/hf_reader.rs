@@ -267,3 +267,32 @@ fn model_is_shareable_across_threads() {
     send_sync::<metrale_model::Tokenizer>();
     send_sync::<metrale_model::ChatTemplate>();
 }
+
+#[test]
+fn malformed_safetensors_and_absurd_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    copy_dir(&fixture("tiny-llama"), d);
+    let st = d.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    for cut in [0usize, 7, 8, 100, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&st, &bytes[..cut]).unwrap();
+        let e = Model::load(d).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors"), "cut at {cut}: {e}");
+    }
+    let mut b = bytes.clone();
+    b[0..8].copy_from_slice(&u64::MAX.to_le_bytes()); // header length
+    std::fs::write(&st, &b).unwrap();
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors") && e.contains("header"), "{e}");
+    std::fs::write(&st, &bytes).unwrap();
+    edit_json(&d.join("config.json"), |v| v["num_hidden_layers"] = serde_json::json!(1u64 << 60));
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("blk.2."), "{e}");
+    edit_json(&d.join("config.json"), |v| {
+        v["num_hidden_layers"] = 2.into();
+        v["num_attention_heads"] = serde_json::json!(1u64 << 62);
+        v["num_key_value_heads"] = serde_json::json!(1u64 << 62);
+    });
+    assert!(Model::load(d).is_err());
+}
