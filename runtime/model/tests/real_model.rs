@@ -117,3 +117,36 @@ fn truncated_real_file_is_always_an_error() {
         assert!(e.contains("cut.gguf"), "{e}");
     }
 }
+
+/// Our reference dequantisation against gguf-py's (tests/golden/dequant_gguf_py.json, made by
+/// tests/golden/make_dequant_golden.py): first 64 values within 1e-6 (relative), row sums within 1e-5.
+#[test]
+fn dequantize_equals_gguf_py() {
+    let Some(p) = model_path() else { return };
+    let m = Model::load(&p).unwrap();
+    let g: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dequant_gguf_py.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let rows = g["rows"].as_array().unwrap();
+    assert!(rows.len() >= 10);
+    for r in rows {
+        let name = r["tensor"].as_str().unwrap();
+        let row = r["row"].as_u64().unwrap() as usize;
+        let t = m.weights.get(name).unwrap();
+        assert_eq!(t.dtype.name().to_uppercase(), r["type"].as_str().unwrap(), "{name}");
+        let mut out = vec![0f32; t.row_len()];
+        assert_eq!(out.len() as u64, r["row_len"].as_u64().unwrap());
+        t.dequantize_row(row, &mut out).unwrap();
+        for (i, want) in r["first64"].as_array().unwrap().iter().enumerate() {
+            let want = want.as_f64().unwrap() as f32;
+            assert!((out[i] - want).abs() <= 1e-6 * want.abs().max(1.0), "{name} row {row} [{i}]: {} vs {want}", out[i]);
+        }
+        let sum: f64 = out.iter().map(|&x| x as f64).sum();
+        let sumsq: f64 = out.iter().map(|&x| (x as f64) * (x as f64)).sum();
+        let (ws, wq) = (r["sum"].as_f64().unwrap(), r["sumsq"].as_f64().unwrap());
+        assert!((sum - ws).abs() <= 1e-5 * ws.abs().max(1.0), "{name} row {row} sum {sum} vs {ws}");
+        assert!((sumsq - wq).abs() <= 1e-5 * wq.abs().max(1.0), "{name} row {row} sumsq {sumsq} vs {wq}");
+    }
+}
