@@ -306,3 +306,33 @@ fn absurd_config_counts_are_errors_not_allocations() {
         assert!(e.contains(want), "{key}={v}: {e}");
     }
 }
+
+#[test]
+fn every_supported_tensor_type_loads() {
+    // attn_v Q4_0, attn_output F16, ffn_up BF16, ffn_gate F32, ffn_norm F16 (a float norm is fine)
+    let mut g = tiny_llama();
+    for (name, ty, elem_bytes_per_32) in [
+        ("blk.0.attn_v.weight", 2u32, 18usize),
+        ("blk.0.attn_output.weight", 1, 64),
+        ("blk.0.ffn_up.weight", 30, 64),
+        ("blk.0.ffn_gate.weight", 0, 128),
+        ("blk.0.ffn_norm.weight", 1, 64),
+    ] {
+        let t = g.tensor(name);
+        let n: u64 = t.dims.iter().product();
+        t.ggml_type = ty;
+        t.data = (0..(n as usize / 32 * elem_bytes_per_32)).map(|i| (i % 7) as u8).collect();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = Model::load(&g.write(dir.path(), "types.gguf")).unwrap();
+    let ty = |n: &str| m.weights.get(n).unwrap().dtype;
+    assert_eq!(ty("blk.0.attn_v.weight"), DType::Q4_0);
+    assert_eq!(ty("blk.0.attn_output.weight"), DType::F16);
+    assert_eq!(ty("blk.0.ffn_up.weight"), DType::BF16);
+    assert_eq!(ty("blk.0.ffn_gate.weight"), DType::F32);
+    assert_eq!(ty("blk.0.ffn_norm.weight"), DType::F16);
+    for n in m.weights.names() {
+        let t = m.weights.get(n).unwrap();
+        assert_eq!(t.to_f32().len(), t.n_elems(), "{n}");
+    }
+}
