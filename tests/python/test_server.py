@@ -300,9 +300,11 @@ def test_api_key_required(server, client):
     assert code == "401"
 
 
-def test_unknown_route_is_404_envelope(http):
+def test_unknown_route_is_404_and_wrong_method_405_in_the_envelope(http):
     r = http.get("/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
 
 
 # ---------------------------------------------------------------- concurrency, disconnect
@@ -348,3 +350,30 @@ def test_client_disconnect_stops_generation(server, http, client):
     assert server.alive()
     r = ask(client, messages=[{"role": "user", "content": QUESTION}])
     assert "Paris" in r.choices[0].message.content
+
+
+def test_non_streaming_client_disconnect_stops_generation(server, http, client):
+    body = {"model": "m", "prompt": "Count: 1, 2, 3,", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=2.0)
+    deadline = time.time() + 20
+    while running(http) > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert running(http) == 0, "the abandoned generation is still running"
+    assert complete(client, prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def test_streamed_n2_and_logprobs(http):
+    body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "n": 2,
+            "max_tokens": 6, "stream": True, "logprobs": True, "top_logprobs": 2}
+    parsed = [json.loads(e) for e in sse_events(http, "/v1/chat/completions", body)]
+    for i in (0, 1):
+        mine = [p["choices"][0] for p in parsed if p["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert mine[-1]["finish_reason"] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+        toks = [t for c in mine if c["logprobs"] for t in c["logprobs"]["content"]]
+        assert len(toks) == 6 and all(len(t["top_logprobs"]) == 2 for t in toks)
+        text = "".join(c["delta"].get("content", "") for c in mine)
+        assert text == "".join(t["token"] for t in toks)

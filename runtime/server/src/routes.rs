@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Request, State};
-use axum::http::{header, StatusCode, Uri};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -35,6 +35,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::disable())
         .with_state(state)
 }
 
@@ -65,6 +67,37 @@ async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
 }
 
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{method} is not allowed on {}", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    }
+}
+
+/// Largest request body accepted (a prompt of this size is far past any context anyway).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// The raw request body, refused in the OpenAI envelope when it is too large or unreadable.
+pub struct Body(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for Body {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _: &S) -> Result<Self, ApiError> {
+        axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES).await.map(Body).map_err(|e| {
+            let mut err = ApiError::invalid(
+                format!("cannot read the request body (at most {MAX_BODY_BYTES} bytes are accepted): {e}"),
+                None,
+            );
+            err.status = StatusCode::PAYLOAD_TOO_LARGE;
+            err
+        })
+    }
+}
+
 async fn health(State(s): St) -> Response {
     match s.ready.get() {
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
@@ -92,7 +125,7 @@ async fn models(State(s): St) -> Result<Json<serde_json::Value>, ApiError> {
     })))
 }
 
-async fn tokenize(State(s): St, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+async fn tokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::Value>, ApiError> {
     let sv = served(&s)?;
     let r: TokenizeRequest = api::parse_body(&body)?;
     let tk = &sv.model.tokenizer;
@@ -103,7 +136,7 @@ async fn tokenize(State(s): St, body: Bytes) -> Result<Json<serde_json::Value>, 
     Ok(Json(json!({"tokens": tokens})))
 }
 
-async fn detokenize(State(s): St, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+async fn detokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::Value>, ApiError> {
     let sv = served(&s)?;
     let r: DetokenizeRequest = api::parse_body(&body)?;
     let ids = api::check_token_ids(&r.tokens, sv.vocab, "tokens")?;
@@ -119,7 +152,7 @@ fn encode_prompt(sv: &Served, text: &str, param: &str) -> Result<Vec<u32>, ApiEr
         .map_err(|e| ApiError::invalid(format!("cannot tokenize '{param}': {e}"), Some(param)))
 }
 
-async fn chat(State(s): St, body: Bytes) -> Result<Response, ApiError> {
+async fn chat(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
     let sv = served(&s)?;
     let r: ChatRequest = api::parse_request(&body)?;
     let params = api::validate_chat(&r, &sv.chat_preset)?;
@@ -151,7 +184,7 @@ async fn chat(State(s): St, body: Bytes) -> Result<Response, ApiError> {
     generate::respond(sv, Job { kind: Kind::Chat, prompts: vec![prompt], params }).await
 }
 
-async fn completions(State(s): St, body: Bytes) -> Result<Response, ApiError> {
+async fn completions(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
     let sv = served(&s)?;
     let r: CompletionRequest = api::parse_request(&body)?;
     let params = api::validate_completion(&r, &sv.completion_preset)?;
