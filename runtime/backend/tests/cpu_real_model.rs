@@ -17,6 +17,9 @@ use std::path::PathBuf;
 /// reference runs the dequantized weights in f32 like us, so the gap is summation order and
 /// transcendental rounding only.
 const LOGIT_TOL: f32 = 5e-4;
+/// The same for the default path (16-bit integer activation blocks, see `cpu::qact`). Measured
+/// 2026-11-30: 1.06e-2 (8-bit blocks, llama.cpp's scheme, measured 2.9 and flipped position 9's top-1).
+const LOGIT_TOL_INT16: f32 = 5e-2;
 
 fn model() -> Option<Model> {
     let Some(p) = std::env::var_os("METRALE_MODEL") else {
@@ -32,8 +35,18 @@ fn step_logits(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
 
+/// Both activation paths of the backend: f32 (the reference) and 16-bit integer blocks (the default).
 #[test]
-fn logits_match_hf_transformers_golden() {
+fn logits_match_hf_transformers_golden_f32_activations() {
+    check_golden(true, LOGIT_TOL);
+}
+
+#[test]
+fn logits_match_hf_transformers_golden_int16_activations() {
+    check_golden(false, LOGIT_TOL_INT16);
+}
+
+fn check_golden(exact: bool, tol: f32) {
     let Some(m) = model() else { return };
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2_q4_1_hf.json")).unwrap()).unwrap();
@@ -45,17 +58,21 @@ fn logits_match_hf_transformers_golden() {
         .collect();
     assert_eq!(last_ref.len(), m.config.vocab);
     let mut b = CpuBackend::load(&m, 2, 64, 2).unwrap();
+    b.set_exact_activations(exact);
 
     // Token by token (decode path, KV cache): logits at every position.
     let mut max_diff = 0f32;
     for (i, top) in g["top20"].as_array().unwrap().iter().enumerate() {
         let row = step_logits(&mut b, 0, i, &tokens[i..=i], &tokens[..=i]);
         let ref_top1 = top[0][0].as_u64().unwrap() as usize;
-        assert_eq!(metrale_backend::cpu::ops::argmax(&row), ref_top1, "top-1 differs at position {i}");
+        let mut pos_diff = 0f32;
         for e in top.as_array().unwrap() {
             let (id, l) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap() as f32);
-            max_diff = max_diff.max((row[id] - l).abs());
+            pos_diff = pos_diff.max((row[id] - l).abs());
         }
+        eprintln!("position {i}: top-1 {} (reference {ref_top1}), max diff over the reference top-20 {pos_diff:.3e}", metrale_backend::cpu::ops::argmax(&row));
+        max_diff = max_diff.max(pos_diff);
+        assert_eq!(metrale_backend::cpu::ops::argmax(&row), ref_top1, "top-1 differs at position {i}");
         if i == tokens.len() - 1 {
             for (a, r) in row.iter().zip(&last_ref) {
                 max_diff = max_diff.max((a - r).abs());
@@ -65,9 +82,12 @@ fn logits_match_hf_transformers_golden() {
     // Whole prompt as one prefill chunk (matrix-matrix path): the last row again.
     let pre = step_logits(&mut b, 1, 0, &tokens, &tokens);
     let pre_diff = pre.iter().zip(&last_ref).map(|(a, r)| (a - r).abs()).fold(0f32, f32::max);
-    eprintln!("max |logit diff| vs HF: token-by-token {max_diff:.2e}, prefill last row {pre_diff:.2e} (tolerance {LOGIT_TOL:.0e})");
-    assert!(max_diff <= LOGIT_TOL, "max diff {max_diff} > {LOGIT_TOL}");
-    assert!(pre_diff <= LOGIT_TOL, "prefill max diff {pre_diff} > {LOGIT_TOL}");
+    eprintln!(
+        "{} activations: max |logit diff| vs HF: token-by-token {max_diff:.2e}, prefill last row {pre_diff:.2e} (tolerance {tol:.0e})",
+        if exact { "f32" } else { "16-bit integer" }
+    );
+    assert!(max_diff <= tol, "max diff {max_diff} > {tol}");
+    assert!(pre_diff <= tol, "prefill max diff {pre_diff} > {tol}");
 }
 
 #[test]

@@ -219,11 +219,12 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
     let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
-    g.attn_in(xb.ptr, nb.ptr, &wb, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n).unwrap();
+    let inv = ops::rope_inv_freq(hd, e.theta, None, None);
+    let rope = g.upload(&plan::rope_table(&inv, ctx)).unwrap();
+    g.attn_in(xb.ptr, nb.ptr, &wb, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n).unwrap();
     let q = read_f32(g, &qb, n * qd);
     let kcache = read_f32(g, &kc, cache_n);
     let vcache = read_f32(g, &vc, cache_n);
-    let inv = ops::rope_inv_freq(hd, e.theta, None, None);
     let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) = (vec![], vec![], vec![], vec![], vec![]);
     for t in 0..n {
         let mut xn = vec![0f32; d.hidden];

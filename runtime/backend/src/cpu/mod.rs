@@ -15,6 +15,7 @@
 //! `BackendError::Invalid` instead of panicking.
 
 pub mod ops;
+pub mod qact;
 pub mod synthetic;
 
 use crate::sampler;
@@ -93,6 +94,9 @@ pub struct CpuBackend {
     slot_capacity: usize,
     threads: usize,
     pool: rayon::ThreadPool,
+    /// f32 activations in every matrix product (the reference) instead of 16-bit integer blocks
+    /// (the default, see [`qact`]).
+    exact: bool,
 }
 
 fn model_err(e: impl std::fmt::Display) -> BackendError {
@@ -238,7 +242,17 @@ impl CpuBackend {
             .thread_name(|i| format!("metrale-cpu-{i}"))
             .build()
             .map_err(|e| BackendError::Device(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuBackend { dims, embd, lm_head, out_norm, layers, inv_freq, kv, slot_capacity, threads, pool })
+        Ok(CpuBackend { dims, embd, lm_head, out_norm, layers, inv_freq, kv, slot_capacity, threads, pool, exact: false })
+    }
+
+    /// Choose f32 activations in the matrix products (`true`: the reference, slower) or 16-bit
+    /// integer activation blocks with exact integer dots (`false`, the default; see [`qact`]).
+    pub fn set_exact_activations(&mut self, exact: bool) {
+        self.exact = exact;
+    }
+
+    fn mm(&self) -> fn(MatRef<'_>, &[f32], usize, &mut [f32]) {
+        if self.exact { ops::matmul } else { ops::matmul_qact }
     }
 
     /// Shape constants of the loaded model.
@@ -316,6 +330,7 @@ impl CpuBackend {
         let mut g = vec![0f32; n * d.ffn];
         let mut u = vec![0f32; n * d.ffn];
         let scale = 1.0 / (hd as f32).sqrt();
+        let mm = self.mm();
         let pool = &self.pool;
         let layers = &self.layers;
         let inv_freq = &self.inv_freq;
@@ -325,9 +340,9 @@ impl CpuBackend {
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.attn_norm, d.norm_eps, xnr);
                 }
-                ops::matmul(l.wq.mat(), &xn, n, &mut q);
-                ops::matmul(l.wk.mat(), &xn, n, &mut k);
-                ops::matmul(l.wv.mat(), &xn, n, &mut v);
+                mm(l.wq.mat(), &xn, n, &mut q);
+                mm(l.wk.mat(), &xn, n, &mut k);
+                mm(l.wv.mat(), &xn, n, &mut v);
                 for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
                     ops::rope_inplace(&mut q[i * qd..(i + 1) * qd], hd, pos, inv_freq);
                     ops::rope_inplace(&mut k[i * kvd..(i + 1) * kvd], hd, pos, inv_freq);
@@ -357,19 +372,19 @@ impl CpuBackend {
                         out,
                     );
                 });
-                ops::matmul(l.wo.mat(), &att, n, &mut o);
+                mm(l.wo.mat(), &att, n, &mut o);
                 ops::add_inplace(&mut x, &o);
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.ffn_norm, d.norm_eps, xnr);
                 }
-                ops::matmul(l.w_gate.mat(), &xn, n, &mut g);
-                ops::matmul(l.w_up.mat(), &xn, n, &mut u);
+                mm(l.w_gate.mat(), &xn, n, &mut g);
+                mm(l.w_up.mat(), &xn, n, &mut u);
                 let gr = &g;
                 u.par_chunks_mut(d.ffn).zip(gr.par_chunks(d.ffn)).for_each(|(ur, grr)| {
                     let up = ur.to_vec();
                     ops::swiglu(grr, &up, ur);
                 });
-                ops::matmul(l.w_down.mat(), &u, n, &mut o);
+                mm(l.w_down.mat(), &u, n, &mut o);
                 ops::add_inplace(&mut x, &o);
             }
         });
@@ -384,7 +399,8 @@ impl CpuBackend {
     fn lm_head(&self, hidden: &[f32], rows: usize) -> Vec<f32> {
         let w = self.lm_head.as_ref().unwrap_or(&self.embd);
         let mut logits = vec![0f32; rows * self.dims.vocab];
-        self.pool.install(|| ops::matmul(w.mat(), hidden, rows, &mut logits));
+        let mm = self.mm();
+        self.pool.install(|| mm(w.mat(), hidden, rows, &mut logits));
         logits
     }
 }
@@ -394,7 +410,12 @@ impl Backend for CpuBackend {
         let kv_bytes = self.kv.iter().map(|c| (c.k.len() + c.v.len()) as u64 * 4).sum();
         BackendInfo {
             name: "cpu".into(),
-            device: format!("cpu ({} threads, {})", self.threads, ops::simd_level()),
+            device: format!(
+                "cpu ({} threads, {}, {} activations)",
+                self.threads,
+                ops::simd_level(),
+                if self.exact { "f32" } else { "16-bit integer" }
+            ),
             slots: self.kv.len(),
             slot_capacity: self.slot_capacity,
             weight_bytes: self.weight_bytes(),

@@ -392,7 +392,10 @@ unsafe fn matmul_rows_avx2(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_to
 pub fn simd_level() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
             return "avx2";
         }
     }
@@ -420,10 +423,30 @@ pub fn matvec(w: MatRef<'_>, x: &[f32], out: &mut [f32]) {
     matmul_rows(w, 0, x, &xs, 1, out)
 }
 
-/// Matrix product over tokens, parallel over output rows on the current rayon pool:
-/// `out[t * rows + r] = dot(W[r], x[t])`, `x` = `[n_tok][cols]`, `out` = `[n_tok][rows]`.
-pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+/// Split `rows` output rows into parallel chunks (multiples of [`ROW_BLOCK`]) on the current rayon
+/// pool and run `f(first_row, out_t_chunk)` on each, where `out_t` is `[rows][n_tok]`; then transpose
+/// into `out` = `[n_tok][rows]`.
+fn par_rows(rows: usize, n_tok: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     use rayon::prelude::*;
+    let threads = rayon::current_num_threads().max(1);
+    let chunk_rows = (rows.div_ceil(threads * 4)).div_ceil(ROW_BLOCK).max(1) * ROW_BLOCK;
+    if n_tok == 1 {
+        out.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, o)| f(i * chunk_rows, o));
+        return;
+    }
+    let mut out_t = vec![0f32; rows * n_tok];
+    out_t.par_chunks_mut(chunk_rows * n_tok).enumerate().for_each(|(i, o)| f(i * chunk_rows, o));
+    for r in 0..rows {
+        for t in 0..n_tok {
+            out[t * rows + r] = out_t[r * n_tok + t];
+        }
+    }
+}
+
+/// Matrix product over tokens, f32 activations (the reference), parallel over output rows on the
+/// current rayon pool: `out[t * rows + r] = dot(W[r], x[t])`, `x` = `[n_tok][cols]`,
+/// `out` = `[n_tok][rows]`.
+pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tok * w.cols, "matmul: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
     assert_eq!(out.len(), n_tok * w.rows, "matmul: out has {} values, expected {} x {}", out.len(), n_tok, w.rows);
     let xs: Vec<f32> = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
@@ -431,24 +454,20 @@ pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
     } else {
         Vec::new()
     };
-    let threads = rayon::current_num_threads().max(1);
-    // Enough chunks to balance, each a multiple of ROW_BLOCK rows.
-    let chunk_rows = (w.rows.div_ceil(threads * 4)).div_ceil(ROW_BLOCK).max(1) * ROW_BLOCK;
-    if n_tok == 1 {
-        out.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, o)| {
-            matmul_rows(w, i * chunk_rows, x, &xs, 1, o);
-        });
-        return;
+    par_rows(w.rows, n_tok, out, |r0, o| matmul_rows(w, r0, x, &xs, n_tok, o));
+}
+
+/// Like [`matmul`], but for the block-quantized weight types the activations are first quantized to
+/// 16-bit integers per 32-element block ([`super::qact::QuantizedActs`]) and the dots run in exact
+/// integer arithmetic (see [`super::qact`] for the error this adds). Float weight types use [`matmul`].
+pub fn matmul_qact(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+    if !w.dtype.is_quantized() {
+        return matmul(w, x, n_tok, out);
     }
-    let mut out_t = vec![0f32; w.rows * n_tok];
-    out_t.par_chunks_mut(chunk_rows * n_tok).enumerate().for_each(|(i, o)| {
-        matmul_rows(w, i * chunk_rows, x, &xs, n_tok, o);
-    });
-    for r in 0..w.rows {
-        for t in 0..n_tok {
-            out[t * w.rows + r] = out_t[r * n_tok + t];
-        }
-    }
+    assert_eq!(x.len(), n_tok * w.cols, "matmul_qact: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
+    assert_eq!(out.len(), n_tok * w.rows, "matmul_qact: out has {} values, expected {} x {}", out.len(), n_tok, w.rows);
+    let acts = super::qact::QuantizedActs::new(x, w.cols);
+    par_rows(w.rows, n_tok, out, |r0, o| super::qact::matmul_rows_qact(w, r0, &acts, n_tok, o));
 }
 
 #[cfg(test)]

@@ -1,0 +1,73 @@
+//! Prefill and decode speed of the CPU backend, measured like llama.cpp's llama-bench:
+//! pp: one step over `--prompt` tokens from an empty cache; tg: `--gen` single-token steps from an
+//! empty cache. Token ids are a fixed pseudo-random sequence. Prints one JSON object per line:
+//! {"test": "pp128"|"tg64", "runs": [tok/s...], "median": tok/s}.
+//!
+//! cargo run --release -p metrale-backend --example bench_cpu -- MODEL.gguf [--prompt 128] [--gen 64]
+//!     [--runs 5] [--threads 2]
+
+use metrale_backend::cpu::CpuBackend;
+use metrale_backend::sampler::SamplingParams;
+use metrale_backend::{Backend, SeqStep};
+use std::time::Instant;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let mut model = None;
+    let (mut prompt, mut gen, mut runs, mut threads) = (128usize, 64usize, 5usize, 2usize);
+    let mut i = 1;
+    while i < args.len() {
+        let val = |i: usize| args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{} needs a number", args[i]));
+        match args[i].as_str() {
+            "--prompt" => { prompt = val(i); i += 1 }
+            "--gen" => { gen = val(i); i += 1 }
+            "--runs" => { runs = val(i); i += 1 }
+            "--threads" => { threads = val(i); i += 1 }
+            p => model = Some(p.to_string()),
+        }
+        i += 1;
+    }
+    let model = model.expect("usage: bench_cpu MODEL.gguf [--prompt N] [--gen N] [--runs N] [--threads N]");
+    let m = metrale_model::Model::load(std::path::Path::new(&model)).expect("loading the model");
+    let mut b = CpuBackend::load(&m, 1, prompt.max(gen) + 1, threads).expect("loading the CPU backend");
+    eprintln!("{:?}", b.info());
+    let vocab = m.config.vocab as u64;
+    let toks: Vec<u32> = (0..prompt.max(gen) as u64).map(|i| (metrale_backend::sampler::uniform(1, i) * vocab as f64) as u32).collect();
+    let p = SamplingParams::default();
+    let step = |b: &mut CpuBackend, start: usize, t: &[u32]| {
+        let s = SeqStep { slot: 0, start_pos: start, tokens: t, history: t, sampling: &p, draw: 0, want_logits: false };
+        b.step(&[s]).expect("step");
+    };
+    // warm-up (like llama-bench)
+    step(&mut b, 0, &toks[..prompt]);
+    for j in 0..4 {
+        step(&mut b, j, &toks[j..j + 1]);
+    }
+    let mut pp = Vec::new();
+    for _ in 0..runs {
+        b.release(0);
+        let t0 = Instant::now();
+        step(&mut b, 0, &toks[..prompt]);
+        pp.push(prompt as f64 / t0.elapsed().as_secs_f64());
+    }
+    let mut tg = Vec::new();
+    for _ in 0..runs {
+        b.release(0);
+        let t0 = Instant::now();
+        for j in 0..gen {
+            step(&mut b, j, &toks[j..j + 1]);
+        }
+        tg.push(gen as f64 / t0.elapsed().as_secs_f64());
+    }
+    let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
+    let pm = median(&mut pp.clone());
+    let tm = median(&mut tg.clone());
+    println!("{{\"test\": \"pp{prompt}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {pm:.2}}}", fmt(&pp));
+    println!("{{\"test\": \"tg{gen}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {tm:.2}}}", fmt(&tg));
+}
