@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Build benchmark: cold and warm `cargo xtask build-target` for one target on this machine.
 # Writes bench/build.json and bench/build.md. Not a test: numbers only, nothing asserted.
-#   cold: empty kernel cache (a fresh --cache folder), so every kernel is rendered, hashed and compiled by
-#         NVRTC, then the server binary is relinked with the new pack;
-#   warm: the same command again, nothing changed (all kernels cached, cargo has nothing to do).
-# Each is measured for --kernels-only (the compiler part) and for the full command (+ server binary).
+#   kernels cold: empty kernel cache (a fresh --cache folder): every kernel rendered, hashed, compiled by NVRTC;
+#   kernels warm: the same command again (all cached);
+#   full cold: a copy of the sources with one comment line appended to kernels/cuda/common.cuh and an empty
+#              cache: every kernel recompiles and the new pack makes cargo rebuild metrale-kernels and its
+#              dependents and relink the server (its third-party dependencies are prebuilt);
+#   full warm: the same command again (nothing changed: all cached, cargo has nothing to do).
 # Usage: bench/build-bench.sh [hw model quant]   (default h200 smollm2-135m q4_1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +28,10 @@ run() { # label, args...
 "$X" build-target --hw "$HW" --model "$MODEL" --quant "$QUANT" --out "$OUT" 2>/dev/null
 run kernels_cold --kernels-only --cache "$TMP/cache-k"
 run kernels_warm --kernels-only --cache "$TMP/cache-k"
-run full_cold --cache "$TMP/cache-f"
-run full_warm --cache "$TMP/cache-f"
+SRC="$TMP/src"; mkdir -p "$SRC"; cp -r kernels targets "$SRC/"
+echo "// build-bench $(date +%s%N)" >> "$SRC/kernels/cuda/common.cuh"
+run full_cold --cache "$TMP/cache-f" --repo "$SRC"
+run full_warm --cache "$TMP/cache-f" --repo "$SRC"
 get() { awk -v k="$1" '$1==k {printf "%.2f", $2}' "$TMP/times"; }
 NK=$(grep -c . <(ls "$OUT/kernels"))
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
@@ -53,9 +57,10 @@ cat > bench/build.md <<MD
 # Build benchmark: \`cargo xtask build-target --hw $HW --model $MODEL --quant $QUANT\`
 
 Made by \`bench/build-bench.sh\` on $(date -u +%Y-%m-%d) at commit $COMMIT; machine: $(nproc) CPUs ($CPU).
-Cold = empty kernel cache (every kernel compiled by NVRTC 13.0.88, cubin + PTX); warm = same command again.
-"full" adds the per-target server binary (the kernel pack is embedded by metrale-kernels' build.rs, so a
-changed pack recompiles metrale-kernels and its dependents and relinks; the dependencies are prebuilt).
+Kernels cold = empty kernel cache (every kernel compiled by NVRTC 13.0.88, cubin + PTX); warm = same command again.
+Full cold = after a one-line edit of kernels/cuda/common.cuh, empty cache: every kernel recompiles, and the new
+kernel pack makes cargo rebuild metrale-kernels and its dependents (backend, engine, server) and relink the
+binary (third-party dependencies prebuilt). Full warm = the same command again: nothing compiles, cargo is a no-op.
 
 | step | cold (s) | warm (s) | aim |
 | --- | ---: | ---: | --- |

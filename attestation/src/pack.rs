@@ -12,7 +12,7 @@
 //! ```
 //! Keys (see [`keys`]): `target/id`, `target/HARDWARE.toml`, `target/MODEL.toml` (resolved),
 //! `attestation.json` (the embedded in-toto statement), `TARGET_CLOSURES` (JSON), `KERNEL_SET_HASH`,
-//! `kernels` (kernel names in declaration order, one per line) and per kernel
+//! `kernels` (kernel names in declaration order, one per line), `targets/matrix` and per kernel
 //! `kernel/<name>/{functions,cubin,ptx,metal,metallib}` (functions: one name per line).
 //! Keys are unique and sorted in the file, so the same inputs give the same bytes.
 //! Parsing is bounds-checked: a truncated or corrupt pack is an error naming the byte offset.
@@ -36,6 +36,9 @@ pub mod keys {
     pub const TARGET_CLOSURES: &str = "TARGET_CLOSURES";
     pub const KERNEL_SET_HASH: &str = "KERNEL_SET_HASH";
     pub const KERNELS: &str = "kernels";
+    /// The whole target matrix at build time, one `hw/model/quant\tmodel_type\thidden_size` line per
+    /// served pair (informational: lets a binary name the targets that would serve a checkpoint).
+    pub const MATRIX: &str = "targets/matrix";
     /// `kernel/<name>/<kind>`, kind one of functions, cubin, ptx, metal, metallib.
     pub fn kernel(name: &str, kind: &str) -> String {
         format!("kernel/{name}/{kind}")

@@ -95,6 +95,9 @@ fn audit_passes_a_fresh_binary_and_catches_tampering_and_source_changes() {
     let reg = metrale_kernels::Registry::from_pack(good);
     reg.verify().unwrap();
     assert_eq!(reg.kernels.len(), 3);
+    let serving = reg.targets_serving("llama", 576);
+    assert!(serving.contains(&"h200/smollm2-135m/q4_1".to_string()) && serving.contains(&"cpu/smollm2-135m/bf16".to_string()), "{serving:?}");
+    assert!(!serving.iter().any(|t| t.contains("llama-3.2-1b")));
     assert_eq!(reg.kernel("fc").unwrap().functions, vec!["fc_one", "fc_two"]);
 
     // 3. a corrupt pack header

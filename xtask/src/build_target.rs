@@ -143,9 +143,24 @@ pub fn statement(repo: &Path, spec: &TargetSpec, kernels: &[BuiltKernel]) -> Res
     }))
 }
 
+/// `hw/model/quant\tmodel_type\thidden_size` lines for every loadable target under `repo/targets`.
+pub fn matrix(repo: &Path) -> String {
+    let root = repo.join("targets");
+    let mut out = String::new();
+    for id in metrale_core::target::list_targets(&root).unwrap_or_default() {
+        if let Ok(s) = TargetSpec::load(&root, &id) {
+            for t in &s.model_types {
+                out.push_str(&format!("{id}\t{}\t{}\n", t.model_type, t.hidden_size));
+            }
+        }
+    }
+    out
+}
+
 /// The kernel pack embedded in the binary.
-pub fn pack(spec: &TargetSpec, st: &Statement, kernels: &[BuiltKernel]) -> Vec<u8> {
+pub fn pack(spec: &TargetSpec, st: &Statement, kernels: &[BuiltKernel], matrix: &str) -> Vec<u8> {
     let mut w = PackWriter::new();
+    w.add(keys::MATRIX, matrix.to_string());
     w.add(keys::TARGET_ID, spec.id.to_string());
     w.add(keys::HARDWARE_TOML, spec.hardware_toml.clone());
     w.add(keys::MODEL_TOML, spec.model_toml.clone());
@@ -234,7 +249,7 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     // Pack -> server binary.
-    let pack_bytes = pack(&spec, &st, &kernels);
+    let pack_bytes = pack(&spec, &st, &kernels, &matrix(&repo));
     let packs = cache.join("packs");
     std::fs::create_dir_all(&packs)?;
     let pack_path = packs.join(format!("{}-{}-{}.pack", id.hw, id.model, id.quant));

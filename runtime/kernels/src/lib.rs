@@ -76,13 +76,15 @@ pub struct Registry {
     pub attestation_json: &'static str,
     /// TARGET_CLOSURES as JSON (empty string for a generic build).
     pub target_closures_json: &'static str,
+    /// (target id, model_type, hidden_size) of every target known when this binary was built.
+    pub matrix: Vec<(String, String, usize)>,
     statement: Option<Statement>,
     error: Option<KernelsError>,
 }
 
 impl Registry {
     fn empty(error: Option<KernelsError>) -> Registry {
-        Registry { target: None, kernels: Vec::new(), kernel_set_hash: String::new(), attestation_json: "", target_closures_json: "", statement: None, error }
+        Registry { target: None, kernels: Vec::new(), kernel_set_hash: String::new(), attestation_json: "", target_closures_json: "", matrix: Vec::new(), statement: None, error }
     }
 
     /// Parses a pack (the embedded one, or any other for tests and tools).
@@ -117,7 +119,18 @@ impl Registry {
                 metallib: blob("metallib"),
             });
         }
+        let matrix = pack
+            .get_str(keys::MATRIX)
+            .map_err(c)?
+            .unwrap_or("")
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split('\t');
+                Some((f.next()?.to_string(), f.next()?.to_string(), f.next()?.parse().ok()?))
+            })
+            .collect();
         Ok(Registry {
+            matrix,
             target: Some(spec),
             kernels,
             kernel_set_hash: s(keys::KERNEL_SET_HASH)?.to_string(),
@@ -126,6 +139,12 @@ impl Registry {
             statement: Some(statement),
             error: None,
         })
+    }
+
+    /// Targets (of the matrix known at build time) that serve a checkpoint with this config, e.g. to
+    /// name them when refusing it. Empty for a generic build.
+    pub fn targets_serving(&self, model_type: &str, hidden_size: usize) -> Vec<String> {
+        self.matrix.iter().filter(|(_, m, h)| m == model_type && *h == hidden_size).map(|(t, _, _)| t.clone()).collect()
     }
 
     pub fn kernel(&self, name: &str) -> Option<&Kernel> {
