@@ -98,6 +98,8 @@ fn greedy_64_tokens_match_cpu_backend() {
     let Some(s) = setup("cuda_model") else { return };
     let p = prompt(&s, "What is the capital of France? Answer in one sentence.");
     let mut cpu = CpuBackend::load(&s.model, 2, 1024, 0).expect("cpu backend");
+    // the f32 reference path (the default CPU path quantizes activations to 16-bit blocks)
+    cpu.set_exact_activations(true);
     let (want, want_logits) = generate(&mut cpu, std::slice::from_ref(&p), STEPS);
     let mut gpu = cuda(&s, CudaOptions { slots: 2, slot_capacity: 1024, ..Default::default() });
     eprintln!("cuda backend: {:?}", gpu.info());

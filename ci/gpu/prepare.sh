@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build everything the GPU checks need on the CPU machine and pack it into git-ignored folders that
+# the device tool carries (see ci/gpu/README.md). Usage: ci/gpu/prepare.sh [MODEL.gguf]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+model=${1:-${METRALE_MODEL:-/work/cache/model/SmolLM2-135M-Instruct.Q4_1.gguf}}
+rm -rf .gpu && mkdir -p .gpu/bin .gpu/k
+for m in smollm2-135m llama-3.2-1b; do
+  for q in q4_1 bf16; do
+    cargo xtask build-target --hw h200 --model "$m" --quant "$q" --kernels-only --out ".gpu/k/h200-$m-$q" | tail -1
+  done
+done
+cargo build --release -p metrale-backend --features cuda --examples
+exe() { cargo test --release -p metrale-backend --features cuda --test "$1" --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
+cp "$(exe cuda_kernels)" .gpu/bin/cuda_kernels
+cp "$(exe cuda_model)" .gpu/bin/cuda_model
+cp target/release/examples/cuda_load_check target/release/examples/cuda_bench .gpu/bin/
+strip .gpu/bin/*
+rm -rf .carry1 .carry2 && mkdir -p .carry1 .carry2
+head -c 40000000 "$model" > .carry1/part.aa
+tail -c +40000001 "$model" > .carry2/part.ab
+du -sh .gpu .carry1 .carry2
