@@ -40,6 +40,22 @@ MT_INLINE float warp_max(float v) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90+): a kernel may start while the previous one in the stream
+// is still running. Before pdl_wait() it may only read weights (never written by any kernel) and
+// must write nothing; pdl_wait() returns once every earlier kernel has completed and its writes are
+// visible. pdl_launch() lets the next kernel start its own prologue. Both are no-ops before sm_90
+// and when the launch did not ask for PDL.
+MT_INLINE void pdl_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+MT_INLINE void pdl_launch() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Activation rows in shared memory: each 32-element block is padded to 36 floats, so that lane L
 // reading block L with 16-byte loads is free of bank conflicts.
 MT_INLINE int pad_idx(int e) { return (e >> 5) * 36 + (e & 31); }
@@ -80,11 +96,17 @@ MT_INLINE void stage_row(const float* __restrict__ x, const float* __restrict__ 
 // ---- weight formats: each loads one 32-element block of one row, dequantised to f32 ----
 struct WQ41 {
     const uint4* qs; const half2* sc;
-    template <int K> MT_INLINE void load(int row, int b, float w[32]) const {
+    struct Raw { uint4 q; half2 dm; };
+    template <int K> MT_INLINE Raw fetch(int row, int b) const {
         constexpr int NB = K / 32;
-        const uint4 q = __ldg(qs + (size_t)row * NB + b);
-        const float2 dm = __half22float2(__ldg(sc + (size_t)row * NB + b));
-        const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
+        Raw r;
+        r.q = __ldg(qs + (size_t)row * NB + b);
+        r.dm = __ldg(sc + (size_t)row * NB + b);
+        return r;
+    }
+    static MT_INLINE void dequant(const Raw& r, float w[32]) {
+        const float2 dm = __half22float2(r.dm);
+        const unsigned int wd[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -95,16 +117,24 @@ struct WQ41 {
             }
         }
     }
+    template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
 };
 
 struct WQ80 {
     const signed char* qs; const half* sc;
-    template <int K> MT_INLINE void load(int row, int b, float w[32]) const {
+    struct Raw { uint4 a, c; half d; };
+    template <int K> MT_INLINE Raw fetch(int row, int b) const {
         constexpr int NB = K / 32;
         const uint4* p = reinterpret_cast<const uint4*>(qs + ((size_t)row * NB + b) * 32);
-        const uint4 a = __ldg(p), c = __ldg(p + 1);
-        const float d = __half2float(__ldg(sc + (size_t)row * NB + b));
-        const unsigned int wd[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        Raw r;
+        r.a = __ldg(p);
+        r.c = __ldg(p + 1);
+        r.d = __ldg(sc + (size_t)row * NB + b);
+        return r;
+    }
+    static MT_INLINE void dequant(const Raw& r, float w[32]) {
+        const float d = __half2float(r.d);
+        const unsigned int wd[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.c.x, r.c.y, r.c.z, r.c.w};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -114,16 +144,23 @@ struct WQ80 {
             }
         }
     }
+    template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
 };
 
 struct WBF16 {
     const __nv_bfloat16* qs; const void* sc;
-    template <int K> MT_INLINE void load(int row, int b, float w[32]) const {
+    struct Raw { uint4 u[4]; };
+    template <int K> MT_INLINE Raw fetch(int row, int b) const {
         const uint4* p = reinterpret_cast<const uint4*>(qs + (size_t)row * K + (size_t)b * 32);
+        Raw r;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r.u[j] = __ldg(p + j);
+        return r;
+    }
+    static MT_INLINE void dequant(const Raw& r, float w[32]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint4 u = __ldg(p + j);
-            const unsigned int wd[4] = {u.x, u.y, u.z, u.w};
+            const unsigned int wd[4] = {r.u[j].x, r.u[j].y, r.u[j].z, r.u[j].w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 // bf16 -> f32 is a 16-bit shift: exact.
@@ -132,6 +169,7 @@ struct WBF16 {
             }
         }
     }
+    template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
 };
 
 #if defined(METRALE_W_q4_1)
@@ -167,8 +205,21 @@ template <int K> struct TokTile {
 
 // One warp computes rows r0 and r0+1 of W (K columns) against the nt (<= TB) staged activation rows
 // in xs (padded, stride Padded<K>::FLOATS). Result (already warp-reduced, valid on every lane) in acc.
+// p0/p1 hold the raw block `lane` of rows r0 and r0+1, fetched ahead by the caller (see
+// prefetch2); once consumed they are refilled with block `lane` of rows r_next, r_next+1 (r_next < 0:
+// none), so the next row pair's first loads are in flight while this one computes.
+template <class W, int K>
+MT_INLINE void prefetch2(const W& w, int r0, typename W::Raw& p0, typename W::Raw& p1) {
+    const int lane = threadIdx.x & 31;
+    if (r0 >= 0 && lane < K / 32) {
+        p0 = w.template fetch<K>(r0, lane);
+        p1 = w.template fetch<K>(r0 + 1, lane);
+    }
+}
+
 template <int K, int TB, class W>
-MT_INLINE void rows2_dot(const W& w, int r0, const float* xs, int nt, float acc[2][TB]) {
+MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
+                         typename W::Raw& p0, typename W::Raw& p1) {
     constexpr int NB = K / 32;
     constexpr int XS = Padded<K>::FLOATS;
     const int lane = threadIdx.x & 31;
@@ -178,8 +229,14 @@ MT_INLINE void rows2_dot(const W& w, int r0, const float* xs, int nt, float acc[
         for (int t = 0; t < TB; ++t) acc[r][t] = 0.f;
     for (int b = lane; b < NB; b += 32) {
         float w0[32], w1[32];
-        w.template load<K>(r0, b, w0);
-        w.template load<K>(r0 + 1, b, w1);
+        if (b == lane) {
+            W::dequant(p0, w0);
+            W::dequant(p1, w1);
+            prefetch2<W, K>(w, r_next, p0, p1);
+        } else {
+            W::dequant(w.template fetch<K>(r0, b), w0);
+            W::dequant(w.template fetch<K>(r0 + 1, b), w1);
+        }
 #pragma unroll
         for (int t = 0; t < TB; ++t) {
             if (t < nt) {

@@ -1,10 +1,13 @@
 //! Prefill and decode speed of the CPU backend, measured like llama.cpp's llama-bench:
 //! pp: one step over `--prompt` tokens from an empty cache; tg: `--gen` single-token steps from an
 //! empty cache. Token ids are a fixed pseudo-random sequence. Prints one JSON object per line:
-//! {"test": "pp128"|"tg64", "runs": [tok/s...], "median": tok/s}.
+//! {"test": "pp128"|"tg64", "runs": [tok/s...], "median": tok/s}. With `--membw`, first the machine's
+//! read bandwidth: `threads` threads summing disjoint halves of a 512 MiB buffer
+//! ({"test": "read_bandwidth", "runs": [GB/s...], "median": GB/s}), the floor for decode, which reads
+//! every weight byte once per token.
 //!
 //! cargo run --release -p metrale-backend --example bench_cpu -- MODEL.gguf [--prompt 128] [--gen 64]
-//!     [--runs 5] [--threads 2]
+//!     [--runs 5] [--threads 2] [--membw] [--exact]
 
 use metrale_backend::cpu::CpuBackend;
 use metrale_backend::sampler::SamplingParams;
@@ -21,6 +24,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mut model = None;
     let (mut prompt, mut gen, mut runs, mut threads) = (128usize, 64usize, 5usize, 2usize);
+    let (mut membw, mut exact) = (false, false);
     let mut i = 1;
     while i < args.len() {
         let val = |i: usize| args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{} needs a number", args[i]));
@@ -29,14 +33,38 @@ fn main() {
             "--gen" => { gen = val(i); i += 1 }
             "--runs" => { runs = val(i); i += 1 }
             "--threads" => { threads = val(i); i += 1 }
+            "--membw" => membw = true,
+            "--exact" => exact = true,
             p => model = Some(p.to_string()),
         }
         i += 1;
     }
+    let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
+    if membw {
+        let words: usize = 512 << 17; // 512 MiB of u64
+        let buf: Vec<u64> = (0..words as u64).collect();
+        let mut bw = Vec::new();
+        for _ in 0..runs.max(3) {
+            let t0 = Instant::now();
+            let total: u64 = std::thread::scope(|sc| {
+                let hs: Vec<_> = buf
+                    .chunks(words.div_ceil(threads))
+                    .map(|c| sc.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).fold(0u64, |a, x| a.wrapping_add(x))
+            });
+            std::hint::black_box(total);
+            bw.push((words * 8) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        }
+        let med = median(&mut bw.clone());
+        println!("{{\"test\": \"read_bandwidth\", \"threads\": {threads}, \"unit\": \"GB/s\", \"runs\": [{}], \"median\": {med:.2}}}", fmt(&bw));
+    }
     let model = model.expect("usage: bench_cpu MODEL.gguf [--prompt N] [--gen N] [--runs N] [--threads N]");
     let m = metrale_model::Model::load(std::path::Path::new(&model)).expect("loading the model");
     let mut b = CpuBackend::load(&m, 1, prompt.max(gen) + 1, threads).expect("loading the CPU backend");
+    b.set_exact_activations(exact);
     eprintln!("{:?}", b.info());
+    println!("{{\"test\": \"info\", \"weight_bytes\": {}, \"device\": \"{}\"}}", b.info().weight_bytes, b.info().device);
     let vocab = m.config.vocab as u64;
     let toks: Vec<u32> = (0..prompt.max(gen) as u64).map(|i| (metrale_backend::sampler::uniform(1, i) * vocab as f64) as u32).collect();
     let p = SamplingParams::default();
@@ -65,7 +93,6 @@ fn main() {
         }
         tg.push(gen as f64 / t0.elapsed().as_secs_f64());
     }
-    let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
     let pm = median(&mut pp.clone());
     let tm = median(&mut tg.clone());
     println!("{{\"test\": \"pp{prompt}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {pm:.2}}}", fmt(&pp));

@@ -14,10 +14,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    result as dres, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PushKernelArg,
-};
+use std::ffi::c_void;
+
+use cudarc::driver::{result as dres, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use metrale_core::BackendError;
 
 use super::plan::{self, arch_capability};
@@ -133,6 +132,13 @@ pub struct Gpu {
     f: Funcs,
     /// "cubin" or "ptx": how the modules were loaded
     pub loaded_from: &'static str,
+    /// Launch with programmatic dependent launch (sm_90+; `METRALE_CUDA_PDL=0` turns it off).
+    pub pdl: bool,
+}
+
+/// Kernel argument list: pointers to the argument values (which must outlive the launch call).
+macro_rules! kargs {
+    ($($a:expr),* $(,)?) => { [$( &$a as *const _ as *mut c_void ),*] };
 }
 
 /// Device count, or 0 when no driver is present (for tests that skip without a GPU).
@@ -210,7 +216,8 @@ impl Gpu {
             argmax: take("sample"),
             _modules: modules,
         };
-        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from })
+        let pdl = cc.0 >= 9 && std::env::var("METRALE_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
+        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl })
     }
 
     /// Free and total device memory in bytes.
@@ -258,6 +265,20 @@ impl Gpu {
         self.sync()
     }
 
+    /// Copy `data` to `buf` at byte offset `off` in stream order without waiting: the driver stages
+    /// pageable memory before returning, so `data` may be reused at once.
+    pub fn write_async<T: Copy>(&self, buf: &DevBuf, off: usize, data: &[T]) -> Result<(), BackendError> {
+        let bytes = std::mem::size_of_val(data);
+        if off + bytes > buf.bytes {
+            return Err(BackendError::Device(format!("write of {bytes} bytes at {off} past a buffer of {}", buf.bytes)));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        unsafe { dres::memcpy_htod_async(buf.ptr + off as u64, data, self.stream.cu_stream()) }
+            .map_err(dev_err("copy to device"))
+    }
+
     /// Read `out.len()` elements from `buf` at byte offset `off` (waits for the stream first).
     pub fn read<T: Copy>(&self, buf: &DevBuf, off: usize, out: &mut [T]) -> Result<(), BackendError> {
         let bytes = std::mem::size_of_val(out);
@@ -276,93 +297,95 @@ impl Gpu {
         self.stream.synchronize().map_err(dev_err("stream synchronize (a kernel failed)"))
     }
 
-    fn mv_cfg(&self, row_pairs: usize, k: usize, ntok: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: plan::mv_grid(row_pairs, k, ntok, self.sm_count), block_dim: (plan::MV_THREADS, 1, 1), shared_mem_bytes: 0 }
+    /// Launch `f` on the stream (with the PDL attribute when enabled).
+    fn launch(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
+        // SAFETY: a zeroed attribute is valid plain data; we set the id and the matching union field.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: if self.pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: self.pdl as u32,
+        };
+        self.ctx.bind_to_thread().map_err(dev_err("bind context"))?;
+        // SAFETY: `args` points to live values whose types match the kernel's parameters (each
+        // launcher below mirrors its template's signature).
+        unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(dev_err(format!("launch {what}")))
+    }
+
+    fn mv_grid(&self, row_pairs: usize, k: usize, ntok: usize) -> (u32, u32, u32) {
+        plan::mv_grid(row_pairs, k, ntok, self.sm_count)
     }
 
     /// embed(table_qs, table_sc, tokens, x, ntok)
     pub fn embed(&self, table: &DevMat, tokens: u64, x: u64, ntok: usize) -> Result<(), BackendError> {
-        let n = ntok as i32;
-        let cfg = LaunchConfig { grid_dim: (ntok as u32, 1, 1), block_dim: (plan::EMBED_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let sc = table.sc_ptr();
-        let mut b = self.stream.launch_builder(&self.f.embed);
-        b.arg(&table.qs.ptr).arg(&sc).arg(&tokens).arg(&x).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch embed"))
+        let (qs, sc, n) = (table.qs.ptr, table.sc_ptr(), ntok as i32);
+        self.launch(&self.f.embed, "embed", (ntok as u32, 1, 1), plan::EMBED_THREADS, &mut kargs!(qs, sc, tokens, x, n))
     }
 
-    /// attn_in(x, norm, wqkv_qs, wqkv_sc, q, kc, vc, pos, slot, layer, ctx, ntok)
+    /// attn_in(x, norm, wqkv_qs, wqkv_sc, rope, q, kc, vc, pos, slot, layer, ctx, ntok)
     #[allow(clippy::too_many_arguments)]
-    pub fn attn_in(&self, x: u64, norm: u64, w: &DevMat, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, ntok: usize) -> Result<(), BackendError> {
+    pub fn attn_in(&self, x: u64, norm: u64, w: &DevMat, rope: u64, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, ntok: usize) -> Result<(), BackendError> {
         let d = self.dims;
-        let cfg = self.mv_cfg((d.qd() + 2 * d.kd()) / 2, d.hidden, ntok);
-        let (l, c, n) = (layer as i32, ctx as i32, ntok as i32);
-        let sc = w.sc_ptr();
-        let mut b = self.stream.launch_builder(&self.f.attn_in);
-        b.arg(&x).arg(&norm).arg(&w.qs.ptr).arg(&sc).arg(&q).arg(&kc).arg(&vc).arg(&pos).arg(&slot).arg(&l).arg(&c).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch attn_in"))
+        let grid = self.mv_grid((d.qd() + 2 * d.kd()) / 2, d.hidden, ntok);
+        let (qs, sc, l, c, n) = (w.qs.ptr, w.sc_ptr(), layer as i32, ctx as i32, ntok as i32);
+        self.launch(&self.f.attn_in, "attn_in", grid, plan::MV_THREADS, &mut kargs!(x, norm, qs, sc, rope, q, kc, vc, pos, slot, l, c, n))
     }
 
     /// attention(q, kc, vc, pos, slot, layer, ctx, nsplit, part_ml, part_acc)
     #[allow(clippy::too_many_arguments)]
     pub fn attention(&self, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, nsplit: usize, part_ml: u64, part_acc: u64, ntok: usize) -> Result<(), BackendError> {
-        let cfg = LaunchConfig { grid_dim: (self.dims.kv_heads as u32, nsplit as u32, ntok as u32), block_dim: (plan::ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let grid = (self.dims.kv_heads as u32, nsplit as u32, ntok as u32);
         let (l, c, s) = (layer as i32, ctx as i32, nsplit as i32);
-        let mut b = self.stream.launch_builder(&self.f.attention);
-        b.arg(&q).arg(&kc).arg(&vc).arg(&pos).arg(&slot).arg(&l).arg(&c).arg(&s).arg(&part_ml).arg(&part_acc);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch attention"))
+        self.launch(&self.f.attention, "attention", grid, plan::ATT_THREADS, &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc))
     }
 
     /// attn_out(part_ml, part_acc, nsplit, wo_qs, wo_sc, x, ntok)
     pub fn attn_out(&self, part_ml: u64, part_acc: u64, nsplit: usize, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
         let d = self.dims;
-        let cfg = self.mv_cfg(d.hidden / 2, d.qd(), ntok);
-        let (s, n) = (nsplit as i32, ntok as i32);
-        let sc = w.sc_ptr();
-        let mut b = self.stream.launch_builder(&self.f.attn_out);
-        b.arg(&part_ml).arg(&part_acc).arg(&s).arg(&w.qs.ptr).arg(&sc).arg(&x).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch attn_out"))
+        let grid = self.mv_grid(d.hidden / 2, d.qd(), ntok);
+        let (s, qs, sc, n) = (nsplit as i32, w.qs.ptr, w.sc_ptr(), ntok as i32);
+        self.launch(&self.f.attn_out, "attn_out", grid, plan::MV_THREADS, &mut kargs!(part_ml, part_acc, s, qs, sc, x, n))
     }
 
     /// ffn_in(x, norm, wgu_qs, wgu_sc, h, ntok)
     pub fn ffn_in(&self, x: u64, norm: u64, w: &DevMat, h: u64, ntok: usize) -> Result<(), BackendError> {
         let d = self.dims;
-        let cfg = self.mv_cfg(d.ffn, d.hidden, ntok);
-        let n = ntok as i32;
-        let sc = w.sc_ptr();
-        let mut b = self.stream.launch_builder(&self.f.ffn_in);
-        b.arg(&x).arg(&norm).arg(&w.qs.ptr).arg(&sc).arg(&h).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch ffn_in"))
+        let grid = self.mv_grid(d.ffn, d.hidden, ntok);
+        let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), ntok as i32);
+        self.launch(&self.f.ffn_in, "ffn_in", grid, plan::MV_THREADS, &mut kargs!(x, norm, qs, sc, h, n))
     }
 
     /// ffn_out(h, wdown_qs, wdown_sc, x, ntok)
     pub fn ffn_out(&self, h: u64, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
         let d = self.dims;
-        let cfg = self.mv_cfg(d.hidden / 2, d.ffn, ntok);
-        let n = ntok as i32;
-        let sc = w.sc_ptr();
-        let mut b = self.stream.launch_builder(&self.f.ffn_out);
-        b.arg(&h).arg(&w.qs.ptr).arg(&sc).arg(&x).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch ffn_out"))
+        let grid = self.mv_grid(d.hidden / 2, d.ffn, ntok);
+        let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), ntok as i32);
+        self.launch(&self.f.ffn_out, "ffn_out", grid, plan::MV_THREADS, &mut kargs!(h, qs, sc, x, n))
     }
 
     /// lm_head(x, sel, norm, wout_qs, wout_sc, logits, nout)
     pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize) -> Result<(), BackendError> {
         let d = self.dims;
-        let cfg = self.mv_cfg(d.vocab / 2, d.hidden, nout);
-        let n = nout as i32;
-        let sc = w.sc_ptr();
-        let mut b = self.stream.launch_builder(&self.f.lm_head);
-        b.arg(&x).arg(&sel).arg(&norm).arg(&w.qs.ptr).arg(&sc).arg(&logits).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch lm_head"))
+        let grid = self.mv_grid(d.vocab / 2, d.hidden, nout);
+        let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), nout as i32);
+        self.launch(&self.f.lm_head, "lm_head", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n))
     }
 
     /// argmax_logprob(logits, out_tok, out_logprob, nout)
     pub fn argmax(&self, logits: u64, out_tok: u64, out_lp: u64, nout: usize) -> Result<(), BackendError> {
-        let cfg = LaunchConfig { grid_dim: (nout as u32, 1, 1), block_dim: (plan::SAMPLE_THREADS, 1, 1), shared_mem_bytes: 0 };
         let n = nout as i32;
-        let mut b = self.stream.launch_builder(&self.f.argmax);
-        b.arg(&logits).arg(&out_tok).arg(&out_lp).arg(&n);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err("launch argmax_logprob"))
+        self.launch(&self.f.argmax, "argmax_logprob", (nout as u32, 1, 1), plan::SAMPLE_THREADS, &mut kargs!(logits, out_tok, out_lp, n))
     }
 
     /// Start capturing this stream's launches into a graph.

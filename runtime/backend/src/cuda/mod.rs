@@ -71,12 +71,16 @@ struct Bufs {
     part_ml: DevBuf,
     part_acc: DevBuf,
     logits: DevBuf,
-    tokens: DevBuf,
-    pos: DevBuf,
-    slot: DevBuf,
-    sel: DevBuf,
-    out_tok: DevBuf,
-    out_lp: DevBuf,
+    /// i32 inputs, one copy per chunk: tokens[maxt] | pos[maxt] | slot[maxt] | sel[slots]
+    io_in: DevBuf,
+    tokens: u64,
+    pos: u64,
+    slot: u64,
+    sel: u64,
+    /// outputs, one copy back: out_tok[slots] (i32) | out_lp[slots] (f32)
+    io_out: DevBuf,
+    out_tok: u64,
+    out_lp: u64,
     kc: DevBuf,
     vc: DevBuf,
 }
@@ -89,9 +93,13 @@ pub struct CudaBackend {
     /// `None` when the LM head is tied to the embedding.
     out: Option<DevMat>,
     out_norm: DevBuf,
+    /// (cos, sin) per position and pair: `plan::rope_table`
+    rope: DevBuf,
     layers: Vec<LayerW>,
     b: Bufs,
     graphs: HashMap<(usize, usize), CudaGraph>,
+    /// (tokens, splits) of the last chunk run
+    last_key: Option<(usize, usize)>,
     weight_bytes: u64,
     kv_bytes: u64,
     /// Counters for tests and benchmarks.
@@ -208,6 +216,8 @@ impl CudaBackend {
             None
         };
         let out_norm = gpu.upload(&host_vec(weights, "output_norm.weight", hd)?)?;
+        let inv_freq = crate::cpu::ops::rope_inv_freq(d.head_dim, config.rope_theta, None, None);
+        let rope = gpu.upload(&plan::rope_table(&inv_freq, opts.slot_capacity))?;
         let mut layers = Vec::with_capacity(d.layers);
         for l in 0..d.layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
@@ -242,6 +252,8 @@ impl CudaBackend {
             .and_then(|n| n.checked_mul(d.kv_per_token()))
             .ok_or_else(|| BackendError::Invalid("KV cache size overflows".into()))?;
         let f = 4usize;
+        let io_in = gpu.alloc((3 * t + nout) * 4)?;
+        let io_out = gpu.alloc(2 * nout * 4)?;
         let b = Bufs {
             x: gpu.alloc(t * hd * f)?,
             q: gpu.alloc(t * qd * f)?,
@@ -249,17 +261,19 @@ impl CudaBackend {
             part_ml: gpu.alloc(t * d.heads * plan::MAX_SPLITS * 8)?,
             part_acc: gpu.alloc(t * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
             logits: gpu.alloc(nout * d.vocab * f)?,
-            tokens: gpu.alloc(t * 4)?,
-            pos: gpu.alloc(t * 4)?,
-            slot: gpu.alloc(t * 4)?,
-            sel: gpu.alloc(nout * 4)?,
-            out_tok: gpu.alloc(nout * 4)?,
-            out_lp: gpu.alloc(nout * 4)?,
+            tokens: io_in.ptr,
+            pos: io_in.ptr + (t * 4) as u64,
+            slot: io_in.ptr + (2 * t * 4) as u64,
+            sel: io_in.ptr + (3 * t * 4) as u64,
+            io_in,
+            out_tok: io_out.ptr,
+            out_lp: io_out.ptr + (nout * 4) as u64,
+            io_out,
             kc: gpu.alloc(kv_elems * f)?,
             vc: gpu.alloc(kv_elems * f)?,
         };
         let kv_bytes = 2 * (kv_elems * f) as u64;
-        Ok(CudaBackend { gpu, opts, emb, out, out_norm, layers, b, graphs: HashMap::new(), weight_bytes, kv_bytes, stats: Stats::default() })
+        Ok(CudaBackend { gpu, opts, emb, out, out_norm, rope, layers, b, graphs: HashMap::new(), last_key: None, weight_bytes, kv_bytes, stats: Stats::default() })
     }
 
     /// The device layer (tests and benchmarks).
@@ -272,18 +286,18 @@ impl CudaBackend {
         let g = &self.gpu;
         let b = &self.b;
         let cap = self.opts.slot_capacity;
-        g.embed(&self.emb, b.tokens.ptr, b.x.ptr, ntok)?;
+        g.embed(&self.emb, b.tokens, b.x.ptr, ntok)?;
         for (l, w) in self.layers.iter().enumerate() {
-            g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos.ptr, b.slot.ptr, l, cap, ntok)?;
-            g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos.ptr, b.slot.ptr, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, ntok)?;
+            g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?;
+            g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, ntok)?;
             g.attn_out(b.part_ml.ptr, b.part_acc.ptr, nsplit, &w.wo, b.x.ptr, ntok)?;
             g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
             g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
         }
         if nout > 0 {
             let head = self.out.as_ref().unwrap_or(&self.emb);
-            g.lm_head(b.x.ptr, b.sel.ptr, self.out_norm.ptr, head, b.logits.ptr, nout)?;
-            g.argmax(b.logits.ptr, b.out_tok.ptr, b.out_lp.ptr, nout)?;
+            g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, head, b.logits.ptr, nout)?;
+            g.argmax(b.logits.ptr, b.out_tok, b.out_lp, nout)?;
         }
         Ok(())
     }
@@ -294,10 +308,15 @@ impl CudaBackend {
         let nout = sel.len();
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
         let nsplit = plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
-        self.gpu.write(&self.b.tokens, 0, tokens)?;
-        self.gpu.write(&self.b.pos, 0, pos)?;
-        self.gpu.write(&self.b.slot, 0, slot)?;
-        self.gpu.write(&self.b.sel, 0, sel)?;
+        // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
+        let t = self.opts.max_step_tokens;
+        let mut io = vec![0i32; 3 * t + self.opts.slots];
+        io[..ntok].copy_from_slice(tokens);
+        io[t..t + ntok].copy_from_slice(pos);
+        io[2 * t..2 * t + ntok].copy_from_slice(slot);
+        io[3 * t..3 * t + nout].copy_from_slice(sel);
+        self.gpu.write_async(&self.b.io_in, 0, &io)?;
+        self.last_key = Some((ntok, nsplit));
         if decode && self.opts.graphs && nout == ntok {
             let key = (ntok, nsplit);
             if !self.graphs.contains_key(&key) {
@@ -316,7 +335,22 @@ impl CudaBackend {
             self.enqueue(ntok, nout, nsplit)?;
             self.stats.direct_steps += 1;
         }
-        self.gpu.sync()
+        Ok(())
+    }
+
+    /// Replay the graph of the last decode step `n` times back to back and return the device time
+    /// per replay in microseconds (host clock around `n` launches and one wait): the GPU-side cost of
+    /// a decode step without the host's input and output copies. Replays rewrite the same KV entries.
+    pub fn time_graph_replay(&mut self, n: usize) -> Result<Option<f64>, BackendError> {
+        let Some(key) = self.last_key else { return Ok(None) };
+        let Some(g) = self.graphs.get(&key) else { return Ok(None) };
+        self.gpu.sync()?;
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            g.launch().map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+        }
+        self.gpu.sync()?;
+        Ok(Some(t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64))
     }
 
     fn validate(&self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
@@ -419,10 +453,12 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let mut tok = vec![0i32; n];
-        let mut lp = vec![0f32; n];
-        self.gpu.read(&self.b.out_tok, 0, &mut tok)?;
-        self.gpu.read(&self.b.out_lp, 0, &mut lp)?;
+        // one copy back (it waits for the chunk's kernels)
+        let nout = self.opts.slots;
+        let mut io = vec![0u32; 2 * nout];
+        self.gpu.read(&self.b.io_out, 0, &mut io)?;
+        let tok: Vec<i32> = io[..n].iter().map(|&v| v as i32).collect();
+        let lp: Vec<f32> = io[nout..nout + n].iter().map(|&v| f32::from_bits(v)).collect();
         let vocab = self.gpu.dims.vocab;
         for (k, &i) in sel_seq.iter().enumerate() {
             let s = &batch[i];

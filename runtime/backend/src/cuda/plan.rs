@@ -63,6 +63,20 @@ pub fn arch_capability(arch: &str) -> Option<(i32, i32)> {
     Some((n / 10, n % 10))
 }
 
+/// The RoPE table the `attn_in` kernel reads: `(cos, sin)` of `pos * inv_freq[i]` for
+/// `pos < n_pos`, `i < inv_freq.len()`, row-major by position; angles in f64 exactly as
+/// `cpu::ops::rope_inplace` computes them, so both backends rotate by identical factors.
+pub fn rope_table(inv_freq: &[f32], n_pos: usize) -> Vec<[f32; 2]> {
+    let mut t = Vec::with_capacity(n_pos * inv_freq.len());
+    for p in 0..n_pos {
+        for &f in inv_freq {
+            let a = p as f64 * f as f64;
+            t.push([a.cos() as f32, a.sin() as f32]);
+        }
+    }
+    t
+}
+
 /// A weight matrix in a device layout, still on the host: `rows` rows of `k` elements; `qs` holds
 /// `qs_row` bytes per row, `sc` holds `sc_row` bytes per row (empty for bf16).
 #[derive(Debug, Clone, PartialEq)]
