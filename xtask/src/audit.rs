@@ -74,6 +74,11 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     let names = pack.kernel_names()?;
+    for k in internal.kernels.keys() {
+        if !names.contains(&k.as_str()) {
+            problems.push(format!("{k}: attested but missing from the embedded pack"));
+        }
+    }
     let rebuilt: BTreeMap<String, metrale_codegen::BuiltKernel> = match (&current_spec, args.rebuild) {
         (Ok(spec), true) => {
             let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);

@@ -174,6 +174,11 @@ impl Registry {
                 }
             }
         }
+        for k in st.predicate.build_definition.internal_parameters.kernels.keys() {
+            if self.kernel(k).is_none() {
+                return Err(KernelsError::Corrupt(format!("kernel `{k}` is attested but missing from the pack")));
+            }
+        }
         let recomputed = metrale_attestation::statement::kernel_set_hash(&self.target.as_ref().map(|t| t.id.to_string()).unwrap_or_default(), &st.predicate.build_definition.internal_parameters.kernels);
         if recomputed != self.kernel_set_hash || recomputed != st.kernel_set_hash() {
             return Err(KernelsError::KernelSetHash { embedded: self.kernel_set_hash.clone(), recomputed });
