@@ -374,3 +374,18 @@ fn stream_response(
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn too_long_names_both_counts_and_is_400() {
+        let e = submit_error(SubmitError::PromptTooLong { prompt: 9000, capacity: 8192 });
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("9000") && e.message.contains("8192"), "{}", e.message);
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        assert_eq!(submit_error(SubmitError::EmptyPrompt).status, 400);
+        assert_eq!(submit_error(SubmitError::Stopped("x".into())).status, 503);
+    }
+}
