@@ -101,59 +101,75 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// Dots of one weight row with `N` quantized activation rows: each weight block is loaded and
-    /// widened to 2 x 16 i16 once and used for all `N` tokens (prefill reuse; `N = 1` for decode).
+    /// Dots of `R` weight rows (`row_bytes` apart) with `N` quantized activation rows: each weight
+    /// block is loaded and widened to 2 x 16 i16 once and used for all `N` tokens, each activation
+    /// block once for all `R` rows. Used with (R, N) = (1, 4) for prefill tiles and (1, 1) otherwise
+    /// ((2, 1) for decode measured no faster: decode is bound by the weight stream).
     #[inline(always)]
-    unsafe fn dot_n<const K: u8, const N: usize>(
+    unsafe fn dot_rn<const K: u8, const R: usize, const N: usize>(
         blk0: *const u8,
+        row_bytes: usize,
         nb: usize,
         q: [*const i16; N],
         d: [*const f32; N],
         s: [*const f32; N],
-    ) -> [f32; N] {
+    ) -> [[f32; N]; R] {
         let bb = match K {
             Q4_0 => 18,
             Q4_1 => 20,
             _ => 34,
         };
         let mask = _mm_set1_epi8(0x0f);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut off = [0f32; N];
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut off = [[0f32; N]; R];
         for b in 0..nb {
-            let blk = blk0.add(b * bb);
-            // f16 scale (and min) -> f32 with F16C
-            let h = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
-            let wd = _mm_cvtss_f32(h);
-            let (w0, w1) = match K {
-                Q8_0 => (
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(2) as *const __m128i)),
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(18) as *const __m128i)),
-                ),
-                _ => {
-                    let qs = _mm_loadu_si128(blk.add(if K == Q4_1 { 4 } else { 2 }) as *const __m128i);
-                    let lo = _mm_and_si128(qs, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                    (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi))
+            let mut w = [(_mm256_setzero_si256(), _mm256_setzero_si256()); R];
+            let mut wd = [0f32; R];
+            let mut wm = [0f32; R];
+            for r in 0..R {
+                let blk = blk0.add(r * row_bytes + b * bb);
+                // f16 scale (and min) -> f32 with F16C
+                let h = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
+                wd[r] = _mm_cvtss_f32(h);
+                if K == Q4_1 {
+                    wm[r] = _mm_cvtss_f32(_mm_movehdup_ps(h));
                 }
-            };
-            let wm = if K == Q4_1 { _mm_cvtss_f32(_mm_movehdup_ps(h)) } else { 0.0 };
+                w[r] = match K {
+                    Q8_0 => (
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(2) as *const __m128i)),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(18) as *const __m128i)),
+                    ),
+                    _ => {
+                        let qs = _mm_loadu_si128(blk.add(if K == Q4_1 { 4 } else { 2 }) as *const __m128i);
+                        let lo = _mm_and_si128(qs, mask);
+                        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+                        (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi))
+                    }
+                };
+            }
             for t in 0..N {
                 let xp = q[t].add(b * QK);
                 let x0 = _mm256_loadu_si256(xp as *const __m256i);
                 let x1 = _mm256_loadu_si256(xp.add(16) as *const __m256i);
-                let p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-                let scale = _mm256_set1_ps(wd * *d[t].add(b));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[t]);
-                match K {
-                    Q4_1 => off[t] += wm * *s[t].add(b),
-                    Q4_0 => off[t] -= 8.0 * wd * *s[t].add(b),
-                    _ => {}
+                let dt = *d[t].add(b);
+                let st = *s[t].add(b);
+                for r in 0..R {
+                    let p = _mm256_add_epi32(_mm256_madd_epi16(w[r].0, x0), _mm256_madd_epi16(w[r].1, x1));
+                    let scale = _mm256_set1_ps(wd[r] * dt);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][t]);
+                    match K {
+                        Q4_1 => off[r][t] += wm[r] * st,
+                        Q4_0 => off[r][t] -= 8.0 * wd[r] * st,
+                        _ => {}
+                    }
                 }
             }
         }
-        let mut out = [0f32; N];
-        for t in 0..N {
-            out[t] = hsum(acc[t]) + off[t];
+        let mut out = [[0f32; N]; R];
+        for r in 0..R {
+            for t in 0..N {
+                out[r][t] = hsum(acc[r][t]) + off[r][t];
+            }
         }
         out
     }
@@ -169,13 +185,13 @@ mod avx2 {
             let mut t = 0;
             while t + 4 <= n_tok {
                 let p = [ptrs(t), ptrs(t + 1), ptrs(t + 2), ptrs(t + 3)];
-                let r = dot_n::<K, 4>(row, nb, p.map(|x| x.0), p.map(|x| x.1), p.map(|x| x.2));
-                out_t[rr * n_tok + t..rr * n_tok + t + 4].copy_from_slice(&r);
+                let r = dot_rn::<K, 1, 4>(row, rb, nb, p.map(|x| x.0), p.map(|x| x.1), p.map(|x| x.2));
+                out_t[rr * n_tok + t..rr * n_tok + t + 4].copy_from_slice(&r[0]);
                 t += 4;
             }
             while t < n_tok {
                 let p = ptrs(t);
-                out_t[rr * n_tok + t] = dot_n::<K, 1>(row, nb, [p.0], [p.1], [p.2])[0];
+                out_t[rr * n_tok + t] = dot_rn::<K, 1, 1>(row, rb, nb, [p.0], [p.1], [p.2])[0][0];
                 t += 1;
             }
         }
@@ -186,9 +202,9 @@ mod avx2 {
         let (r, nb) = (row.as_ptr(), d.len());
         let (q, d, s) = ([q.as_ptr()], [d.as_ptr()], [s.as_ptr()]);
         match dtype {
-            DType::Q4_0 => dot_n::<Q4_0, 1>(r, nb, q, d, s)[0],
-            DType::Q4_1 => dot_n::<Q4_1, 1>(r, nb, q, d, s)[0],
-            _ => dot_n::<Q8_0, 1>(r, nb, q, d, s)[0],
+            DType::Q4_0 => dot_rn::<Q4_0, 1, 1>(r, 0, nb, q, d, s)[0][0],
+            DType::Q4_1 => dot_rn::<Q4_1, 1, 1>(r, 0, nb, q, d, s)[0][0],
+            _ => dot_rn::<Q8_0, 1, 1>(r, 0, nb, q, d, s)[0][0],
         }
     }
 
