@@ -75,21 +75,44 @@ MT_INLINE float block_sum(float v, float* red) {
     return warp_sum(r);
 }
 
-// Stage row x[K] into padded shared memory xs, optionally RMS-normalised and scaled by w.
-template <int K, bool NORM>
-MT_INLINE void stage_row(const float* __restrict__ x, const float* __restrict__ w, float eps,
-                         float* xs, float* red) {
-    float ss = 0.f;
-    for (int e = threadIdx.x; e < K; e += blockDim.x) {
-        float v = x[e];
-        xs[pad_idx(e)] = v;
-        ss += v * v;
+// Norm weights of one row, held in registers by the MV_THREADS threads of a block: loaded before the
+// dependency wait (they are weights), consumed by stage_row.
+template <int K> struct NormW {
+    static constexpr int IT = (K + 255) / 256;
+    float v[IT];
+    MT_INLINE void load(const float* __restrict__ w) {
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            const int e = threadIdx.x + i * 256;
+            v[i] = e < K ? w[e] : 0.f;
+        }
     }
+};
+
+// Stage row x[K] into padded shared memory xs, optionally RMS-normalised and scaled by the norm
+// weights nw. Every load of x is issued before the first use (one memory round trip). Needs
+// blockDim.x == 256.
+template <int K, bool NORM>
+MT_INLINE void stage_row(const float* __restrict__ x, const NormW<K>& nw, float eps, float* xs, float* red) {
+    constexpr int IT = NormW<K>::IT;
+    float v[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        const int e = threadIdx.x + i * 256;
+        v[i] = e < K ? x[e] : 0.f;
+    }
+    float scale = 1.f;
     if (NORM) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < IT; ++i) ss += v[i] * v[i];
         const float tot = block_sum(ss, red);
-        const float inv = rsqrtf(tot / (float)K + eps);
-        __syncthreads();
-        for (int e = threadIdx.x; e < K; e += blockDim.x) xs[pad_idx(e)] = xs[pad_idx(e)] * inv * w[e];
+        scale = rsqrtf(tot / (float)K + eps);
+    }
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        const int e = threadIdx.x + i * 256;
+        if (e < K) xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
     }
 }
 

@@ -82,6 +82,16 @@ fn main() {
     }
     let replay_us = if replay.is_empty() { f64::NAN } else { median(&mut replay).0 };
     eprintln!("decode b=1 graph replay alone: {replay_us:.1} us/token (median of 7 x 200 replays)");
+    let prof = b.profile_kernels(50, 20).unwrap();
+    let layers = spec.model.layers as f64;
+    let mut est = 0.0;
+    for (name, us) in &prof {
+        let per_token = if matches!(*name, "attn_in" | "attention" | "attn_out" | "ffn_in" | "ffn_out") { us * layers } else { *us };
+        est += per_token;
+        eprintln!("  kernel {name:15} {us:7.2} us/launch  -> {per_token:7.1} us/token");
+    }
+    eprintln!("  sum of kernels alone: {est:.1} us/token");
+    let prof_json: Vec<String> = prof.iter().map(|(n, us)| format!("\"{n}\": {us:.3}")).collect();
     let warm: Vec<f64> = times.iter().skip(16).copied().collect();
     let (med, p10, p90) = median(&mut warm.clone());
     let text = model.tokenizer.decode(&hist[prompt.len()..], false);
@@ -134,12 +144,13 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         info.weight_bytes as f64 / 4.2e12 * 1e6,
         nodes as f64 * 0.9,
         1e6 / med,
+        prof_json.join(", "),
         b.gpu().pdl,
         warm.len(),
         pp as f64 / pp_ms * 1e3,

@@ -338,6 +338,47 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
+    /// launches of one kernel, replayed `rounds` times; microseconds per launch, graph-node overhead
+    /// included. Benchmarks only: it rewrites the activations and the KV entries of that chunk.
+    pub fn profile_kernels(&mut self, reps: usize, rounds: usize) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        let Some((ntok, nsplit)) = self.last_key else { return Ok(Vec::new()) };
+        let nout = ntok.min(self.opts.slots);
+        let cap = self.opts.slot_capacity;
+        let mut out = Vec::new();
+        for name in ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "argmax_logprob"] {
+            let g = &self.gpu;
+            let b = &self.b;
+            let w = &self.layers[0];
+            g.begin_capture()?;
+            let mut r = Ok(());
+            for _ in 0..reps {
+                r = r.and_then(|_| match name {
+                    "embed" => g.embed(&self.emb, b.tokens, b.x.ptr, ntok),
+                    "attn_in" => g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, ntok),
+                    "attention" => g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, ntok),
+                    "attn_out" => g.attn_out(b.part_ml.ptr, b.part_acc.ptr, nsplit, &w.wo, b.x.ptr, ntok),
+                    "ffn_in" => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
+                    "ffn_out" => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
+                    "lm_head" => g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, self.out.as_ref().unwrap_or(&self.emb), b.logits.ptr, nout),
+                    _ => g.argmax(b.logits.ptr, b.out_tok, b.out_lp, nout),
+                });
+            }
+            let graph = g.end_capture();
+            r?;
+            let graph = graph?;
+            graph.launch().map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+            g.sync()?;
+            let t = std::time::Instant::now();
+            for _ in 0..rounds {
+                graph.launch().map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+            }
+            g.sync()?;
+            out.push((name, t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64));
+        }
+        Ok(out)
+    }
+
     /// Replay the graph of the last decode step `n` times back to back and return the device time
     /// per replay in microseconds (host clock around `n` launches and one wait): the GPU-side cost of
     /// a decode step without the host's input and output copies. Replays rewrite the same KV entries.

@@ -13,7 +13,7 @@ pub const MV_THREADS: u32 = 256;
 /// Warps per block of the matrix-vector kernels: each warp owns one row pair at a time.
 pub const MV_WARPS: u32 = MV_THREADS / 32;
 /// Threads per block of `attention` (`ATT_THREADS` in attention.cu.hbs).
-pub const ATT_THREADS: u32 = 128;
+pub const ATT_THREADS: u32 = 256;
 /// Threads per block of `embed`.
 pub const EMBED_THREADS: u32 = 256;
 /// Threads per block of `argmax_logprob` (`SAMPLE_THREADS` in sample.cu.hbs).
