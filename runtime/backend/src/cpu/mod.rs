@@ -251,8 +251,8 @@ impl CpuBackend {
         self.exact = exact;
     }
 
-    fn mm(&self) -> fn(MatRef<'_>, &[f32], usize, &mut [f32]) {
-        if self.exact { ops::matmul } else { ops::matmul_qact }
+    fn mm(&self) -> fn(&[MatRef<'_>], &[f32], usize, &mut [&mut [f32]]) {
+        if self.exact { ops::matmul_many } else { ops::matmul_qact_many }
     }
 
     /// Shape constants of the loaded model.
@@ -340,9 +340,7 @@ impl CpuBackend {
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.attn_norm, d.norm_eps, xnr);
                 }
-                mm(l.wq.mat(), &xn, n, &mut q);
-                mm(l.wk.mat(), &xn, n, &mut k);
-                mm(l.wv.mat(), &xn, n, &mut v);
+                mm(&[l.wq.mat(), l.wk.mat(), l.wv.mat()], &xn, n, &mut [&mut q, &mut k, &mut v]);
                 for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
                     ops::rope_inplace(&mut q[i * qd..(i + 1) * qd], hd, pos, inv_freq);
                     ops::rope_inplace(&mut k[i * kvd..(i + 1) * kvd], hd, pos, inv_freq);
@@ -372,19 +370,16 @@ impl CpuBackend {
                         out,
                     );
                 });
-                mm(l.wo.mat(), &att, n, &mut o);
+                mm(&[l.wo.mat()], &att, n, &mut [&mut o]);
                 ops::add_inplace(&mut x, &o);
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.ffn_norm, d.norm_eps, xnr);
                 }
-                mm(l.w_gate.mat(), &xn, n, &mut g);
-                mm(l.w_up.mat(), &xn, n, &mut u);
-                let gr = &g;
-                u.par_chunks_mut(d.ffn).zip(gr.par_chunks(d.ffn)).for_each(|(ur, grr)| {
-                    let up = ur.to_vec();
-                    ops::swiglu(grr, &up, ur);
-                });
-                mm(l.w_down.mat(), &u, n, &mut o);
+                mm(&[l.w_gate.mat(), l.w_up.mat()], &xn, n, &mut [&mut g, &mut u]);
+                for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
+                    ops::swiglu_inplace(gr, ur);
+                }
+                mm(&[l.w_down.mat()], &u, n, &mut [&mut o]);
                 ops::add_inplace(&mut x, &o);
             }
         });
@@ -400,7 +395,7 @@ impl CpuBackend {
         let w = self.lm_head.as_ref().unwrap_or(&self.embd);
         let mut logits = vec![0f32; rows * self.dims.vocab];
         let mm = self.mm();
-        self.pool.install(|| mm(w.mat(), hidden, rows, &mut logits));
+        self.pool.install(|| mm(&[w.mat()], hidden, rows, &mut [&mut logits]));
         logits
     }
 }

@@ -91,6 +91,13 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// SwiGLU in place: `up = silu(gate) * up`.
+pub fn swiglu_inplace(gate: &[f32], up: &mut [f32]) {
+    for (u, &g) in up.iter_mut().zip(gate) {
+        *u *= g / (1.0 + (-g).exp());
+    }
+}
+
 /// In-place softmax over the whole slice (max-subtracted; an empty slice is left alone).
 pub fn softmax_inplace(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -423,19 +430,54 @@ pub fn matvec(w: MatRef<'_>, x: &[f32], out: &mut [f32]) {
     matmul_rows(w, 0, x, &xs, 1, out)
 }
 
-/// Split `rows` output rows into parallel chunks (multiples of [`ROW_BLOCK`]) on the current rayon
-/// pool and run `f(first_row, out_t_chunk)` on each, where `out_t` is `[rows][n_tok]`; then transpose
-/// into `out` = `[n_tok][rows]`.
-fn par_rows(rows: usize, n_tok: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+/// Run several matrix products in one parallel region on the current rayon pool: the output rows of
+/// every matrix are split into chunks (multiples of [`ROW_BLOCK`]) and `f(matrix, first_row,
+/// out_t_chunk)` runs on each, `out_t` being `[rows][n_tok]`; the results are then transposed into
+/// `outs[i]` = `[n_tok][rows_i]`. One region instead of one per matrix halves the thread
+/// synchronisations of a decode step.
+fn par_rows_many(rows: &[usize], n_tok: usize, outs: &mut [&mut [f32]], f: impl Fn(usize, usize, &mut [f32]) + Sync) {
     use rayon::prelude::*;
     let threads = rayon::current_num_threads().max(1);
-    let chunk_rows = (rows.div_ceil(threads * 4)).div_ceil(ROW_BLOCK).max(1) * ROW_BLOCK;
-    if n_tok == 1 {
-        out.par_chunks_mut(chunk_rows).enumerate().for_each(|(i, o)| f(i * chunk_rows, o));
+    let total: usize = rows.iter().sum();
+    let chunk_rows = (total.div_ceil(threads * 4)).div_ceil(ROW_BLOCK).max(1) * ROW_BLOCK;
+    if threads == 1 || total * n_tok <= 64 {
+        for (i, o) in outs.iter_mut().enumerate() {
+            if n_tok == 1 {
+                f(i, 0, o);
+            } else {
+                let mut out_t = vec![0f32; rows[i] * n_tok];
+                f(i, 0, &mut out_t);
+                transpose_into(&out_t, rows[i], n_tok, o);
+            }
+        }
         return;
     }
-    let mut out_t = vec![0f32; rows * n_tok];
-    out_t.par_chunks_mut(chunk_rows * n_tok).enumerate().for_each(|(i, o)| f(i * chunk_rows, o));
+    if n_tok == 1 {
+        let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+        for (i, o) in outs.iter_mut().enumerate() {
+            for (c, chunk) in o.chunks_mut(chunk_rows).enumerate() {
+                tasks.push((i, c * chunk_rows, chunk));
+            }
+        }
+        tasks.into_par_iter().for_each(|(i, r0, o)| f(i, r0, o));
+        return;
+    }
+    let mut outs_t: Vec<Vec<f32>> = rows.iter().map(|&r| vec![0f32; r * n_tok]).collect();
+    {
+        let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+        for (i, o) in outs_t.iter_mut().enumerate() {
+            for (c, chunk) in o.chunks_mut(chunk_rows * n_tok).enumerate() {
+                tasks.push((i, c * chunk_rows, chunk));
+            }
+        }
+        tasks.into_par_iter().for_each(|(i, r0, o)| f(i, r0, o));
+    }
+    for (i, o) in outs.iter_mut().enumerate() {
+        transpose_into(&outs_t[i], rows[i], n_tok, o);
+    }
+}
+
+fn transpose_into(out_t: &[f32], rows: usize, n_tok: usize, out: &mut [f32]) {
     for r in 0..rows {
         for t in 0..n_tok {
             out[t * rows + r] = out_t[r * n_tok + t];
@@ -443,31 +485,52 @@ fn par_rows(rows: usize, n_tok: usize, out: &mut [f32], f: impl Fn(usize, &mut [
     }
 }
 
-/// Matrix product over tokens, f32 activations (the reference), parallel over output rows on the
-/// current rayon pool: `out[t * rows + r] = dot(W[r], x[t])`, `x` = `[n_tok][cols]`,
-/// `out` = `[n_tok][rows]`.
-pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-    assert_eq!(x.len(), n_tok * w.cols, "matmul: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
-    assert_eq!(out.len(), n_tok * w.rows, "matmul: out has {} values, expected {} x {}", out.len(), n_tok, w.rows);
-    let xs: Vec<f32> = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
-        x.chunks_exact(w.cols).flat_map(block_sums).collect()
+fn check_shapes(what: &str, ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &[&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "{what}: {} matrices but {} outputs", ws.len(), outs.len());
+    for (w, o) in ws.iter().zip(outs) {
+        assert_eq!(x.len(), n_tok * w.cols, "{what}: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
+        assert_eq!(o.len(), n_tok * w.rows, "{what}: out has {} values, expected {} x {}", o.len(), n_tok, w.rows);
+    }
+}
+
+/// Several matrix products of one input, f32 activations (the reference), parallel over output
+/// rows on the current rayon pool: `outs[i][t * rows_i + r] = dot(ws[i][r], x[t])`,
+/// `x` = `[n_tok][cols]`.
+pub fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+    check_shapes("matmul", ws, x, n_tok, outs);
+    let Some(cols) = ws.first().map(|w| w.cols) else { return };
+    let xs: Vec<f32> = if ws.iter().any(|w| matches!(w.dtype, DType::Q4_0 | DType::Q4_1)) {
+        x.chunks_exact(cols).flat_map(block_sums).collect()
     } else {
         Vec::new()
     };
-    par_rows(w.rows, n_tok, out, |r0, o| matmul_rows(w, r0, x, &xs, n_tok, o));
+    let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+    par_rows_many(&rows, n_tok, outs, |i, r0, o| matmul_rows(ws[i], r0, x, &xs, n_tok, o));
 }
 
-/// Like [`matmul`], but for the block-quantized weight types the activations are first quantized to
-/// 16-bit integers per 32-element block ([`super::qact::QuantizedActs`]) and the dots run in exact
-/// integer arithmetic (see [`super::qact`] for the error this adds). Float weight types use [`matmul`].
-pub fn matmul_qact(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-    if !w.dtype.is_quantized() {
-        return matmul(w, x, n_tok, out);
+/// One matrix product: [`matmul_many`] with one matrix.
+pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+    matmul_many(&[w], x, n_tok, &mut [out])
+}
+
+/// Like [`matmul_many`], but for block-quantized weights the activations are first quantized to
+/// 16-bit integers per 32-element block ([`super::qact::QuantizedActs`], once for all matrices) and
+/// the dots run in exact integer arithmetic (see [`super::qact`] for the error this adds). When any
+/// matrix has a float type, all use [`matmul_many`].
+pub fn matmul_qact_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+    if ws.iter().any(|w| !w.dtype.is_quantized()) {
+        return matmul_many(ws, x, n_tok, outs);
     }
-    assert_eq!(x.len(), n_tok * w.cols, "matmul_qact: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
-    assert_eq!(out.len(), n_tok * w.rows, "matmul_qact: out has {} values, expected {} x {}", out.len(), n_tok, w.rows);
-    let acts = super::qact::QuantizedActs::new(x, w.cols);
-    par_rows(w.rows, n_tok, out, |r0, o| super::qact::matmul_rows_qact(w, r0, &acts, n_tok, o));
+    check_shapes("matmul_qact", ws, x, n_tok, outs);
+    let Some(cols) = ws.first().map(|w| w.cols) else { return };
+    let acts = super::qact::QuantizedActs::new(x, cols);
+    let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+    par_rows_many(&rows, n_tok, outs, |i, r0, o| super::qact::matmul_rows_qact(ws[i], r0, &acts, n_tok, o));
+}
+
+/// One matrix product: [`matmul_qact_many`] with one matrix.
+pub fn matmul_qact(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+    matmul_qact_many(&[w], x, n_tok, &mut [out])
 }
 
 #[cfg(test)]

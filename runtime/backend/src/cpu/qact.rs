@@ -38,7 +38,9 @@ impl QuantizedActs {
             let scale = amax / 32767.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             for (o, &v) in qb.iter_mut().zip(xb) {
-                *o = (v * inv).round().clamp(-32767.0, 32767.0) as i16;
+                // round half away from zero, like f32::round, without a libm call
+                let y = v * inv;
+                *o = (y + 0.5f32.copysign(y)).clamp(-32767.0, 32767.0) as i16;
             }
             *db = scale;
             *sb = xb.iter().sum();
