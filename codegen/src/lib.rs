@@ -145,12 +145,14 @@ pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) 
     let names = &spec.kernels;
     // Render everything first: template errors surface before any compile starts.
     let mut prepared = Vec::new();
+    let kinds = expected_kinds(spec);
     for k in names {
-        prepared.push(manifest(req.repo, spec, k)?);
+        let (r, m) = manifest(req.repo, spec, k)?;
+        let hit = if req.force_compile { None } else { load_cached(&cache_dir_of(req.cache_dir, &m.hash()), &r, &m, &m.hash(), &kinds) };
+        prepared.push((r, m, hit));
     }
     let nvrtc = if spec.hardware.backend == BackendKind::Cuda && !names.is_empty() {
-        let needs_compile = req.force_compile || prepared.iter().any(|(_, m)| !cache_dir_of(req.cache_dir, &m.hash()).join("manifest.json").is_file());
-        if needs_compile {
+        if prepared.iter().any(|(_, _, hit)| hit.is_none()) {
             let tc = toolchain::Toolchain::locate(&req.toolchain_dir)?;
             Some((nvrtc::Nvrtc::load(&tc.lib_dir())?, tc))
         } else {
@@ -169,10 +171,13 @@ pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) 
                 if i >= prepared.len() {
                     break;
                 }
-                let (r, m) = &prepared[i];
+                let (r, m, hit) = &prepared[i];
                 progress(Event::Started { name: r.name.clone() });
                 let t = Instant::now();
-                let out = build_one(req, r, m, nvrtc.as_ref().map(|(n, tc)| (*n, tc)));
+                let out = match hit {
+                    Some(b) => Ok(b.clone()),
+                    None => build_one(req, r, m, nvrtc.as_ref().map(|(n, tc)| (*n, tc))),
+                };
                 if let Ok(b) = &out {
                     progress(Event::Finished { name: r.name.clone(), cached: b.cached, seconds: t.elapsed().as_secs_f64() });
                 }
@@ -203,11 +208,6 @@ fn build_one(req: &BuildRequest<'_>, r: &render::Rendered, m: &ClosureManifest, 
     let t0 = Instant::now();
     let hash = m.hash();
     let dir = cache_dir_of(req.cache_dir, &hash);
-    if !req.force_compile {
-        if let Some(b) = load_cached(&dir, r, m, &hash, &expected_kinds(req.spec)) {
-            return Ok(b);
-        }
-    }
     let spec = req.spec;
     let target = spec.id.to_string();
     let (blobs, functions) = match spec.hardware.backend {
@@ -248,9 +248,19 @@ fn load_cached(dir: &Path, r: &render::Rendered, m: &ClosureManifest, hash: &str
         return None;
     }
     let functions = std::fs::read_to_string(dir.join("functions.txt")).ok()?.lines().map(str::to_string).collect();
+    // Every blob is checked against the digest stored with it: a damaged entry is recompiled.
+    let digests: std::collections::BTreeMap<String, String> = std::fs::read_to_string(dir.join("blobs.sha256"))
+        .ok()?
+        .lines()
+        .filter_map(|l| l.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
+        .collect();
     let mut blobs = Vec::new();
     for k in kinds {
-        blobs.push((k.clone(), std::fs::read(dir.join(k)).ok()?));
+        let bytes = std::fs::read(dir.join(k)).ok()?;
+        if digests.get(k) != Some(&sha256_hex(&bytes)) {
+            return None;
+        }
+        blobs.push((k.clone(), bytes));
     }
     Some(BuiltKernel { name: r.name.clone(), manifest: m.clone(), closure_hash: hash.to_string(), blobs, functions, cached: true, seconds: 0.0 })
 }
@@ -270,6 +280,12 @@ fn store(dir: &Path, b: &BuiltKernel) -> Result<(), CodegenError> {
     w("functions.txt", b.functions.join("\n").as_bytes())?;
     for (k, bytes) in &b.blobs {
         w(k, bytes)?;
+    }
+    let sums: String = b.blobs.iter().map(|(k, bytes)| format!("{k} {}\n", sha256_hex(bytes))).collect();
+    w("blobs.sha256", sums.as_bytes())?;
+    if dir.exists() {
+        // A damaged entry (load_cached refused it): replace it.
+        let _ = std::fs::remove_dir_all(dir);
     }
     if std::fs::rename(&tmp, dir).is_err() {
         // Another build stored the same closure meanwhile: same inputs, same entry.

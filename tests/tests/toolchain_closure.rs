@@ -90,6 +90,16 @@ fn second_build_compiles_nothing_and_one_header_change_recompiles_exactly_its_ke
     let fifth = build(dir.path(), &spec, &cache);
     assert!(compiled(&fifth).is_empty());
     assert!(changed(&first, &fifth).is_empty());
+
+    // a damaged cache entry is never used: fb's cubin is recompiled, and identical to the first one
+    let entry = cache.join(&fifth["fb"].closure_hash).join("cubin");
+    let mut b = std::fs::read(&entry).unwrap();
+    b[100] ^= 0xff;
+    std::fs::write(&entry, b).unwrap();
+    let sixth = build(dir.path(), &spec, &cache);
+    assert_eq!(compiled(&sixth), vec!["fb"]);
+    assert_eq!(sixth["fb"].blobs, first["fb"].blobs);
+    assert!(compiled(&build(dir.path(), &spec, &cache)).is_empty());
 }
 
 #[test]
