@@ -73,6 +73,7 @@ fn load_backend(
     let backend = target.map(|t| t.hardware.backend.to_string()).unwrap_or_else(|| "cpu".into());
     match backend.as_str() {
         "cpu" => {
+            check_host_memory(model, slots, ctx)?;
             let b = metrale_backend::cpu::CpuBackend::load(model, slots, ctx, threads)
                 .with_context(|| format!("loading the cpu backend ({slots} slots x {ctx} tokens)"))?;
             Ok(Box::new(b))
@@ -84,6 +85,39 @@ fn load_backend(
              `cargo xtask build-target` (it enables the backend's feature)"
         ),
     }
+}
+
+/// Bytes per KV element in the cpu backend (f32 K and V).
+const CPU_KV_ELEM_BYTES: u64 = 4;
+
+/// `MemAvailable` of /proc/meminfo in bytes (None where it cannot be read).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuse a KV cache that does not fit in the host's available memory before allocating it (the
+/// kernel's OOM killer would otherwise end the process, or a neighbour, mid-start).
+fn check_host_memory(model: &Model, slots: usize, ctx: usize) -> Result<()> {
+    let Some(avail) = mem_available() else { return Ok(()) };
+    let per_token = model.config.kv_elems_per_token() as u64 * CPU_KV_ELEM_BYTES;
+    let need = per_token.saturating_mul(slots as u64).saturating_mul(ctx as u64);
+    // Leave a tenth of what is free (and the weights' working set) to the rest of the process.
+    let budget = (avail - avail / 10).saturating_sub(model.weights.total_bytes());
+    if need > budget {
+        let fit_tokens = budget / per_token.max(1);
+        bail!(
+            "the KV cache for {slots} sequences x {ctx} tokens needs {}, but only {} of memory is available; \
+             lower --parallel or --ctx-size (about {fit_tokens} tokens fit in all, e.g. --parallel {} --ctx-size {})",
+            human_bytes(need),
+            human_bytes(budget),
+            (fit_tokens as usize / ctx).clamp(1, slots),
+            (fit_tokens as usize / slots.min((fit_tokens as usize / ctx).max(1))).min(ctx).max(2),
+        );
+    }
+    Ok(())
 }
 
 /// Run the server until a shutdown signal.
