@@ -31,7 +31,7 @@ pub struct Cli {
     pub ctx_size: Option<usize>,
 
     /// Sequences served at once (KV-cache slots; default: the target's [behavior] parallel, else 4).
-    #[arg(short = 'n', long, visible_alias = "max-num-seqs")]
+    #[arg(long, visible_alias = "max-num-seqs", alias = "np")]
     pub parallel: Option<usize>,
 
     /// CPU threads for the cpu backend (default: all cores).
