@@ -72,7 +72,7 @@ def server(tmp_path_factory):
                 health_seen.append((r.status_code, r.json()))
             except httpx.TransportError:
                 pass
-            time.sleep(0.05)
+            time.sleep(0.01)
         yield Server(proc, port, log_path, health_seen)
     finally:
         proc.terminate()
