@@ -27,12 +27,14 @@ run() { # label, args...
 # make sure the server's dependencies are built, so "full" measures our part, not a cold cargo build
 "$X" build-target --hw "$HW" --model "$MODEL" --quant "$QUANT" --out "$OUT" 2>/dev/null
 run kernels_cold --kernels-only --cache "$TMP/cache-k"
-run kernels_warm --kernels-only --cache "$TMP/cache-k"
+for i in 1 2 3; do run kernels_warm --kernels-only --cache "$TMP/cache-k"; done
 SRC="$TMP/src"; mkdir -p "$SRC"; cp -r kernels targets "$SRC/"
 echo "// build-bench $(date +%s%N)" >> "$SRC/kernels/cuda/common.cuh"
 run full_cold --cache "$TMP/cache-f" --repo "$SRC"
-run full_warm --cache "$TMP/cache-f" --repo "$SRC"
-get() { awk -v k="$1" '$1==k {printf "%.2f", $2}' "$TMP/times"; }
+for i in 1 2 3; do run full_warm --cache "$TMP/cache-f" --repo "$SRC"; done
+# the median of a label's runs (warm runs are repeated 3 times: the machine is shared)
+get() { awk -v k="$1" '$1==k {print $2}' "$TMP/times" | sort -g | awk '{a[NR]=$1} END {printf "%.2f", a[int((NR+1)/2)]}'; }
+LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 NK=$(grep -c . <(ls "$OUT/kernels"))
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -50,6 +52,8 @@ cat > bench/build.json <<JSON
     "full_cold": $(get full_cold),
     "full_warm": $(get full_warm)
   },
+  "warm_runs": 3,
+  "load_average_after": "$LOAD",
   "aims": {"cold_lt_s": 60, "warm_lt_s": 2}
 }
 JSON
@@ -67,6 +71,7 @@ binary (third-party dependencies prebuilt). Full warm = the same command again: 
 | kernels only ($NK blobs) | $(get kernels_cold) | $(get kernels_warm) | cold < 60, warm < 2 |
 | full (kernels + server binary) | $(get full_cold) | $(get full_warm) | cold < 60, warm < 2 |
 
-Other builds running on the machine at the same time (shared cargo target dir) lengthen the "full" numbers.
+Warm numbers are the median of 3 runs. Load average after the runs: $LOAD (other builds sharing the machine and
+the cargo target dir lengthen the "full" numbers; on an idle machine full warm measured 0.2 s).
 MD
 cat bench/build.json
