@@ -167,7 +167,8 @@ fn start(served: &Arc<Served>, job: &Job) -> Result<(SelectAll<BoxStream<'static
     let cap = served.ctx_size;
     let mut all = SelectAll::new();
     let mut prompt_tokens = 0;
-    for (pi, prompt) in job.prompts.iter().enumerate() {
+    // Check every prompt before submitting any, so a refused request starts no work.
+    for prompt in &job.prompts {
         if prompt.is_empty() {
             return Err(ApiError::invalid("the prompt is empty (0 tokens)", Some("prompt")));
         }
@@ -178,6 +179,8 @@ fn start(served: &Arc<Served>, job: &Job) -> Result<(SelectAll<BoxStream<'static
             }
             return Err(e);
         }
+    }
+    for (pi, prompt) in job.prompts.iter().enumerate() {
         prompt_tokens += prompt.len();
         // The first token is sampled from the prompt's last position, so a prompt of exactly `cap`
         // tokens still gets one (the engine clips the same way).
