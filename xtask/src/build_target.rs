@@ -92,6 +92,7 @@ pub fn compile_kernels(repo: &Path, spec: &TargetSpec, cache: &Path, jobs: usize
         None
     };
     let running: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let metal_source_only = spec.hardware.backend == BackendKind::Metal && !metrale_codegen::metal::available();
     let progress = |e: Event| match e {
         Event::Started { name } => {
             let mut r = running.lock().unwrap();
@@ -103,7 +104,13 @@ pub fn compile_kernels(repo: &Path, spec: &TargetSpec, cache: &Path, jobs: usize
         Event::Finished { name, cached, seconds } => {
             let mut r = running.lock().unwrap();
             r.retain(|x| x != &name);
-            let how = if cached { "cached".to_string() } else { format!("compiled in {seconds:.1} s") };
+            let how = if cached {
+                "cached".to_string()
+            } else if metal_source_only {
+                "rendered and hashed (no metallib: xcrun metal not found)".to_string()
+            } else {
+                format!("compiled in {seconds:.1} s")
+            };
             match &bar {
                 Some(b) => {
                     b.println(format!("  {name}: {how}"));
