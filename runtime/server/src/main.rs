@@ -6,7 +6,15 @@ use metrale_server::cli::Cli;
 fn main() {
     let cli = Cli::parse();
     if cli.attestation {
-        println!("{}", metrale_kernels::attestation_json());
+        let a = metrale_kernels::attestation_json();
+        if a.trim().is_empty() {
+            eprintln!(
+                "error: this binary embeds no attestation: it is a generic build (cargo build), not a target \
+                 build; make one with `cargo xtask build-target --hw <hw> --model <model> --quant <quant>`"
+            );
+            std::process::exit(1);
+        }
+        println!("{a}");
         return;
     }
     if cli.target_info {
