@@ -390,7 +390,9 @@ impl Loop {
                 for i in (0..self.running.len()).rev() {
                     self.finish(i, End::Error(msg.clone()));
                 }
-                for s in std::mem::take(&mut self.waiting) {
+                let waiting = std::mem::take(&mut self.waiting);
+                self.admitted(waiting.len());
+                for s in waiting {
                     self.outbox.push((s.tx, Event::Error(msg.clone())));
                 }
                 return;
