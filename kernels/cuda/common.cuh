@@ -282,6 +282,44 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
         for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
 }
 
+// Running (max, sum of exp(v - max), first index of the max) of a stream of values; NaN skipped.
+struct Acc {
+    float m, s;
+    int i;
+};
+
+MT_INLINE void acc_push(Acc& a, float v, int i) {
+    if (isnan(v)) return;
+    if (a.i < 0 || v > a.m) {
+        a.s = (a.i < 0 || a.m == -INFINITY) ? 1.f : a.s * expf(a.m - v) + 1.f;
+        a.m = v;
+        a.i = i;
+    } else {
+        a.s += (v == -INFINITY) ? 0.f : expf(v - a.m);
+    }
+}
+
+MT_INLINE Acc acc_merge(Acc a, Acc b) {
+    if (b.i < 0) return a;
+    if (a.i < 0) return b;
+    Acc r;
+    const bool b_wins = b.m > a.m || (b.m == a.m && b.i < a.i);
+    r.m = b_wins ? b.m : a.m;
+    r.i = b_wins ? b.i : a.i;
+    const float ea = a.m == -INFINITY ? (r.m == -INFINITY ? 1.f : 0.f) : expf(a.m - r.m);
+    const float eb = b.m == -INFINITY ? (r.m == -INFINITY ? 1.f : 0.f) : expf(b.m - r.m);
+    r.s = a.s * ea + b.s * eb;
+    return r;
+}
+
+MT_INLINE Acc acc_shfl(const Acc& a, int o) {
+    Acc b;
+    b.m = __shfl_xor_sync(0xffffffffu, a.m, o);
+    b.s = __shfl_xor_sync(0xffffffffu, a.s, o);
+    b.i = __shfl_xor_sync(0xffffffffu, a.i, o);
+    return b;
+}
+
 // Matrix-vector kernels: blockDim.x = MV_THREADS, grid = (row-pair groups, token tiles).
 constexpr int MV_THREADS = 256;
 constexpr int MV_WARPS = MV_THREADS / 32;

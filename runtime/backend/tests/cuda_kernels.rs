@@ -352,8 +352,29 @@ fn lm_head_and_device_argmax() {
     let g = &e.gpu;
     let (xb, nb, hb, sb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &head.host(e.ef)).unwrap(), g.upload(&sel).unwrap());
     let lb = poisoned(g, sel.len() * d.vocab);
-    g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len()).unwrap();
+    let (pbytes, cbytes) = g.lm_head_scratch(sel.len());
+    let (part, counter) = (g.alloc(pbytes).unwrap(), g.alloc(cbytes).unwrap());
+    let (ftok, flp) = (g.upload(&[-7i32; 8]).unwrap(), g.alloc(32).unwrap());
+    g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
     let logits = read_f32(g, &lb, sel.len() * d.vocab);
+    // the fused greedy choice, twice (the second launch checks that the tickets were re-armed)
+    for round in 0..2 {
+        if round == 1 {
+            g.write(&ftok, 0, &[-7i32; 8]).unwrap();
+            g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
+        }
+        let mut ft = vec![0i32; sel.len()];
+        let mut fl = vec![0f32; sel.len()];
+        g.read(&ftok, 0, &mut ft).unwrap();
+        g.read(&flp, 0, &mut fl).unwrap();
+        for i in 0..sel.len() {
+            let row = &logits[i * d.vocab..(i + 1) * d.vocab];
+            let want_t = sampler::argmax(row);
+            assert_eq!(ft[i] as usize, want_t, "fused argmax, round {round}, row {i}");
+            let want_lp = row[want_t] - sampler::log_sum_exp(row);
+            assert!((fl[i] - want_lp).abs() < 1e-5, "fused logprob, row {i}: {} vs {want_lp}", fl[i]);
+        }
+    }
     let mut want = Vec::new();
     for &s in &sel {
         let mut xn = vec![0f32; d.hidden];

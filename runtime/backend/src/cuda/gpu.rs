@@ -374,12 +374,22 @@ impl Gpu {
         self.launch(&self.f.ffn_out, "ffn_out", grid, plan::MV_THREADS, &mut kargs!(h, qs, sc, x, n))
     }
 
-    /// lm_head(x, sel, norm, wout_qs, wout_sc, logits, nout)
-    pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize) -> Result<(), BackendError> {
+    /// lm_head(x, sel, norm, wout_qs, wout_sc, logits, nout, part, counter, out_tok, out_logprob):
+    /// logits of each selected row plus the fused greedy choice. `part` holds
+    /// `nout * LM_HEAD_MAX_BLOCKS` partials of 12 bytes, `counter` one zeroed u32 per token tile.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize, part: u64, counter: u64, out_tok: u64, out_lp: u64) -> Result<(), BackendError> {
         let d = self.dims;
         let grid = self.mv_grid(d.vocab / 2, d.hidden, nout);
         let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), nout as i32);
-        self.launch(&self.f.lm_head, "lm_head", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n))
+        self.launch(&self.f.lm_head, "lm_head", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp))
+    }
+
+    /// Bytes of the `part` buffer `lm_head` needs for `nout` outputs, and of its counters.
+    pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
+        let d = self.dims;
+        let (gx, gy, _) = self.mv_grid(d.vocab / 2, d.hidden, nout);
+        (nout.max(1) * gx as usize * 12, gy as usize * 4)
     }
 
     /// argmax_logprob(logits, out_tok, out_logprob, nout)

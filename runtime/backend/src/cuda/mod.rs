@@ -7,8 +7,8 @@
 //! activation buffers (allocated once for `max_step_tokens`), the decode CUDA graphs, and the
 //! per-step launch sequence: `embed`, then per layer `attn_in` (RMSNorm+QKV+RoPE+KV write),
 //! `attention` (split-K GQA), `attn_out` (combine+O-proj+residual), `ffn_in` (RMSNorm+gate/up+SiLU),
-//! `ffn_out` (down+residual), then `lm_head` (final norm + LM head on each sequence's last token)
-//! and `argmax_logprob` (greedy token and its logprob on the device).
+//! `ffn_out` (down+residual), then `lm_head` (final norm + LM head on each sequence's last token,
+//! with the greedy token and its logprob reduced in the same launch).
 //!
 //! Invariants:
 //! - Nothing is allocated on the device after `CudaBackend::new`; a step larger than
@@ -81,6 +81,9 @@ struct Bufs {
     io_out: DevBuf,
     out_tok: u64,
     out_lp: u64,
+    /// lm_head's per-block greedy partials and its per-tile tickets (zero between launches)
+    lm_part: DevBuf,
+    lm_counter: DevBuf,
     kc: DevBuf,
     vc: DevBuf,
 }
@@ -254,6 +257,7 @@ impl CudaBackend {
         let f = 4usize;
         let io_in = gpu.alloc((3 * t + nout) * 4)?;
         let io_out = gpu.alloc(2 * nout * 4)?;
+        let (part_bytes, counter_bytes) = gpu.lm_head_scratch(nout);
         let b = Bufs {
             x: gpu.alloc(t * hd * f)?,
             q: gpu.alloc(t * qd * f)?,
@@ -269,6 +273,8 @@ impl CudaBackend {
             out_tok: io_out.ptr,
             out_lp: io_out.ptr + (nout * 4) as u64,
             io_out,
+            lm_part: gpu.alloc(part_bytes)?,
+            lm_counter: gpu.alloc(counter_bytes)?,
             kc: gpu.alloc(kv_elems * f)?,
             vc: gpu.alloc(kv_elems * f)?,
         };
@@ -296,8 +302,7 @@ impl CudaBackend {
         }
         if nout > 0 {
             let head = self.out.as_ref().unwrap_or(&self.emb);
-            g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, head, b.logits.ptr, nout)?;
-            g.argmax(b.logits.ptr, b.out_tok, b.out_lp, nout)?;
+            g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, head, b.logits.ptr, nout, b.lm_part.ptr, b.lm_counter.ptr, b.out_tok, b.out_lp)?;
         }
         Ok(())
     }
@@ -346,7 +351,7 @@ impl CudaBackend {
         let nout = ntok.min(self.opts.slots);
         let cap = self.opts.slot_capacity;
         let mut out = Vec::new();
-        for name in ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "argmax_logprob"] {
+        for name in ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head"] {
             let g = &self.gpu;
             let b = &self.b;
             let w = &self.layers[0];
@@ -360,8 +365,7 @@ impl CudaBackend {
                     "attn_out" => g.attn_out(b.part_ml.ptr, b.part_acc.ptr, nsplit, &w.wo, b.x.ptr, ntok),
                     "ffn_in" => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
                     "ffn_out" => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
-                    "lm_head" => g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, self.out.as_ref().unwrap_or(&self.emb), b.logits.ptr, nout),
-                    _ => g.argmax(b.logits.ptr, b.out_tok, b.out_lp, nout),
+                    _ => g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, self.out.as_ref().unwrap_or(&self.emb), b.logits.ptr, nout, b.lm_part.ptr, b.lm_counter.ptr, b.out_tok, b.out_lp),
                 });
             }
             let graph = g.end_capture();
