@@ -219,6 +219,51 @@ pub fn attention_head(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd_level() == "avx2" {
+            // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
+            unsafe { attention_head_avx2(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out) };
+            return;
+        }
+    }
+    attention_head_body(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attention_head_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_ctx: usize,
+    h: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attention_head_body(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attention_head_body(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_ctx: usize,
+    h: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let kv_dim = n_kv_heads * head_dim;
     let g = h / (n_heads / n_kv_heads);
     let qh = &q[h * head_dim..(h + 1) * head_dim];
