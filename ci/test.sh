@@ -28,5 +28,8 @@ $venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirement
 step "cargo test (release)"
 cargo test --release --workspace
 
-step "server tests (openai client + curl against the real binary)"
-METRALE_SERVER_BIN=$PWD/target/release/metrale-server $venv/bin/python -m pytest -q tests/python
+step "build the cpu target (the binary users run: embedded target, presets, model check)"
+cargo xtask build-target --hw cpu --model smollm2-135m --quant q4_1 --out target/ci-dist/cpu-smollm2-135m-q4_1
+
+step "server tests (openai client + curl against the built binary and the real model)"
+METRALE_SERVER_BIN=$PWD/target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server $venv/bin/python -m pytest -q tests/python
