@@ -56,9 +56,9 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// True when the choice is the arg-max of the (penalised) logits.
+    /// True when the choice is the arg-max of the (penalised) logits (temperature 0, negative or NaN).
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0)
+        self.temperature.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
     }
 }
 

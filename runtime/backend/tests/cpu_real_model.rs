@@ -5,6 +5,7 @@
 //!   the same top-1 token at every position, and every logit of the reference's top-20 per position and
 //!   of the full last row within `LOGIT_TOL`;
 //! - the greedy answer to REFERENCE.md's question (chat template applied) contains "Paris".
+//!
 //! Skips (passing, with a line saying why) when METRALE_MODEL is unset.
 
 use metrale_backend::cpu::CpuBackend;

@@ -88,6 +88,9 @@ struct SlotCache {
     v: Vec<f32>,
 }
 
+/// A multi-matrix product of [`ops`]: `ops::matmul_many` or `ops::matmul_qact_many`.
+type MatmulMany = fn(&[MatRef<'_>], &[f32], usize, &mut [&mut [f32]]);
+
 /// The CPU backend (see the module docs).
 pub struct CpuBackend {
     dims: Dims,
@@ -144,7 +147,7 @@ impl CpuBackend {
                 "slots ({slots}) and slot capacity ({slot_capacity}) must both be at least 1"
             )));
         }
-        if c.head_dim > 512 || c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 {
+        if c.head_dim > 512 || c.n_kv_heads == 0 || !c.n_heads.is_multiple_of(c.n_kv_heads) {
             return Err(BackendError::Model(format!(
                 "unsupported head layout: {} heads of {} with {} KV heads",
                 c.n_heads, c.head_dim, c.n_kv_heads
@@ -257,7 +260,7 @@ impl CpuBackend {
         self.exact = exact;
     }
 
-    fn mm(&self) -> fn(&[MatRef<'_>], &[f32], usize, &mut [&mut [f32]]) {
+    fn mm(&self) -> MatmulMany {
         if self.exact { ops::matmul_many } else { ops::matmul_qact_many }
     }
 
