@@ -324,6 +324,20 @@ impl CpuBackend {
             last_rows.push(ids.len() - 1);
         }
         let n = ids.len();
+        // Attention blocks: runs of at most ATT_BLOCK consecutive tokens of one sequence.
+        const ATT_BLOCK: usize = 16;
+        let mut blocks: Vec<(usize, usize)> = Vec::new();
+        let mut first = 0;
+        for s in batch {
+            let end = first + s.tokens.len();
+            let mut b0 = first;
+            while b0 < end {
+                let b1 = (b0 + ATT_BLOCK).min(end);
+                blocks.push((b0, b1));
+                b0 = b1;
+            }
+            first = end;
+        }
         let mut x = vec![0f32; n * h];
         let erb = self.embd.mat().row_bytes();
         for (row, &t) in x.chunks_exact_mut(h).zip(&ids) {
@@ -357,26 +371,39 @@ impl CpuBackend {
                     kv[slot].k[at..at + kvd].copy_from_slice(&k[i * kvd..(i + 1) * kvd]);
                     kv[slot].v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);
                 }
+                // Attention: tasks of (block of consecutive tokens of one sequence, KV head); each
+                // reads that KV head's cache rows once for the block and writes the group's heads.
                 let kv_ro: &Vec<SlotCache> = kv;
                 let qr = &q;
-                att.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| {
-                    let (ti, head) = (idx / d.n_heads, idx % d.n_heads);
-                    let (slot, pos) = tok_meta[ti];
+                let gw = (d.n_heads / d.n_kv_heads) * hd;
+                let mut pieces: Vec<Option<&mut [f32]>> = att.chunks_mut(gw).map(Some).collect();
+                let mut tasks = Vec::new();
+                for &(b0, b1) in &blocks {
+                    for g in 0..d.n_kv_heads {
+                        let outs: Vec<&mut [f32]> =
+                            (b0..b1).map(|ti| pieces[ti * d.n_kv_heads + g].take().expect("each piece once")).collect();
+                        tasks.push((b0, b1, g, outs));
+                    }
+                }
+                tasks.into_par_iter().for_each_init(Vec::new, |scores, (b0, b1, g, mut outs)| {
+                    let slot = tok_meta[b0].0;
+                    let qs: Vec<&[f32]> = (b0..b1).map(|ti| &qr[ti * qd..(ti + 1) * qd]).collect();
+                    let pos: Vec<usize> = (b0..b1).map(|ti| tok_meta[ti].1).collect();
+                    let n_pos = pos.iter().max().map_or(0, |p| p + 1);
                     let base = li * cap * kvd;
-                    let n_ctx = pos + 1;
                     let c = &kv_ro[slot];
-                    ops::attention_head(
-                        &qr[ti * qd..(ti + 1) * qd],
-                        &c.k[base..base + n_ctx * kvd],
-                        &c.v[base..base + n_ctx * kvd],
-                        n_ctx,
-                        head,
+                    ops::attention_block(
+                        &qs,
+                        &pos,
+                        &c.k[base..base + n_pos * kvd],
+                        &c.v[base..base + n_pos * kvd],
+                        g,
                         d.n_heads,
                         d.n_kv_heads,
                         hd,
                         scale,
                         scores,
-                        out,
+                        &mut outs,
                     );
                 });
                 mm(&[l.wo.mat()], &att, n, &mut [&mut o]);

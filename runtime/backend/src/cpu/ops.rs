@@ -267,14 +267,129 @@ fn attention_head_body(
     let kv_dim = n_kv_heads * head_dim;
     let g = h / (n_heads / n_kv_heads);
     let qh = &q[h * head_dim..(h + 1) * head_dim];
+    // A plain loop (not an iterator adapter) so that it is inlined into the AVX2 instance.
     scores.clear();
-    scores.extend((0..n_ctx).map(|p| dot_f32(qh, &k[p * kv_dim + g * head_dim..][..head_dim]) * scale));
+    scores.resize(n_ctx, 0.0);
+    for (p, sc) in scores.iter_mut().enumerate() {
+        *sc = dot_f32(qh, &k[p * kv_dim + g * head_dim..][..head_dim]) * scale;
+    }
     softmax_inplace(scores);
     out.fill(0.0);
     for (p, &w) in scores.iter().enumerate() {
         let vp = &v[p * kv_dim + g * head_dim..][..head_dim];
         for (o, &x) in out.iter_mut().zip(vp) {
             *o += w * x;
+        }
+    }
+}
+
+/// Causal grouped-query attention of a block of query tokens of one sequence, for the query heads of
+/// KV head `g` (the same numbers as [`attention_head`] for each of them, computed so that every K and
+/// V row is read once for the whole block: the decode/prefill kernel of the CPU backend).
+/// `q[i]`: query token i's full query vector (`[n_heads * head_dim]`); it attends to positions
+/// `0..=pos[i]`. `k`, `v`: `[n_pos][n_kv_heads * head_dim]` with `n_pos > max(pos)`.
+/// `out[i]`: token i's outputs for the group's heads (`[group_size * head_dim]`, group_size =
+/// n_heads / n_kv_heads). `scores`: scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block(
+    q: &[&[f32]],
+    pos: &[usize],
+    k: &[f32],
+    v: &[f32],
+    g: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [&mut [f32]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd_level() == "avx2" {
+            // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
+            unsafe { attention_block_avx2(q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out) };
+            return;
+        }
+    }
+    attention_block_body(q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attention_block_avx2(
+    q: &[&[f32]],
+    pos: &[usize],
+    k: &[f32],
+    v: &[f32],
+    g: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [&mut [f32]],
+) {
+    attention_block_body(q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attention_block_body(
+    q: &[&[f32]],
+    pos: &[usize],
+    k: &[f32],
+    v: &[f32],
+    g: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [&mut [f32]],
+) {
+    let kv_dim = n_kv_heads * head_dim;
+    let gs = n_heads / n_kv_heads;
+    let Some(&max_pos) = pos.iter().max() else { return };
+    let n_ctx = max_pos + 1;
+    let nq = q.len() * gs;
+    scores.clear();
+    scores.resize(nq * n_ctx, 0.0);
+    // Pass 1: scores, one K row for every query of the block.
+    for p in 0..n_ctx {
+        let kp = &k[p * kv_dim + g * head_dim..][..head_dim];
+        for (i, qi) in q.iter().enumerate() {
+            if p > pos[i] {
+                continue;
+            }
+            for hh in 0..gs {
+                let h = g * gs + hh;
+                scores[(i * gs + hh) * n_ctx + p] = dot_f32(&qi[h * head_dim..(h + 1) * head_dim], kp) * scale;
+            }
+        }
+    }
+    for (i, &pi) in pos.iter().enumerate() {
+        for hh in 0..gs {
+            softmax_inplace(&mut scores[(i * gs + hh) * n_ctx..][..pi + 1]);
+        }
+    }
+    // Pass 2: weighted sum, one V row for every query of the block.
+    for o in out.iter_mut() {
+        o.fill(0.0);
+    }
+    for p in 0..n_ctx {
+        let vp = &v[p * kv_dim + g * head_dim..][..head_dim];
+        for (i, o) in out.iter_mut().enumerate() {
+            if p > pos[i] {
+                continue;
+            }
+            for hh in 0..gs {
+                let w = scores[(i * gs + hh) * n_ctx + p];
+                for (a, &x) in o[hh * head_dim..(hh + 1) * head_dim].iter_mut().zip(vp) {
+                    *a += w * x;
+                }
+            }
         }
     }
 }
@@ -650,6 +765,32 @@ mod tests {
         let scaled = rope_inv_freq(128, 500000.0, Some(&s), None);
         assert_eq!(scaled[0], plain[0]);
         assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn attention_block_matches_attention_head() {
+        let (n_heads, n_kv, hd) = (6, 2, 16);
+        let n_pos = 9;
+        let k = rand_vec(n_pos * n_kv * hd, 12);
+        let v = rand_vec(n_pos * n_kv * hd, 13);
+        let qv: Vec<Vec<f32>> = (0..3).map(|i| rand_vec(n_heads * hd, 20 + i)).collect();
+        let pos = [8usize, 2, 5];
+        let qs: Vec<&[f32]> = qv.iter().map(|x| x.as_slice()).collect();
+        for g in 0..n_kv {
+            let mut bufs = vec![vec![0f32; 3 * hd]; 3];
+            let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            let mut sc = Vec::new();
+            attention_block(&qs, &pos, &k, &v, g, n_heads, n_kv, hd, 0.25, &mut sc, &mut outs);
+            for (i, &p) in pos.iter().enumerate() {
+                for hh in 0..3 {
+                    let mut want = vec![0f32; hd];
+                    attention_head(&qv[i], &k, &v, p + 1, g * 3 + hh, n_heads, n_kv, hd, 0.25, &mut sc, &mut want);
+                    for j in 0..hd {
+                        assert!((bufs[i][hh * hd + j] - want[j]).abs() < 1e-6, "g{g} token{i} head{hh}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
