@@ -10,12 +10,14 @@ for m in smollm2-135m llama-3.2-1b; do
     cargo xtask build-target --hw h200 --model "$m" --quant "$q" --kernels-only --out ".gpu/k/h200-$m-$q" | tail -1
   done
 done
-cargo build --release -p metrale-backend --features cuda --examples
-exe() { cargo test --release -p metrale-backend --features cuda --test "$1" --no-run --message-format=json 2>/dev/null \
+# Executables by the paths cargo reports for THIS build (--features cuda): the unhashed copies under
+# target/release/examples/ are overwritten by any other build of the workspace without the feature.
+exe() { cargo "$@" --release -p metrale-backend --features cuda --message-format=json 2>/dev/null \
   | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
-cp "$(exe cuda_kernels)" .gpu/bin/cuda_kernels
-cp "$(exe cuda_model)" .gpu/bin/cuda_model
-cp target/release/examples/cuda_load_check target/release/examples/cuda_bench .gpu/bin/
+cp "$(exe test --no-run --test cuda_kernels)" .gpu/bin/cuda_kernels
+cp "$(exe test --no-run --test cuda_model)" .gpu/bin/cuda_model
+cp "$(exe build --example cuda_load_check)" .gpu/bin/cuda_load_check
+cp "$(exe build --example cuda_bench)" .gpu/bin/cuda_bench
 strip .gpu/bin/*
 rm -rf .carry1 .carry2 && mkdir -p .carry1 .carry2
 head -c 40000000 "$model" > .carry1/part.aa

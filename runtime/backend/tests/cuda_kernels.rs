@@ -271,6 +271,7 @@ fn attention_splits_combine_and_out_projection() {
     // reference
     let scale = 1.0 / (hd as f32).sqrt();
     let mut want_x = Vec::new();
+    let mut want_att = Vec::new();
     let mut scores = Vec::new();
     for t in 0..n {
         let len = pos[t] as usize + 1;
@@ -286,6 +287,7 @@ fn attention_splits_combine_and_out_projection() {
         let mut att = vec![0f32; qd];
         ops::attention(&q[t * qd..(t + 1) * qd], &k, &v, len, d.heads, d.kv_heads, hd, scale, &mut scores, &mut att);
         let o = wo.matvec(&att);
+        want_att.extend_from_slice(&att);
         want_x.extend(x[t * d.hidden..(t + 1) * d.hidden].iter().zip(&o).map(|(a, b)| a + b));
     }
     let g = &e.gpu;
@@ -294,11 +296,17 @@ fn attention_splits_combine_and_out_projection() {
     let wb = DevMat::upload(g, &wo.host(e.wf)).unwrap();
     let ml = g.alloc(n * d.heads * plan::MAX_SPLITS * 8).unwrap();
     let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
+    let counter = g.alloc(n * d.kv_heads * 4).unwrap();
     let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
     for nsplit in [1usize, 2, 4, 32, auto] {
         let xb = g.upload(&x).unwrap();
-        g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, n).unwrap();
-        g.attn_out(ml.ptr, acc.ptr, nsplit, &wb, xb.ptr, n).unwrap();
+        let att = poisoned(g, n * qd);
+        g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, counter.ptr, att.ptr, n).unwrap();
+        check(&format!("attention, {nsplit} splits"), &read_f32(g, &att, n * qd), &want_att);
+        // run twice: the second launch checks that the combine tickets were re-armed
+        g.write(&att, 0, &vec![f32::NAN; n * qd]).unwrap();
+        g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, counter.ptr, att.ptr, n).unwrap();
+        g.attn_out(att.ptr, &wb, xb.ptr, n).unwrap();
         let got = read_f32(g, &xb, n * d.hidden);
         check(&format!("x + Wo*attention, {nsplit} splits"), &got, &want_x);
     }

@@ -342,20 +342,21 @@ impl Gpu {
         self.launch(&self.f.attn_in, "attn_in", grid, plan::MV_THREADS, &mut kargs!(x, norm, qs, sc, rope, q, kc, vc, pos, slot, l, c, n))
     }
 
-    /// attention(q, kc, vc, pos, slot, layer, ctx, nsplit, part_ml, part_acc)
+    /// attention(q, kc, vc, pos, slot, layer, ctx, nsplit, part_ml, part_acc, counter, out):
+    /// `counter` holds `ntok * kv_heads` zeroed u32 tickets; `out` receives `[ntok][qd]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&self, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, nsplit: usize, part_ml: u64, part_acc: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn attention(&self, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, nsplit: usize, part_ml: u64, part_acc: u64, counter: u64, out: u64, ntok: usize) -> Result<(), BackendError> {
         let grid = (self.dims.kv_heads as u32, nsplit as u32, ntok as u32);
         let (l, c, s) = (layer as i32, ctx as i32, nsplit as i32);
-        self.launch(&self.f.attention, "attention", grid, plan::ATT_THREADS, &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc))
+        self.launch(&self.f.attention, "attention", grid, plan::ATT_THREADS, &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc, counter, out))
     }
 
-    /// attn_out(part_ml, part_acc, nsplit, wo_qs, wo_sc, x, ntok)
-    pub fn attn_out(&self, part_ml: u64, part_acc: u64, nsplit: usize, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
+    /// attn_out(att, wo_qs, wo_sc, x, ntok)
+    pub fn attn_out(&self, att: u64, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
         let d = self.dims;
         let grid = self.mv_grid(d.hidden / 2, d.qd(), ntok);
-        let (s, qs, sc, n) = (nsplit as i32, w.qs.ptr, w.sc_ptr(), ntok as i32);
-        self.launch(&self.f.attn_out, "attn_out", grid, plan::MV_THREADS, &mut kargs!(part_ml, part_acc, s, qs, sc, x, n))
+        let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), ntok as i32);
+        self.launch(&self.f.attn_out, "attn_out", grid, plan::MV_THREADS, &mut kargs!(att, qs, sc, x, n))
     }
 
     /// ffn_in(x, norm, wgu_qs, wgu_sc, h, ntok)

@@ -6,7 +6,7 @@
 //! stacked, gate/up interleaved), the f32 KV cache `[slot][layer][kv_head][pos][head_dim]`, the
 //! activation buffers (allocated once for `max_step_tokens`), the decode CUDA graphs, and the
 //! per-step launch sequence: `embed`, then per layer `attn_in` (RMSNorm+QKV+RoPE+KV write),
-//! `attention` (split-K GQA), `attn_out` (combine+O-proj+residual), `ffn_in` (RMSNorm+gate/up+SiLU),
+//! `attention` (split-K GQA; the last split block combines), `attn_out` (O-proj+residual), `ffn_in` (RMSNorm+gate/up+SiLU),
 //! `ffn_out` (down+residual), then `lm_head` (final norm + LM head on each sequence's last token,
 //! with the greedy token and its logprob reduced in the same launch).
 //!
@@ -70,6 +70,9 @@ struct Bufs {
     h: DevBuf,
     part_ml: DevBuf,
     part_acc: DevBuf,
+    /// attention output `[maxt][qd]` and the split-combine tickets `[maxt][kv_heads]` (zero between launches)
+    att: DevBuf,
+    att_counter: DevBuf,
     logits: DevBuf,
     /// i32 inputs, one copy per chunk: tokens[maxt] | pos[maxt] | slot[maxt] | sel[slots]
     io_in: DevBuf,
@@ -264,6 +267,8 @@ impl CudaBackend {
             h: gpu.alloc(t * d.ffn * f)?,
             part_ml: gpu.alloc(t * d.heads * plan::MAX_SPLITS * 8)?,
             part_acc: gpu.alloc(t * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
+            att: gpu.alloc(t * qd * f)?,
+            att_counter: gpu.alloc(t * d.kv_heads * 4)?,
             logits: gpu.alloc(nout * d.vocab * f)?,
             tokens: io_in.ptr,
             pos: io_in.ptr + (t * 4) as u64,
@@ -295,8 +300,8 @@ impl CudaBackend {
         g.embed(&self.emb, b.tokens, b.x.ptr, ntok)?;
         for (l, w) in self.layers.iter().enumerate() {
             g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?;
-            g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, ntok)?;
-            g.attn_out(b.part_ml.ptr, b.part_acc.ptr, nsplit, &w.wo, b.x.ptr, ntok)?;
+            g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, b.att_counter.ptr, b.att.ptr, ntok)?;
+            g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok)?;
             g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
             g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
         }
@@ -361,8 +366,8 @@ impl CudaBackend {
                 r = r.and_then(|_| match name {
                     "embed" => g.embed(&self.emb, b.tokens, b.x.ptr, ntok),
                     "attn_in" => g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, ntok),
-                    "attention" => g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, ntok),
-                    "attn_out" => g.attn_out(b.part_ml.ptr, b.part_acc.ptr, nsplit, &w.wo, b.x.ptr, ntok),
+                    "attention" => g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, b.att_counter.ptr, b.att.ptr, ntok),
+                    "attn_out" => g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok),
                     "ffn_in" => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
                     "ffn_out" => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
                     _ => g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, self.out.as_ref().unwrap_or(&self.emb), b.logits.ptr, nout, b.lm_part.ptr, b.lm_counter.ptr, b.out_tok, b.out_lp),
