@@ -19,7 +19,7 @@ use std::ffi::c_void;
 use cudarc::driver::{result as dres, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use metrale_core::BackendError;
 
-use super::plan::{self, arch_capability};
+use super::plan;
 
 /// The eight kernel templates a CUDA target compiles (kernels/cuda/README.md), with the entry point
 /// each exports.
@@ -73,6 +73,28 @@ impl KernelSet {
             blobs.insert(name.to_string(), KernelBlob { name: name.to_string(), cubin, ptx });
         }
         Ok(KernelSet { target: target.into(), arch: arch.into(), blobs })
+    }
+}
+
+impl KernelSet {
+    /// The kernels embedded in this binary (`metrale_kernels::registry()`), after checking every
+    /// blob's sha256 against the embedded attestation. Also returns the target they were built for.
+    pub fn from_registry(reg: &metrale_kernels::Registry) -> Result<(KernelSet, metrale_core::target::TargetSpec), BackendError> {
+        reg.verify().map_err(|e| BackendError::Device(format!("embedded kernels refused: {e}")))?;
+        let spec = reg.target.clone().ok_or_else(|| {
+            BackendError::Device("this binary embeds no kernels (a generic build): build it with `cargo xtask build-target --hw <gpu> ...`".into())
+        })?;
+        let target = format!("{}/{}/{}", spec.id.hw, spec.id.model, spec.id.quant);
+        let arch = spec.hardware.cubin_arch.clone().ok_or_else(|| {
+            BackendError::Device(format!("target {target} is not a CUDA target (no cubin arch)"))
+        })?;
+        let mut blobs = BTreeMap::new();
+        for (name, _) in KERNELS {
+            let k = reg.kernel(name).ok_or_else(|| BackendError::Device(format!("target {target}: the binary embeds no kernel {name}")))?;
+            let ptx = if k.ptx.is_empty() { None } else { Some(k.ptx.as_bytes().to_vec()) };
+            blobs.insert(name.to_string(), KernelBlob { name: name.to_string(), cubin: k.cubin.to_vec(), ptx });
+        }
+        Ok((KernelSet { target, arch, blobs }, spec))
     }
 }
 
@@ -164,15 +186,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let cc = ctx.compute_capability().map_err(dev_err("compute capability"))?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let want = arch_capability(&set.arch)
-            .ok_or_else(|| BackendError::Device(format!("kernel set {}: unknown cubin arch {:?}", set.target, set.arch)))?;
-        if cc != want {
-            let hw = set.target.split('/').next().unwrap_or("?");
-            return Err(BackendError::Device(format!(
-                "built for {} ({hw}); device {ordinal} is sm_{}{} ({device_name}): build the target for this GPU (cargo xtask list-targets)",
-                set.arch, cc.0, cc.1
-            )));
-        }
+        plan::check_arch(&set.arch, &set.target, ordinal, cc, &device_name).map_err(BackendError::Device)?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err("SM count"))? as usize;

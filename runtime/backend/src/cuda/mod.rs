@@ -287,6 +287,13 @@ impl CudaBackend {
         Ok(CudaBackend { gpu, opts, emb, out, out_norm, rope, layers, b, graphs: HashMap::new(), last_key: None, weight_bytes, kv_bytes, stats: Stats::default() })
     }
 
+    /// The backend of this binary: the embedded, attestation-checked kernels
+    /// (`metrale_kernels::registry()`), the target's shape and quant, and `model`'s weights.
+    pub fn from_registry(model: &metrale_model::Model, opts: CudaOptions) -> Result<CudaBackend, BackendError> {
+        let (set, spec) = KernelSet::from_registry(metrale_kernels::registry())?;
+        CudaBackend::new(&set, Dims::from_shape(&spec.model), &spec.quant.weights, &spec.quant.embedding, &model.config, &model.weights, opts)
+    }
+
     /// The device layer (tests and benchmarks).
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -523,5 +530,56 @@ impl CudaBackend {
             outputs[i] = Some(out);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_kernel_set_matches_the_build() {
+        let reg = metrale_kernels::registry();
+        match KernelSet::from_registry(reg) {
+            // a generic build embeds no kernels: refused with the command to run
+            Err(e) => {
+                assert!(reg.target.is_none() || reg.target.as_ref().is_some_and(|t| t.hardware.cubin_arch.is_none()), "{e}");
+                assert!(e.to_string().contains("build"), "{e}");
+            }
+            Ok((set, spec)) => {
+                assert_eq!(set.blobs.len(), KERNELS.len());
+                assert!(set.blobs.values().all(|b| !b.cubin.is_empty()));
+                assert_eq!(Some(set.arch.clone()), spec.hardware.cubin_arch);
+            }
+        }
+    }
+
+    #[test]
+    fn config_mismatch_names_the_field() {
+        let d = Dims { layers: 30, hidden: 576, heads: 9, kv_heads: 3, head_dim: 64, ffn: 1536, vocab: 49152 };
+        let mut c = ModelConfig {
+            name: "m".into(),
+            arch: "llama".into(),
+            model_type: "llama".into(),
+            n_layers: 30,
+            hidden: 576,
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+            rope_theta: 100000.0,
+            norm_eps: 1e-5,
+            max_context: 8192,
+            tied_embeddings: true,
+            rope_scaling: None,
+            bos: Some(1),
+            eos: vec![2],
+            add_bos: false,
+        };
+        assert!(check_config(&c, &d, "h200/smollm2-135m/q4_1").is_ok());
+        c.hidden = 2048;
+        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1").unwrap_err().to_string();
+        assert!(e.contains("hidden is 2048") && e.contains("compiled for 576"), "{e}");
     }
 }

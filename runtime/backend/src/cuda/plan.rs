@@ -77,6 +77,20 @@ pub fn rope_table(inv_freq: &[f32], n_pos: usize) -> Vec<[f32; 2]> {
     t
 }
 
+/// Refuse a device whose compute capability is not the one the cubins were built for, with the
+/// message users see: "built for sm_90a (h200); device 0 is sm_80 (NVIDIA A100 ...)".
+pub fn check_arch(arch: &str, target: &str, ordinal: usize, device_cc: (i32, i32), device_name: &str) -> Result<(), String> {
+    let want = arch_capability(arch).ok_or_else(|| format!("kernel set {target}: unknown cubin arch {arch:?}"))?;
+    if device_cc != want {
+        let hw = target.split('/').next().unwrap_or("?");
+        return Err(format!(
+            "built for {arch} ({hw}); device {ordinal} is sm_{}{} ({device_name}): build the target for this GPU (cargo xtask list-targets)",
+            device_cc.0, device_cc.1
+        ));
+    }
+    Ok(())
+}
+
 /// A weight matrix in a device layout, still on the host: `rows` rows of `k` elements; `qs` holds
 /// `qs_row` bytes per row, `sc` holds `sc_row` bytes per row (empty for bf16).
 #[derive(Debug, Clone, PartialEq)]
@@ -310,6 +324,14 @@ mod tests {
         assert_eq!(tok_tile(1536), 5);
         assert_eq!(tok_tile(2048), 4);
         assert_eq!(tok_tile(8192), 1);
+    }
+
+    #[test]
+    fn arch_mismatch_is_refused_with_both_archs() {
+        assert!(check_arch("sm_90a", "h200/smollm2-135m/q4_1", 0, (9, 0), "NVIDIA H200").is_ok());
+        let e = check_arch("sm_90a", "h200/smollm2-135m/q4_1", 0, (8, 0), "NVIDIA A100-SXM4-80GB").unwrap_err();
+        assert!(e.starts_with("built for sm_90a (h200); device 0 is sm_80 (NVIDIA A100-SXM4-80GB)"), "{e}");
+        assert!(check_arch("sm_89", "l40s/x/y", 1, (9, 0), "H100").unwrap_err().contains("device 1 is sm_90"));
     }
 
     #[test]
