@@ -91,6 +91,14 @@ struct SlotCache {
 /// A multi-matrix product of [`ops`]: `ops::matmul_many` or `ops::matmul_qact_many`.
 type MatmulMany = fn(&[MatRef<'_>], &[f32], usize, &mut [&mut [f32]]);
 
+/// `MemAvailable` of /proc/meminfo in bytes (None where it cannot be read).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// The CPU backend (see the module docs).
 pub struct CpuBackend {
     dims: Dims,
@@ -229,23 +237,22 @@ impl CpuBackend {
             .checked_mul(slot_capacity)
             .and_then(|x| x.checked_mul(dims.kv_dim()))
             .ok_or_else(|| BackendError::Invalid(format!("KV cache of {slot_capacity} tokens overflows")))?;
-        let mut kv = Vec::with_capacity(slots);
-        for _ in 0..slots {
-            let mut k = Vec::new();
-            let mut v = Vec::new();
-            let need = (per_slot as u64) * 4 * 2;
-            k.try_reserve_exact(per_slot)
-                .and_then(|_| v.try_reserve_exact(per_slot))
-                .map_err(|_| BackendError::OutOfMemory {
+        // The whole cache must fit in available memory (it is allocated zeroed and lazily: pages
+        // are touched as sequences grow, so a too-large cache would fail late, mid-request).
+        let needed = (per_slot as u64).saturating_mul(4 * 2).saturating_mul(slots as u64);
+        if let Some(free) = mem_available() {
+            if needed > free {
+                return Err(BackendError::OutOfMemory {
                     device: "cpu".into(),
-                    needed: need,
-                    free: 0,
-                    hint: "lower the context size or the number of parallel slots".into(),
-                })?;
-            k.resize(per_slot, 0.0);
-            v.resize(per_slot, 0.0);
-            kv.push(SlotCache { k, v });
+                    needed,
+                    free,
+                    hint: format!(
+                        "the KV cache of {slots} slots x {slot_capacity} tokens does not fit; lower the context size or the number of parallel slots"
+                    ),
+                });
+            }
         }
+        let kv = (0..slots).map(|_| SlotCache { k: vec![0.0; per_slot], v: vec![0.0; per_slot] }).collect();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("metrale-cpu-{i}"))

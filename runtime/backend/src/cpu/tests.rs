@@ -68,3 +68,23 @@ fn invalid_steps_are_refused() {
     assert!(b.step(&[bad(0, 0, &[1]), bad(0, 1, &[1])]).is_err());
     assert!(b.step(&[bad(0, 31, &[1])]).is_ok());
 }
+
+#[test]
+fn a_kv_cache_larger_than_memory_is_refused() {
+    let b = CpuBackend::from_parts(
+        Dims { n_layers: 1, hidden: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, ffn: 96, vocab: 50, norm_eps: 1e-5 },
+        QTensor { dtype: DType::F32, rows: 50, cols: 64, data: vec![0; 50 * 64 * 4] },
+        None,
+        vec![1.0; 64],
+        Vec::new(),
+        vec![1.0; 8],
+        1 << 20,
+        1 << 20,
+        1,
+    );
+    match b {
+        Err(BackendError::OutOfMemory { needed, .. }) => assert!(needed > 1 << 40),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a 32 TiB cache was accepted"),
+    }
+}
