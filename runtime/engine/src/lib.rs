@@ -11,6 +11,8 @@
 //! sequence, then prefill chunks (at most `prefill_chunk` tokens each, at most `max_step_tokens` in
 //! all, but always at least one chunk so prefill progresses), run it, stream the sampled tokens.
 //! When nothing runs or waits, the loop blocks on the channel; when every handle is dropped, it ends.
+//! A step the backend refuses is re-run entry by entry so that only the offending request gets an
+//! `Error`; a backend panic ends every request and the engine (submit then answers `Stopped`).
 //!
 //! Invariants: a request owns exactly one slot from admission to its end, and the slot is released
 //! exactly once; `start_pos` given to the backend is always the number of tokens already in the
@@ -23,7 +25,8 @@ pub mod metrics;
 pub use metrics::{Histogram, MetricsSnapshot};
 pub use metrale_backend::BackendInfo;
 
-use metrale_backend::{Backend, SeqStep};
+use metrale_backend::{Backend, SeqOutput, SeqStep};
+use metrale_core::BackendError;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -346,61 +349,39 @@ impl Loop {
                 any_prefill = true;
             }
         }
-        let result = {
-            let steps: Vec<SeqStep<'_>> = plan
-                .iter()
-                .map(|&(i, a, b)| {
-                    let s = &self.running[i];
-                    SeqStep {
-                        slot: s.slot,
-                        start_pos: a,
-                        tokens: &s.history[a..b],
-                        history: &s.history[..b],
-                        sampling: &s.req.sampling,
-                        draw: s.generated as u64,
-                        want_logits: false,
-                    }
-                })
-                .collect();
-            let backend = &mut self.backend;
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps)))
-        };
-        let outs = match result {
-            Ok(Ok(outs)) if outs.len() == plan.len() => outs,
+        let outs: Vec<Result<SeqOutput, String>> = match self.run_plan(&plan) {
+            Ok(Ok(outs)) if outs.len() == plan.len() => outs.into_iter().map(Ok).collect(),
             Ok(Ok(outs)) => {
                 let msg = format!("backend returned {} outputs for {} sequences", outs.len(), plan.len());
-                self.fail_plan(&plan, &msg);
-                return;
+                plan.iter().map(|_| Err(msg.clone())).collect()
             }
-            Ok(Err(e)) => {
-                self.fail_plan(&plan, &format!("backend error: {e}"));
-                return;
+            // One bad entry (say, a token id outside the vocabulary) must not fail its batch-mates:
+            // the backend refused the whole step before writing anything, so run each alone.
+            Ok(Err(_)) if plan.len() > 1 => {
+                let mut outs = Vec::with_capacity(plan.len());
+                for p in &plan {
+                    outs.push(match self.run_plan(std::slice::from_ref(p)) {
+                        Ok(Ok(mut o)) if o.len() == 1 => Ok(o.pop().unwrap()),
+                        Ok(Ok(_)) => Err("backend returned no output".to_string()),
+                        Ok(Err(e)) => Err(format!("backend error: {e}")),
+                        Err(msg) => return self.die(msg),
+                    });
+                }
+                outs
             }
-            Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown panic".into());
-                let msg = format!("the backend panicked: {msg}");
-                if let Some(sh) = self.shared.upgrade() {
-                    *sh.dead.lock().unwrap() = Some(msg.clone());
-                }
-                // The backend's state is unknown after a panic: end everything.
-                for i in (0..self.running.len()).rev() {
-                    self.finish(i, End::Error(msg.clone()));
-                }
-                let waiting = std::mem::take(&mut self.waiting);
-                self.admitted(waiting.len());
-                for s in waiting {
-                    self.outbox.push((s.tx, Event::Error(msg.clone())));
-                }
-                return;
-            }
+            Ok(Err(e)) => vec![Err(format!("backend error: {e}"))],
+            Err(msg) => return self.die(msg),
         };
         let now = Instant::now();
         let mut ended: Vec<(usize, End)> = Vec::new();
         for (&(i, a, b), out) in plan.iter().zip(outs) {
+            let out = match out {
+                Ok(o) => o,
+                Err(msg) => {
+                    ended.push((i, End::Error(msg)));
+                    continue;
+                }
+            };
             let s = &mut self.running[i];
             let was_prefill = a < s.req.prompt.len();
             s.cached = b;
@@ -435,11 +416,46 @@ impl Loop {
         }
     }
 
-    fn fail_plan(&mut self, plan: &[(usize, usize, usize)], msg: &str) {
-        let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
-        idx.sort_unstable_by(|a, b| b.cmp(a));
-        for i in idx {
-            self.finish(i, End::Error(msg.to_string()));
+    /// Run one backend step over `plan`; `Err` carries a panic message.
+    fn run_plan(&mut self, plan: &[(usize, usize, usize)]) -> Result<Result<Vec<SeqOutput>, BackendError>, String> {
+        let steps: Vec<SeqStep<'_>> = plan
+            .iter()
+            .map(|&(i, a, b)| {
+                let s = &self.running[i];
+                SeqStep {
+                    slot: s.slot,
+                    start_pos: a,
+                    tokens: &s.history[a..b],
+                    history: &s.history[..b],
+                    sampling: &s.req.sampling,
+                    draw: s.generated as u64,
+                    want_logits: false,
+                }
+            })
+            .collect();
+        let backend = &mut self.backend;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps))).map_err(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            format!("the backend panicked: {msg}")
+        })
+    }
+
+    /// The backend panicked: its state is unknown, so end every request and refuse new ones.
+    fn die(&mut self, msg: String) {
+        if let Some(sh) = self.shared.upgrade() {
+            *sh.dead.lock().unwrap() = Some(msg.clone());
+        }
+        for i in (0..self.running.len()).rev() {
+            self.finish(i, End::Error(msg.clone()));
+        }
+        let waiting = std::mem::take(&mut self.waiting);
+        self.admitted(waiting.len());
+        for s in waiting {
+            self.outbox.push((s.tx, Event::Error(msg.clone())));
         }
     }
 

@@ -113,3 +113,19 @@ fn seeded_sampling_is_reproducible_through_the_engine() {
     let b = e.submit(r()).unwrap();
     assert_eq!(collect(a).0, collect(b).0);
 }
+
+#[test]
+fn a_bad_request_fails_alone_and_its_batch_mates_finish() {
+    let e = engine(2, 64);
+    // Token 99 is outside the tiny model's 50-token vocabulary: the backend refuses it.
+    let bad = e.submit(req(vec![1, 99, 3], 4)).unwrap();
+    let good = e.submit(req(vec![4, 5, 6], 4)).unwrap();
+    let (_, done_bad) = collect(bad);
+    assert!(matches!(&done_bad, Event::Error(m) if m.contains("outside the vocabulary")), "{done_bad:?}");
+    let (ids, done_good) = collect(good);
+    assert_eq!(ids.len(), 4);
+    assert!(matches!(done_good, Event::Done { reason: FinishReason::Length, .. }));
+    assert_eq!(e.metrics().request_success_total[3], ("error", 1));
+    // The engine keeps serving.
+    assert_eq!(collect(e.submit(req(vec![7], 2)).unwrap()).0.len(), 2);
+}
