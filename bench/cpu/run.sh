@@ -85,7 +85,7 @@ activations are 16-bit integer blocks (llama.cpp uses 8-bit blocks; see runtime/
 What limits decode: metrale reaches {round(100 * d['metrale_gbs'] / bw['median'])}% of the read-bandwidth floor (llama.cpp
 {round(100 * d['llama_cpp_gbs'] / bw['median'])}%). The rest is instruction throughput, not bytes: per 32-weight block and token
 the dot widens 16 nibbles to 2 x 16 i16 and issues 2 `vpmaddwd` + convert + FMA (llama.cpp: 1 `vpmaddubsw` on
-8-bit activations, which on SmolLM2 moves logits by up to 2.9, see qact.rs), plus one thread join per
+8-bit activations, which on SmolLM2 moves logits by up to 2.0, see qact.rs), plus one thread join per
 matrix group (4 per layer, 120 per token) on a shared 2-core machine. Prefill reuses each unpacked weight
 block for 4 tokens, so it is bound by the same integer pipeline ({m['pp128_tok_s']} vs {l['pp128_tok_s']} tok/s).
 """
