@@ -69,7 +69,10 @@ fn prompt(s: &Setup, text: &str) -> Vec<u32> {
 /// Greedy generation of `steps` tokens for each prompt (all decoded together, one slot each).
 /// Returns the tokens per prompt and the logits of the first step.
 fn generate(b: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
-    let greedy = SamplingParams::default();
+    generate_with(b, prompts, steps, &SamplingParams::default())
+}
+
+fn generate_with(b: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize, greedy: &SamplingParams) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     let mut hist: Vec<Vec<u32>> = prompts.to_vec();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut first_logits = Vec::new();
@@ -77,7 +80,7 @@ fn generate(b: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec
         let batch: Vec<SeqStep> = (0..prompts.len())
             .map(|i| {
                 let (start, toks): (usize, &[u32]) = if step == 0 { (0, &hist[i][..]) } else { (hist[i].len() - 1, &hist[i][hist[i].len() - 1..]) };
-                SeqStep { slot: i, start_pos: start, tokens: toks, history: &hist[i], sampling: &greedy, draw: step as u64, want_logits: step == 0 }
+                SeqStep { slot: i, start_pos: start, tokens: toks, history: &hist[i], sampling: greedy, draw: step as u64, want_logits: step == 0 }
             })
             .collect();
         let r = b.step(&batch).expect("step");
@@ -131,4 +134,13 @@ fn greedy_64_tokens_match_cpu_backend() {
     let (got_ab, _) = generate(&mut gpu, &[p.clone(), p2.clone()], 24);
     assert_eq!(got_ab[0], want[0][..24], "sequence 0 in a batch of two");
     assert_eq!(got_ab[1], want_b[0], "sequence 1 in a batch of two");
+
+    // seeded sampling (SmolLM2's chat preset) on the device vs the host sampler on CPU logits
+    let chat = SamplingParams { temperature: 0.2, top_p: 0.9, seed: 1234, ..Default::default() };
+    cpu.release(0);
+    gpu.release(0);
+    let (want_s, _) = generate_with(&mut cpu, std::slice::from_ref(&p2), 32, &chat);
+    let (got_s, _) = generate_with(&mut gpu, std::slice::from_ref(&p2), 32, &chat);
+    eprintln!("sampled: {:?}", s.model.tokenizer.decode(&got_s[0], false));
+    assert_eq!(got_s[0], want_s[0], "seeded sampling differs from the CPU backend");
 }

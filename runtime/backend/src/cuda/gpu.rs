@@ -21,9 +21,11 @@ use metrale_core::BackendError;
 
 use super::plan;
 
-/// The eight kernel templates a CUDA target compiles (kernels/cuda/README.md), with the entry point
-/// each exports.
-pub const KERNELS: [(&str, &str); 8] = [
+/// The eight kernel templates a CUDA target compiles (kernels/cuda/README.md).
+pub const TEMPLATES: [&str; 8] = ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "sample"];
+
+/// Every (template, entry point) pair the backend launches.
+pub const KERNELS: [(&str, &str); 9] = [
     ("embed", "embed"),
     ("attn_in", "attn_in"),
     ("attention", "attention"),
@@ -32,7 +34,20 @@ pub const KERNELS: [(&str, &str); 8] = [
     ("ffn_out", "ffn_out"),
     ("lm_head", "lm_head"),
     ("sample", "argmax_logprob"),
+    ("sample", "sample_probs"),
 ];
+
+/// Per-row parameters of `sample_probs` (`SampleParams` in sample.cu.hbs; 32 bytes, C layout).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SampleParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub top_k: i32,
+    pub seed: u64,
+    pub draw: u64,
+}
 
 /// One compiled kernel: cubin for the exact arch, PTX as fallback.
 #[derive(Debug, Clone)]
@@ -61,7 +76,7 @@ impl KernelSet {
     /// Read `<dir>/<name>.cubin` (and `<name>.ptx` when present) for every kernel in [`KERNELS`].
     pub fn from_dir(dir: &Path, target: &str, arch: &str) -> Result<KernelSet, BackendError> {
         let mut blobs = BTreeMap::new();
-        for (name, _) in KERNELS {
+        for name in TEMPLATES {
             let cp = dir.join(format!("{name}.cubin"));
             let cubin = std::fs::read(&cp).map_err(|e| {
                 BackendError::Device(format!(
@@ -89,7 +104,7 @@ impl KernelSet {
             BackendError::Device(format!("target {target} is not a CUDA target (no cubin arch)"))
         })?;
         let mut blobs = BTreeMap::new();
-        for (name, _) in KERNELS {
+        for name in TEMPLATES {
             let k = reg.kernel(name).ok_or_else(|| BackendError::Device(format!("target {target}: the binary embeds no kernel {name}")))?;
             let ptx = if k.ptx.is_empty() { None } else { Some(k.ptx.as_bytes().to_vec()) };
             blobs.insert(name.to_string(), KernelBlob { name: name.to_string(), cubin: k.cubin.to_vec(), ptx });
@@ -115,6 +130,7 @@ struct Funcs {
     ffn_out: CudaFunction,
     lm_head: CudaFunction,
     argmax: CudaFunction,
+    sample: CudaFunction,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -191,10 +207,10 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err("SM count"))? as usize;
         let stream = ctx.new_stream().map_err(dev_err("create stream"))?;
-        let mut modules = Vec::new();
+        let mut modules: BTreeMap<&str, Arc<CudaModule>> = BTreeMap::new();
         let mut funcs: BTreeMap<&str, CudaFunction> = BTreeMap::new();
         let mut loaded_from = "cubin";
-        for (name, entry) in KERNELS {
+        for name in TEMPLATES {
             let blob = set.blobs.get(name).ok_or_else(|| {
                 BackendError::Device(format!("kernel set {}: kernel {name} is missing", set.target))
             })?;
@@ -212,11 +228,13 @@ impl Gpu {
                     None => return Err(BackendError::Device(format!("kernel {name}: cubin refused by the driver: {e_cubin}"))),
                 },
             };
-            let f = module
+            modules.insert(name, module);
+        }
+        for (name, entry) in KERNELS {
+            let f = modules[name]
                 .load_function(entry)
                 .map_err(dev_err(format!("kernel {name}: entry point {entry} not found")))?;
-            funcs.insert(name, f);
-            modules.push(module);
+            funcs.insert(entry, f);
         }
         let mut take = |n: &str| funcs.remove(n).expect("every kernel was loaded above");
         let f = Funcs {
@@ -227,8 +245,9 @@ impl Gpu {
             ffn_in: take("ffn_in"),
             ffn_out: take("ffn_out"),
             lm_head: take("lm_head"),
-            argmax: take("sample"),
-            _modules: modules,
+            argmax: take("argmax_logprob"),
+            sample: take("sample_probs"),
+            _modules: modules.into_values().collect(),
         };
         let pdl = cc.0 >= 9 && std::env::var("METRALE_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
         Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl })
@@ -411,6 +430,12 @@ impl Gpu {
     pub fn argmax(&self, logits: u64, out_tok: u64, out_lp: u64, nout: usize) -> Result<(), BackendError> {
         let n = nout as i32;
         self.launch(&self.f.argmax, "argmax_logprob", (nout as u32, 1, 1), plan::SAMPLE_THREADS, &mut kargs!(logits, out_tok, out_lp, n))
+    }
+
+    /// sample_probs(logits, params, out_tok, out_logprob, status, nout)
+    pub fn sample_probs(&self, logits: u64, params: u64, out_tok: u64, out_lp: u64, status: u64, nout: usize) -> Result<(), BackendError> {
+        let n = nout as i32;
+        self.launch(&self.f.sample, "sample_probs", (nout as u32, 1, 1), plan::SAMPLE_THREADS, &mut kargs!(logits, params, out_tok, out_lp, status, n))
     }
 
     /// Start capturing this stream's launches into a graph.

@@ -15,9 +15,11 @@
 //!   `max_step_tokens` runs as several chunks in order.
 //! - A pure decode step (every sequence one token) of `n` sequences replays a graph captured for
 //!   (n, attention splits); inputs reach the graph only through the fixed token/pos/slot/sel buffers.
-//! - Greedy requests without penalties or logprob lists return only ids and logprobs from the device;
-//!   other requests copy their logits row back and use the host sampler (`crate::sampler::sample`),
-//!   so every backend samples identically.
+//! - Requests without penalties or logprob lists are sampled on the device: greedy inside `lm_head`,
+//!   temperature / top-k / top-p / min-p with the seed by `sample_probs`, which reproduces
+//!   `crate::sampler::sample` exactly (same candidate order, same f64 walk, same SplitMix64 draw);
+//!   only ids and logprobs cross back. Penalties, logprob lists, logits requests and rows with more
+//!   than 2048 candidates copy their logits row back and use the host sampler itself.
 
 pub mod gpu;
 pub mod plan;
@@ -29,7 +31,7 @@ use metrale_core::BackendError;
 use metrale_model::{ModelConfig, Weights};
 
 use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId};
-pub use gpu::{device_count, Dims, Gpu, KernelBlob, KernelSet, KERNELS};
+pub use gpu::{device_count, Dims, Gpu, KernelBlob, KernelSet, SampleParams, KERNELS};
 use gpu::{DevBuf, DevMat};
 use plan::{DevFormat, HostMat};
 
@@ -87,6 +89,9 @@ struct Bufs {
     /// lm_head's per-block greedy partials and its per-tile tickets (zero between launches)
     lm_part: DevBuf,
     lm_counter: DevBuf,
+    /// sample_probs: parameters in, (token | logprob | status) out, one row per output
+    samp_params: DevBuf,
+    samp_out: DevBuf,
     kc: DevBuf,
     vc: DevBuf,
 }
@@ -279,6 +284,8 @@ impl CudaBackend {
             out_lp: io_out.ptr + (nout * 4) as u64,
             io_out,
             lm_part: gpu.alloc(part_bytes)?,
+            samp_params: gpu.alloc(nout * std::mem::size_of::<SampleParams>())?,
+            samp_out: gpu.alloc(3 * nout * 4)?,
             lm_counter: gpu.alloc(counter_bytes)?,
             kc: gpu.alloc(kv_elems * f)?,
             vc: gpu.alloc(kv_elems * f)?,
@@ -437,10 +444,28 @@ impl CudaBackend {
     }
 }
 
-/// Whether a request's token can be taken from the device's greedy pick.
-fn device_greedy(s: &SeqStep<'_>) -> bool {
+/// Whether a request needs nothing the device does not do: no penalties, no logprob list, no logits.
+fn device_only(s: &SeqStep<'_>) -> bool {
     let p = s.sampling;
-    p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.top_logprobs == 0 && !s.want_logits
+    p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.top_logprobs == 0 && !s.want_logits
+}
+
+/// Whether a request's token can be taken from the device's greedy pick (fused in lm_head).
+fn device_greedy(s: &SeqStep<'_>) -> bool {
+    s.sampling.is_greedy() && device_only(s)
+}
+
+/// The device sampler's parameters for one request (`sample_probs`).
+fn sample_params(s: &SeqStep<'_>) -> SampleParams {
+    let p = s.sampling;
+    SampleParams {
+        temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+        top_p: p.top_p,
+        min_p: p.min_p,
+        top_k: p.top_k.min(i32::MAX as usize) as i32,
+        seed: p.seed,
+        draw: s.draw,
+    }
 }
 
 impl Backend for CudaBackend {
@@ -517,10 +542,23 @@ impl CudaBackend {
         let tok: Vec<i32> = io[..n].iter().map(|&v| v as i32).collect();
         let lp: Vec<f32> = io[nout..nout + n].iter().map(|&v| f32::from_bits(v)).collect();
         let vocab = self.gpu.dims.vocab;
+        // temperature sampling on the device for the rows that need nothing else (one extra launch)
+        let sampled = sel_seq.iter().any(|&i| device_only(&batch[i]) && !batch[i].sampling.is_greedy());
+        let mut samp = vec![0u32; 3 * nout];
+        if sampled {
+            let params: Vec<SampleParams> = sel_seq.iter().map(|&i| sample_params(&batch[i])).collect();
+            self.gpu.write_async(&self.b.samp_params, 0, &params)?;
+            let so = self.b.samp_out.ptr;
+            self.gpu.sample_probs(self.b.logits.ptr, self.b.samp_params.ptr, so, so + (nout * 4) as u64, so + (2 * nout * 4) as u64, n)?;
+            self.gpu.read(&self.b.samp_out, 0, &mut samp)?;
+        }
         for (k, &i) in sel_seq.iter().enumerate() {
             let s = &batch[i];
+            let on_device = sampled && device_only(s) && !s.sampling.is_greedy() && samp[2 * nout + k] == 1;
             let out = if device_greedy(s) {
                 SeqOutput { token: tok[k] as u32, logprob: lp[k], top_logprobs: Vec::new(), logits: None }
+            } else if on_device {
+                SeqOutput { token: samp[k], logprob: f32::from_bits(samp[nout + k]), top_logprobs: Vec::new(), logits: None }
             } else {
                 let mut row = vec![0f32; vocab];
                 self.gpu.read(&self.b.logits, k * vocab * 4, &mut row)?;
@@ -547,7 +585,7 @@ mod tests {
                 assert!(e.to_string().contains("build"), "{e}");
             }
             Ok((set, spec)) => {
-                assert_eq!(set.blobs.len(), KERNELS.len());
+                assert_eq!(set.blobs.len(), gpu::TEMPLATES.len());
                 assert!(set.blobs.values().all(|b| !b.cubin.is_empty()));
                 assert_eq!(Some(set.arch.clone()), spec.hardware.cubin_arch);
             }
