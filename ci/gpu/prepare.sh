@@ -19,7 +19,11 @@ cp "$(exe test --no-run --test cuda_model)" .gpu/bin/cuda_model
 cp "$(exe build --example cuda_load_check)" .gpu/bin/cuda_load_check
 cp "$(exe build --example cuda_bench)" .gpu/bin/cuda_bench
 strip .gpu/bin/*
+# binaries travel compressed (16 MB -> ~5 MB) so that one call holds them, the first model half and llama.cpp
+tar cJf .gpu/bin.tar.xz -C .gpu bin && rm -rf .gpu/bin
+# llama.cpp for the side-by-side benchmark: the source tarball (/work/shared/gpu/pack-llamacpp.sh) and its script
+if [ -f .peer/llamacpp-src.tgz ] && [ -f /work/shared/gpu/llamacpp-bench.sh ]; then cp -f /work/shared/gpu/llamacpp-bench.sh .peer/; fi
 rm -rf .carry1 .carry2 && mkdir -p .carry1 .carry2
 head -c 40000000 "$model" > .carry1/part.aa
 tail -c +40000001 "$model" > .carry2/part.ab
-du -sh .gpu .carry1 .carry2
+du -sh .gpu .carry1 .carry2 .peer 2>/dev/null || true
