@@ -324,15 +324,23 @@ def test_concurrent_requests_all_answered(client):
         assert text and finish in ("stop", "length")
 
 
-def running(http):
+def metric(http, name):
     text = http.get("/metrics").text
-    line = [l for l in text.splitlines() if l.startswith("vllm:num_requests_running")][0]
+    line = [l for l in text.splitlines() if l.startswith(name)][0]
     return float(line.split()[-1])
 
 
+def running(http):
+    return metric(http, "vllm:num_requests_running")
+
+
 def test_client_disconnect_stops_generation(server, http, client):
-    body = {"model": "m", "prompt": "Count: 1, 2, 3,", "max_tokens": 900, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+    # 900 tokens take seconds on the CPU; the client leaves after 3. The generation counter, not a gauge
+    # sampled at one instant (racy on a loaded machine), proves the generation stopped early.
+    max_tokens = 900
+    generated_before = metric(http, "vllm:generation_tokens_total")
+    body = {"model": "m", "prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "temperature": 0}
     with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             got = 0
@@ -341,12 +349,13 @@ def test_client_disconnect_stops_generation(server, http, client):
                     got += 1
                 if got >= 3:
                     break
-            assert running(http) >= 1
         # leaving the block closes the connection mid-stream
     deadline = time.time() + 20
     while running(http) > 0 and time.time() < deadline:
         time.sleep(0.1)
     assert running(http) == 0, "the abandoned generation is still running"
+    generated = metric(http, "vllm:generation_tokens_total") - generated_before
+    assert 3 <= generated < max_tokens, f"{generated} tokens generated for a client that left after 3"
     assert server.alive()
     r = ask(client, messages=[{"role": "user", "content": QUESTION}])
     assert "Paris" in r.choices[0].message.content
