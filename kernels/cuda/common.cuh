@@ -168,6 +168,30 @@ struct WQ80 {
         }
     }
     template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
+    // Streaming view (whole rows, see lm_head_1): qs as consecutive 16-byte chunks of CHUNK
+    // elements; chunk u of a K-column matrix is chunk u % (K / CHUNK) of row u / (K / CHUNK).
+    static constexpr int CHUNK = 16;
+    struct CRaw { uint4 q; half d; };
+    template <int K> MT_INLINE CRaw cfetch(unsigned int u) const {
+        constexpr unsigned int C = K / CHUNK;
+        CRaw r;
+        r.q = __ldg(reinterpret_cast<const uint4*>(qs) + u);
+        r.d = __ldg(sc + (size_t)(u / C) * (K / 32) + (u % C) / 2);
+        return r;
+    }
+    // sum over the chunk of w * x, x = CHUNK f32 at a 16-byte aligned address: d * sum(q * x)
+    static MT_INLINE float cdot(const CRaw& r, const float* x) {
+        const float4* xv = reinterpret_cast<const float4*>(x);
+        const unsigned int wd[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 v = xv[j];
+            s += (float)(signed char)(wd[j] & 0xffu) * v.x + (float)(signed char)((wd[j] >> 8) & 0xffu) * v.y +
+                 (float)(signed char)((wd[j] >> 16) & 0xffu) * v.z + (float)(signed char)(wd[j] >> 24) * v.w;
+        }
+        return s * __half2float(r.d);
+    }
 };
 
 struct WBF16 {
@@ -193,6 +217,22 @@ struct WBF16 {
         }
     }
     template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
+    // Streaming view (see WQ80): 16-byte chunks of 8 elements.
+    static constexpr int CHUNK = 8;
+    struct CRaw { uint4 q; };
+    template <int K> MT_INLINE CRaw cfetch(unsigned int u) const {
+        CRaw r;
+        r.q = __ldg(reinterpret_cast<const uint4*>(qs) + u);
+        return r;
+    }
+    static MT_INLINE float cdot(const CRaw& r, const float* x) {
+        const float4* xv = reinterpret_cast<const float4*>(x);
+        const float4 a = xv[0], b = xv[1];
+        return __uint_as_float(r.q.x << 16) * a.x + __uint_as_float(r.q.x & 0xffff0000u) * a.y +
+               __uint_as_float(r.q.y << 16) * a.z + __uint_as_float(r.q.y & 0xffff0000u) * a.w +
+               __uint_as_float(r.q.z << 16) * b.x + __uint_as_float(r.q.z & 0xffff0000u) * b.y +
+               __uint_as_float(r.q.w << 16) * b.z + __uint_as_float(r.q.w & 0xffff0000u) * b.w;
+    }
 };
 
 #if defined(METRALE_W_q4_1)

@@ -353,43 +353,52 @@ fn lm_head_and_device_argmax() {
     let Some(mut e) = env("lm_head") else { return };
     let d = e.d;
     let n = 4;
-    let sel: Vec<i32> = vec![3, 0, 2];
     let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
     let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
     let head = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
     let g = &e.gpu;
-    let (xb, nb, hb, sb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &head.host(e.ef)).unwrap(), g.upload(&sel).unwrap());
-    let lb = poisoned(g, sel.len() * d.vocab);
-    let (pbytes, cbytes) = g.lm_head_scratch(sel.len());
+    let (xb, nb, hb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &head.host(e.ef)).unwrap());
+    let (pbytes, cbytes) = g.lm_head_scratch(3);
     let (part, counter) = (g.alloc(pbytes).unwrap(), g.alloc(cbytes).unwrap());
     let (ftok, flp) = (g.upload(&[-7i32; 8]).unwrap(), g.alloc(32).unwrap());
-    g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
-    let logits = read_f32(g, &lb, sel.len() * d.vocab);
-    // the fused greedy choice, twice (the second launch checks that the tickets were re-armed)
-    for round in 0..2 {
-        if round == 1 {
-            g.write(&ftok, 0, &[-7i32; 8]).unwrap();
-            g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
+    // three outputs (lm_head, token tiles) and one (lm_head_1, the batch-1 decode kernel), sharing
+    // the scratch the way the backend does; the last case leaves `logits` for the checks below
+    let mut logits = Vec::new();
+    let mut sel_used = Vec::new();
+    for sel in [vec![2i32], vec![3, 0, 2]] {
+        let sb = g.upload(&sel).unwrap();
+        let lb = poisoned(g, sel.len() * d.vocab);
+        g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
+        logits = read_f32(g, &lb, sel.len() * d.vocab);
+        // the fused greedy choice, twice (the second launch checks that the tickets were re-armed)
+        for round in 0..2 {
+            if round == 1 {
+                g.write(&ftok, 0, &[-7i32; 8]).unwrap();
+                g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
+            }
+            let mut ft = vec![0i32; sel.len()];
+            let mut fl = vec![0f32; sel.len()];
+            g.read(&ftok, 0, &mut ft).unwrap();
+            g.read(&flp, 0, &mut fl).unwrap();
+            for i in 0..sel.len() {
+                let row = &logits[i * d.vocab..(i + 1) * d.vocab];
+                let want_t = sampler::argmax(row);
+                assert_eq!(ft[i] as usize, want_t, "fused argmax, {} outputs, round {round}, row {i}", sel.len());
+                let want_lp = row[want_t] - sampler::log_sum_exp(row);
+                assert!((fl[i] - want_lp).abs() < 1e-5, "fused logprob, {} outputs, row {i}: {} vs {want_lp}", sel.len(), fl[i]);
+            }
         }
-        let mut ft = vec![0i32; sel.len()];
-        let mut fl = vec![0f32; sel.len()];
-        g.read(&ftok, 0, &mut ft).unwrap();
-        g.read(&flp, 0, &mut fl).unwrap();
-        for i in 0..sel.len() {
-            let row = &logits[i * d.vocab..(i + 1) * d.vocab];
-            let want_t = sampler::argmax(row);
-            assert_eq!(ft[i] as usize, want_t, "fused argmax, round {round}, row {i}");
-            let want_lp = row[want_t] - sampler::log_sum_exp(row);
-            assert!((fl[i] - want_lp).abs() < 1e-5, "fused logprob, row {i}: {} vs {want_lp}", fl[i]);
+        let mut want = Vec::new();
+        for &s in &sel {
+            let mut xn = vec![0f32; d.hidden];
+            ops::rmsnorm(&x[s as usize * d.hidden..(s as usize + 1) * d.hidden], &norm, e.eps, &mut xn);
+            want.extend(head.matvec(&xn));
         }
+        check(&format!("logits ({} outputs)", sel.len()), &logits, &want);
+        sel_used = sel;
     }
-    let mut want = Vec::new();
-    for &s in &sel {
-        let mut xn = vec![0f32; d.hidden];
-        ops::rmsnorm(&x[s as usize * d.hidden..(s as usize + 1) * d.hidden], &norm, e.eps, &mut xn);
-        want.extend(head.matvec(&xn));
-    }
-    check("logits", &logits, &want);
+    let sel = sel_used;
+    let lb = g.upload(&logits).unwrap();
     // argmax + logprob on the GPU's own logits must equal the host sampler's exactly / to 1e-5
     let (tb, pb) = (g.alloc(16).unwrap(), g.alloc(16).unwrap());
     g.argmax(lb.ptr, tb.ptr, pb.ptr, sel.len()).unwrap();

@@ -32,6 +32,35 @@ use metrale_model::{Model, RopeScaling};
 use ops::MatRef;
 use rayon::prelude::*;
 
+/// The RoPE inverse frequencies of a model (the one place every backend takes them from):
+/// [`ops::rope_inv_freq`] with the config's scaling applied (linear: divided by the factor; llama3:
+/// by wavelength; GGUF `rope_freqs.weight`: divided per dimension, loaded by `rope_freqs` only then).
+pub fn model_inv_freq(
+    c: &metrale_model::ModelConfig,
+    head_dim: usize,
+    rope_freqs: impl FnOnce() -> Result<Vec<f32>, BackendError>,
+) -> Result<Vec<f32>, BackendError> {
+    Ok(match &c.rope_scaling {
+        None => ops::rope_inv_freq(head_dim, c.rope_theta, None, None),
+        Some(RopeScaling::Linear { factor }) => {
+            ops::rope_inv_freq(head_dim, c.rope_theta, None, None).into_iter().map(|f| f / factor).collect()
+        }
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }) => {
+            let s = ops::Llama3RopeScaling {
+                factor: *factor,
+                low_freq_factor: *low_freq_factor,
+                high_freq_factor: *high_freq_factor,
+                original_max_position_embeddings: *original_max_position as f32,
+            };
+            ops::rope_inv_freq(head_dim, c.rope_theta, Some(&s), None)
+        }
+        Some(RopeScaling::FreqFactors) => {
+            let ff = rope_freqs()?;
+            ops::rope_inv_freq(head_dim, c.rope_theta, None, Some(&ff))
+        }
+    })
+}
+
 /// One weight matrix, owned, in its stored dtype: `rows` rows of `cols` elements.
 #[derive(Debug)]
 pub struct QTensor {
@@ -196,26 +225,7 @@ impl CpuBackend {
                 w_down: load_matrix(model, &n("ffn_down"), h, f)?,
             });
         }
-        let inv_freq = match &c.rope_scaling {
-            None => ops::rope_inv_freq(dims.head_dim, c.rope_theta, None, None),
-            Some(RopeScaling::Linear { factor }) => ops::rope_inv_freq(dims.head_dim, c.rope_theta, None, None)
-                .into_iter()
-                .map(|f| f / factor)
-                .collect(),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }) => {
-                let s = ops::Llama3RopeScaling {
-                    factor: *factor,
-                    low_freq_factor: *low_freq_factor,
-                    high_freq_factor: *high_freq_factor,
-                    original_max_position_embeddings: *original_max_position as f32,
-                };
-                ops::rope_inv_freq(dims.head_dim, c.rope_theta, Some(&s), None)
-            }
-            Some(RopeScaling::FreqFactors) => {
-                let ff = load_vector(model, "rope_freqs.weight", dims.head_dim / 2)?;
-                ops::rope_inv_freq(dims.head_dim, c.rope_theta, None, Some(&ff))
-            }
-        };
+        let inv_freq = model_inv_freq(c, dims.head_dim, || load_vector(model, "rope_freqs.weight", dims.head_dim / 2))?;
         Self::from_parts(dims, embd, lm_head, out_norm, layers, inv_freq, slots, slot_capacity, threads)
     }
 

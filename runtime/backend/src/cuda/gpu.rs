@@ -25,7 +25,7 @@ use super::plan;
 pub const TEMPLATES: [&str; 8] = ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "sample"];
 
 /// Every (template, entry point) pair the backend launches.
-pub const KERNELS: [(&str, &str); 9] = [
+pub const KERNELS: [(&str, &str); 10] = [
     ("embed", "embed"),
     ("attn_in", "attn_in"),
     ("attention", "attention"),
@@ -33,6 +33,7 @@ pub const KERNELS: [(&str, &str); 9] = [
     ("ffn_in", "ffn_in"),
     ("ffn_out", "ffn_out"),
     ("lm_head", "lm_head"),
+    ("lm_head", "lm_head_1"),
     ("sample", "argmax_logprob"),
     ("sample", "sample_probs"),
 ];
@@ -129,6 +130,7 @@ struct Funcs {
     ffn_in: CudaFunction,
     ffn_out: CudaFunction,
     lm_head: CudaFunction,
+    lm_head_1: CudaFunction,
     argmax: CudaFunction,
     sample: CudaFunction,
     _modules: Vec<Arc<CudaModule>>,
@@ -245,6 +247,7 @@ impl Gpu {
             ffn_in: take("ffn_in"),
             ffn_out: take("ffn_out"),
             lm_head: take("lm_head"),
+            lm_head_1: take("lm_head_1"),
             argmax: take("argmax_logprob"),
             sample: take("sample_probs"),
             _modules: modules.into_values().collect(),
@@ -409,21 +412,28 @@ impl Gpu {
     }
 
     /// lm_head(x, sel, norm, wout_qs, wout_sc, logits, nout, part, counter, out_tok, out_logprob):
-    /// logits of each selected row plus the fused greedy choice. `part` holds
-    /// `nout * LM_HEAD_MAX_BLOCKS` partials of 12 bytes, `counter` one zeroed u32 per token tile.
+    /// logits of each selected row plus the fused greedy choice (`lm_head_1` for one output, the
+    /// batch-1 decode path). `part` and `counter` are sized by [`Gpu::lm_head_scratch`]; the
+    /// counters are zero between launches.
     #[allow(clippy::too_many_arguments)]
     pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize, part: u64, counter: u64, out_tok: u64, out_lp: u64) -> Result<(), BackendError> {
+        let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), nout as i32);
+        if nout == 1 {
+            let grid = (plan::lm_head1_blocks(self.dims.vocab, self.sm_count), 1, 1);
+            return self.launch(&self.f.lm_head_1, "lm_head_1", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp));
+        }
         let d = self.dims;
         let grid = self.mv_grid(d.vocab / 2, d.hidden, nout);
-        let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), nout as i32);
         self.launch(&self.f.lm_head, "lm_head", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp))
     }
 
-    /// Bytes of the `part` buffer `lm_head` needs for `nout` outputs, and of its counters.
+    /// Bytes of the `part` buffer `lm_head` needs for up to `nout` outputs (12-byte partials), and of
+    /// its counters (one u32 per token tile).
     pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
         let d = self.dims;
         let (gx, gy, _) = self.mv_grid(d.vocab / 2, d.hidden, nout);
-        (nout.max(1) * gx as usize * 12, gy as usize * 4)
+        let gx = (gx as usize).max(plan::lm_head1_blocks(d.vocab, self.sm_count) as usize);
+        (nout.max(1) * gx * 12, gy.max(1) as usize * 4)
     }
 
     /// argmax_logprob(logits, out_tok, out_logprob, nout)

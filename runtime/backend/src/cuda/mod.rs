@@ -13,8 +13,9 @@
 //! Prefill reuses the same kernels over token tiles (causal attention through per-token positions).
 //! Entry points: [`CudaBackend::from_registry`] (a built binary: embedded, attestation-checked
 //! kernels) and [`CudaBackend::new`] (any [`KernelSet`], e.g. a dist/ folder, for tests and tools).
-//! Not here: the RoPE-scaled models (refused until the CUDA table uses the CPU backend's inverse
-//! frequencies), tensor-core prefill, a persistent decode kernel (bench/cuda/NOTES.md).
+//! RoPE scaling (llama3, linear, GGUF `rope_freqs`) is applied through the host cos/sin table, built
+//! from the CPU backend's inverse frequencies (`cpu::model_inv_freq`), so both backends rotate alike.
+//! Not here: tensor-core prefill, a persistent decode kernel (bench/cuda/NOTES.md).
 //!
 //! Invariants:
 //! - Nothing is allocated on the device after `CudaBackend::new`; a step larger than
@@ -173,12 +174,6 @@ fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendEr
             )));
         }
     }
-    if c.rope_scaling.is_some() {
-        return Err(BackendError::Model(format!(
-            "model {}: RoPE scaling is not implemented by the CUDA kernels yet",
-            c.name
-        )));
-    }
     Ok(())
 }
 
@@ -233,7 +228,8 @@ impl CudaBackend {
             None
         };
         let out_norm = gpu.upload(&host_vec(weights, "output_norm.weight", hd)?)?;
-        let inv_freq = crate::cpu::ops::rope_inv_freq(d.head_dim, config.rope_theta, None, None);
+        // RoPE scaling (llama3, linear, GGUF rope_freqs) lives in the host table, from the CPU backend's frequencies
+        let inv_freq = crate::cpu::model_inv_freq(config, d.head_dim, || host_vec(weights, "rope_freqs.weight", d.head_dim / 2))?;
         let rope = gpu.upload(&plan::rope_table(&inv_freq, opts.slot_capacity))?;
         let mut layers = Vec::with_capacity(d.layers);
         for l in 0..d.layers {
@@ -625,5 +621,60 @@ mod tests {
         c.hidden = 2048;
         let e = check_config(&c, &d, "h200/smollm2-135m/q4_1").unwrap_err().to_string();
         assert!(e.contains("hidden is 2048") && e.contains("compiled for 576"), "{e}");
+        // RoPE scaling is no longer refused (the table carries it)
+        c.hidden = 576;
+        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 });
+        assert!(check_config(&c, &d, "h200/llama-3.2-1b/q4_1").is_ok());
+    }
+
+    /// The llama3-scaled cos/sin table the kernels read rotates exactly as the CPU backend does.
+    #[test]
+    fn rope_table_with_llama3_scaling_matches_cpu_rotation() {
+        let mut c = llama_1b_config();
+        let hd = c.head_dim;
+        let plain = crate::cpu::model_inv_freq(&c, hd, || unreachable!("no rope_freqs without FreqFactors")).unwrap();
+        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 });
+        let inv = crate::cpu::model_inv_freq(&c, hd, || unreachable!("no rope_freqs without FreqFactors")).unwrap();
+        // scaling changed the low frequencies and kept the highest one
+        assert_eq!(inv[0], plain[0]);
+        assert!((inv[hd / 2 - 1] - plain[hd / 2 - 1] / 32.0).abs() <= 1e-6 * plain[hd / 2 - 1].abs());
+        let n_pos = 5000;
+        let table = plan::rope_table(&inv, n_pos);
+        let x: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+        for pos in [0usize, 1, 7, 1000, 4999] {
+            let mut want = x.clone();
+            crate::cpu::ops::rope_inplace(&mut want, hd, pos, &inv);
+            for i in 0..hd / 2 {
+                let [co, si] = table[pos * (hd / 2) + i];
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                let got = [a * co - b * si, a * si + b * co];
+                for (g, w) in got.iter().zip(&want[2 * i..2 * i + 2]) {
+                    assert!((g - w).abs() <= 1e-5, "pos {pos} pair {i}: table rotation {g} vs cpu {w}");
+                }
+            }
+        }
+    }
+
+    fn llama_1b_config() -> ModelConfig {
+        ModelConfig {
+            name: "llama-3.2-1b".into(),
+            arch: "llama".into(),
+            model_type: "llama".into(),
+            n_layers: 16,
+            hidden: 2048,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 64,
+            ffn: 8192,
+            vocab: 128256,
+            rope_theta: 500000.0,
+            norm_eps: 1e-5,
+            max_context: 131072,
+            tied_embeddings: true,
+            rope_scaling: None,
+            bos: Some(128000),
+            eos: vec![128001],
+            add_bos: true,
+        }
     }
 }

@@ -53,6 +53,13 @@ pub fn mv_grid(row_pairs: usize, k: usize, ntok: usize, sm_count: usize) -> (u32
     (x as u32, y as u32, 1)
 }
 
+/// Blocks of `lm_head_1` (the one-output LM head) for a vocabulary of `vocab` rows: two blocks of
+/// `MV_THREADS` per SM (its `__launch_bounds__`), fewer when each warp would get under 8 rows.
+/// Any count is correct (the warps stride over row batches); this only sets the work per warp.
+pub fn lm_head1_blocks(vocab: usize, sm_count: usize) -> u32 {
+    (2 * sm_count.max(1)).min(vocab.div_ceil(8 * MV_WARPS as usize)).max(1) as u32
+}
+
 /// The compute capability a cubin arch such as "sm_90a" or "sm_80" runs on: (9, 0), (8, 0).
 pub fn arch_capability(arch: &str) -> Option<(i32, i32)> {
     let digits: String = arch.strip_prefix("sm_")?.chars().take_while(|c| c.is_ascii_digit()).collect();
