@@ -110,6 +110,12 @@ fn main() {
     }
     let (pp_ms, _, _) = median(&mut pt);
     eprintln!("prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s)", pp as f64 / pp_ms * 1e3);
+    // each kernel alone at the prefill shape (both paths' kernels; METRALE_CUDA_GEMM=0 leaves the GEMMs out)
+    let prof_pp = b.profile_kernels(3, 5).unwrap();
+    for (name, us) in &prof_pp {
+        eprintln!("  prefill {pp}: kernel {name:15} {us:9.2} us/launch");
+    }
+    let prof_pp_json: Vec<String> = prof_pp.iter().map(|(n, us)| format!("\"{n}\": {us:.3}")).collect();
 
     // batched decode: every sequence starts from the prompt (prefilled together), then decodes
     let mut batch_res = Vec::new();
@@ -144,7 +150,7 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"gemm\": {}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         info.weight_bytes as f64 / 4.2e12 * 1e6,
@@ -154,6 +160,8 @@ fn main() {
         b.gpu().pdl,
         warm.len(),
         pp as f64 / pp_ms * 1e3,
+        prof_pp_json.join(", "),
+        metrale_backend::cuda::gemm::enabled(),
         batch_res.join(", "),
         b.stats
     );

@@ -487,3 +487,92 @@ fn device_sampling_matches_host_sampler() {
     eprintln!("  sample_probs: {on_device} of {rows} rows sampled on the device, identical to the host sampler; the rest fell back as required");
     assert!(on_device >= rows / 2);
 }
+
+/// The tensor-core prefill GEMMs (kernels/cuda/gemm.cu.hbs) against the CPU ops, each product fed
+/// with the reference input so they are checked separately: 77 tokens (two token tiles, the second
+/// partial), two slots, scattered positions. Same tolerance as the matvec kernels (rel L2 < 1e-4):
+/// weights enter the MMAs exactly and activations as f16 hi + lo pairs (~2^-22), so the error is f32
+/// accumulation order, not f16 rounding.
+#[test]
+fn gemm_prefill_products_match_cpu_ops() {
+    use metrale_backend::cuda::gemm::Prefill;
+    let Some(mut e) = env("gemm") else { return };
+    let d = e.d;
+    let (qd, kd, hd) = (d.qd(), d.kd(), d.head_dim);
+    let n = 77;
+    let slots = 2;
+    let ctx = 128;
+    let layer = d.layers - 1;
+    let pos: Vec<i32> = (0..n as i32).map(|i| if i < 60 { i } else { 127 - (i - 60) * 3 }).collect();
+    let slot: Vec<i32> = (0..n).map(|i| (i >= 60) as i32).collect();
+    let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+    let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+    let wq = Mat::new(&mut e.rng, e.wf, qd, d.hidden);
+    let wk = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
+    let wv = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
+    let wo = Mat::new(&mut e.rng, e.wf, d.hidden, qd);
+    let wg = Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden);
+    let wu = Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden);
+    let wd = Mat::new(&mut e.rng, e.wf, d.hidden, d.ffn);
+    let att = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
+    let g = &e.gpu;
+    let p = Prefill::new(g, 128).expect("gemm kernels");
+    let inv = ops::rope_inv_freq(hd, e.theta, None, None);
+    let rope = g.upload(&plan::rope_table(&inv, ctx)).unwrap();
+    let wqkv = HostMat::concat_rows("qkv", &[wq.host(e.wf), wk.host(e.wf), wv.host(e.wf)]).unwrap();
+    let wgu = HostMat::interleave_rows("gu", &wg.host(e.wf), &wu.host(e.wf)).unwrap();
+    let (wqkv_b, wo_b, wgu_b, wd_b) = (DevMat::upload(g, &wqkv).unwrap(), DevMat::upload(g, &wo.host(e.wf)).unwrap(), DevMat::upload(g, &wgu).unwrap(), DevMat::upload(g, &wd.host(e.wf)).unwrap());
+    let (xb, nb, pb, sb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
+
+    // RMSNorm + QKV + RoPE + KV write
+    let qb = poisoned(g, n * qd);
+    let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
+    let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
+    let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
+    p.norm_qkv(g, xb.ptr, nb.ptr, &wqkv_b, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n).unwrap();
+    let (q, kcache, vcache) = (read_f32(g, &qb, n * qd), read_f32(g, &kc, cache_n), read_f32(g, &vc, cache_n));
+    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv, mut want_h) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for t in 0..n {
+        let mut xn = vec![0f32; d.hidden];
+        ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
+        let (mut qr, mut kr, vr) = (wq.matvec(&xn), wk.matvec(&xn), wv.matvec(&xn));
+        ops::rope_inplace(&mut qr, hd, pos[t] as usize, &inv);
+        ops::rope_inplace(&mut kr, hd, pos[t] as usize, &inv);
+        wq_all.extend(qr);
+        wk_all.extend(kr);
+        wv_all.extend(vr);
+        for h in 0..d.kv_heads {
+            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx + pos[t] as usize) * hd;
+            gk.extend_from_slice(&kcache[off..off + hd]);
+            gv.extend_from_slice(&vcache[off..off + hd]);
+        }
+        let mut hrow = vec![0f32; d.ffn];
+        ops::swiglu(&wg.matvec(&xn), &wu.matvec(&xn), &mut hrow);
+        want_h.extend(hrow);
+    }
+    check("gemm q (norm+proj+rope)", &q, &wq_all);
+    check("gemm k cache (norm+proj+rope)", &gk, &wk_all);
+    check("gemm v cache (norm+proj)", &gv, &wv_all);
+    assert_eq!(kcache.iter().filter(|v| **v != 1e30).count(), n * kd, "K cache entries written outside the tokens' positions");
+
+    // RMSNorm + gate/up + SiLU
+    let hb = poisoned(g, n * d.ffn);
+    p.norm_gate_up(g, xb.ptr, nb.ptr, &wgu_b, hb.ptr, n).unwrap();
+    check("gemm h = silu(gate)*up", &read_f32(g, &hb, n * d.ffn), &want_h);
+
+    // output projection + residual, then down projection + residual (reference inputs)
+    let ab = g.upload(&att).unwrap();
+    let xo = g.upload(&x).unwrap();
+    p.out_proj(g, ab.ptr, &wo_b, xo.ptr, n).unwrap();
+    let hb2 = g.upload(&want_h).unwrap();
+    let xd = g.upload(&x).unwrap();
+    p.down(g, hb2.ptr, &wd_b, xd.ptr, n).unwrap();
+    let (mut want_xo, mut want_xd) = (Vec::new(), Vec::new());
+    for t in 0..n {
+        let xr = &x[t * d.hidden..(t + 1) * d.hidden];
+        want_xo.extend(xr.iter().zip(wo.matvec(&att[t * qd..(t + 1) * qd])).map(|(a, b)| a + b));
+        want_xd.extend(xr.iter().zip(wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn])).map(|(a, b)| a + b));
+    }
+    check("gemm x + Wo*att", &read_f32(g, &xo, n * d.hidden), &want_xo);
+    check("gemm x + Wdown*h", &read_f32(g, &xd, n * d.hidden), &want_xd);
+}

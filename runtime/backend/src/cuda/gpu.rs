@@ -21,8 +21,9 @@ use metrale_core::BackendError;
 
 use super::plan;
 
-/// The eight kernel templates a CUDA target compiles (kernels/cuda/README.md).
-pub const TEMPLATES: [&str; 8] = ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "sample"];
+/// The kernel templates a CUDA target compiles (kernels/cuda/README.md); `gemm` holds the
+/// tensor-core prefill kernels (launched by `super::gemm`).
+pub const TEMPLATES: [&str; 9] = ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "sample", "gemm"];
 
 /// Every (template, entry point) pair the backend launches.
 pub const KERNELS: [(&str, &str); 10] = [
@@ -133,7 +134,7 @@ struct Funcs {
     lm_head_1: CudaFunction,
     argmax: CudaFunction,
     sample: CudaFunction,
-    _modules: Vec<Arc<CudaModule>>,
+    modules: BTreeMap<&'static str, Arc<CudaModule>>,
 }
 
 /// Shape constants the kernels were compiled with (from the target's MODEL.toml).
@@ -250,7 +251,7 @@ impl Gpu {
             lm_head_1: take("lm_head_1"),
             argmax: take("argmax_logprob"),
             sample: take("sample_probs"),
-            _modules: modules.into_values().collect(),
+            modules,
         };
         let pdl = cc.0 >= 9 && std::env::var("METRALE_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
         Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl })
@@ -333,8 +334,14 @@ impl Gpu {
         self.stream.synchronize().map_err(dev_err("stream synchronize (a kernel failed)"))
     }
 
+    /// Entry point `entry` of the loaded template `template` (kernels launched outside this file).
+    pub fn function(&self, template: &str, entry: &str) -> Result<CudaFunction, BackendError> {
+        let m = self.f.modules.get(template).ok_or_else(|| BackendError::Device(format!("kernel {template} is not loaded")))?;
+        m.load_function(entry).map_err(dev_err(format!("kernel {template}: entry point {entry} not found")))
+    }
+
     /// Launch `f` on the stream (with the PDL attribute when enabled).
-    fn launch(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
+    pub(crate) fn launch(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
         // SAFETY: a zeroed attribute is valid plain data; we set the id and the matching union field.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;

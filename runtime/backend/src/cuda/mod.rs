@@ -10,12 +10,15 @@
 //! `ffn_in` (RMSNorm+gate/up+SiLU), `ffn_out` (down+residual), then `lm_head` (final norm + LM head
 //! on each sequence's last token, with the greedy token and its logprob reduced in the same launch):
 //! 2 + 5 x layers launches per step, with programmatic dependent launch on sm_90 (see gpu.rs).
-//! Prefill reuses the same kernels over token tiles (causal attention through per-token positions).
+//! Chunks that are not pure decode and hold at least `gemm::MIN_TOKENS` tokens run the four layer
+//! products as tensor-core GEMMs with fused epilogues instead (`gemm.rs`, kernels/cuda/gemm.cu.hbs);
+//! shorter ones reuse the decode kernels over token tiles (causal attention through per-token
+//! positions on both paths).
 //! Entry points: [`CudaBackend::from_registry`] (a built binary: embedded, attestation-checked
 //! kernels) and [`CudaBackend::new`] (any [`KernelSet`], e.g. a dist/ folder, for tests and tools).
 //! RoPE scaling (llama3, linear, GGUF `rope_freqs`) is applied through the host cos/sin table, built
 //! from the CPU backend's inverse frequencies (`cpu::model_inv_freq`), so both backends rotate alike.
-//! Not here: tensor-core prefill, a persistent decode kernel (bench/cuda/NOTES.md).
+//! Not here: a tensor-core prefill attention, a persistent decode kernel (bench/cuda/NOTES.md).
 //!
 //! Invariants:
 //! - Nothing is allocated on the device after `CudaBackend::new`; a step larger than
@@ -28,6 +31,7 @@
 //!   only ids and logprobs cross back. Penalties, logprob lists, logits requests and rows with more
 //!   than 2048 candidates copy their logits row back and use the host sampler itself.
 
+pub mod gemm;
 pub mod gpu;
 pub mod plan;
 
@@ -116,6 +120,8 @@ pub struct CudaBackend {
     layers: Vec<LayerW>,
     b: Bufs,
     graphs: HashMap<(usize, usize), CudaGraph>,
+    /// Tensor-core prefill kernels (`None` when `METRALE_CUDA_GEMM=0`).
+    prefill: Option<gemm::Prefill>,
     /// (tokens, splits) of the last chunk run
     last_key: Option<(usize, usize)>,
     weight_bytes: u64,
@@ -293,7 +299,8 @@ impl CudaBackend {
             vc: gpu.alloc(kv_elems * f)?,
         };
         let kv_bytes = 2 * (kv_elems * f) as u64;
-        Ok(CudaBackend { gpu, opts, emb, out, out_norm, rope, layers, b, graphs: HashMap::new(), last_key: None, weight_bytes, kv_bytes, stats: Stats::default() })
+        let prefill = if gemm::enabled() { Some(gemm::Prefill::new(&gpu, t)?) } else { None };
+        Ok(CudaBackend { gpu, opts, emb, out, out_norm, rope, layers, b, graphs: HashMap::new(), prefill, last_key: None, weight_bytes, kv_bytes, stats: Stats::default() })
     }
 
     /// The backend of this binary: the embedded, attestation-checked kernels
@@ -309,17 +316,31 @@ impl CudaBackend {
     }
 
     /// Enqueue the whole forward pass of one chunk (inputs already in the token/pos/slot/sel buffers).
-    fn enqueue(&self, ntok: usize, nout: usize, nsplit: usize) -> Result<(), BackendError> {
+    /// `gemm`: run the layer products as tensor-core GEMMs (`gemm::Prefill`) instead of matvecs.
+    fn enqueue(&self, ntok: usize, nout: usize, nsplit: usize, gemm: bool) -> Result<(), BackendError> {
         let g = &self.gpu;
         let b = &self.b;
         let cap = self.opts.slot_capacity;
+        let pf = if gemm { self.prefill.as_ref() } else { None };
         g.embed(&self.emb, b.tokens, b.x.ptr, ntok)?;
         for (l, w) in self.layers.iter().enumerate() {
-            g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?;
+            match pf {
+                Some(p) => p.norm_qkv(g, b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?,
+                None => g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?,
+            }
             g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, b.att_counter.ptr, b.att.ptr, ntok)?;
-            g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok)?;
-            g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
-            g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
+            match pf {
+                Some(p) => {
+                    p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok)?;
+                    p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
+                    p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
+                }
+                None => {
+                    g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok)?;
+                    g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
+                    g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
+                }
+            }
         }
         if nout > 0 {
             let head = self.out.as_ref().unwrap_or(&self.emb);
@@ -347,7 +368,7 @@ impl CudaBackend {
             let key = (ntok, nsplit);
             if !self.graphs.contains_key(&key) {
                 self.gpu.begin_capture()?;
-                let r = self.enqueue(ntok, nout, nsplit);
+                let r = self.enqueue(ntok, nout, nsplit, false);
                 let graph = self.gpu.end_capture();
                 r?;
                 self.graphs.insert(key, graph?);
@@ -358,7 +379,8 @@ impl CudaBackend {
                 .map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
             self.stats.graph_launches += 1;
         } else {
-            self.enqueue(ntok, nout, nsplit)?;
+            // not a pure decode step: long chunks take the tensor-core GEMM path
+            self.enqueue(ntok, nout, nsplit, !decode && ntok >= gemm::MIN_TOKENS)?;
             self.stats.direct_steps += 1;
         }
         Ok(())
@@ -372,7 +394,11 @@ impl CudaBackend {
         let nout = ntok.min(self.opts.slots);
         let cap = self.opts.slot_capacity;
         let mut out = Vec::new();
-        for name in ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head"] {
+        let mut names = vec!["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head"];
+        if self.prefill.is_some() {
+            names.extend(["gemm_norm_qkv", "gemm_o", "gemm_norm_gu", "gemm_down"]);
+        }
+        for name in names {
             let g = &self.gpu;
             let b = &self.b;
             let w = &self.layers[0];
@@ -386,6 +412,15 @@ impl CudaBackend {
                     "attn_out" => g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok),
                     "ffn_in" => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
                     "ffn_out" => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
+                    "gemm_norm_qkv" | "gemm_o" | "gemm_norm_gu" | "gemm_down" => {
+                        let p = self.prefill.as_ref().expect("listed only with the prefill kernels");
+                        match name {
+                            "gemm_norm_qkv" => p.norm_qkv(g, b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, ntok),
+                            "gemm_o" => p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok),
+                            "gemm_norm_gu" => p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
+                            _ => p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok),
+                        }
+                    }
                     _ => g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, self.out.as_ref().unwrap_or(&self.emb), b.logits.ptr, nout, b.lm_part.ptr, b.lm_counter.ptr, b.out_tok, b.out_lp),
                 });
             }
