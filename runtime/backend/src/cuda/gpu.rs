@@ -175,6 +175,8 @@ pub struct Gpu {
     pub loaded_from: &'static str,
     /// Launch with programmatic dependent launch (sm_90+; `METRALE_CUDA_PDL=0` turns it off).
     pub pdl: bool,
+    /// Resident blocks of `lm_head_1` per SM (the driver's occupancy for its registers).
+    pub lm1_per_sm: usize,
 }
 
 /// Kernel argument list: pointers to the argument values (which must outlive the launch call).
@@ -254,7 +256,8 @@ impl Gpu {
             modules,
         };
         let pdl = cc.0 >= 9 && std::env::var("METRALE_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
-        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl })
+        let lm1_per_sm = f.lm_head_1.occupancy_max_active_blocks_per_multiprocessor(plan::MV_THREADS, 0, None).map(|n| n as usize).unwrap_or(2).max(1);
+        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl, lm1_per_sm })
     }
 
     /// Free and total device memory in bytes.
@@ -426,7 +429,7 @@ impl Gpu {
     pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize, part: u64, counter: u64, out_tok: u64, out_lp: u64) -> Result<(), BackendError> {
         let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), nout as i32);
         if nout == 1 {
-            let grid = (plan::lm_head1_blocks(self.dims.vocab, self.sm_count), 1, 1);
+            let grid = (plan::lm_head1_blocks(self.dims.vocab, self.sm_count, self.lm1_per_sm), 1, 1);
             return self.launch(&self.f.lm_head_1, "lm_head_1", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp));
         }
         let d = self.dims;
@@ -439,7 +442,7 @@ impl Gpu {
     pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
         let d = self.dims;
         let (gx, gy, _) = self.mv_grid(d.vocab / 2, d.hidden, nout);
-        let gx = (gx as usize).max(plan::lm_head1_blocks(d.vocab, self.sm_count) as usize);
+        let gx = (gx as usize).max(plan::lm_head1_blocks(d.vocab, self.sm_count, self.lm1_per_sm) as usize);
         (nout.max(1) * gx * 12, gy.max(1) as usize * 4)
     }
 

@@ -53,11 +53,12 @@ pub fn mv_grid(row_pairs: usize, k: usize, ntok: usize, sm_count: usize) -> (u32
     (x as u32, y as u32, 1)
 }
 
-/// Blocks of `lm_head_1` (the one-output LM head) for a vocabulary of `vocab` rows: two blocks of
-/// `MV_THREADS` per SM (its `__launch_bounds__`), fewer when each warp would get under 8 rows.
-/// Any count is correct (the warps stride over row batches); this only sets the work per warp.
-pub fn lm_head1_blocks(vocab: usize, sm_count: usize) -> u32 {
-    (2 * sm_count.max(1)).min(vocab.div_ceil(8 * MV_WARPS as usize)).max(1) as u32
+/// Blocks of `lm_head_1` (the one-output LM head) for a vocabulary of `vocab` rows: one wave, i.e.
+/// `per_sm` resident blocks of `MV_THREADS` per SM (the driver's occupancy for the kernel), fewer
+/// when each warp would get under 8 rows. Any count is correct (the warps stride over row
+/// batches); this only sets the work per warp and the number of partials to merge.
+pub fn lm_head1_blocks(vocab: usize, sm_count: usize, per_sm: usize) -> u32 {
+    (per_sm.max(1) * sm_count.max(1)).min(vocab.div_ceil(8 * MV_WARPS as usize)).max(1) as u32
 }
 
 /// The compute capability a cubin arch such as "sm_90a" or "sm_80" runs on: (9, 0), (8, 0).
