@@ -56,6 +56,44 @@ MT_INLINE void pdl_launch() {
 #endif
 }
 
+// Thread-block clusters (sm_90+): a kernel launched with a cluster dimension can read the shared
+// memory of the other blocks of its cluster. Before sm_90 (or without a cluster launch) the cluster
+// is the block alone: cluster_size() == 1.
+MT_INLINE unsigned int cluster_size() {
+    unsigned int n = 1;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+MT_INLINE unsigned int cluster_rank() {
+    unsigned int r = 0;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+// Every thread of every block of the cluster: shared-memory writes before it are visible to the
+// cluster's reads after it.
+MT_INLINE void cluster_sync() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// Read the f32 at shared address p (this block's layout) in block `rank` of the cluster.
+MT_INLINE float ld_cluster(const float* p, unsigned int rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    unsigned int ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+#else
+    v = *p;
+#endif
+    return v;
+}
+
 // Activation rows in shared memory: each 32-element block is padded to 36 floats, so that lane L
 // reading block L with 16-byte loads is free of bank conflicts.
 MT_INLINE int pad_idx(int e) { return (e >> 5) * 36 + (e & 31); }

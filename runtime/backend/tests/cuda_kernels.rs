@@ -298,7 +298,9 @@ fn attention_splits_combine_and_out_projection() {
     let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
     let counter = g.alloc(n * d.kv_heads * 4).unwrap();
     let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
-    for nsplit in [1usize, 2, 4, 32, auto] {
+    // on sm_90, 2..=4 splits (METRALE_CUDA_CLUSTER=N: 2..=N, N <= 8; 0: none) run as one thread-block
+    // cluster combined through distributed shared memory; more use the ticket combine
+    for nsplit in [1usize, 2, 3, 4, 8, 32, auto] {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
         g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, counter.ptr, att.ptr, n).unwrap();

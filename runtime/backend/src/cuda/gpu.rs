@@ -177,6 +177,10 @@ pub struct Gpu {
     pub pdl: bool,
     /// Resident blocks of `lm_head_1` per SM (the driver's occupancy for its registers).
     pub lm1_per_sm: usize,
+    /// Most attention splits launched as one thread-block cluster (sm_90+; 0 or 1: none). Default
+    /// [`plan::ATT_CLUSTER_DEFAULT`]; `METRALE_CUDA_CLUSTER=N` sets it (0 turns clusters off; at
+    /// most [`plan::ATT_MAX_CLUSTER`]).
+    pub cluster_max: usize,
 }
 
 /// Kernel argument list: pointers to the argument values (which must outlive the launch call).
@@ -257,7 +261,12 @@ impl Gpu {
         };
         let pdl = cc.0 >= 9 && std::env::var("METRALE_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
         let lm1_per_sm = f.lm_head_1.occupancy_max_active_blocks_per_multiprocessor(plan::MV_THREADS, 0, None).map(|n| n as usize).unwrap_or(2).max(1);
-        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl, lm1_per_sm })
+        let cluster_max = if cc.0 >= 9 {
+            std::env::var("METRALE_CUDA_CLUSTER").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(plan::ATT_CLUSTER_DEFAULT).min(plan::ATT_MAX_CLUSTER)
+        } else {
+            0
+        };
+        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl, lm1_per_sm, cluster_max })
     }
 
     /// Free and total device memory in bytes.
@@ -345,10 +354,25 @@ impl Gpu {
 
     /// Launch `f` on the stream (with the PDL attribute when enabled).
     pub(crate) fn launch(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
-        // SAFETY: a zeroed attribute is valid plain data; we set the id and the matching union field.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        self.launch_cluster(f, what, grid, block, 1, args)
+    }
+
+    /// Launch `f` as [`Gpu::launch`] does, grouped into thread-block clusters of `cluster_y` blocks
+    /// along y when `cluster_y > 1` (sm_90+ only; the caller checks [`Gpu::cluster_max`]).
+    fn launch_cluster(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, cluster_y: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
+        // SAFETY: zeroed attributes are valid plain data; we set each id and its matching union field.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0usize;
+        if self.pdl {
+            attrs[n].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster_y > 1 {
+            attrs[n].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: cluster_y, z: 1 };
+            n += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -358,8 +382,8 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: 0,
             hStream: self.stream.cu_stream(),
-            attrs: if self.pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: self.pdl as u32,
+            attrs: if n > 0 { attrs.as_mut_ptr() } else { std::ptr::null_mut() },
+            numAttrs: n as u32,
         };
         self.ctx.bind_to_thread().map_err(dev_err("bind context"))?;
         // SAFETY: `args` points to live values whose types match the kernel's parameters (each
@@ -394,7 +418,9 @@ impl Gpu {
     pub fn attention(&self, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, nsplit: usize, part_ml: u64, part_acc: u64, counter: u64, out: u64, ntok: usize) -> Result<(), BackendError> {
         let grid = (self.dims.kv_heads as u32, nsplit as u32, ntok as u32);
         let (l, c, s) = (layer as i32, ctx as i32, nsplit as i32);
-        self.launch(&self.f.attention, "attention", grid, plan::ATT_THREADS, &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc, counter, out))
+        // the splits of one (KV head, token) as one cluster: combined through distributed shared memory
+        let cluster = if nsplit > 1 && nsplit <= self.cluster_max { nsplit as u32 } else { 1 };
+        self.launch_cluster(&self.f.attention, "attention", grid, plan::ATT_THREADS, cluster, &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc, counter, out))
     }
 
     /// attn_out(att, wo_qs, wo_sc, x, ntok)

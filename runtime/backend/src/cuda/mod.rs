@@ -6,7 +6,7 @@
 //! stacked, gate/up interleaved), the f32 KV cache `[slot][layer][kv_head][pos][head_dim]`, the
 //! activation buffers (allocated once for `max_step_tokens`), the decode CUDA graphs, and the
 //! per-step launch sequence: `embed`, then per layer `attn_in` (RMSNorm+QKV+RoPE+KV write),
-//! `attention` (split-K GQA; the last split block combines), `attn_out` (O-proj+residual),
+//! `attention` (split-K GQA; the last split block combines, or rank 0 of a thread-block cluster), `attn_out` (O-proj+residual),
 //! `ffn_in` (RMSNorm+gate/up+SiLU), `ffn_out` (down+residual), then `lm_head` (final norm + LM head
 //! on each sequence's last token, with the greedy token and its logprob reduced in the same launch):
 //! 2 + 5 x layers launches per step, with programmatic dependent launch on sm_90 (see gpu.rs).

@@ -20,6 +20,12 @@ pub const EMBED_THREADS: u32 = 256;
 pub const SAMPLE_THREADS: u32 = 1024;
 /// Most attention splits a launch may use (the partial buffers are sized for it).
 pub const MAX_SPLITS: usize = 32;
+/// Most attention splits the kernel can combine through one thread-block cluster (`MAX_CLUSTER` in
+/// attention.cu.hbs; 8 is the portable cluster size): more splits use the global ticket combine.
+pub const ATT_MAX_CLUSTER: usize = 8;
+/// Most splits the backend launches as one cluster unless `METRALE_CUDA_CLUSTER` says otherwise:
+/// measured on the H200 (bench/cuda/NOTES.md, v10), clusters of 2-4 blocks gain, 8 lose in the graph.
+pub const ATT_CLUSTER_DEFAULT: usize = 4;
 /// Fewest positions a split should cover before splitting further stops paying.
 pub const MIN_SPLIT_LEN: usize = 32;
 
