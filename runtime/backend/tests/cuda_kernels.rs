@@ -12,6 +12,8 @@
 //! with NaN first).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use metrale_backend::cpu::ops;
 use metrale_backend::cuda::gpu::{device_count, DevBuf, DevMat, Dims, Gpu, KernelSet};
 use metrale_backend::cuda::plan::{self, DevFormat, HostMat};
@@ -33,20 +35,6 @@ struct Env {
     rng: StdRng,
 }
 
-fn targets_root() -> std::path::PathBuf {
-    if let Ok(p) = std::env::var("METRALE_TARGETS") {
-        return p.into();
-    }
-    let mut dir = std::env::current_dir().unwrap();
-    loop {
-        if dir.join("targets").is_dir() {
-            return dir.join("targets");
-        }
-        if !dir.pop() {
-            panic!("targets/ not found above the working directory; set METRALE_TARGETS");
-        }
-    }
-}
 
 fn env(test: &str) -> Option<Env> {
     let Ok(dir) = std::env::var("METRALE_CUDA_KERNELS") else {
@@ -59,7 +47,7 @@ fn env(test: &str) -> Option<Env> {
     }
     let target = std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
     let parts: Vec<&str> = target.split('/').collect();
-    let spec = TargetSpec::load(&targets_root(), &TargetId::new(parts[0], parts[1], parts[2])).expect("target spec");
+    let spec = TargetSpec::load(&common::targets_root(), &TargetId::new(parts[0], parts[1], parts[2])).expect("target spec");
     let arch = spec.hardware.cubin_arch.clone().expect("cuda target has a cubin arch");
     let set = KernelSet::from_dir(std::path::Path::new(&dir), &target, &arch).expect("kernel set");
     let d = Dims::from_shape(&spec.model);

@@ -9,6 +9,8 @@
 //! Without any of them the test prints why and passes.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use metrale_backend::cpu::CpuBackend;
 use metrale_backend::cuda::{device_count, CudaBackend, CudaOptions, Dims, KernelSet};
 use metrale_backend::sampler::SamplingParams;
@@ -18,20 +20,6 @@ use metrale_model::Model;
 
 const STEPS: usize = 64;
 
-fn targets_root() -> std::path::PathBuf {
-    if let Ok(p) = std::env::var("METRALE_TARGETS") {
-        return p.into();
-    }
-    let mut dir = std::env::current_dir().unwrap();
-    loop {
-        if dir.join("targets").is_dir() {
-            return dir.join("targets");
-        }
-        if !dir.pop() {
-            panic!("targets/ not found above the working directory; set METRALE_TARGETS");
-        }
-    }
-}
 
 struct Setup {
     model: Model,
@@ -50,7 +38,7 @@ fn setup(test: &str) -> Option<Setup> {
     }
     let target = std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
     let p: Vec<&str> = target.split('/').collect();
-    let spec = TargetSpec::load(&targets_root(), &TargetId::new(p[0], p[1], p[2])).expect("target");
+    let spec = TargetSpec::load(&common::targets_root(), &TargetId::new(p[0], p[1], p[2])).expect("target");
     let set = KernelSet::from_dir(std::path::Path::new(&kdir), &target, spec.hardware.cubin_arch.as_deref().unwrap()).expect("kernels");
     let model = Model::load(std::path::Path::new(&mpath)).expect("model");
     Some(Setup { model, set, spec })
