@@ -39,7 +39,9 @@ fn two_clones_at_different_paths_build_identical_kernels() {
     let b_deep = b.path().join("a/much/longer/path/to/another clone");
     let (blobs_a, att_a, text_a) = build(a.path());
     let (blobs_b, att_b, text_b) = build(&b_deep);
-    assert_eq!(blobs_a.len(), 16, "8 kernels x (cubin, ptx)");
+    let id = metrale_core::target::TargetId::new("h200", "smollm2-135m", "q4_1");
+    let spec = metrale_core::target::TargetSpec::load(&repo().join("targets"), &id).unwrap();
+    assert_eq!(blobs_a.len(), 2 * spec.kernels.len(), "every kernel of the target x (cubin, ptx)");
     assert_eq!(blobs_a, blobs_b, "blobs differ between clones");
     let closures = |att: &serde_json::Value| -> Vec<(String, String)> {
         att["predicate"]["buildDefinition"]["internalParameters"]["kernels"]
