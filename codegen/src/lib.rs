@@ -9,12 +9,14 @@
 //! Invariants: the closure hash covers everything that can change the blobs and nothing that cannot
 //! (no absolute path: flags carry [`TOOLCHAIN_PLACEHOLDER`]; no timestamps; no `-lineinfo`/`-G`);
 //! a cache entry is written to a temporary folder and renamed into place, so it is complete or absent;
-//! an unchanged kernel is never recompiled.
+//! an unchanged kernel is never recompiled; every NVRTC compile runs in a fresh worker process
+//! without address randomisation ([`worker`]), so the same closure gives the same bytes every time.
 
 pub mod metal;
 pub mod nvrtc;
 pub mod render;
 pub mod toolchain;
+pub mod worker;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +44,8 @@ pub enum CodegenError {
     Nvrtc { call: &'static str, code: i32, message: String },
     #[error("kernel `{kernel}`: {message}")]
     Metal { kernel: String, message: String },
+    #[error("kernel `{kernel}`: the NVRTC worker process {worker} failed: {message}")]
+    Worker { kernel: String, worker: PathBuf, message: String },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
 }
@@ -85,6 +89,9 @@ pub struct BuildRequest<'a> {
     pub jobs: usize,
     /// Skip the cache lookup (audit --rebuild): always compile, never store.
     pub force_compile: bool,
+    /// The executable that serves one NVRTC compile when started with [`worker::ENV`] set (xtask:
+    /// itself). Every compile runs in a fresh one: see [`worker`] for why.
+    pub nvrtc_worker: PathBuf,
 }
 
 /// The compile steps of a backend for a target. Flags name the toolchain by placeholder.
@@ -212,15 +219,16 @@ fn build_one(req: &BuildRequest<'_>, r: &render::Rendered, m: &ClosureManifest, 
     let target = spec.id.to_string();
     let (blobs, functions) = match spec.hardware.backend {
         BackendKind::Cuda => {
-            let (nv, tc) = nvrtc.ok_or_else(|| CodegenError::Toolchain { dir: req.toolchain_dir.clone(), detail: "not loaded".into() })?;
+            // NVRTC is loaded here only to fail early on a broken toolchain; compiles run in workers.
+            let (_nv, tc) = nvrtc.ok_or_else(|| CodegenError::Toolchain { dir: req.toolchain_dir.clone(), detail: "not loaded".into() })?;
             let headers: Vec<(String, Vec<u8>)> = r.headers.values().cloned().collect();
-            let tc_dir = tc.dir.to_string_lossy().into_owned();
             let mut blobs = Vec::new();
             let mut functions = Vec::new();
             for step in &m.steps {
-                let flags: Vec<String> = step.flags.iter().map(|f| f.replace(TOOLCHAIN_PLACEHOLDER, &tc_dir)).collect();
+                // workers run in the toolchain folder: its placeholder becomes "."
+                let flags: Vec<String> = step.flags.iter().map(|f| f.replace(TOOLCHAIN_PLACEHOLDER, ".")).collect();
                 let output = if step.output == "cubin" { nvrtc::Output::Cubin } else { nvrtc::Output::Ptx };
-                let (bytes, _log) = nv.compile(&format!("{}.cu", r.name), &r.source, &headers, &flags, output, &r.name, &target, &step.arch)?;
+                let (bytes, _log) = worker::compile(&req.nvrtc_worker, &tc.dir, &format!("{}.cu", r.name), &r.source, &headers, &flags, output, &r.name, &target, &step.arch)?;
                 if output == nvrtc::Output::Ptx {
                     functions = nvrtc::ptx_entries(&String::from_utf8_lossy(&bytes));
                 }

@@ -27,6 +27,7 @@ fn build(repo_dir: &Path, spec: &TargetSpec, cache: &Path) -> BTreeMap<String, B
         cache_dir: cache,
         jobs: 2,
         force_compile: false,
+        nvrtc_worker: xtask(),
     };
     build_kernels(&req, &|_| {}).unwrap().into_iter().map(|k| (k.name.clone(), k)).collect()
 }
@@ -122,7 +123,7 @@ fn compile_errors_show_the_compiler_log_and_kernel() {
     let dir = tempfile::tempdir().unwrap();
     let spec = fixture(dir.path());
     std::fs::write(dir.path().join("kernels/cuda/fb.cu.hbs"), "extern \"C\" __global__ void fb(float* o) { o[0] = undefined_thing; }\n").unwrap();
-    let req = BuildRequest { repo: dir.path(), spec: &spec, toolchain_dir: metrale_codegen::toolchain::default_dir(&repo()), cache_dir: &dir.path().join("c"), jobs: 1, force_compile: false };
+    let req = BuildRequest { repo: dir.path(), spec: &spec, toolchain_dir: metrale_codegen::toolchain::default_dir(&repo()), cache_dir: &dir.path().join("c"), jobs: 1, force_compile: false, nvrtc_worker: xtask() };
     let e = build_kernels(&req, &|_| {}).unwrap_err().to_string();
     assert!(e.contains("kernel `fb`") && e.contains("undefined_thing") && e.contains("sm_90a"), "{e}");
 }

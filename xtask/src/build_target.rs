@@ -121,7 +121,8 @@ pub fn compile_kernels(repo: &Path, spec: &TargetSpec, cache: &Path, jobs: usize
             }
         }
     };
-    let req = BuildRequest { repo, spec, toolchain_dir: metrale_codegen::toolchain::default_dir(&repo_root()), cache_dir: cache, jobs, force_compile: force };
+    let nvrtc_worker = std::env::current_exe().context("locating the xtask executable (the NVRTC worker)")?;
+    let req = BuildRequest { repo, spec, toolchain_dir: metrale_codegen::toolchain::default_dir(&repo_root()), cache_dir: cache, jobs, force_compile: force, nvrtc_worker };
     let r = metrale_codegen::build_kernels(&req, &progress);
     if let Some(b) = bar {
         b.finish_and_clear();

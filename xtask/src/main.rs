@@ -38,6 +38,8 @@ enum Cmd {
 }
 
 fn main() {
+    // Every NVRTC compile runs in a fresh xtask process (see metrale_codegen::worker).
+    metrale_codegen::worker::serve_if_worker();
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Toolchain(a) => toolchain::run(a),

@@ -1,0 +1,171 @@
+//! NVRTC in a fresh process for every compile.
+//!
+//! Why: NVRTC 13.0.88's PTX output depends on heap addresses. Measured 2026-11-30 on this project's
+//! kernels: identical builds gave 2-4 different `.ptx` files for some kernels (virtual-register
+//! numbering and a few moves in `lm_head`, `attn_in`, `attn_out`, `ffn_in`; cubins were stable)
+//! - with every compile in one process (state left by earlier compiles), and
+//! - with one fresh process per compile, as long as address-space randomisation was on;
+//!
+//! while one fresh process per compile with randomisation off (`personality(ADDR_NO_RANDOMIZE)`)
+//! gave byte-identical blobs in every run. A blob that depends on chance breaks the attestation's
+//! promise and `audit --rebuild`, so every compile runs in such a child: a fresh process, no
+//! randomisation, working directory = the toolchain folder, and a request that holds no absolute
+//! path (the include path is `./include`, the libraries `lib/...`), so that neither the clone's nor
+//! the toolchain's location changes a single allocation the compiler sees.
+//!
+//! The child is an executable that calls [`serve_if_worker`] first thing in `main` (xtask does);
+//! the parent starts it with the environment variable [`ENV`] set, writes one JSON [`Request`] to its
+//! stdin and reads one JSON [`Response`] from its stdout.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde::{Deserialize, Serialize};
+
+use crate::nvrtc::{Nvrtc, Output};
+use crate::CodegenError;
+
+/// Set (to anything) in a worker's environment.
+pub const ENV: &str = "METRALE_NVRTC_WORKER";
+
+#[derive(Serialize, Deserialize)]
+struct Request {
+    lib_dir: PathBuf,
+    program: String,
+    source: String,
+    /// (include name, contents as hex)
+    headers: Vec<(String, String)>,
+    options: Vec<String>,
+    cubin: bool,
+    kernel: String,
+    target: String,
+    arch: String,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Response {
+    /// The blob as hex, and NVRTC's log.
+    Ok { blob: String, log: String },
+    /// The source did not compile: NVRTC's log.
+    CompileError { log: String },
+    /// Anything else (toolchain not loadable, an NVRTC call failed): the message.
+    Failed { message: String },
+}
+
+/// In a worker process (env [`ENV`] set): serve one request from stdin and exit. Otherwise return
+/// at once. Call it first thing in `main` of every binary passed as a worker.
+pub fn serve_if_worker() {
+    if std::env::var_os(ENV).is_none() {
+        return;
+    }
+    let response = serve();
+    let text = serde_json::to_string(&response).expect("a response always serialises");
+    let mut out = std::io::stdout().lock();
+    let ok = out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_ok();
+    std::process::exit(if ok { 0 } else { 1 });
+}
+
+fn serve() -> Response {
+    let mut input = String::new();
+    if let Err(e) = std::io::stdin().read_to_string(&mut input) {
+        return Response::Failed { message: format!("reading the request: {e}") };
+    }
+    let req: Request = match serde_json::from_str(&input) {
+        Ok(r) => r,
+        Err(e) => return Response::Failed { message: format!("malformed request: {e}") },
+    };
+    let mut headers = Vec::new();
+    for (name, h) in req.headers {
+        match hex::decode(&h) {
+            Ok(b) => headers.push((name, b)),
+            Err(e) => return Response::Failed { message: format!("header {name}: {e}") },
+        }
+    }
+    let nv = match Nvrtc::load(&req.lib_dir) {
+        Ok(n) => n,
+        Err(e) => return Response::Failed { message: e.to_string() },
+    };
+    let output = if req.cubin { Output::Cubin } else { Output::Ptx };
+    match nv.compile(&req.program, &req.source, &headers, &req.options, output, &req.kernel, &req.target, &req.arch) {
+        Ok((blob, log)) => Response::Ok { blob: hex::encode(blob), log },
+        Err(CodegenError::Compile { log, .. }) => Response::CompileError { log },
+        Err(e) => Response::Failed { message: e.to_string() },
+    }
+}
+
+/// Compile in a fresh worker process (`worker` started with [`ENV`] set, in `toolchain_dir`, without
+/// address randomisation); same contract as [`Nvrtc::compile`]. Paths in `options` are relative to
+/// `toolchain_dir`.
+#[allow(clippy::too_many_arguments)]
+pub fn compile(
+    worker: &Path,
+    toolchain_dir: &Path,
+    program: &str,
+    source: &str,
+    headers: &[(String, Vec<u8>)],
+    options: &[String],
+    output: Output,
+    kernel: &str,
+    target: &str,
+    arch: &str,
+) -> Result<(Vec<u8>, String), CodegenError> {
+    let failed = |message: String| CodegenError::Worker { kernel: kernel.into(), worker: worker.to_path_buf(), message };
+    let req = Request {
+        lib_dir: PathBuf::from("lib"),
+        program: program.into(),
+        source: source.into(),
+        headers: headers.iter().map(|(n, b)| (n.clone(), hex::encode(b))).collect(),
+        options: options.to_vec(),
+        cubin: output == Output::Cubin,
+        kernel: kernel.into(),
+        target: target.into(),
+        arch: arch.into(),
+    };
+    let body = serde_json::to_vec(&req).map_err(|e| failed(e.to_string()))?;
+    let mut cmd = Command::new(worker);
+    no_address_randomisation(&mut cmd);
+    let mut child = cmd
+        .current_dir(toolchain_dir)
+        .env(ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| failed(format!("cannot start: {e}")))?;
+    // The request is small next to a pipe's buffer only for tiny kernels: write from a thread so a
+    // child that answers early cannot deadlock against us.
+    let mut stdin = child.stdin.take().expect("piped");
+    let writer = std::thread::spawn(move || stdin.write_all(&body));
+    let out = child.wait_with_output().map_err(|e| failed(e.to_string()))?;
+    writer.join().expect("writer thread").map_err(|e| failed(format!("writing the request: {e}")))?;
+    if !out.status.success() {
+        return Err(failed(format!("exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    match serde_json::from_slice::<Response>(&out.stdout) {
+        Ok(Response::Ok { blob, log }) => Ok((hex::decode(blob).map_err(|e| failed(e.to_string()))?, log)),
+        Ok(Response::CompileError { log }) => Err(CodegenError::Compile { target: target.into(), kernel: kernel.into(), arch: arch.into(), log }),
+        Ok(Response::Failed { message }) => Err(failed(message)),
+        Err(e) => Err(failed(format!("unreadable answer ({e}); is it a binary that calls metrale_codegen::worker::serve_if_worker()?"))),
+    }
+}
+
+/// The child starts with address-space randomisation off (Linux `personality`), which NVRTC needs
+/// for reproducible PTX (see the module docs).
+#[cfg(target_os = "linux")]
+fn no_address_randomisation(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: personality(2) is a plain system call, safe between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let current = libc::personality(0xffff_ffff);
+            if current == -1 || libc::personality((current as libc::c_ulong) | libc::ADDR_NO_RANDOMIZE as libc::c_ulong) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn no_address_randomisation(_cmd: &mut Command) {}
