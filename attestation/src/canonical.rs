@@ -52,7 +52,11 @@ mod tests {
     use super::*;
     #[test]
     fn keys_sorted_recursively() {
-        let v: Value = serde_json::from_str(r#"{"b":1,"a":{"d":[{"z":1,"y":2}],"c":"x"}}"#).unwrap();
-        assert_eq!(to_string(&v), r#"{"a":{"c":"x","d":[{"y":2,"z":1}]},"b":1}"#);
+        let v: Value =
+            serde_json::from_str(r#"{"b":1,"a":{"d":[{"z":1,"y":2}],"c":"x"}}"#).unwrap();
+        assert_eq!(
+            to_string(&v),
+            r#"{"a":{"c":"x","d":[{"y":2,"z":1}]},"b":1}"#
+        );
     }
 }

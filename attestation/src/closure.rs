@@ -39,7 +39,11 @@ pub struct CompilerId {
 impl CompilerId {
     /// One line for humans: "nvrtc 13.0.88 (libnvrtc.so.13 sha256:ab12..)".
     pub fn short(&self) -> String {
-        let libs: Vec<String> = self.libs.iter().map(|(k, v)| format!("{k} sha256:{}", &v[..v.len().min(12)])).collect();
+        let libs: Vec<String> = self
+            .libs
+            .iter()
+            .map(|(k, v)| format!("{k} sha256:{}", &v[..v.len().min(12)]))
+            .collect();
         format!("{} {} ({})", self.name, self.version, libs.join(", "))
     }
 }
@@ -77,7 +81,11 @@ impl ClosureManifest {
         let mut h = blake3::Hasher::new();
         h.update(SCHEMA.as_bytes());
         h.update(b"\n");
-        h.update(crate::canonical::encode(self).expect("a manifest is always JSON-serializable").as_bytes());
+        h.update(
+            crate::canonical::encode(self)
+                .expect("a manifest is always JSON-serializable")
+                .as_bytes(),
+        );
         h.finalize().to_hex().to_string()
     }
 
@@ -90,11 +98,19 @@ impl ClosureManifest {
     /// `["kernels/cuda/common.cuh changed", "compiler changed"]`. Empty when the hashes agree.
     pub fn diff(&self, now: &ClosureManifest) -> Vec<String> {
         let mut out = Vec::new();
-        let old: BTreeMap<&str, &str> = self.files().map(|f| (f.path.as_str(), f.sha256.as_str())).collect();
-        let new: BTreeMap<&str, &str> = now.files().map(|f| (f.path.as_str(), f.sha256.as_str())).collect();
+        let old: BTreeMap<&str, &str> = self
+            .files()
+            .map(|f| (f.path.as_str(), f.sha256.as_str()))
+            .collect();
+        let new: BTreeMap<&str, &str> = now
+            .files()
+            .map(|f| (f.path.as_str(), f.sha256.as_str()))
+            .collect();
         for (p, d) in &old {
             match new.get(p) {
-                None => out.push(format!("{p} no longer in the closure (removed or no longer included)")),
+                None => out.push(format!(
+                    "{p} no longer in the closure (removed or no longer included)"
+                )),
                 Some(n) if n != d => out.push(format!("{p} changed")),
                 _ => {}
             }
@@ -110,7 +126,11 @@ impl ClosureManifest {
             out.push(format!("target parameters changed: {}", keys.join(", ")));
         }
         if self.compiler != now.compiler {
-            out.push(format!("compiler changed: {} -> {}", self.compiler.short(), now.compiler.short()));
+            out.push(format!(
+                "compiler changed: {} -> {}",
+                self.compiler.short(),
+                now.compiler.short()
+            ));
         }
         if self.steps != now.steps {
             out.push("compile flags or archs changed".to_string());
@@ -131,7 +151,11 @@ fn diff_values(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: 
         (Value::Object(x), Value::Object(y)) => {
             let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
             for k in keys {
-                let p = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                let p = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
                 match (x.get(k), y.get(k)) {
                     (Some(u), Some(v)) => diff_values(&p, u, v, out),
                     _ => out.push(p),
@@ -152,11 +176,22 @@ mod tests {
             kernel: "k".into(),
             backend: "cuda".into(),
             target: "h200/m/q".into(),
-            template: FileDigest { path: "kernels/cuda/k.cu.hbs".into(), sha256: "aa".into() },
+            template: FileDigest {
+                path: "kernels/cuda/k.cu.hbs".into(),
+                sha256: "aa".into(),
+            },
             rendered_sha256: "bb".into(),
-            headers: vec![FileDigest { path: "kernels/cuda/a.cuh".into(), sha256: "cc".into() }],
+            headers: vec![FileDigest {
+                path: "kernels/cuda/a.cuh".into(),
+                sha256: "cc".into(),
+            }],
             params: serde_json::json!({"model": {"hidden": 576}}),
-            compiler: CompilerId { name: "nvrtc".into(), version: "13.0.88".into(), libs: BTreeMap::new(), headers_sha256: "dd".into() },
+            compiler: CompilerId {
+                name: "nvrtc".into(),
+                version: "13.0.88".into(),
+                libs: BTreeMap::new(),
+                headers_sha256: "dd".into(),
+            },
             steps: vec![],
         }
     }
@@ -168,7 +203,13 @@ mod tests {
         b.params = serde_json::json!({"model": {"hidden": 577}});
         assert_ne!(a.hash(), b.hash());
         let d = a.diff(&b);
-        assert_eq!(d, vec!["kernels/cuda/a.cuh changed".to_string(), "target parameters changed: model.hidden".to_string()]);
+        assert_eq!(
+            d,
+            vec![
+                "kernels/cuda/a.cuh changed".to_string(),
+                "target parameters changed: model.hidden".to_string()
+            ]
+        );
         assert!(a.diff(&a.clone()).is_empty());
     }
 }

@@ -34,9 +34,17 @@ pub fn blake3_hex(bytes: &[u8]) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum AttestError {
     #[error("kernel pack: {what} at byte {offset}: {detail}")]
-    Pack { what: &'static str, offset: usize, detail: String },
+    Pack {
+        what: &'static str,
+        offset: usize,
+        detail: String,
+    },
     #[error("attestation JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("attestation: {field}: expected {expected}, got {got}")]
-    Invalid { field: String, expected: String, got: String },
+    Invalid {
+        field: String,
+        expected: String,
+        got: String,
+    },
 }

@@ -60,7 +60,11 @@ impl PackWriter {
         self
     }
     pub fn to_bytes(&self) -> Vec<u8> {
-        let body: usize = self.entries.iter().map(|(k, v)| 4 + k.len() + 8 + v.len()).sum();
+        let body: usize = self
+            .entries
+            .iter()
+            .map(|(k, v)| 4 + k.len() + 8 + v.len())
+            .sum();
         let total = HEADER + body;
         let mut out = Vec::with_capacity(total);
         out.extend_from_slice(MAGIC);
@@ -86,45 +90,81 @@ pub struct Pack<'a> {
 }
 
 fn err(what: &'static str, offset: usize, detail: impl Into<String>) -> AttestError {
-    AttestError::Pack { what, offset, detail: detail.into() }
+    AttestError::Pack {
+        what,
+        offset,
+        detail: detail.into(),
+    }
 }
 
 impl<'a> Pack<'a> {
     /// Parses a pack at the start of `bytes` (trailing bytes after `total` are ignored).
     pub fn parse(bytes: &'a [u8]) -> Result<Pack<'a>, AttestError> {
         if bytes.len() < HEADER {
-            return Err(err("header", 0, format!("{} bytes, need at least {HEADER}", bytes.len())));
+            return Err(err(
+                "header",
+                0,
+                format!("{} bytes, need at least {HEADER}", bytes.len()),
+            ));
         }
         if &bytes[..8] != MAGIC {
-            return Err(err("magic", 0, format!("expected {:?}, got {:?}", MAGIC, &bytes[..8])));
+            return Err(err(
+                "magic",
+                0,
+                format!("expected {:?}, got {:?}", MAGIC, &bytes[..8]),
+            ));
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
         if version != VERSION {
-            return Err(err("version", 8, format!("expected {VERSION}, got {version}")));
+            return Err(err(
+                "version",
+                8,
+                format!("expected {VERSION}, got {version}"),
+            ));
         }
         let total = u64::from_le_bytes(bytes[12..20].try_into().unwrap());
         if total > bytes.len() as u64 || total < HEADER as u64 {
-            return Err(err("total length", 12, format!("{total} but {} bytes available", bytes.len())));
+            return Err(err(
+                "total length",
+                12,
+                format!("{total} but {} bytes available", bytes.len()),
+            ));
         }
         let bytes = &bytes[..total as usize];
         let count = u32::from_le_bytes(bytes[20..24].try_into().unwrap()) as usize;
         if count > (bytes.len() - HEADER) / 12 {
-            return Err(err("entry count", 20, format!("{count} entries cannot fit in {} bytes", bytes.len())));
+            return Err(err(
+                "entry count",
+                20,
+                format!("{count} entries cannot fit in {} bytes", bytes.len()),
+            ));
         }
         let mut entries = BTreeMap::new();
         let mut pos = HEADER;
         for _ in 0..count {
-            let take = |pos: usize, n: usize, what: &'static str| -> Result<Range<usize>, AttestError> {
-                let end = pos.checked_add(n).filter(|e| *e <= bytes.len()).ok_or_else(|| err(what, pos, format!("{n} bytes past the end ({})", bytes.len())))?;
-                Ok(pos..end)
-            };
+            let take =
+                |pos: usize, n: usize, what: &'static str| -> Result<Range<usize>, AttestError> {
+                    let end = pos
+                        .checked_add(n)
+                        .filter(|e| *e <= bytes.len())
+                        .ok_or_else(|| {
+                            err(
+                                what,
+                                pos,
+                                format!("{n} bytes past the end ({})", bytes.len()),
+                            )
+                        })?;
+                    Ok(pos..end)
+                };
             let r = take(pos, 4, "key length")?;
             let klen = u32::from_le_bytes(bytes[r.clone()].try_into().unwrap()) as usize;
             let kr = take(r.end, klen, "key")?;
-            let key = std::str::from_utf8(&bytes[kr.clone()]).map_err(|e| err("key", kr.start, e.to_string()))?;
+            let key = std::str::from_utf8(&bytes[kr.clone()])
+                .map_err(|e| err("key", kr.start, e.to_string()))?;
             let r = take(kr.end, 8, "value length")?;
             let vlen = u64::from_le_bytes(bytes[r.clone()].try_into().unwrap());
-            let vlen = usize::try_from(vlen).map_err(|_| err("value length", r.start, vlen.to_string()))?;
+            let vlen = usize::try_from(vlen)
+                .map_err(|_| err("value length", r.start, vlen.to_string()))?;
             let vr = take(r.end, vlen, "value")?;
             pos = vr.end;
             if entries.insert(key, vr).is_some() {
@@ -132,7 +172,11 @@ impl<'a> Pack<'a> {
             }
         }
         if pos != bytes.len() {
-            return Err(err("trailing bytes", pos, format!("{} bytes after the last entry", bytes.len() - pos)));
+            return Err(err(
+                "trailing bytes",
+                pos,
+                format!("{} bytes after the last entry", bytes.len() - pos),
+            ));
         }
         Ok(Pack { bytes, entries })
     }
@@ -149,7 +193,9 @@ impl<'a> Pack<'a> {
     pub fn get_str(&self, key: &str) -> Result<Option<&'a str>, AttestError> {
         match self.entries.get(key) {
             None => Ok(None),
-            Some(r) => std::str::from_utf8(&self.bytes[r.clone()]).map(Some).map_err(|e| err("UTF-8 value", r.start, format!("{key}: {e}"))),
+            Some(r) => std::str::from_utf8(&self.bytes[r.clone()])
+                .map(Some)
+                .map_err(|e| err("UTF-8 value", r.start, format!("{key}: {e}"))),
         }
     }
     /// Byte range of `key`'s value within the pack.
@@ -161,7 +207,10 @@ impl<'a> Pack<'a> {
     }
     /// Kernel names in declaration order (the `kernels` entry).
     pub fn kernel_names(&self) -> Result<Vec<&'a str>, AttestError> {
-        Ok(self.get_str(keys::KERNELS)?.map(|s| s.lines().filter(|l| !l.is_empty()).collect()).unwrap_or_default())
+        Ok(self
+            .get_str(keys::KERNELS)?
+            .map(|s| s.lines().filter(|l| !l.is_empty()).collect())
+            .unwrap_or_default())
     }
 }
 
@@ -171,7 +220,9 @@ mod tests {
     #[test]
     fn roundtrip_and_corruption() {
         let mut w = PackWriter::new();
-        w.add("b", b"hello".to_vec()).add("a", Vec::<u8>::new()).add(keys::KERNELS, b"x\ny\n".to_vec());
+        w.add("b", b"hello".to_vec())
+            .add("a", Vec::<u8>::new())
+            .add(keys::KERNELS, b"x\ny\n".to_vec());
         let mut bytes = w.to_bytes();
         let p = Pack::parse(&bytes).unwrap();
         assert_eq!(p.get("b"), Some(&b"hello"[..]));

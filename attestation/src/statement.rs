@@ -39,7 +39,11 @@ pub struct ResourceDescriptor {
 
 impl ResourceDescriptor {
     pub fn named(name: &str, sha256: &str) -> Self {
-        ResourceDescriptor { name: Some(name.to_string()), digest: [("sha256".to_string(), sha256.to_string())].into(), ..Default::default() }
+        ResourceDescriptor {
+            name: Some(name.to_string()),
+            digest: [("sha256".to_string(), sha256.to_string())].into(),
+            ..Default::default()
+        }
     }
 }
 
@@ -147,7 +151,8 @@ pub fn kernel_set_hash(target: &str, kernels: &BTreeMap<String, KernelProvenance
         .iter()
         .map(|(n, k)| serde_json::json!({"name": n, "closure_hash": k.closure_hash, "blobs": k.blobs}))
         .collect();
-    let doc = serde_json::json!({"schema": "metrale-kernel-set-v1", "target": target, "kernels": list});
+    let doc =
+        serde_json::json!({"schema": "metrale-kernel-set-v1", "target": target, "kernels": list});
     crate::blake3_hex(crate::canonical::to_string(&doc).as_bytes())
 }
 
@@ -177,10 +182,18 @@ impl Statement {
                     }
                 }
             }
-            steps.insert(k.name.clone(), serde_json::to_value(&k.manifest.steps).expect("steps serialize"));
+            steps.insert(
+                k.name.clone(),
+                serde_json::to_value(&k.manifest.steps).expect("steps serialize"),
+            );
             kernels.insert(
                 k.name.clone(),
-                KernelProvenance { closure_hash: k.manifest.hash(), functions: k.functions.clone(), blobs, manifest: k.manifest.clone() },
+                KernelProvenance {
+                    closure_hash: k.manifest.hash(),
+                    functions: k.functions.clone(),
+                    blobs,
+                    manifest: k.manifest.clone(),
+                },
             );
         }
         subject.sort_by(|a, b| a.name.cmp(&b.name));
@@ -195,13 +208,30 @@ impl Statement {
         resolved.extend(inp.toolchain_deps);
 
         let set_hash = kernel_set_hash(inp.target, &kernels);
-        let pairs: Vec<serde_json::Value> = kernels.iter().map(|(n, k)| serde_json::json!([n, k.closure_hash])).collect();
+        let pairs: Vec<serde_json::Value> = kernels
+            .iter()
+            .map(|(n, k)| serde_json::json!([n, k.closure_hash]))
+            .collect();
         let first = inp.kernels.first();
         let step0 = first.and_then(|k| k.manifest.steps.first());
         let closure = TargetClosure {
-            hash: crate::blake3_hex(crate::canonical::to_string(&serde_json::json!({"target": inp.target, "kernels": pairs})).as_bytes()),
-            arch: inp.kernels.iter().flat_map(|k| k.manifest.steps.iter().map(|s| s.arch.clone())).collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(","),
-            compiler: first.map(|k| k.manifest.compiler.short()).unwrap_or_else(|| "none".into()),
+            hash: crate::blake3_hex(
+                crate::canonical::to_string(
+                    &serde_json::json!({"target": inp.target, "kernels": pairs}),
+                )
+                .as_bytes(),
+            ),
+            arch: inp
+                .kernels
+                .iter()
+                .flat_map(|k| k.manifest.steps.iter().map(|s| s.arch.clone()))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(","),
+            compiler: first
+                .map(|k| k.manifest.compiler.short())
+                .unwrap_or_else(|| "none".into()),
             flags: step0.map(|s| s.flags.clone()).unwrap_or_default(),
         };
         Statement {
@@ -224,8 +254,15 @@ impl Statement {
                     resolved_dependencies: resolved,
                 },
                 run_details: RunDetails {
-                    builder: Builder { id: BUILDER_ID.into(), version: [("metrale".to_string(), inp.builder_version.to_string())].into() },
-                    metadata: Metadata { invocation_id: set_hash, started_on: None, finished_on: None },
+                    builder: Builder {
+                        id: BUILDER_ID.into(),
+                        version: [("metrale".to_string(), inp.builder_version.to_string())].into(),
+                    },
+                    metadata: Metadata {
+                        invocation_id: set_hash,
+                        started_on: None,
+                        finished_on: None,
+                    },
                     byproducts: Vec::new(),
                 },
             },
@@ -235,10 +272,18 @@ impl Statement {
     pub fn from_json(s: &str) -> Result<Statement, AttestError> {
         let st: Statement = serde_json::from_str(s)?;
         if st.type_ != STATEMENT_TYPE {
-            return Err(AttestError::Invalid { field: "_type".into(), expected: STATEMENT_TYPE.into(), got: st.type_ });
+            return Err(AttestError::Invalid {
+                field: "_type".into(),
+                expected: STATEMENT_TYPE.into(),
+                got: st.type_,
+            });
         }
         if st.predicate_type != PREDICATE_TYPE {
-            return Err(AttestError::Invalid { field: "predicateType".into(), expected: PREDICATE_TYPE.into(), got: st.predicate_type });
+            return Err(AttestError::Invalid {
+                field: "predicateType".into(),
+                expected: PREDICATE_TYPE.into(),
+                got: st.predicate_type,
+            });
         }
         Ok(st)
     }
@@ -249,15 +294,29 @@ impl Statement {
 
     /// The sha256 recorded for subject `name`.
     pub fn subject_sha256(&self, name: &str) -> Option<&str> {
-        self.subject.iter().find(|s| s.name.as_deref() == Some(name)).and_then(|s| s.digest.get("sha256")).map(|s| s.as_str())
+        self.subject
+            .iter()
+            .find(|s| s.name.as_deref() == Some(name))
+            .and_then(|s| s.digest.get("sha256"))
+            .map(|s| s.as_str())
     }
 
     pub fn kernel_set_hash(&self) -> &str {
-        &self.predicate.build_definition.internal_parameters.kernel_set_hash
+        &self
+            .predicate
+            .build_definition
+            .internal_parameters
+            .kernel_set_hash
     }
 
     /// The statement with one more subject (the binary) and timestamps: the outer `attestation.json`.
-    pub fn with_binary(&self, name: &str, sha256: &str, started_on: Option<String>, finished_on: Option<String>) -> Statement {
+    pub fn with_binary(
+        &self,
+        name: &str,
+        sha256: &str,
+        started_on: Option<String>,
+        finished_on: Option<String>,
+    ) -> Statement {
         let mut s = self.clone();
         s.subject.push(ResourceDescriptor::named(name, sha256));
         s.predicate.run_details.metadata.started_on = started_on;

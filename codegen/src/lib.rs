@@ -23,7 +23,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-pub use metrale_attestation::closure::{ClosureManifest, CompileStep, CompilerId, FileDigest, TOOLCHAIN_PLACEHOLDER};
+pub use metrale_attestation::closure::{
+    ClosureManifest, CompileStep, CompilerId, FileDigest, TOOLCHAIN_PLACEHOLDER,
+};
 use metrale_attestation::sha256_hex;
 use metrale_core::target::{BackendKind, TargetSpec};
 
@@ -33,28 +35,66 @@ pub enum CodegenError {
     #[error("the pinned CUDA toolchain is not usable at {dir}: {detail}. Run `cargo xtask toolchain` to install it (or set METRALE_TOOLCHAIN to its folder).")]
     Toolchain { dir: PathBuf, detail: String },
     #[error("target {target}: template {template}{}: {message}", parameter.as_ref().map(|p| format!(", parameter `{p}`")).unwrap_or_default())]
-    Template { target: String, template: String, parameter: Option<String>, message: String },
+    Template {
+        target: String,
+        template: String,
+        parameter: Option<String>,
+        message: String,
+    },
     #[error("target {target}: kernel `{kernel}` is listed in MODEL.toml but its template {path} cannot be read: {detail}")]
-    TemplateMissing { target: String, kernel: String, path: PathBuf, detail: String },
+    TemplateMissing {
+        target: String,
+        kernel: String,
+        path: PathBuf,
+        detail: String,
+    },
     #[error("{file}: #include \"{include}\": {detail}")]
-    Include { file: String, include: String, detail: String },
-    #[error("target {target}: kernel `{kernel}` failed to compile for {arch}; compiler log:\n{log}")]
-    Compile { target: String, kernel: String, arch: String, log: String },
+    Include {
+        file: String,
+        include: String,
+        detail: String,
+    },
+    #[error(
+        "target {target}: kernel `{kernel}` failed to compile for {arch}; compiler log:\n{log}"
+    )]
+    Compile {
+        target: String,
+        kernel: String,
+        arch: String,
+        log: String,
+    },
     #[error("NVRTC {call} failed: {message} (code {code})")]
-    Nvrtc { call: &'static str, code: i32, message: String },
+    Nvrtc {
+        call: &'static str,
+        code: i32,
+        message: String,
+    },
     #[error("kernel `{kernel}`: {message}")]
     Metal { kernel: String, message: String },
     #[error("kernel `{kernel}`: the NVRTC worker process {worker} failed: {message}")]
-    Worker { kernel: String, worker: PathBuf, message: String },
+    Worker {
+        kernel: String,
+        worker: PathBuf,
+        message: String,
+    },
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Progress of [`build_kernels`].
 #[derive(Debug, Clone)]
 pub enum Event {
-    Started { name: String },
-    Finished { name: String, cached: bool, seconds: f64 },
+    Started {
+        name: String,
+    },
+    Finished {
+        name: String,
+        cached: bool,
+        seconds: f64,
+    },
 }
 
 /// A kernel's blobs and provenance.
@@ -72,7 +112,10 @@ pub struct BuiltKernel {
 
 impl BuiltKernel {
     pub fn blob(&self, kind: &str) -> Option<&[u8]> {
-        self.blobs.iter().find(|(k, _)| k == kind).map(|(_, b)| b.as_slice())
+        self.blobs
+            .iter()
+            .find(|(k, _)| k == kind)
+            .map(|(_, b)| b.as_slice())
     }
 }
 
@@ -109,8 +152,16 @@ pub fn compile_steps(spec: &TargetSpec) -> Vec<CompileStep> {
             let cubin = h.cubin_arch.clone().unwrap_or_default();
             let ptx = h.ptx_arch.clone().unwrap_or_default();
             vec![
-                CompileStep { output: "cubin".into(), flags: common(&cubin), arch: cubin },
-                CompileStep { output: "ptx".into(), flags: common(&ptx), arch: ptx },
+                CompileStep {
+                    output: "cubin".into(),
+                    flags: common(&cubin),
+                    arch: cubin,
+                },
+                CompileStep {
+                    output: "ptx".into(),
+                    flags: common(&ptx),
+                    arch: ptx,
+                },
             ]
         }
         BackendKind::Metal => metal::steps(spec),
@@ -123,21 +174,40 @@ pub fn compiler_id(spec: &TargetSpec) -> CompilerId {
     match spec.hardware.backend {
         BackendKind::Cuda => toolchain::Lock::get().compiler_id(),
         BackendKind::Metal => metal::compiler_id(),
-        BackendKind::Cpu => CompilerId { name: "none".into(), version: "-".into(), libs: Default::default(), headers_sha256: String::new() },
+        BackendKind::Cpu => CompilerId {
+            name: "none".into(),
+            version: "-".into(),
+            libs: Default::default(),
+            headers_sha256: String::new(),
+        },
     }
 }
 
 /// Renders `kernel` and computes its closure manifest from the source tree at `repo` (no compiling).
-pub fn manifest(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<(render::Rendered, ClosureManifest), CodegenError> {
+pub fn manifest(
+    repo: &Path,
+    spec: &TargetSpec,
+    kernel: &str,
+) -> Result<(render::Rendered, ClosureManifest), CodegenError> {
     let r = render::render(repo, spec, kernel)?;
     let m = ClosureManifest {
         schema: metrale_attestation::closure::SCHEMA.into(),
         kernel: kernel.into(),
         backend: spec.hardware.backend.to_string(),
         target: spec.id.to_string(),
-        template: FileDigest { path: r.template_path.clone(), sha256: sha256_hex(&r.template) },
+        template: FileDigest {
+            path: r.template_path.clone(),
+            sha256: sha256_hex(&r.template),
+        },
         rendered_sha256: sha256_hex(r.source.as_bytes()),
-        headers: r.headers.iter().map(|(p, (_, b))| FileDigest { path: p.clone(), sha256: sha256_hex(b) }).collect(),
+        headers: r
+            .headers
+            .iter()
+            .map(|(p, (_, b))| FileDigest {
+                path: p.clone(),
+                sha256: sha256_hex(b),
+            })
+            .collect(),
         params: r.params.clone(),
         compiler: compiler_id(spec),
         steps: compile_steps(spec),
@@ -147,7 +217,10 @@ pub fn manifest(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<(render:
 
 /// Renders, hashes and compiles (or fetches from the cache) every kernel of the target, in the
 /// MODEL.toml order. `progress` is called from worker threads.
-pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) -> Result<Vec<BuiltKernel>, CodegenError> {
+pub fn build_kernels(
+    req: &BuildRequest<'_>,
+    progress: &(dyn Fn(Event) + Sync),
+) -> Result<Vec<BuiltKernel>, CodegenError> {
     let spec = req.spec;
     let names = &spec.kernels;
     // Render everything first: template errors surface before any compile starts.
@@ -155,7 +228,17 @@ pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) 
     let kinds = expected_kinds(spec);
     for k in names {
         let (r, m) = manifest(req.repo, spec, k)?;
-        let hit = if req.force_compile { None } else { load_cached(&cache_dir_of(req.cache_dir, &m.hash()), &r, &m, &m.hash(), &kinds) };
+        let hit = if req.force_compile {
+            None
+        } else {
+            load_cached(
+                &cache_dir_of(req.cache_dir, &m.hash()),
+                &r,
+                &m,
+                &m.hash(),
+                &kinds,
+            )
+        };
         prepared.push((r, m, hit));
     }
     let nvrtc = if spec.hardware.backend == BackendKind::Cuda && !names.is_empty() {
@@ -169,7 +252,8 @@ pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) 
         None
     };
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<BuiltKernel, CodegenError>>>> = Mutex::new((0..prepared.len()).map(|_| None).collect());
+    let results: Mutex<Vec<Option<Result<BuiltKernel, CodegenError>>>> =
+        Mutex::new((0..prepared.len()).map(|_| None).collect());
     let jobs = req.jobs.max(1).min(prepared.len().max(1));
     std::thread::scope(|s| {
         for _ in 0..jobs {
@@ -179,14 +263,20 @@ pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) 
                     break;
                 }
                 let (r, m, hit) = &prepared[i];
-                progress(Event::Started { name: r.name.clone() });
+                progress(Event::Started {
+                    name: r.name.clone(),
+                });
                 let t = Instant::now();
                 let out = match hit {
                     Some(b) => Ok(b.clone()),
                     None => build_one(req, r, m, nvrtc.as_ref().map(|(n, tc)| (*n, tc))),
                 };
                 if let Ok(b) = &out {
-                    progress(Event::Finished { name: r.name.clone(), cached: b.cached, seconds: t.elapsed().as_secs_f64() });
+                    progress(Event::Finished {
+                        name: r.name.clone(),
+                        cached: b.cached,
+                        seconds: t.elapsed().as_secs_f64(),
+                    });
                 }
                 let failed = out.is_err();
                 results.lock().expect("no panics while holding the lock")[i] = Some(out);
@@ -197,7 +287,12 @@ pub fn build_kernels(req: &BuildRequest<'_>, progress: &(dyn Fn(Event) + Sync)) 
         }
     });
     let mut out = Vec::new();
-    for r in results.into_inner().expect("no poisoned lock").into_iter().flatten() {
+    for r in results
+        .into_inner()
+        .expect("no poisoned lock")
+        .into_iter()
+        .flatten()
+    {
         out.push(r?);
     }
     Ok(out)
@@ -211,7 +306,12 @@ fn expected_kinds(spec: &TargetSpec) -> Vec<String> {
     compile_steps(spec).into_iter().map(|s| s.output).collect()
 }
 
-fn build_one(req: &BuildRequest<'_>, r: &render::Rendered, m: &ClosureManifest, nvrtc: Option<(&nvrtc::Nvrtc, &toolchain::Toolchain)>) -> Result<BuiltKernel, CodegenError> {
+fn build_one(
+    req: &BuildRequest<'_>,
+    r: &render::Rendered,
+    m: &ClosureManifest,
+    nvrtc: Option<(&nvrtc::Nvrtc, &toolchain::Toolchain)>,
+) -> Result<BuiltKernel, CodegenError> {
     let t0 = Instant::now();
     let hash = m.hash();
     let dir = cache_dir_of(req.cache_dir, &hash);
@@ -220,48 +320,101 @@ fn build_one(req: &BuildRequest<'_>, r: &render::Rendered, m: &ClosureManifest, 
     let (blobs, functions) = match spec.hardware.backend {
         BackendKind::Cuda => {
             // NVRTC is loaded here only to fail early on a broken toolchain; compiles run in workers.
-            let (_nv, tc) = nvrtc.ok_or_else(|| CodegenError::Toolchain { dir: req.toolchain_dir.clone(), detail: "not loaded".into() })?;
+            let (_nv, tc) = nvrtc.ok_or_else(|| CodegenError::Toolchain {
+                dir: req.toolchain_dir.clone(),
+                detail: "not loaded".into(),
+            })?;
             let headers: Vec<(String, Vec<u8>)> = r.headers.values().cloned().collect();
             let mut blobs = Vec::new();
             let mut functions = Vec::new();
             for step in &m.steps {
                 // workers run in the toolchain folder: its placeholder becomes "."
-                let flags: Vec<String> = step.flags.iter().map(|f| f.replace(TOOLCHAIN_PLACEHOLDER, ".")).collect();
-                let output = if step.output == "cubin" { nvrtc::Output::Cubin } else { nvrtc::Output::Ptx };
-                let (bytes, _log) = worker::compile(&req.nvrtc_worker, &tc.dir, &format!("{}.cu", r.name), &r.source, &headers, &flags, output, &r.name, &target, &step.arch)?;
+                let flags: Vec<String> = step
+                    .flags
+                    .iter()
+                    .map(|f| f.replace(TOOLCHAIN_PLACEHOLDER, "."))
+                    .collect();
+                let output = if step.output == "cubin" {
+                    nvrtc::Output::Cubin
+                } else {
+                    nvrtc::Output::Ptx
+                };
+                let (bytes, _log) = worker::compile(
+                    &req.nvrtc_worker,
+                    &tc.dir,
+                    &format!("{}.cu", r.name),
+                    &r.source,
+                    &headers,
+                    &flags,
+                    output,
+                    &r.name,
+                    &target,
+                    &step.arch,
+                )?;
                 if output == nvrtc::Output::Ptx {
                     functions = nvrtc::ptx_entries(&String::from_utf8_lossy(&bytes));
                 }
                 blobs.push((step.output.clone(), bytes));
             }
             if functions.is_empty() {
-                return Err(CodegenError::Compile { target, kernel: r.name.clone(), arch: "ptx".into(), log: "the PTX declares no kernel (.entry); mark kernels extern \"C\" __global__".into() });
+                return Err(CodegenError::Compile {
+                    target,
+                    kernel: r.name.clone(),
+                    arch: "ptx".into(),
+                    log:
+                        "the PTX declares no kernel (.entry); mark kernels extern \"C\" __global__"
+                            .into(),
+                });
             }
             (blobs, functions)
         }
         BackendKind::Metal => metal::compile(r, m)?,
         BackendKind::Cpu => (Vec::new(), Vec::new()),
     };
-    let b = BuiltKernel { name: r.name.clone(), manifest: m.clone(), closure_hash: hash, blobs, functions, cached: false, seconds: t0.elapsed().as_secs_f64() };
-    if !req.force_compile && b.blobs.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>() == expected_kinds(spec) {
+    let b = BuiltKernel {
+        name: r.name.clone(),
+        manifest: m.clone(),
+        closure_hash: hash,
+        blobs,
+        functions,
+        cached: false,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    if !req.force_compile
+        && b.blobs.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>() == expected_kinds(spec)
+    {
         store(&dir, &b)?;
     }
     Ok(b)
 }
 
-fn load_cached(dir: &Path, r: &render::Rendered, m: &ClosureManifest, hash: &str, kinds: &[String]) -> Option<BuiltKernel> {
+fn load_cached(
+    dir: &Path,
+    r: &render::Rendered,
+    m: &ClosureManifest,
+    hash: &str,
+    kinds: &[String],
+) -> Option<BuiltKernel> {
     let manifest = std::fs::read_to_string(dir.join("manifest.json")).ok()?;
     let stored: ClosureManifest = serde_json::from_str(&manifest).ok()?;
     if stored.hash() != hash {
         return None;
     }
-    let functions = std::fs::read_to_string(dir.join("functions.txt")).ok()?.lines().map(str::to_string).collect();
-    // Every blob is checked against the digest stored with it: a damaged entry is recompiled.
-    let digests: std::collections::BTreeMap<String, String> = std::fs::read_to_string(dir.join("blobs.sha256"))
+    let functions = std::fs::read_to_string(dir.join("functions.txt"))
         .ok()?
         .lines()
-        .filter_map(|l| l.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
+        .map(str::to_string)
         .collect();
+    // Every blob is checked against the digest stored with it: a damaged entry is recompiled.
+    let digests: std::collections::BTreeMap<String, String> =
+        std::fs::read_to_string(dir.join("blobs.sha256"))
+            .ok()?
+            .lines()
+            .filter_map(|l| {
+                l.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+            })
+            .collect();
     let mut blobs = Vec::new();
     for k in kinds {
         let bytes = std::fs::read(dir.join(k)).ok()?;
@@ -270,7 +423,15 @@ fn load_cached(dir: &Path, r: &render::Rendered, m: &ClosureManifest, hash: &str
         }
         blobs.push((k.clone(), bytes));
     }
-    Some(BuiltKernel { name: r.name.clone(), manifest: m.clone(), closure_hash: hash.to_string(), blobs, functions, cached: true, seconds: 0.0 })
+    Some(BuiltKernel {
+        name: r.name.clone(),
+        manifest: m.clone(),
+        closure_hash: hash.to_string(),
+        blobs,
+        functions,
+        cached: true,
+        seconds: 0.0,
+    })
 }
 
 fn store(dir: &Path, b: &BuiltKernel) -> Result<(), CodegenError> {
@@ -280,16 +441,35 @@ fn store(dir: &Path, b: &BuiltKernel) -> Result<(), CodegenError> {
         move |source| CodegenError::Io { path, source }
     };
     std::fs::create_dir_all(parent).map_err(io(parent))?;
-    let tmp = parent.join(format!(".tmp-{}-{}-{:?}", b.closure_hash, std::process::id(), std::thread::current().id()).replace(['(', ')'], ""));
+    let tmp = parent.join(
+        format!(
+            ".tmp-{}-{}-{:?}",
+            b.closure_hash,
+            std::process::id(),
+            std::thread::current().id()
+        )
+        .replace(['(', ')'], ""),
+    );
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    let w = |name: &str, bytes: &[u8]| std::fs::write(tmp.join(name), bytes).map_err(io(&tmp.join(name)));
-    w("manifest.json", serde_json::to_string_pretty(&b.manifest).expect("serializes").as_bytes())?;
+    let w = |name: &str, bytes: &[u8]| {
+        std::fs::write(tmp.join(name), bytes).map_err(io(&tmp.join(name)))
+    };
+    w(
+        "manifest.json",
+        serde_json::to_string_pretty(&b.manifest)
+            .expect("serializes")
+            .as_bytes(),
+    )?;
     w("functions.txt", b.functions.join("\n").as_bytes())?;
     for (k, bytes) in &b.blobs {
         w(k, bytes)?;
     }
-    let sums: String = b.blobs.iter().map(|(k, bytes)| format!("{k} {}\n", sha256_hex(bytes))).collect();
+    let sums: String = b
+        .blobs
+        .iter()
+        .map(|(k, bytes)| format!("{k} {}\n", sha256_hex(bytes)))
+        .collect();
     w("blobs.sha256", sums.as_bytes())?;
     if dir.exists() {
         // A damaged entry (load_cached refused it): replace it.

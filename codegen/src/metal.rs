@@ -17,11 +17,17 @@ use crate::CodegenError;
 fn xcrun_version() -> Option<String> {
     static V: OnceLock<Option<String>> = OnceLock::new();
     V.get_or_init(|| {
-        let out = Command::new("xcrun").args(["-sdk", "macosx", "metal", "--version"]).output().ok()?;
+        let out = Command::new("xcrun")
+            .args(["-sdk", "macosx", "metal", "--version"])
+            .output()
+            .ok()?;
         if !out.status.success() {
             return None;
         }
-        String::from_utf8_lossy(&out.stdout).lines().next().map(|l| l.trim().to_string())
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .map(|l| l.trim().to_string())
     })
     .clone()
 }
@@ -43,8 +49,16 @@ pub fn compiler_id() -> CompilerId {
 pub fn steps(spec: &TargetSpec) -> Vec<CompileStep> {
     let std = spec.hardware.metal_std.clone().unwrap_or_default();
     vec![
-        CompileStep { output: "metal".into(), arch: std.clone(), flags: vec!["render".into()] },
-        CompileStep { output: "metallib".into(), arch: std.clone(), flags: vec![format!("-std={std}"), "-O2".into()] },
+        CompileStep {
+            output: "metal".into(),
+            arch: std.clone(),
+            flags: vec!["render".into()],
+        },
+        CompileStep {
+            output: "metallib".into(),
+            arch: std.clone(),
+            flags: vec![format!("-std={std}"), "-O2".into()],
+        },
     ]
 }
 
@@ -67,18 +81,31 @@ pub fn entries(src: &str) -> Vec<String> {
 }
 
 /// The rendered source as the `metal` blob, plus the `metallib` where xcrun exists.
-pub fn compile(r: &Rendered, m: &ClosureManifest) -> Result<(Vec<(String, Vec<u8>)>, Vec<String>), CodegenError> {
+pub fn compile(
+    r: &Rendered,
+    m: &ClosureManifest,
+) -> Result<(Vec<(String, Vec<u8>)>, Vec<String>), CodegenError> {
     let functions = entries(&r.source);
     if functions.is_empty() {
-        return Err(CodegenError::Metal { kernel: r.name.clone(), message: "the source declares no `kernel void <name>(`".into() });
+        return Err(CodegenError::Metal {
+            kernel: r.name.clone(),
+            message: "the source declares no `kernel void <name>(`".into(),
+        });
     }
     let mut blobs = vec![("metal".to_string(), r.source.clone().into_bytes())];
     if !available() {
         return Ok((blobs, functions));
     }
-    let step = m.steps.iter().find(|s| s.output == "metallib").expect("metal steps include metallib");
+    let step = m
+        .steps
+        .iter()
+        .find(|s| s.output == "metallib")
+        .expect("metal steps include metallib");
     let dir = std::env::temp_dir().join(format!("metrale-metal-{}-{}", r.name, std::process::id()));
-    let io = |source| CodegenError::Io { path: dir.clone(), source };
+    let io = |source| CodegenError::Io {
+        path: dir.clone(),
+        source,
+    };
     std::fs::create_dir_all(&dir).map_err(io)?;
     for (_, (inc, bytes)) in &r.headers {
         let p = dir.join(inc);
@@ -92,17 +119,43 @@ pub fn compile(r: &Rendered, m: &ClosureManifest) -> Result<(Vec<(String, Vec<u8
     let air = dir.join(format!("{}.air", r.name));
     let lib = dir.join(format!("{}.metallib", r.name));
     let run = |args: Vec<String>| -> Result<(), CodegenError> {
-        let out = Command::new("xcrun").args(&args).current_dir(&dir).output().map_err(|e| CodegenError::Metal { kernel: r.name.clone(), message: format!("xcrun: {e}") })?;
+        let out = Command::new("xcrun")
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .map_err(|e| CodegenError::Metal {
+                kernel: r.name.clone(),
+                message: format!("xcrun: {e}"),
+            })?;
         if !out.status.success() {
-            return Err(CodegenError::Metal { kernel: r.name.clone(), message: format!("xcrun {} failed:\n{}", args.join(" "), String::from_utf8_lossy(&out.stderr)) });
+            return Err(CodegenError::Metal {
+                kernel: r.name.clone(),
+                message: format!(
+                    "xcrun {} failed:\n{}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            });
         }
         Ok(())
     };
     let mut a = vec!["-sdk".into(), "macosx".into(), "metal".into()];
     a.extend(step.flags.iter().cloned());
-    a.extend(["-c".into(), format!("{}.metal", r.name), "-o".into(), format!("{}.air", r.name)]);
+    a.extend([
+        "-c".into(),
+        format!("{}.metal", r.name),
+        "-o".into(),
+        format!("{}.air", r.name),
+    ]);
     run(a)?;
-    run(vec!["-sdk".into(), "macosx".into(), "metallib".into(), format!("{}.air", r.name), "-o".into(), format!("{}.metallib", r.name)])?;
+    run(vec![
+        "-sdk".into(),
+        "macosx".into(),
+        "metallib".into(),
+        format!("{}.air", r.name),
+        "-o".into(),
+        format!("{}.metallib", r.name),
+    ])?;
     let bytes = std::fs::read(&lib).map_err(io)?;
     let _ = std::fs::remove_file(&air);
     let _ = std::fs::remove_dir_all(&dir);

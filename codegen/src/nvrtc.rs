@@ -17,7 +17,14 @@ type Res = c_int;
 
 struct Fns {
     version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> Res,
-    create: unsafe extern "C" fn(*mut Prog, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> Res,
+    create: unsafe extern "C" fn(
+        *mut Prog,
+        *const c_char,
+        *const c_char,
+        c_int,
+        *const *const c_char,
+        *const *const c_char,
+    ) -> Res,
     compile: unsafe extern "C" fn(Prog, c_int, *const *const c_char) -> Res,
     log_size: unsafe extern "C" fn(Prog, *mut usize) -> Res,
     log: unsafe extern "C" fn(Prog, *mut c_char) -> Res,
@@ -58,16 +65,25 @@ impl Nvrtc {
             Ok(n) if n.lib_dir == lib_dir => Ok(n),
             Ok(n) => Err(CodegenError::Toolchain {
                 dir: lib_dir.to_path_buf(),
-                detail: format!("this process already loaded NVRTC from {}", n.lib_dir.display()),
+                detail: format!(
+                    "this process already loaded NVRTC from {}",
+                    n.lib_dir.display()
+                ),
             }),
-            Err(e) => Err(CodegenError::Toolchain { dir: lib_dir.to_path_buf(), detail: e.clone() }),
+            Err(e) => Err(CodegenError::Toolchain {
+                dir: lib_dir.to_path_buf(),
+                detail: e.clone(),
+            }),
         }
     }
 
     unsafe fn open(lib_dir: &Path) -> Result<Nvrtc, CodegenError> {
         let open = |name: &str| -> Result<libloading::Library, CodegenError> {
             let p = lib_dir.join(name);
-            libloading::Library::new(&p).map_err(|e| CodegenError::Toolchain { dir: lib_dir.to_path_buf(), detail: format!("cannot load {}: {e}", p.display()) })
+            libloading::Library::new(&p).map_err(|e| CodegenError::Toolchain {
+                dir: lib_dir.to_path_buf(),
+                detail: format!("cannot load {}: {e}", p.display()),
+            })
         };
         // builtins first: libnvrtc dlopens it by soname, which then resolves to this loaded copy.
         let builtins = open("libnvrtc-builtins.so.13.0")?;
@@ -76,7 +92,10 @@ impl Nvrtc {
             ($name:literal) => {
                 *lib.get($name).map_err(|e| CodegenError::Toolchain {
                     dir: lib_dir.to_path_buf(),
-                    detail: format!("symbol {} missing: {e}", String::from_utf8_lossy(&$name[..$name.len() - 1])),
+                    detail: format!(
+                        "symbol {} missing: {e}",
+                        String::from_utf8_lossy(&$name[..$name.len() - 1])
+                    ),
                 })?
             };
         }
@@ -93,13 +112,19 @@ impl Nvrtc {
             destroy: sym!(b"nvrtcDestroyProgram\0"),
             error_string: sym!(b"nvrtcGetErrorString\0"),
         };
-        Ok(Nvrtc { fns, lib_dir: lib_dir.to_path_buf(), _libs: vec![builtins, lib] })
+        Ok(Nvrtc {
+            fns,
+            lib_dir: lib_dir.to_path_buf(),
+            _libs: vec![builtins, lib],
+        })
     }
 
     /// (major, minor) as NVRTC reports it.
     pub fn version(&self) -> Result<(i32, i32), CodegenError> {
         let (mut a, mut b) = (0, 0);
-        self.check("nvrtcVersion", unsafe { (self.fns.version)(&mut a, &mut b) })?;
+        self.check("nvrtcVersion", unsafe {
+            (self.fns.version)(&mut a, &mut b)
+        })?;
         Ok((a, b))
     }
 
@@ -109,9 +134,17 @@ impl Nvrtc {
         }
         let msg = unsafe {
             let p = (self.fns.error_string)(r);
-            if p.is_null() { format!("error {r}") } else { CStr::from_ptr(p).to_string_lossy().into_owned() }
+            if p.is_null() {
+                format!("error {r}")
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
         };
-        Err(CodegenError::Nvrtc { call, code: r, message: msg })
+        Err(CodegenError::Nvrtc {
+            call,
+            code: r,
+            message: msg,
+        })
     }
 
     /// Compiles `source` (named `<program>`), with `headers` = (include name, contents) in memory.
@@ -128,7 +161,12 @@ impl Nvrtc {
         arch: &str,
     ) -> Result<(Vec<u8>, String), CodegenError> {
         let cstr = |s: &[u8], what: &str| {
-            CString::new(s).map_err(|_| CodegenError::Compile { target: target.into(), kernel: kernel.into(), arch: arch.into(), log: format!("{what} contains a NUL byte") })
+            CString::new(s).map_err(|_| CodegenError::Compile {
+                target: target.into(),
+                kernel: kernel.into(),
+                arch: arch.into(),
+                log: format!("{what} contains a NUL byte"),
+            })
         };
         let src = cstr(source.as_bytes(), "the rendered source")?;
         let name = cstr(program.as_bytes(), "the program name")?;
@@ -140,35 +178,70 @@ impl Nvrtc {
         }
         let hs: Vec<*const c_char> = hdr_src.iter().map(|c| c.as_ptr()).collect();
         let hn: Vec<*const c_char> = hdr_names.iter().map(|c| c.as_ptr()).collect();
-        let opts: Vec<CString> = options.iter().map(|o| cstr(o.as_bytes(), "an option")).collect::<Result<_, _>>()?;
+        let opts: Vec<CString> = options
+            .iter()
+            .map(|o| cstr(o.as_bytes(), "an option"))
+            .collect::<Result<_, _>>()?;
         let op: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
         let mut prog: Prog = std::ptr::null_mut();
         unsafe {
             self.check(
                 "nvrtcCreateProgram",
-                (self.fns.create)(&mut prog, src.as_ptr(), name.as_ptr(), hs.len() as c_int, if hs.is_empty() { std::ptr::null() } else { hs.as_ptr() }, if hn.is_empty() { std::ptr::null() } else { hn.as_ptr() }),
+                (self.fns.create)(
+                    &mut prog,
+                    src.as_ptr(),
+                    name.as_ptr(),
+                    hs.len() as c_int,
+                    if hs.is_empty() {
+                        std::ptr::null()
+                    } else {
+                        hs.as_ptr()
+                    },
+                    if hn.is_empty() {
+                        std::ptr::null()
+                    } else {
+                        hn.as_ptr()
+                    },
+                ),
             )?;
             let result = (|| {
                 let r = (self.fns.compile)(prog, op.len() as c_int, op.as_ptr());
                 let mut n = 0usize;
                 self.check("nvrtcGetProgramLogSize", (self.fns.log_size)(prog, &mut n))?;
                 let mut log = vec![0u8; n.max(1)];
-                self.check("nvrtcGetProgramLog", (self.fns.log)(prog, log.as_mut_ptr() as *mut c_char))?;
-                let log = String::from_utf8_lossy(&log[..log.iter().position(|&c| c == 0).unwrap_or(log.len())]).into_owned();
+                self.check(
+                    "nvrtcGetProgramLog",
+                    (self.fns.log)(prog, log.as_mut_ptr() as *mut c_char),
+                )?;
+                let log = String::from_utf8_lossy(
+                    &log[..log.iter().position(|&c| c == 0).unwrap_or(log.len())],
+                )
+                .into_owned();
                 if r != 0 {
-                    return Err(CodegenError::Compile { target: target.into(), kernel: kernel.into(), arch: arch.into(), log });
+                    return Err(CodegenError::Compile {
+                        target: target.into(),
+                        kernel: kernel.into(),
+                        arch: arch.into(),
+                        log,
+                    });
                 }
                 let bytes = match output {
                     Output::Cubin => {
                         self.check("nvrtcGetCUBINSize", (self.fns.cubin_size)(prog, &mut n))?;
                         let mut v = vec![0u8; n];
-                        self.check("nvrtcGetCUBIN", (self.fns.cubin)(prog, v.as_mut_ptr() as *mut c_char))?;
+                        self.check(
+                            "nvrtcGetCUBIN",
+                            (self.fns.cubin)(prog, v.as_mut_ptr() as *mut c_char),
+                        )?;
                         v
                     }
                     Output::Ptx => {
                         self.check("nvrtcGetPTXSize", (self.fns.ptx_size)(prog, &mut n))?;
                         let mut v = vec![0u8; n];
-                        self.check("nvrtcGetPTX", (self.fns.ptx)(prog, v.as_mut_ptr() as *mut c_char))?;
+                        self.check(
+                            "nvrtcGetPTX",
+                            (self.fns.ptx)(prog, v.as_mut_ptr() as *mut c_char),
+                        )?;
                         // the PTX size counts its NUL terminator; blobs hold the text only
                         while v.last() == Some(&0) {
                             v.pop();

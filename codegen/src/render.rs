@@ -53,32 +53,59 @@ pub fn context(spec: &TargetSpec, kernel: &str) -> serde_json::Value {
 }
 
 fn rel(repo: &Path, p: &Path) -> String {
-    p.strip_prefix(repo).unwrap_or(p).components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/")
+    p.strip_prefix(repo)
+        .unwrap_or(p)
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// Renders `kernel` of `spec` from the source tree at `repo`.
 pub fn render(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<Rendered, CodegenError> {
     let target = spec.id.to_string();
-    let template_path = template_rel_path(spec.hardware.backend, kernel)
-        .ok_or_else(|| CodegenError::Template { target: target.clone(), template: kernel.into(), parameter: None, message: "the cpu backend has no kernel templates".into() })?;
+    let template_path =
+        template_rel_path(spec.hardware.backend, kernel).ok_or_else(|| CodegenError::Template {
+            target: target.clone(),
+            template: kernel.into(),
+            parameter: None,
+            message: "the cpu backend has no kernel templates".into(),
+        })?;
     let abs = repo.join(&template_path);
-    let template = std::fs::read(&abs).map_err(|e| CodegenError::TemplateMissing { target: target.clone(), kernel: kernel.into(), path: abs.clone(), detail: e.to_string() })?;
-    let text = String::from_utf8(template.clone())
-        .map_err(|e| CodegenError::Template { target: target.clone(), template: template_path.clone(), parameter: None, message: format!("not UTF-8: {e}") })?;
+    let template = std::fs::read(&abs).map_err(|e| CodegenError::TemplateMissing {
+        target: target.clone(),
+        kernel: kernel.into(),
+        path: abs.clone(),
+        detail: e.to_string(),
+    })?;
+    let text = String::from_utf8(template.clone()).map_err(|e| CodegenError::Template {
+        target: target.clone(),
+        template: template_path.clone(),
+        parameter: None,
+        message: format!("not UTF-8: {e}"),
+    })?;
     let params = context(spec, kernel);
     let mut hb = handlebars::Handlebars::new();
     hb.set_strict_mode(true);
     hb.register_escape_fn(handlebars::no_escape);
     let source = hb.render_template(&text, &params).map_err(|e| {
         let (parameter, message) = match e.reason() {
-            handlebars::RenderErrorReason::MissingVariable(p) => (p.clone(), "the target does not define this parameter".to_string()),
+            handlebars::RenderErrorReason::MissingVariable(p) => (
+                p.clone(),
+                "the target does not define this parameter".to_string(),
+            ),
             other => (None, other.to_string()),
         };
         let message = match e.line_no {
             Some(l) => format!("line {l}: {message}"),
             None => message,
         };
-        CodegenError::Template { target: target.clone(), template: template_path.clone(), parameter, message }
+        CodegenError::Template {
+            target: target.clone(),
+            template: template_path.clone(),
+            parameter,
+            message,
+        }
     })?;
     let kernels_root = repo.join("kernels");
     let mut headers: BTreeMap<String, (String, Vec<u8>)> = BTreeMap::new();
@@ -90,12 +117,20 @@ pub fn render(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<Rendered, 
             let resolved = normalize(&dir.join(&inc));
             let includer = rel(repo, &file);
             if !resolved.starts_with(&kernels_root) {
-                return Err(CodegenError::Include { file: includer, include: inc, detail: "resolves outside kernels/".into() });
+                return Err(CodegenError::Include {
+                    file: includer,
+                    include: inc,
+                    detail: "resolves outside kernels/".into(),
+                });
             }
             let r = rel(repo, &resolved);
             match by_name.get(&inc) {
                 Some(prev) if prev != &r => {
-                    return Err(CodegenError::Include { file: includer, include: inc.clone(), detail: format!("names both {prev} and {r}; use unique header names") })
+                    return Err(CodegenError::Include {
+                        file: includer,
+                        include: inc.clone(),
+                        detail: format!("names both {prev} and {r}; use unique header names"),
+                    })
                 }
                 _ => {}
             }
@@ -103,13 +138,28 @@ pub fn render(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<Rendered, 
             if headers.contains_key(&r) {
                 continue;
             }
-            let bytes = std::fs::read(&resolved).map_err(|e| CodegenError::Include { file: includer.clone(), include: inc.clone(), detail: format!("{r}: {e}") })?;
-            let t = String::from_utf8(bytes.clone()).map_err(|e| CodegenError::Include { file: includer, include: inc.clone(), detail: format!("{r} is not UTF-8: {e}") })?;
+            let bytes = std::fs::read(&resolved).map_err(|e| CodegenError::Include {
+                file: includer.clone(),
+                include: inc.clone(),
+                detail: format!("{r}: {e}"),
+            })?;
+            let t = String::from_utf8(bytes.clone()).map_err(|e| CodegenError::Include {
+                file: includer,
+                include: inc.clone(),
+                detail: format!("{r} is not UTF-8: {e}"),
+            })?;
             headers.insert(r, (inc, bytes));
             queue.push((resolved, t));
         }
     }
-    Ok(Rendered { name: kernel.to_string(), template_path, template, source, headers, params })
+    Ok(Rendered {
+        name: kernel.to_string(),
+        template_path,
+        template,
+        source,
+        headers,
+        params,
+    })
 }
 
 /// The `"..."` names of `#include "..."` lines.
@@ -117,8 +167,12 @@ pub fn quoted_includes(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     for line in text.lines() {
         let l = line.trim_start();
-        let Some(rest) = l.strip_prefix('#') else { continue };
-        let Some(rest) = rest.trim_start().strip_prefix("include") else { continue };
+        let Some(rest) = l.strip_prefix('#') else {
+            continue;
+        };
+        let Some(rest) = rest.trim_start().strip_prefix("include") else {
+            continue;
+        };
         let rest = rest.trim_start();
         if let Some(r) = rest.strip_prefix('"') {
             if let Some(end) = r.find('"') {

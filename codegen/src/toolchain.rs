@@ -50,18 +50,31 @@ pub struct LockedHeaders {
 
 impl Lock {
     pub fn get() -> Lock {
-        toml::from_str(LOCK_TOML).expect("codegen/toolchain.lock.toml is valid (checked by a unit test)")
+        toml::from_str(LOCK_TOML)
+            .expect("codegen/toolchain.lock.toml is valid (checked by a unit test)")
     }
 
     /// The compiler identity recorded in closures and attestations.
     pub fn compiler_id(&self) -> CompilerId {
-        CompilerId { name: "nvrtc".into(), version: self.version.clone(), libs: self.libs.clone(), headers_sha256: self.headers.sha256.clone() }
+        CompilerId {
+            name: "nvrtc".into(),
+            version: self.version.clone(),
+            libs: self.libs.clone(),
+            headers_sha256: self.headers.sha256.clone(),
+        }
     }
 
     /// resolvedDependencies entries for the compiler: the libraries and the wheels they came from.
     pub fn dependencies(&self) -> Vec<ResourceDescriptor> {
-        let mut v: Vec<ResourceDescriptor> = self.libs.iter().map(|(n, d)| ResourceDescriptor::named(&format!("toolchain/lib/{n}"), d)).collect();
-        v.push(ResourceDescriptor::named("toolchain/include", &self.headers.sha256));
+        let mut v: Vec<ResourceDescriptor> = self
+            .libs
+            .iter()
+            .map(|(n, d)| ResourceDescriptor::named(&format!("toolchain/lib/{n}"), d))
+            .collect();
+        v.push(ResourceDescriptor::named(
+            "toolchain/include",
+            &self.headers.sha256,
+        ));
         for w in &self.wheel {
             let mut r = ResourceDescriptor::named(&w.file, &w.sha256);
             r.uri = Some(format!("pkg:pypi/{}@{}", w.package, w.version));
@@ -87,21 +100,39 @@ pub fn headers_digest(include: &Path) -> Result<String, CodegenError> {
     let mut listing = String::new();
     for rel in files {
         let p = include.join(&rel);
-        let bytes = std::fs::read(&p).map_err(|source| CodegenError::Io { path: p.clone(), source })?;
-        listing.push_str(&format!("{rel}\t{}\n", metrale_attestation::sha256_hex(&bytes)));
+        let bytes = std::fs::read(&p).map_err(|source| CodegenError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        listing.push_str(&format!(
+            "{rel}\t{}\n",
+            metrale_attestation::sha256_hex(&bytes)
+        ));
     }
     Ok(metrale_attestation::sha256_hex(listing.as_bytes()))
 }
 
 fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<(), CodegenError> {
-    let rd = std::fs::read_dir(dir).map_err(|source| CodegenError::Io { path: dir.to_path_buf(), source })?;
+    let rd = std::fs::read_dir(dir).map_err(|source| CodegenError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     for e in rd {
-        let e = e.map_err(|source| CodegenError::Io { path: dir.to_path_buf(), source })?;
+        let e = e.map_err(|source| CodegenError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
         let p = e.path();
         if p.is_dir() {
             walk(root, &p, out)?;
         } else {
-            let rel = p.strip_prefix(root).expect("under root").components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/");
+            let rel = p
+                .strip_prefix(root)
+                .expect("under root")
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("/");
             out.push(rel);
         }
     }
@@ -122,13 +153,25 @@ impl Toolchain {
     /// Finds the installed toolchain, or says which command installs it.
     pub fn locate(dir: &Path) -> Result<Toolchain, CodegenError> {
         let lock = Lock::get();
-        let missing = |detail: String| CodegenError::Toolchain { dir: dir.to_path_buf(), detail };
+        let missing = |detail: String| CodegenError::Toolchain {
+            dir: dir.to_path_buf(),
+            detail,
+        };
         let marker = dir.join(INSTALLED);
-        let text = std::fs::read_to_string(&marker).map_err(|_| missing(format!("{} is missing", marker.display())))?;
-        let installed: toml::Table = text.parse().map_err(|e| missing(format!("{}: {e}", marker.display())))?;
-        let v = installed.get("version").and_then(|v| v.as_str()).unwrap_or("");
+        let text = std::fs::read_to_string(&marker)
+            .map_err(|_| missing(format!("{} is missing", marker.display())))?;
+        let installed: toml::Table = text
+            .parse()
+            .map_err(|e| missing(format!("{}: {e}", marker.display())))?;
+        let v = installed
+            .get("version")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
         if v != lock.version {
-            return Err(missing(format!("installed version {v:?}, the lock file pins {:?}", lock.version)));
+            return Err(missing(format!(
+                "installed version {v:?}, the lock file pins {:?}",
+                lock.version
+            )));
         }
         for lib in lock.libs.keys() {
             let p = dir.join("lib").join(lib);
@@ -137,9 +180,15 @@ impl Toolchain {
             }
         }
         if !dir.join("include").join("cuda_fp16.h").is_file() {
-            return Err(missing(format!("{} is missing", dir.join("include/cuda_fp16.h").display())));
+            return Err(missing(format!(
+                "{} is missing",
+                dir.join("include/cuda_fp16.h").display()
+            )));
         }
-        Ok(Toolchain { dir: dir.to_path_buf(), lock })
+        Ok(Toolchain {
+            dir: dir.to_path_buf(),
+            lock,
+        })
     }
 
     pub fn include_dir(&self) -> PathBuf {
@@ -155,15 +204,30 @@ impl Toolchain {
     pub fn verify(&self) -> Result<(), CodegenError> {
         for (lib, want) in &self.lock.libs {
             let p = self.lib_dir().join(lib);
-            let bytes = std::fs::read(&p).map_err(|source| CodegenError::Io { path: p.clone(), source })?;
+            let bytes = std::fs::read(&p).map_err(|source| CodegenError::Io {
+                path: p.clone(),
+                source,
+            })?;
             let got = metrale_attestation::sha256_hex(&bytes);
             if &got != want {
-                return Err(CodegenError::Toolchain { dir: self.dir.clone(), detail: format!("{} has sha256 {got}, the lock file says {want}", p.display()) });
+                return Err(CodegenError::Toolchain {
+                    dir: self.dir.clone(),
+                    detail: format!(
+                        "{} has sha256 {got}, the lock file says {want}",
+                        p.display()
+                    ),
+                });
             }
         }
         let got = headers_digest(&self.include_dir())?;
         if got != self.lock.headers.sha256 {
-            return Err(CodegenError::Toolchain { dir: self.dir.clone(), detail: format!("headers digest {got}, the lock file says {}", self.lock.headers.sha256) });
+            return Err(CodegenError::Toolchain {
+                dir: self.dir.clone(),
+                detail: format!(
+                    "headers digest {got}, the lock file says {}",
+                    self.lock.headers.sha256
+                ),
+            });
         }
         Ok(())
     }

@@ -62,35 +62,70 @@ pub fn serve_if_worker() {
     let response = serve();
     let text = serde_json::to_string(&response).expect("a response always serialises");
     let mut out = std::io::stdout().lock();
-    let ok = out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_ok();
+    let ok = out
+        .write_all(text.as_bytes())
+        .and_then(|_| out.flush())
+        .is_ok();
     std::process::exit(if ok { 0 } else { 1 });
 }
 
 fn serve() -> Response {
     let mut input = String::new();
     if let Err(e) = std::io::stdin().read_to_string(&mut input) {
-        return Response::Failed { message: format!("reading the request: {e}") };
+        return Response::Failed {
+            message: format!("reading the request: {e}"),
+        };
     }
     let req: Request = match serde_json::from_str(&input) {
         Ok(r) => r,
-        Err(e) => return Response::Failed { message: format!("malformed request: {e}") },
+        Err(e) => {
+            return Response::Failed {
+                message: format!("malformed request: {e}"),
+            }
+        }
     };
     let mut headers = Vec::new();
     for (name, h) in req.headers {
         match hex::decode(&h) {
             Ok(b) => headers.push((name, b)),
-            Err(e) => return Response::Failed { message: format!("header {name}: {e}") },
+            Err(e) => {
+                return Response::Failed {
+                    message: format!("header {name}: {e}"),
+                }
+            }
         }
     }
     let nv = match Nvrtc::load(&req.lib_dir) {
         Ok(n) => n,
-        Err(e) => return Response::Failed { message: e.to_string() },
+        Err(e) => {
+            return Response::Failed {
+                message: e.to_string(),
+            }
+        }
     };
-    let output = if req.cubin { Output::Cubin } else { Output::Ptx };
-    match nv.compile(&req.program, &req.source, &headers, &req.options, output, &req.kernel, &req.target, &req.arch) {
-        Ok((blob, log)) => Response::Ok { blob: hex::encode(blob), log },
+    let output = if req.cubin {
+        Output::Cubin
+    } else {
+        Output::Ptx
+    };
+    match nv.compile(
+        &req.program,
+        &req.source,
+        &headers,
+        &req.options,
+        output,
+        &req.kernel,
+        &req.target,
+        &req.arch,
+    ) {
+        Ok((blob, log)) => Response::Ok {
+            blob: hex::encode(blob),
+            log,
+        },
         Err(CodegenError::Compile { log, .. }) => Response::CompileError { log },
-        Err(e) => Response::Failed { message: e.to_string() },
+        Err(e) => Response::Failed {
+            message: e.to_string(),
+        },
     }
 }
 
@@ -110,12 +145,19 @@ pub fn compile(
     target: &str,
     arch: &str,
 ) -> Result<(Vec<u8>, String), CodegenError> {
-    let failed = |message: String| CodegenError::Worker { kernel: kernel.into(), worker: worker.to_path_buf(), message };
+    let failed = |message: String| CodegenError::Worker {
+        kernel: kernel.into(),
+        worker: worker.to_path_buf(),
+        message,
+    };
     let req = Request {
         lib_dir: PathBuf::from("lib"),
         program: program.into(),
         source: source.into(),
-        headers: headers.iter().map(|(n, b)| (n.clone(), hex::encode(b))).collect(),
+        headers: headers
+            .iter()
+            .map(|(n, b)| (n.clone(), hex::encode(b)))
+            .collect(),
         options: options.to_vec(),
         cubin: output == Output::Cubin,
         kernel: kernel.into(),
@@ -137,10 +179,19 @@ pub fn compile(
     // child that answers early cannot deadlock against us.
     let mut stdin = child.stdin.take().expect("piped");
     let writer = std::thread::spawn(move || stdin.write_all(&body));
-    let out = child.wait_with_output().map_err(|e| failed(e.to_string()))?;
-    writer.join().expect("writer thread").map_err(|e| failed(format!("writing the request: {e}")))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| failed(e.to_string()))?;
+    writer
+        .join()
+        .expect("writer thread")
+        .map_err(|e| failed(format!("writing the request: {e}")))?;
     if !out.status.success() {
-        return Err(failed(format!("exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(failed(format!(
+            "exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     match serde_json::from_slice::<Response>(&out.stdout) {
         Ok(Response::Ok { blob, log }) => Ok((hex::decode(blob).map_err(|e| failed(e.to_string()))?, log)),
@@ -159,7 +210,11 @@ fn no_address_randomisation(cmd: &mut Command) {
     unsafe {
         cmd.pre_exec(|| {
             let current = libc::personality(0xffff_ffff);
-            if current == -1 || libc::personality((current as libc::c_ulong) | libc::ADDR_NO_RANDOMIZE as libc::c_ulong) == -1 {
+            if current == -1
+                || libc::personality(
+                    (current as libc::c_ulong) | libc::ADDR_NO_RANDOMIZE as libc::c_ulong,
+                ) == -1
+            {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

@@ -29,5 +29,12 @@ fn main() {
         }
     };
     write_if_changed("pack.bin", &bytes);
-    write_if_changed("pack_len.rs", format!("/// Length of the embedded pack.\npub const PACK_LEN: usize = {};\n", bytes.len()).as_bytes());
+    write_if_changed(
+        "pack_len.rs",
+        format!(
+            "/// Length of the embedded pack.\npub const PACK_LEN: usize = {};\n",
+            bytes.len()
+        )
+        .as_bytes(),
+    );
 }

@@ -34,7 +34,14 @@ fn audit(bin: &Path, extra: &[&str]) -> (i32, String) {
     let mut args = vec!["audit", bin.to_str().unwrap()];
     args.extend_from_slice(extra);
     let o = run_xtask(&args);
-    (o.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    (
+        o.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    )
 }
 
 #[test]
@@ -47,12 +54,31 @@ fn audit_passes_a_fresh_binary_and_catches_tampering_and_source_changes() {
     let src = dir.path().join("src");
     fixture_tree(&src);
     let srcs = src.to_str().unwrap();
-    let o = run_xtask(&["build-target", "--hw", "h200", "--model", "smollm2-135m", "--quant", "q4_1", "--out", out.to_str().unwrap(), "--repo", srcs]);
+    let o = run_xtask(&[
+        "build-target",
+        "--hw",
+        "h200",
+        "--model",
+        "smollm2-135m",
+        "--quant",
+        "q4_1",
+        "--out",
+        out.to_str().unwrap(),
+        "--repo",
+        srcs,
+    ]);
     assert!(o.status.success(), "build-target failed");
     let bin = out.join("metrale-server");
-    let att: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("attestation.json")).unwrap()).unwrap();
+    let att: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("attestation.json")).unwrap())
+            .unwrap();
     let digest = metrale_attestation::sha256_hex(&std::fs::read(&bin).unwrap());
-    let subj = att["subject"].as_array().unwrap().iter().find(|s| s["name"] == "metrale-server").expect("binary subject");
+    let subj = att["subject"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "metrale-server")
+        .expect("binary subject");
     assert_eq!(subj["digest"]["sha256"], digest.as_str());
 
     // 1. a fresh binary passes, also when rebuilt byte for byte
@@ -64,9 +90,17 @@ fn audit_passes_a_fresh_binary_and_catches_tampering_and_source_changes() {
     assert!(text.contains("rebuild byte-identical"), "{text}");
 
     // the binary's own view of itself
-    let o = std::process::Command::new(&bin).arg("--target-info").output().unwrap();
+    let o = std::process::Command::new(&bin)
+        .arg("--target-info")
+        .output()
+        .unwrap();
     let info = String::from_utf8_lossy(&o.stdout);
-    assert!(info.contains("h200/smollm2-135m/q4_1") && info.contains("SMs:      132") && info.contains("(llama, 576)"), "{info}");
+    assert!(
+        info.contains("h200/smollm2-135m/q4_1")
+            && info.contains("SMs:      132")
+            && info.contains("(llama, 576)"),
+        "{info}"
+    );
 
     // 2. one flipped byte inside the embedded fa cubin
     let bytes = std::fs::read(&bin).unwrap();
@@ -78,8 +112,15 @@ fn audit_passes_a_fresh_binary_and_catches_tampering_and_source_changes() {
     std::fs::write(&bad_bin, &bad).unwrap();
     let (code, text) = audit(&bad_bin, &["--repo", srcs]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("MISMATCH fa: blob digest mismatch: kernels/fa.cubin"), "{text}");
-    assert_eq!(text.matches("MISMATCH").count(), 1, "only fa's cubin is bad: {text}");
+    assert!(
+        text.contains("MISMATCH fa: blob digest mismatch: kernels/fa.cubin"),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("MISMATCH").count(),
+        1,
+        "only fa's cubin is bad: {text}"
+    );
     // ... and the runtime refuses it before loading
     let (p, len) = embedded_pack(&bad);
     let leaked: &'static [u8] = Box::leak(bad[p..p + len].to_vec().into_boxed_slice());
@@ -96,9 +137,16 @@ fn audit_passes_a_fresh_binary_and_catches_tampering_and_source_changes() {
     reg.verify().unwrap();
     assert_eq!(reg.kernels.len(), 3);
     let serving = reg.targets_serving("llama", 576);
-    assert!(serving.contains(&"h200/smollm2-135m/q4_1".to_string()) && serving.contains(&"cpu/smollm2-135m/bf16".to_string()), "{serving:?}");
+    assert!(
+        serving.contains(&"h200/smollm2-135m/q4_1".to_string())
+            && serving.contains(&"cpu/smollm2-135m/bf16".to_string()),
+        "{serving:?}"
+    );
     assert!(!serving.iter().any(|t| t.contains("llama-3.2-1b")));
-    assert_eq!(reg.kernel("fc").unwrap().functions, vec!["fc_one", "fc_two"]);
+    assert_eq!(
+        reg.kernel("fc").unwrap().functions,
+        vec!["fc_one", "fc_two"]
+    );
 
     // 3. a corrupt pack header
     let mut corrupt = bytes.clone();
@@ -118,15 +166,30 @@ fn audit_passes_a_fresh_binary_and_catches_tampering_and_source_changes() {
     std::fs::write(&h, t).unwrap();
     let (code, text) = audit(&bin, &["--repo", tree.to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("MISMATCH fa: sources changed: kernels/cuda/z.cuh changed"), "{text}");
-    assert!(text.contains("MISMATCH fc: sources changed: kernels/cuda/z.cuh changed"), "{text}");
+    assert!(
+        text.contains("MISMATCH fa: sources changed: kernels/cuda/z.cuh changed"),
+        "{text}"
+    );
+    assert!(
+        text.contains("MISMATCH fc: sources changed: kernels/cuda/z.cuh changed"),
+        "{text}"
+    );
     assert!(text.contains("ok       fb: sources unchanged"), "{text}");
     // a changed target parameter
     let tree2 = dir.path().join("tree2");
     fixture_tree(&tree2);
     let hw = tree2.join("targets/h200/HARDWARE.toml");
-    std::fs::write(&hw, std::fs::read_to_string(&hw).unwrap().replace("sm_count = 132", "sm_count = 131")).unwrap();
+    std::fs::write(
+        &hw,
+        std::fs::read_to_string(&hw)
+            .unwrap()
+            .replace("sm_count = 132", "sm_count = 131"),
+    )
+    .unwrap();
     let (code, text) = audit(&bin, &["--repo", tree2.to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("targets/h200/HARDWARE.toml changed") && text.contains("hw.sm_count"), "{text}");
+    assert!(
+        text.contains("targets/h200/HARDWARE.toml changed") && text.contains("hw.sm_count"),
+        "{text}"
+    );
 }

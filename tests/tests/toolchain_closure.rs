@@ -13,10 +13,27 @@ use toolchain_support::*;
 
 fn fixture(dir: &Path) -> TargetSpec {
     write_fixture_kernels(dir);
-    let real = TargetSpec::load(&repo().join("targets"), &TargetId::new("h200", "smollm2-135m", "q4_1")).unwrap();
+    let real = TargetSpec::load(
+        &repo().join("targets"),
+        &TargetId::new("h200", "smollm2-135m", "q4_1"),
+    )
+    .unwrap();
     let mut table: toml::Table = real.model_toml.parse().unwrap();
-    table.insert("kernels".into(), toml::Value::Array(TEMPLATES.iter().map(|(n, _)| toml::Value::String(n.to_string())).collect()));
-    TargetSpec::from_toml(&real.hardware_toml, &toml::to_string(&table).unwrap(), &real.id).unwrap()
+    table.insert(
+        "kernels".into(),
+        toml::Value::Array(
+            TEMPLATES
+                .iter()
+                .map(|(n, _)| toml::Value::String(n.to_string()))
+                .collect(),
+        ),
+    );
+    TargetSpec::from_toml(
+        &real.hardware_toml,
+        &toml::to_string(&table).unwrap(),
+        &real.id,
+    )
+    .unwrap()
 }
 
 fn build(repo_dir: &Path, spec: &TargetSpec, cache: &Path) -> BTreeMap<String, BuiltKernel> {
@@ -29,15 +46,25 @@ fn build(repo_dir: &Path, spec: &TargetSpec, cache: &Path) -> BTreeMap<String, B
         force_compile: false,
         nvrtc_worker: xtask(),
     };
-    build_kernels(&req, &|_| {}).unwrap().into_iter().map(|k| (k.name.clone(), k)).collect()
+    build_kernels(&req, &|_| {})
+        .unwrap()
+        .into_iter()
+        .map(|k| (k.name.clone(), k))
+        .collect()
 }
 
 fn compiled(b: &BTreeMap<String, BuiltKernel>) -> Vec<&str> {
-    b.values().filter(|k| !k.cached).map(|k| k.name.as_str()).collect()
+    b.values()
+        .filter(|k| !k.cached)
+        .map(|k| k.name.as_str())
+        .collect()
 }
 
 fn changed(a: &BTreeMap<String, BuiltKernel>, b: &BTreeMap<String, BuiltKernel>) -> Vec<String> {
-    a.keys().filter(|k| a[*k].closure_hash != b[*k].closure_hash).cloned().collect()
+    a.keys()
+        .filter(|k| a[*k].closure_hash != b[*k].closure_hash)
+        .cloned()
+        .collect()
 }
 
 fn flip_one_byte(p: &Path) {
@@ -61,11 +88,20 @@ fn second_build_compiles_nothing_and_one_header_change_recompiles_exactly_its_ke
     assert_eq!(compiled(&first), vec!["fa", "fb", "fc"]);
     assert_eq!(first["fc"].functions, vec!["fc_one", "fc_two"]);
     assert!(first["fa"].blob("cubin").unwrap().starts_with(b"\x7fELF"));
-    let hdr: Vec<&str> = first["fa"].manifest.headers.iter().map(|h| h.path.as_str()).collect();
+    let hdr: Vec<&str> = first["fa"]
+        .manifest
+        .headers
+        .iter()
+        .map(|h| h.path.as_str())
+        .collect();
     assert_eq!(hdr, vec!["kernels/cuda/x.cuh", "kernels/cuda/z.cuh"]);
 
     let second = build(dir.path(), &spec, &cache);
-    assert!(compiled(&second).is_empty(), "unchanged build compiled {:?}", compiled(&second));
+    assert!(
+        compiled(&second).is_empty(),
+        "unchanged build compiled {:?}",
+        compiled(&second)
+    );
     for k in first.keys() {
         assert_eq!(first[k].blobs, second[k].blobs);
     }
@@ -75,7 +111,10 @@ fn second_build_compiles_nothing_and_one_header_change_recompiles_exactly_its_ke
     let third = build(dir.path(), &spec, &cache);
     assert_eq!(compiled(&third), vec!["fa"]);
     assert_eq!(changed(&second, &third), vec!["fa"]);
-    assert_eq!(first["fa"].manifest.diff(&third["fa"].manifest), vec!["kernels/cuda/x.cuh changed".to_string()]);
+    assert_eq!(
+        first["fa"].manifest.diff(&third["fa"].manifest),
+        vec!["kernels/cuda/x.cuh changed".to_string()]
+    );
 
     // one byte in z.cuh: fa (through x.cuh) and fc hold it
     flip_one_byte(&dir.path().join("kernels/cuda/z.cuh"));
@@ -107,12 +146,32 @@ fn second_build_compiles_nothing_and_one_header_change_recompiles_exactly_its_ke
 fn template_errors_name_target_template_and_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let spec = fixture(dir.path());
-    std::fs::write(dir.path().join("kernels/cuda/fb.cu.hbs"), "constexpr int N = {{hw.tensor_cores}};\n").unwrap();
-    let e = metrale_codegen::manifest(dir.path(), &spec, "fb").unwrap_err().to_string();
-    assert!(e.contains("h200/smollm2-135m/q4_1") && e.contains("kernels/cuda/fb.cu.hbs") && e.contains("hw.tensor_cores"), "{e}");
-    std::fs::write(dir.path().join("kernels/cuda/fb.cu.hbs"), "#include \"missing.cuh\"\n").unwrap();
-    let e = metrale_codegen::manifest(dir.path(), &spec, "fb").unwrap_err().to_string();
-    assert!(e.contains("kernels/cuda/fb.cu.hbs") && e.contains("missing.cuh"), "{e}");
+    std::fs::write(
+        dir.path().join("kernels/cuda/fb.cu.hbs"),
+        "constexpr int N = {{hw.tensor_cores}};\n",
+    )
+    .unwrap();
+    let e = metrale_codegen::manifest(dir.path(), &spec, "fb")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("h200/smollm2-135m/q4_1")
+            && e.contains("kernels/cuda/fb.cu.hbs")
+            && e.contains("hw.tensor_cores"),
+        "{e}"
+    );
+    std::fs::write(
+        dir.path().join("kernels/cuda/fb.cu.hbs"),
+        "#include \"missing.cuh\"\n",
+    )
+    .unwrap();
+    let e = metrale_codegen::manifest(dir.path(), &spec, "fb")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("kernels/cuda/fb.cu.hbs") && e.contains("missing.cuh"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -122,10 +181,25 @@ fn compile_errors_show_the_compiler_log_and_kernel() {
     }
     let dir = tempfile::tempdir().unwrap();
     let spec = fixture(dir.path());
-    std::fs::write(dir.path().join("kernels/cuda/fb.cu.hbs"), "extern \"C\" __global__ void fb(float* o) { o[0] = undefined_thing; }\n").unwrap();
-    let req = BuildRequest { repo: dir.path(), spec: &spec, toolchain_dir: metrale_codegen::toolchain::default_dir(&repo()), cache_dir: &dir.path().join("c"), jobs: 1, force_compile: false, nvrtc_worker: xtask() };
+    std::fs::write(
+        dir.path().join("kernels/cuda/fb.cu.hbs"),
+        "extern \"C\" __global__ void fb(float* o) { o[0] = undefined_thing; }\n",
+    )
+    .unwrap();
+    let req = BuildRequest {
+        repo: dir.path(),
+        spec: &spec,
+        toolchain_dir: metrale_codegen::toolchain::default_dir(&repo()),
+        cache_dir: &dir.path().join("c"),
+        jobs: 1,
+        force_compile: false,
+        nvrtc_worker: xtask(),
+    };
     let e = build_kernels(&req, &|_| {}).unwrap_err().to_string();
-    assert!(e.contains("kernel `fb`") && e.contains("undefined_thing") && e.contains("sm_90a"), "{e}");
+    assert!(
+        e.contains("kernel `fb`") && e.contains("undefined_thing") && e.contains("sm_90a"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -144,9 +218,24 @@ fn every_cuda_target_compiles_its_real_kernels() {
         let built = build(&repo(), &spec, &cache);
         assert_eq!(built.len(), spec.kernels.len(), "{id}");
         for k in built.values() {
-            assert!(k.blob("cubin").is_some_and(|b| b.starts_with(b"\x7fELF")), "{id} {}: no cubin", k.name);
+            assert!(
+                k.blob("cubin").is_some_and(|b| b.starts_with(b"\x7fELF")),
+                "{id} {}: no cubin",
+                k.name
+            );
             let ptx = String::from_utf8_lossy(k.blob("ptx").unwrap()).into_owned();
-            assert!(ptx.contains(&format!(".target {}", spec.hardware.ptx_arch.as_deref().unwrap().replace("compute_", "sm_"))), "{id} {}: PTX target", k.name);
+            assert!(
+                ptx.contains(&format!(
+                    ".target {}",
+                    spec.hardware
+                        .ptx_arch
+                        .as_deref()
+                        .unwrap()
+                        .replace("compute_", "sm_")
+                )),
+                "{id} {}: PTX target",
+                k.name
+            );
             assert!(!k.functions.is_empty(), "{id} {}", k.name);
         }
         n += 1;

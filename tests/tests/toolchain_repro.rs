@@ -8,13 +8,31 @@ use std::path::Path;
 
 use toolchain_support::*;
 
-fn build(tree: &Path) -> (std::collections::BTreeMap<String, Vec<u8>>, serde_json::Value, String) {
+fn build(
+    tree: &Path,
+) -> (
+    std::collections::BTreeMap<String, Vec<u8>>,
+    serde_json::Value,
+    String,
+) {
     copy_sources(tree);
     let out = tree.join("out");
     let cache = tree.join("cache");
     let args = [
-        "build-target", "--hw", "h200", "--model", "smollm2-135m", "--quant", "q4_1", "--kernels-only",
-        "--repo", tree.to_str().unwrap(), "--out", out.to_str().unwrap(), "--cache", cache.to_str().unwrap(),
+        "build-target",
+        "--hw",
+        "h200",
+        "--model",
+        "smollm2-135m",
+        "--quant",
+        "q4_1",
+        "--kernels-only",
+        "--repo",
+        tree.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--cache",
+        cache.to_str().unwrap(),
     ];
     let o = run_xtask(&args);
     assert!(o.status.success(), "build-target failed");
@@ -23,7 +41,10 @@ fn build(tree: &Path) -> (std::collections::BTreeMap<String, Vec<u8>>, serde_jso
     let mut blobs = std::collections::BTreeMap::new();
     for e in std::fs::read_dir(out.join("kernels")).unwrap() {
         let e = e.unwrap();
-        blobs.insert(e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap());
+        blobs.insert(
+            e.file_name().to_string_lossy().into_owned(),
+            std::fs::read(e.path()).unwrap(),
+        );
     }
     let text = std::fs::read_to_string(out.join("attestation.json")).unwrap();
     (blobs, serde_json::from_str(&text).unwrap(), text)
@@ -41,10 +62,25 @@ fn two_clones_at_different_paths_build_identical_kernels() {
     let (blobs_b, att_b, text_b) = build(&b_deep);
     let id = metrale_core::target::TargetId::new("h200", "smollm2-135m", "q4_1");
     let spec = metrale_core::target::TargetSpec::load(&repo().join("targets"), &id).unwrap();
-    assert_eq!(blobs_a.len(), 2 * spec.kernels.len(), "every kernel of the target x (cubin, ptx)");
-    assert_eq!(blobs_a.keys().collect::<Vec<_>>(), blobs_b.keys().collect::<Vec<_>>(), "the clones built different blob sets");
-    let differing: Vec<&String> = blobs_a.iter().filter(|(k, v)| blobs_b.get(*k) != Some(v)).map(|(k, _)| k).collect();
-    assert!(differing.is_empty(), "blobs differ between clones: {differing:?}");
+    assert_eq!(
+        blobs_a.len(),
+        2 * spec.kernels.len(),
+        "every kernel of the target x (cubin, ptx)"
+    );
+    assert_eq!(
+        blobs_a.keys().collect::<Vec<_>>(),
+        blobs_b.keys().collect::<Vec<_>>(),
+        "the clones built different blob sets"
+    );
+    let differing: Vec<&String> = blobs_a
+        .iter()
+        .filter(|(k, v)| blobs_b.get(*k) != Some(v))
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "blobs differ between clones: {differing:?}"
+    );
     let closures = |att: &serde_json::Value| -> Vec<(String, String)> {
         att["predicate"]["buildDefinition"]["internalParameters"]["kernels"]
             .as_object()
@@ -57,8 +93,14 @@ fn two_clones_at_different_paths_build_identical_kernels() {
     assert_eq!(att_a["subject"], att_b["subject"]);
     assert_eq!(text_a, text_b, "the kernel statements differ");
     for (text, tree) in [(&text_a, a.path()), (&text_b, b_deep.as_path())] {
-        assert!(!text.contains(tree.to_str().unwrap()), "the attestation names the source tree's path");
-        assert!(!text.contains("/.toolchain"), "the attestation names the toolchain's path");
+        assert!(
+            !text.contains(tree.to_str().unwrap()),
+            "the attestation names the source tree's path"
+        );
+        assert!(
+            !text.contains("/.toolchain"),
+            "the attestation names the toolchain's path"
+        );
         assert!(!text.contains("-lineinfo"));
     }
 }

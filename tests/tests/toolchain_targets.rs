@@ -13,7 +13,10 @@ fn the_matrix_is_listed_and_every_target_loads() {
     for hw in ["h200", "h100", "a100", "l40s", "cpu"] {
         for model in ["smollm2-135m", "llama-3.2-1b"] {
             for q in ["q4_1", "bf16"] {
-                assert!(names.contains(&format!("{hw}/{model}/{q}")), "{hw}/{model}/{q} missing from {names:?}");
+                assert!(
+                    names.contains(&format!("{hw}/{model}/{q}")),
+                    "{hw}/{model}/{q} missing from {names:?}"
+                );
             }
         }
     }
@@ -29,7 +32,17 @@ fn the_matrix_is_listed_and_every_target_loads() {
     assert_eq!(h200.hardware.backend, BackendKind::Cuda);
     assert_eq!(h200.hardware.cubin_arch.as_deref(), Some("sm_90a"));
     assert_eq!(h200.hardware.sm_count, Some(132));
-    assert_eq!((h200.model.layers, h200.model.hidden, h200.model.heads, h200.model.kv_heads, h200.model.ffn, h200.model.vocab), (30, 576, 9, 3, 1536, 49152));
+    assert_eq!(
+        (
+            h200.model.layers,
+            h200.model.hidden,
+            h200.model.heads,
+            h200.model.kv_heads,
+            h200.model.ffn,
+            h200.model.vocab
+        ),
+        (30, 576, 9, 3, 1536, 49152)
+    );
     assert_eq!(h200.quant.embedding, "q8_0");
     assert!(h200.serves("llama", 576));
     assert!(!h200.serves("llama", 2048));
@@ -47,7 +60,10 @@ fn list_targets_command_prints_the_matrix() {
     let out = run_xtask(&["list-targets"]);
     assert!(out.status.success());
     let s = String::from_utf8_lossy(&out.stdout);
-    assert!(s.contains("h200     cuda    smollm2-135m   q4_1   sm_90a      132"), "{s}");
+    assert!(
+        s.contains("h200     cuda    smollm2-135m   q4_1   sm_90a      132"),
+        "{s}"
+    );
     assert!(s.contains("21 targets"), "{s}");
 }
 
@@ -62,8 +78,16 @@ fn unknown_keys_are_errors_naming_file_and_key() {
     let id = TargetId::new("h200", "smollm2-135m", "q4_1");
     let cases = [
         ("h200/HARDWARE.toml", "sm_cuont = 132\n", "sm_cuont"),
-        ("h200/smollm2-135m/q4_1/MODEL.toml", "\n[behavior]\nparalel = 3\n", "paralel"),
-        ("models/smollm2-135m.toml", "\n[sampling.chat]\ntop_q = 0.9\n", "top_q"),
+        (
+            "h200/smollm2-135m/q4_1/MODEL.toml",
+            "\n[behavior]\nparalel = 3\n",
+            "paralel",
+        ),
+        (
+            "models/smollm2-135m.toml",
+            "\n[sampling.chat]\ntop_q = 0.9\n",
+            "top_q",
+        ),
     ];
     for (file, extra, key) in cases {
         let d = temp_targets();
@@ -83,7 +107,8 @@ fn unknown_keys_are_errors_naming_file_and_key() {
             text = format!("{extra}{text}");
         }
         std::fs::write(&p, text).unwrap();
-        let err = TargetSpec::load(&root, &id).expect_err(&format!("{file}: unknown key `{key}` accepted"));
+        let err = TargetSpec::load(&root, &id)
+            .expect_err(&format!("{file}: unknown key `{key}` accepted"));
         let msg = err.to_string();
         assert!(matches!(err, TargetError::Parse { .. }), "{msg}");
         assert!(msg.contains(key), "error does not name the key: {msg}");
@@ -97,12 +122,19 @@ fn inconsistent_targets_are_refused() {
     let d = temp_targets();
     let root = d.path().join("targets");
     let p = root.join("h200/HARDWARE.toml");
-    let t = std::fs::read_to_string(&p).unwrap().replace("cubin_arch = \"sm_90a\"\n", "");
+    let t = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("cubin_arch = \"sm_90a\"\n", "");
     std::fs::write(&p, t).unwrap();
     let e = TargetSpec::load(&root, &id).unwrap_err().to_string();
     assert!(e.contains("cubin_arch"), "{e}");
-    let e = TargetSpec::load(&root, &TargetId::new("h300", "smollm2-135m", "q4_1")).unwrap_err().to_string();
-    assert!(e.contains("not found") && e.contains("h200/smollm2-135m/q4_1"), "{e}");
+    let e = TargetSpec::load(&root, &TargetId::new("h300", "smollm2-135m", "q4_1"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("not found") && e.contains("h200/smollm2-135m/q4_1"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -111,13 +143,30 @@ fn without_the_toolchain_build_target_names_the_command_to_run() {
     let out = std::process::Command::new(xtask())
         .current_dir(repo())
         .env("METRALE_TOOLCHAIN", cache.path().join("no-toolchain-here"))
-        .args(["build-target", "--hw", "a100", "--model", "llama-3.2-1b", "--quant", "bf16", "--kernels-only"])
-        .args(["--cache", cache.path().to_str().unwrap(), "--out", cache.path().join("out").to_str().unwrap()])
+        .args([
+            "build-target",
+            "--hw",
+            "a100",
+            "--model",
+            "llama-3.2-1b",
+            "--quant",
+            "bf16",
+            "--kernels-only",
+        ])
+        .args([
+            "--cache",
+            cache.path().to_str().unwrap(),
+            "--out",
+            cache.path().join("out").to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("cargo xtask toolchain") && err.contains("a100/llama-3.2-1b/bf16"), "{err}");
+    assert!(
+        err.contains("cargo xtask toolchain") && err.contains("a100/llama-3.2-1b/bf16"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -128,15 +177,37 @@ fn metal_target_renders_and_hashes_and_says_where_the_metallib_step_runs() {
     }
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("out");
-    let o = run_xtask(&["build-target", "--hw", "m3-max", "--model", "smollm2-135m", "--quant", "q4_1", "--out", out.to_str().unwrap(), "--cache", d.path().join("c").to_str().unwrap()]);
+    let o = run_xtask(&[
+        "build-target",
+        "--hw",
+        "m3-max",
+        "--model",
+        "smollm2-135m",
+        "--quant",
+        "q4_1",
+        "--out",
+        out.to_str().unwrap(),
+        "--cache",
+        d.path().join("c").to_str().unwrap(),
+    ]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("xcrun metal"), "{err}");
     let src = std::fs::read_to_string(out.join("kernels/rmsnorm.metal")).unwrap();
-    assert!(src.contains("constant constexpr uint HIDDEN = 576;"), "{src}");
-    let att: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("attestation.json")).unwrap()).unwrap();
+    assert!(
+        src.contains("constant constexpr uint HIDDEN = 576;"),
+        "{src}"
+    );
+    let att: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("attestation.json")).unwrap())
+            .unwrap();
     let k = &att["predicate"]["buildDefinition"]["internalParameters"]["kernels"]["rmsnorm"];
     assert_eq!(k["closure_hash"].as_str().unwrap().len(), 64);
-    let headers: Vec<&str> = k["manifest"]["headers"].as_array().unwrap().iter().map(|h| h["path"].as_str().unwrap()).collect();
+    let headers: Vec<&str> = k["manifest"]["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["path"].as_str().unwrap())
+        .collect();
     assert_eq!(headers, vec!["kernels/metal/common.h"]);
 }

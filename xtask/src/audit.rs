@@ -35,9 +35,14 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let repo = args.repo.clone().unwrap_or_else(build_target::repo_root);
-    let bytes = std::fs::read(&args.binary).with_context(|| format!("reading {}", args.binary.display()))?;
-    let (_, section) = build_target::section_of(&bytes)?
-        .with_context(|| format!("{} has no .metrale section: it was not built by `cargo xtask build-target`", args.binary.display()))?;
+    let bytes = std::fs::read(&args.binary)
+        .with_context(|| format!("reading {}", args.binary.display()))?;
+    let (_, section) = build_target::section_of(&bytes)?.with_context(|| {
+        format!(
+            "{} has no .metrale section: it was not built by `cargo xtask build-target`",
+            args.binary.display()
+        )
+    })?;
     let mut problems: Vec<String> = Vec::new();
     let mut lines: Vec<String> = Vec::new();
     let pack = match Pack::parse(section) {
@@ -47,24 +52,38 @@ pub fn run(args: Args) -> Result<()> {
             return Err(crate::xtask_exit::Exit(1).into());
         }
     };
-    let text = |k: &str| -> Result<&str> { pack.get_str(k)?.with_context(|| format!("the embedded pack lacks {k}")) };
+    let text = |k: &str| -> Result<&str> {
+        pack.get_str(k)?
+            .with_context(|| format!("the embedded pack lacks {k}"))
+    };
     let id: TargetId = text(keys::TARGET_ID)?.parse()?;
     let st = Statement::from_json(text(keys::ATTESTATION)?).context("the embedded attestation")?;
     let embedded_set = text(keys::KERNEL_SET_HASH)?;
     let internal = &st.predicate.build_definition.internal_parameters;
-    println!("audit {} (target {id}, KERNEL_SET_HASH {embedded_set})", args.binary.display());
+    println!(
+        "audit {} (target {id}, KERNEL_SET_HASH {embedded_set})",
+        args.binary.display()
+    );
 
     // Target files: embedded vs current.
     let root = repo.join("targets");
     let current_spec = TargetSpec::load(&root, &id);
     match &current_spec {
-        Err(e) => problems.push(format!("target {id} cannot be loaded from {}: {e}", root.display())),
+        Err(e) => problems.push(format!(
+            "target {id} cannot be loaded from {}: {e}",
+            root.display()
+        )),
         Ok(spec) => {
             if spec.hardware_toml != text(keys::HARDWARE_TOML)? {
-                problems.push(format!("targets/{}/HARDWARE.toml changed since the build", id.hw));
+                problems.push(format!(
+                    "targets/{}/HARDWARE.toml changed since the build",
+                    id.hw
+                ));
             }
             if spec.model_toml != text(keys::MODEL_TOML)? {
-                problems.push(format!("targets/{id}/MODEL.toml (or its targets/models file) changed since the build"));
+                problems.push(format!(
+                    "targets/{id}/MODEL.toml (or its targets/models file) changed since the build"
+                ));
             }
         }
     }
@@ -79,32 +98,39 @@ pub fn run(args: Args) -> Result<()> {
             problems.push(format!("{k}: attested but missing from the embedded pack"));
         }
     }
-    let rebuilt: BTreeMap<String, metrale_codegen::BuiltKernel> = match (&current_spec, args.rebuild) {
-        (Ok(spec), true) => {
-            let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-            let cache = build_target::default_cache();
-            match build_target::compile_kernels(&repo, spec, &cache, jobs, true, "rebuild") {
-                Ok(v) => v.into_iter().map(|k| (k.name.clone(), k)).collect(),
-                Err(e) => {
-                    problems.push(format!("--rebuild failed: {e:#}"));
-                    BTreeMap::new()
+    let rebuilt: BTreeMap<String, metrale_codegen::BuiltKernel> =
+        match (&current_spec, args.rebuild) {
+            (Ok(spec), true) => {
+                let jobs = std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(2);
+                let cache = build_target::default_cache();
+                match build_target::compile_kernels(&repo, spec, &cache, jobs, true, "rebuild") {
+                    Ok(v) => v.into_iter().map(|k| (k.name.clone(), k)).collect(),
+                    Err(e) => {
+                        problems.push(format!("--rebuild failed: {e:#}"));
+                        BTreeMap::new()
+                    }
                 }
             }
-        }
-        _ => BTreeMap::new(),
-    };
+            _ => BTreeMap::new(),
+        };
     for name in &names {
         let mut status: Vec<String> = Vec::new();
         let prov = internal.kernels.get(*name);
         // 1. blobs
         let kinds = ["cubin", "ptx", "metal", "metallib"];
         for kind in kinds {
-            let Some(blob) = pack.get(&keys::kernel(name, kind)) else { continue };
+            let Some(blob) = pack.get(&keys::kernel(name, kind)) else {
+                continue;
+            };
             let subject = format!("kernels/{name}.{kind}");
             let actual = metrale_attestation::sha256_hex(blob);
             match st.subject_sha256(&subject) {
                 None => status.push(format!("blob {subject} is not attested")),
-                Some(a) if a != actual => status.push(format!("blob digest mismatch: {subject} attested sha256 {a}, embedded {actual}")),
+                Some(a) if a != actual => status.push(format!(
+                    "blob digest mismatch: {subject} attested sha256 {a}, embedded {actual}"
+                )),
                 _ => {}
             }
         }
@@ -119,7 +145,14 @@ pub fn run(args: Args) -> Result<()> {
                         Ok((_, now)) => {
                             if now.hash() != p.closure_hash || p.manifest.hash() != p.closure_hash {
                                 let d = p.manifest.diff(&now);
-                                status.push(format!("sources changed: {}", if d.is_empty() { "closure hash differs".to_string() } else { d.join("; ") }));
+                                status.push(format!(
+                                    "sources changed: {}",
+                                    if d.is_empty() {
+                                        "closure hash differs".to_string()
+                                    } else {
+                                        d.join("; ")
+                                    }
+                                ));
                             }
                         }
                         Err(e) => status.push(format!("cannot recompute its closure: {e}")),
@@ -144,7 +177,14 @@ pub fn run(args: Args) -> Result<()> {
             }
         }
         if status.is_empty() {
-            lines.push(format!("  ok       {name}: sources unchanged, blob digests match{}", if args.rebuild { ", rebuild byte-identical" } else { "" }));
+            lines.push(format!(
+                "  ok       {name}: sources unchanged, blob digests match{}",
+                if args.rebuild {
+                    ", rebuild byte-identical"
+                } else {
+                    ""
+                }
+            ));
         } else {
             for s in &status {
                 lines.push(format!("  MISMATCH {name}: {s}"));
@@ -155,7 +195,9 @@ pub fn run(args: Args) -> Result<()> {
     if let Ok(spec) = &current_spec {
         for k in &spec.kernels {
             if !names.contains(&k.as_str()) {
-                lines.push(format!("  MISMATCH {k}: listed in MODEL.toml but not in the binary"));
+                lines.push(format!(
+                    "  MISMATCH {k}: listed in MODEL.toml but not in the binary"
+                ));
                 problems.push(format!("{k}: not in the binary"));
             }
         }
@@ -164,7 +206,10 @@ pub fn run(args: Args) -> Result<()> {
         println!("{l}");
     }
     if problems.is_empty() {
-        println!("PASS: {} kernels match the sources and their attested digests", names.len());
+        println!(
+            "PASS: {} kernels match the sources and their attested digests",
+            names.len()
+        );
         Ok(())
     } else {
         println!("FAIL: {} problem(s):", problems.len());

@@ -51,10 +51,12 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let binary = args
-        .binary
-        .canonicalize()
-        .with_context(|| format!("server binary {} not found; build one with `cargo xtask build-target`", args.binary.display()))?;
+    let binary = args.binary.canonicalize().with_context(|| {
+        format!(
+            "server binary {} not found; build one with `cargo xtask build-target`",
+            args.binary.display()
+        )
+    })?;
     let attestation = command_output(&binary, &["--attestation"])?;
     let attestation: Value = serde_json::from_str(&attestation)
         .with_context(|| format!("{} --attestation did not print JSON", binary.display()))?;
@@ -69,7 +71,12 @@ pub fn run(args: Args) -> Result<()> {
         server_args.extend(["--parallel".to_string(), max_c.to_string()]);
     }
     let port = free_port()?;
-    server_args.extend(["--host".into(), "127.0.0.1".into(), "--port".into(), port.to_string()]);
+    server_args.extend([
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+    ]);
     let base = format!("http://127.0.0.1:{port}");
 
     eprintln!("starting {} {}", binary.display(), server_args.join(" "));
@@ -97,14 +104,22 @@ pub fn run(args: Args) -> Result<()> {
     for _ in 0..args.reps {
         let r = stream_completion(&base, short_prompt, args.gen_tokens)?;
         if r.tokens != args.gen_tokens {
-            bail!("asked for {} tokens with ignore_eos, got {}", args.gen_tokens, r.tokens);
+            bail!(
+                "asked for {} tokens with ignore_eos, got {}",
+                args.gen_tokens,
+                r.tokens
+            );
         }
         decode.push(r.decode_tok_s());
     }
     let mut prefill = Vec::new();
     for _ in 0..args.reps {
         let t = Instant::now();
-        let v = post(&base, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}))?;
+        let v = post(
+            &base,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}),
+        )?;
         let secs = t.elapsed().as_secs_f64();
         let n = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
         if n != prompt.len() {
@@ -119,7 +134,10 @@ pub fn run(args: Args) -> Result<()> {
             let handles: Vec<_> = (0..c)
                 .map(|_| s.spawn(|| stream_completion(&base, short_prompt, args.gen_tokens)))
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("bench thread panicked")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("bench thread panicked"))
+                .collect()
         });
         let wall = t.elapsed().as_secs_f64();
         let streams = results.into_iter().collect::<Result<Vec<_>>>()?;
@@ -158,11 +176,9 @@ pub fn run(args: Args) -> Result<()> {
         "attestation": attestation,
     });
     std::fs::create_dir_all(&args.out)?;
-    let file = args.out.join(format!(
-        "{}-{}.json",
-        date.date(),
-        target.replace('/', "-")
-    ));
+    let file = args
+        .out
+        .join(format!("{}-{}.json", date.date(), target.replace('/', "-")));
     std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")?;
     println!("{}", serde_json::to_string_pretty(&record["metrics"])?);
     println!("{}", file.display());
@@ -202,17 +218,22 @@ fn stream_completion(base: &str, prompt: &[u32], max_tokens: usize) -> Result<St
     let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
                       "stream": true, "stream_options": {"include_usage": true}});
     let t = Instant::now();
-    let resp = ureq::post(format!("{base}/v1/completions")).send_json(&body).context("streamed completion")?;
+    let resp = ureq::post(format!("{base}/v1/completions"))
+        .send_json(&body)
+        .context("streamed completion")?;
     let reader = BufReader::new(resp.into_body().into_reader());
     let mut arrivals = Vec::new();
     let mut tokens = None;
     for line in reader.lines() {
         let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
         if data == "[DONE]" {
             break;
         }
-        let v: Value = serde_json::from_str(data).with_context(|| format!("bad SSE chunk {data}"))?;
+        let v: Value =
+            serde_json::from_str(data).with_context(|| format!("bad SSE chunk {data}"))?;
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             tokens = Some(n as usize);
         }
@@ -224,12 +245,19 @@ fn stream_completion(base: &str, prompt: &[u32], max_tokens: usize) -> Result<St
     if arrivals.is_empty() {
         bail!("stream carried no tokens");
     }
-    Ok(Stream { tokens, first_token_s: arrivals[0], total_s: t.elapsed().as_secs_f64(), arrivals })
+    Ok(Stream {
+        tokens,
+        first_token_s: arrivals[0],
+        total_s: t.elapsed().as_secs_f64(),
+        arrivals,
+    })
 }
 
 /// Exactly `n` token ids of ordinary English text, from the server's own tokenizer.
 fn prompt_tokens(base: &str, n: usize) -> Result<Vec<u32>> {
-    let text = "The quick brown fox jumps over the lazy dog while the engineers measure every kernel. ".repeat(n / 8 + 8);
+    let text =
+        "The quick brown fox jumps over the lazy dog while the engineers measure every kernel. "
+            .repeat(n / 8 + 8);
     let v = post(base, "/tokenize", &json!({"content": text}))?;
     let mut ids: Vec<u32> = v["tokens"]
         .as_array()
@@ -245,7 +273,9 @@ fn prompt_tokens(base: &str, n: usize) -> Result<Vec<u32>> {
 }
 
 fn post(base: &str, path: &str, body: &Value) -> Result<Value> {
-    let mut resp = ureq::post(format!("{base}{path}")).send_json(body).with_context(|| format!("POST {path}"))?;
+    let mut resp = ureq::post(format!("{base}{path}"))
+        .send_json(body)
+        .with_context(|| format!("POST {path}"))?;
     Ok(resp.body_mut().read_json()?)
 }
 
@@ -263,13 +293,23 @@ fn wait_healthy(base: &str, timeout: Duration) -> Result<()> {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn command_output(binary: &Path, args: &[&str]) -> Result<String> {
-    let out = Command::new(binary).args(args).output().with_context(|| format!("running {}", binary.display()))?;
+    let out = Command::new(binary)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", binary.display()))?;
     if !out.status.success() {
-        bail!("{} {} failed: {}", binary.display(), args.join(" "), String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "{} {} failed: {}",
+            binary.display(),
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(String::from_utf8(out.stdout)?)
 }
@@ -295,14 +335,19 @@ fn attestation_target(v: &Value) -> Option<String> {
 
 fn machine() -> Value {
     let gpu = Command::new("nvidia-smi")
-        .args(["--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"])
+        .args([
+            "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+            "--format=csv,noheader",
+        ])
         .output()
         .ok()
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()));
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("model name"))
+            .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+    });
     json!({
         "gpu": gpu,
         "cpu": cpu,

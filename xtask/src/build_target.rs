@@ -51,7 +51,10 @@ pub struct Args {
 
 /// The repository xtask was built from.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the repo root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the repo root")
+        .to_path_buf()
 }
 
 /// Cargo's target folder (env CARGO_TARGET_DIR or <repo>/target).
@@ -72,27 +75,46 @@ pub fn target_files(repo: &Path, id: &TargetId) -> Result<Vec<(String, String)>>
     let (_, files) = TargetSpec::resolve_model_toml(&root, id)?;
     let mut out = Vec::new();
     for p in std::iter::once(TargetSpec::hardware_path(&root, id)).chain(files) {
-        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-        let rel = p.strip_prefix(repo).unwrap_or(&p).components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/");
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        let rel = p
+            .strip_prefix(repo)
+            .unwrap_or(&p)
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join("/");
         out.push((rel, text));
     }
     Ok(out)
 }
 
 /// Renders + compiles with a progress display. Returns the kernels in MODEL.toml order.
-pub fn compile_kernels(repo: &Path, spec: &TargetSpec, cache: &Path, jobs: usize, force: bool, label: &str) -> Result<Vec<BuiltKernel>> {
+pub fn compile_kernels(
+    repo: &Path,
+    spec: &TargetSpec,
+    cache: &Path,
+    jobs: usize,
+    force: bool,
+    label: &str,
+) -> Result<Vec<BuiltKernel>> {
     let n = spec.kernels.len() as u64;
     let tty = std::io::stderr().is_terminal();
     let bar = if tty && n > 0 {
         let b = indicatif::ProgressBar::new(n);
-        b.set_style(indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}").expect("valid template").progress_chars("=> "));
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
         b.set_prefix(label.to_string());
         Some(b)
     } else {
         None
     };
     let running: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    let metal_source_only = spec.hardware.backend == BackendKind::Metal && !metrale_codegen::metal::available();
+    let metal_source_only =
+        spec.hardware.backend == BackendKind::Metal && !metrale_codegen::metal::available();
     let progress = |e: Event| match e {
         Event::Started { name } => {
             let mut r = running.lock().unwrap();
@@ -101,7 +123,11 @@ pub fn compile_kernels(repo: &Path, spec: &TargetSpec, cache: &Path, jobs: usize
                 b.set_message(format!("compiling {}", r.join(", ")));
             }
         }
-        Event::Finished { name, cached, seconds } => {
+        Event::Finished {
+            name,
+            cached,
+            seconds,
+        } => {
             let mut r = running.lock().unwrap();
             r.retain(|x| x != &name);
             let how = if cached {
@@ -115,14 +141,27 @@ pub fn compile_kernels(repo: &Path, spec: &TargetSpec, cache: &Path, jobs: usize
                 Some(b) => {
                     b.println(format!("  {name}: {how}"));
                     b.inc(1);
-                    b.set_message(if r.is_empty() { String::new() } else { format!("compiling {}", r.join(", ")) });
+                    b.set_message(if r.is_empty() {
+                        String::new()
+                    } else {
+                        format!("compiling {}", r.join(", "))
+                    });
                 }
                 None => eprintln!("{label}: {name}: {how}"),
             }
         }
     };
-    let nvrtc_worker = std::env::current_exe().context("locating the xtask executable (the NVRTC worker)")?;
-    let req = BuildRequest { repo, spec, toolchain_dir: metrale_codegen::toolchain::default_dir(&repo_root()), cache_dir: cache, jobs, force_compile: force, nvrtc_worker };
+    let nvrtc_worker =
+        std::env::current_exe().context("locating the xtask executable (the NVRTC worker)")?;
+    let req = BuildRequest {
+        repo,
+        spec,
+        toolchain_dir: metrale_codegen::toolchain::default_dir(&repo_root()),
+        cache_dir: cache,
+        jobs,
+        force_compile: force,
+        nvrtc_worker,
+    };
     let r = metrale_codegen::build_kernels(&req, &progress);
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -138,10 +177,18 @@ pub fn statement(repo: &Path, spec: &TargetSpec, kernels: &[BuiltKernel]) -> Res
             name: k.name.clone(),
             manifest: k.manifest.clone(),
             functions: k.functions.clone(),
-            blobs: k.blobs.iter().map(|(kind, b)| (format!("kernels/{}.{kind}", k.name), b.clone())).collect(),
+            blobs: k
+                .blobs
+                .iter()
+                .map(|(kind, b)| (format!("kernels/{}.{kind}", k.name), b.clone()))
+                .collect(),
         })
         .collect();
-    let toolchain_deps = if spec.hardware.backend == BackendKind::Cuda { metrale_codegen::toolchain::Lock::get().dependencies() } else { Vec::new() };
+    let toolchain_deps = if spec.hardware.backend == BackendKind::Cuda {
+        metrale_codegen::toolchain::Lock::get().dependencies()
+    } else {
+        Vec::new()
+    };
     Ok(Statement::build(StatementInputs {
         target: &spec.id.to_string(),
         target_files: target_files(repo, &spec.id)?,
@@ -173,9 +220,24 @@ pub fn pack(spec: &TargetSpec, st: &Statement, kernels: &[BuiltKernel], matrix: 
     w.add(keys::HARDWARE_TOML, spec.hardware_toml.clone());
     w.add(keys::MODEL_TOML, spec.model_toml.clone());
     w.add(keys::ATTESTATION, st.to_json_pretty());
-    w.add(keys::TARGET_CLOSURES, serde_json::to_string_pretty(&st.predicate.build_definition.internal_parameters.target_closures).expect("serializes"));
+    w.add(
+        keys::TARGET_CLOSURES,
+        serde_json::to_string_pretty(
+            &st.predicate
+                .build_definition
+                .internal_parameters
+                .target_closures,
+        )
+        .expect("serializes"),
+    );
     w.add(keys::KERNEL_SET_HASH, st.kernel_set_hash().to_string());
-    w.add(keys::KERNELS, kernels.iter().map(|k| format!("{}\n", k.name)).collect::<String>());
+    w.add(
+        keys::KERNELS,
+        kernels
+            .iter()
+            .map(|k| format!("{}\n", k.name))
+            .collect::<String>(),
+    );
     for k in kernels {
         w.add(keys::kernel(&k.name, "functions"), k.functions.join("\n"));
         for (kind, b) in &k.blobs {
@@ -188,20 +250,27 @@ pub fn pack(spec: &TargetSpec, st: &Statement, kernels: &[BuiltKernel], matrix: 
 /// Reads the `.metrale` section (the kernel pack) of a binary file's bytes.
 pub fn section_of(binary: &[u8]) -> Result<Option<(usize, &[u8])>> {
     use object::{Object, ObjectSection};
-    let f = object::File::parse(binary).context("not an object file this tool can read (ELF expected)")?;
+    let f = object::File::parse(binary)
+        .context("not an object file this tool can read (ELF expected)")?;
     match f.section_by_name(metrale_attestation::pack::SECTION) {
         None => Ok(None),
         Some(s) => {
-            let (off, size) = s.file_range().context("the .metrale section has no bytes in the file")?;
+            let (off, size) = s
+                .file_range()
+                .context("the .metrale section has no bytes in the file")?;
             let (off, size) = (off as usize, size as usize);
-            let bytes = binary.get(off..off.checked_add(size).context("section range overflows")?).context("the .metrale section lies past the end of the file")?;
+            let bytes = binary
+                .get(off..off.checked_add(size).context("section range overflows")?)
+                .context("the .metrale section lies past the end of the file")?;
             Ok(Some((off, bytes)))
         }
     }
 }
 
 fn now() -> String {
-    time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -209,12 +278,21 @@ pub fn run(args: Args) -> Result<()> {
     let started = now();
     let repo = args.repo.clone().unwrap_or_else(repo_root);
     let id = TargetId::new(&args.hw, &args.model, &args.quant);
-    let spec = TargetSpec::load(&repo.join("targets"), &id).with_context(|| format!("loading target {id}"))?;
-    let out = args.out.clone().unwrap_or_else(|| repo.join("dist").join(format!("{}-{}-{}", id.hw, id.model, id.quant)));
+    let spec = TargetSpec::load(&repo.join("targets"), &id)
+        .with_context(|| format!("loading target {id}"))?;
+    let out = args.out.clone().unwrap_or_else(|| {
+        repo.join("dist")
+            .join(format!("{}-{}-{}", id.hw, id.model, id.quant))
+    });
     let cache = args.cache.clone().unwrap_or_else(default_cache);
-    let jobs = args.jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+    let jobs = args.jobs.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+    });
 
-    let kernels = compile_kernels(&repo, &spec, &cache, jobs, false, &id.to_string()).with_context(|| format!("building the kernels of {id}"))?;
+    let kernels = compile_kernels(&repo, &spec, &cache, jobs, false, &id.to_string())
+        .with_context(|| format!("building the kernels of {id}"))?;
     let st = statement(&repo, &spec, &kernels)?;
 
     // Output folder: kernels/ rewritten from scratch.
@@ -242,8 +320,11 @@ pub fn run(args: Args) -> Result<()> {
     };
     let att_path = out.join("attestation.json");
 
-    if spec.hardware.backend == BackendKind::Metal && kernels.iter().any(|k| k.blob("metallib").is_none()) {
-        std::fs::write(&att_path, st.to_json_pretty()).with_context(|| format!("writing {}", att_path.display()))?;
+    if spec.hardware.backend == BackendKind::Metal
+        && kernels.iter().any(|k| k.blob("metallib").is_none())
+    {
+        std::fs::write(&att_path, st.to_json_pretty())
+            .with_context(|| format!("writing {}", att_path.display()))?;
         summary("");
         bail!(
             "{id}: Metal sources rendered and closure-hashed into {}, but the metallib step needs `xcrun metal` (macOS with Xcode), which this machine lacks. Run the same command on a Mac to compile the metallibs and build the binary.",
@@ -251,7 +332,8 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     if args.kernels_only {
-        std::fs::write(&att_path, st.to_json_pretty()).with_context(|| format!("writing {}", att_path.display()))?;
+        std::fs::write(&att_path, st.to_json_pretty())
+            .with_context(|| format!("writing {}", att_path.display()))?;
         summary(" (kernels only)");
         return Ok(());
     }
@@ -262,23 +344,31 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&packs)?;
     let pack_path = packs.join(format!("{}-{}-{}.pack", id.hw, id.model, id.quant));
     if std::fs::read(&pack_path).ok().as_deref() != Some(&pack_bytes[..]) {
-        std::fs::write(&pack_path, &pack_bytes).with_context(|| format!("writing {}", pack_path.display()))?;
+        std::fs::write(&pack_path, &pack_bytes)
+            .with_context(|| format!("writing {}", pack_path.display()))?;
     }
     let binary = build_server(&spec, &pack_path, &pack_bytes, &out)?;
     let digest = metrale_attestation::sha256_hex(&std::fs::read(&binary)?);
     let outer = st.with_binary("metrale-server", &digest, Some(started), Some(now()));
-    std::fs::write(&att_path, outer.to_json_pretty()).with_context(|| format!("writing {}", att_path.display()))?;
+    std::fs::write(&att_path, outer.to_json_pretty())
+        .with_context(|| format!("writing {}", att_path.display()))?;
     summary(", server binary built");
     Ok(())
 }
 
-fn build_server(spec: &TargetSpec, pack_path: &Path, pack_bytes: &[u8], out: &Path) -> Result<PathBuf> {
+fn build_server(
+    spec: &TargetSpec,
+    pack_path: &Path,
+    pack_bytes: &[u8],
+    out: &Path,
+) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let built = target_dir().join("release").join("metrale-server");
     let dest = out.join("metrale-server");
     for attempt in 0..2 {
         let mut cmd = Command::new(&cargo);
-        cmd.current_dir(repo_root()).args(["build", "--release", "-p", "metrale-server"]);
+        cmd.current_dir(repo_root())
+            .args(["build", "--release", "-p", "metrale-server"]);
         if spec.hardware.backend == BackendKind::Cuda {
             cmd.args(["--features", "cuda"]);
         }
@@ -286,7 +376,11 @@ fn build_server(spec: &TargetSpec, pack_path: &Path, pack_bytes: &[u8], out: &Pa
             cmd.arg("--quiet");
         }
         cmd.env("METRALE_KERNEL_PACK", pack_path);
-        eprintln!("{}: building metrale-server with the kernel pack ({} bytes)", spec.id, pack_bytes.len());
+        eprintln!(
+            "{}: building metrale-server with the kernel pack ({} bytes)",
+            spec.id,
+            pack_bytes.len()
+        );
         let st = cmd.status().context("running cargo build")?;
         if !st.success() {
             bail!("cargo build --release -p metrale-server failed ({st})");
@@ -294,7 +388,9 @@ fn build_server(spec: &TargetSpec, pack_path: &Path, pack_bytes: &[u8], out: &Pa
         let tmp = out.join(".metrale-server.tmp");
         std::fs::copy(&built, &tmp).with_context(|| format!("copying {}", built.display()))?;
         let bytes = std::fs::read(&tmp)?;
-        let embedded = section_of(&bytes)?.map(|(_, b)| &b[..pack_bytes.len().min(b.len())] == pack_bytes).unwrap_or(false);
+        let embedded = section_of(&bytes)?
+            .map(|(_, b)| &b[..pack_bytes.len().min(b.len())] == pack_bytes)
+            .unwrap_or(false);
         if embedded {
             std::fs::rename(&tmp, &dest)?;
             return Ok(dest);
@@ -304,5 +400,9 @@ fn build_server(spec: &TargetSpec, pack_path: &Path, pack_bytes: &[u8], out: &Pa
             eprintln!("{}: the built binary does not carry this pack (a concurrent build replaced it?); building again", spec.id);
         }
     }
-    bail!("{} does not embed the kernel pack {} after building twice", built.display(), pack_path.display())
+    bail!(
+        "{} does not embed the kernel pack {} after building twice",
+        built.display(),
+        pack_path.display()
+    )
 }

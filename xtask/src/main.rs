@@ -13,7 +13,10 @@ mod quickstart;
 mod toolchain;
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "metrale: build, audit and benchmark per-target LLM server binaries")]
+#[command(
+    name = "cargo xtask",
+    about = "metrale: build, audit and benchmark per-target LLM server binaries"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

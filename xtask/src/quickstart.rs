@@ -47,9 +47,13 @@ impl Drop for ServerGuard {
 
 /// `h200` when `nvidia-smi` names an H200, else `cpu`.
 pub fn detect_hw() -> String {
-    let out = Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader"]).output();
+    let out = Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader"])
+        .output();
     match out {
-        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).contains("H200") => "h200".into(),
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).contains("H200") => {
+            "h200".into()
+        }
         _ => "cpu".into(),
     }
 }
@@ -67,7 +71,10 @@ pub fn run(args: Args) -> Result<()> {
     let model = crate::fetch_model::fetch(MODEL, false)?;
     eprintln!("model at {}", model.display());
 
-    step(2, &format!("build: cargo xtask build-target --hw {hw} --model {MODEL} --quant {QUANT}"));
+    step(
+        2,
+        &format!("build: cargo xtask build-target --hw {hw} --model {MODEL} --quant {QUANT}"),
+    );
     let spec = metrale_core::target::TargetSpec::load(
         &repo.join("targets"),
         &metrale_core::target::TargetId::new(&hw, MODEL, QUANT),
@@ -80,7 +87,8 @@ pub fn run(args: Args) -> Result<()> {
             #[command(flatten)]
             args: crate::toolchain::Args,
         }
-        crate::toolchain::run(Toolchain::try_parse_from(["toolchain"])?.args).context("cargo xtask toolchain")?;
+        crate::toolchain::run(Toolchain::try_parse_from(["toolchain"])?.args)
+            .context("cargo xtask toolchain")?;
     }
     let out = repo.join("dist").join(format!("{hw}-{MODEL}-{QUANT}"));
     crate::build_target::run(crate::build_target::Args {
@@ -103,18 +111,28 @@ pub fn run(args: Args) -> Result<()> {
     let port = match args.port {
         Some(p) => p,
         None if args.serve => 8080,
-        None => std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
+        None => std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port(),
     };
     let base = format!("http://127.0.0.1:{port}");
     let mut guard = ServerGuard(Some(start_server(&binary, &model, port)?));
-    wait_healthy(&base, guard.0.as_mut().expect("started"), Duration::from_secs(300))?;
+    wait_healthy(
+        &base,
+        guard.0.as_mut().expect("started"),
+        Duration::from_secs(300),
+    )?;
 
     step(4, &format!("ask: POST {base}/v1/chat/completions"));
     eprintln!("Q: {QUESTION}");
     let t = Instant::now();
     let answer = ask(&base)?;
     println!("{answer}");
-    eprintln!("(answered in {:.1} s; quickstart took {:.0} s in all)", t.elapsed().as_secs_f64(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "(answered in {:.1} s; quickstart took {:.0} s in all)",
+        t.elapsed().as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
 
     if args.serve {
         eprintln!(
@@ -175,7 +193,10 @@ fn ask(base: &str) -> Result<String> {
         .send_json(&body)
         .context("POST /v1/chat/completions")?;
     let status = resp.status();
-    let v: Value = resp.body_mut().read_json().context("reading the chat response")?;
+    let v: Value = resp
+        .body_mut()
+        .read_json()
+        .context("reading the chat response")?;
     if status != 200 {
         bail!("the server answered {status}: {v}");
     }

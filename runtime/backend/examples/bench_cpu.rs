@@ -17,7 +17,11 @@ use std::time::Instant;
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn main() {
@@ -27,19 +31,40 @@ fn main() {
     let (mut membw, mut exact) = (false, false);
     let mut i = 1;
     while i < args.len() {
-        let val = |i: usize| args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{} needs a number", args[i]));
+        let val = |i: usize| {
+            args.get(i + 1)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{} needs a number", args[i]))
+        };
         match args[i].as_str() {
-            "--prompt" => { prompt = val(i); i += 1 }
-            "--gen" => { gen = val(i); i += 1 }
-            "--runs" => { runs = val(i); i += 1 }
-            "--threads" => { threads = val(i); i += 1 }
+            "--prompt" => {
+                prompt = val(i);
+                i += 1
+            }
+            "--gen" => {
+                gen = val(i);
+                i += 1
+            }
+            "--runs" => {
+                runs = val(i);
+                i += 1
+            }
+            "--threads" => {
+                threads = val(i);
+                i += 1
+            }
             "--membw" => membw = true,
             "--exact" => exact = true,
             p => model = Some(p.to_string()),
         }
         i += 1;
     }
-    let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
+    let fmt = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     if membw {
         let words: usize = 512 << 17; // 512 MiB of u64
         let buf: Vec<u64> = (0..words as u64).collect();
@@ -51,7 +76,9 @@ fn main() {
                     .chunks(words.div_ceil(threads))
                     .map(|c| sc.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
                     .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).fold(0u64, |a, x| a.wrapping_add(x))
+                hs.into_iter()
+                    .map(|h| h.join().unwrap())
+                    .fold(0u64, |a, x| a.wrapping_add(x))
             });
             std::hint::black_box(total);
             bw.push((words * 8) as f64 / t0.elapsed().as_secs_f64() / 1e9);
@@ -59,17 +86,33 @@ fn main() {
         let med = median(&mut bw.clone());
         println!("{{\"test\": \"read_bandwidth\", \"threads\": {threads}, \"unit\": \"GB/s\", \"runs\": [{}], \"median\": {med:.2}}}", fmt(&bw));
     }
-    let model = model.expect("usage: bench_cpu MODEL.gguf [--prompt N] [--gen N] [--runs N] [--threads N]");
+    let model =
+        model.expect("usage: bench_cpu MODEL.gguf [--prompt N] [--gen N] [--runs N] [--threads N]");
     let m = metrale_model::Model::load(std::path::Path::new(&model)).expect("loading the model");
-    let mut b = CpuBackend::load(&m, 1, prompt.max(gen) + 1, threads).expect("loading the CPU backend");
+    let mut b =
+        CpuBackend::load(&m, 1, prompt.max(gen) + 1, threads).expect("loading the CPU backend");
     b.set_exact_activations(exact);
     eprintln!("{:?}", b.info());
-    println!("{{\"test\": \"info\", \"weight_bytes\": {}, \"device\": \"{}\"}}", b.info().weight_bytes, b.info().device);
+    println!(
+        "{{\"test\": \"info\", \"weight_bytes\": {}, \"device\": \"{}\"}}",
+        b.info().weight_bytes,
+        b.info().device
+    );
     let vocab = m.config.vocab as u64;
-    let toks: Vec<u32> = (0..prompt.max(gen) as u64).map(|i| (metrale_backend::sampler::uniform(1, i) * vocab as f64) as u32).collect();
+    let toks: Vec<u32> = (0..prompt.max(gen) as u64)
+        .map(|i| (metrale_backend::sampler::uniform(1, i) * vocab as f64) as u32)
+        .collect();
     let p = SamplingParams::default();
     let step = |b: &mut CpuBackend, start: usize, t: &[u32]| {
-        let s = SeqStep { slot: 0, start_pos: start, tokens: t, history: t, sampling: &p, draw: 0, want_logits: false };
+        let s = SeqStep {
+            slot: 0,
+            start_pos: start,
+            tokens: t,
+            history: t,
+            sampling: &p,
+            draw: 0,
+            want_logits: false,
+        };
         b.step(&[s]).expect("step");
     };
     // warm-up (like llama-bench)
@@ -95,6 +138,12 @@ fn main() {
     }
     let pm = median(&mut pp.clone());
     let tm = median(&mut tg.clone());
-    println!("{{\"test\": \"pp{prompt}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {pm:.2}}}", fmt(&pp));
-    println!("{{\"test\": \"tg{gen}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {tm:.2}}}", fmt(&tg));
+    println!(
+        "{{\"test\": \"pp{prompt}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {pm:.2}}}",
+        fmt(&pp)
+    );
+    println!(
+        "{{\"test\": \"tg{gen}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {tm:.2}}}",
+        fmt(&tg)
+    );
 }

@@ -22,17 +22,33 @@ fn main() {
         std::process::exit(2);
     }
     let opt = |name: &str, dflt: &str| -> String {
-        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| dflt.to_string())
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+            .unwrap_or_else(|| dflt.to_string())
     };
     let steps: usize = opt("--steps", "256").parse().unwrap();
     let pp: usize = opt("--pp", "512").parse().unwrap();
-    let batches: Vec<usize> = opt("--batch", "1,8,32,64").split(',').map(|s| s.parse().unwrap()).collect();
+    let batches: Vec<usize> = opt("--batch", "1,8,32,64")
+        .split(',')
+        .map(|s| s.parse().unwrap())
+        .collect();
     let out = opt("--out", "");
     let target = &args[3];
     let p: Vec<&str> = target.split('/').collect();
     let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
-    let spec = TargetSpec::load(std::path::Path::new(&root), &TargetId::new(p[0], p[1], p[2])).expect("target");
-    let set = KernelSet::from_dir(std::path::Path::new(&args[2]), target, spec.hardware.cubin_arch.as_deref().unwrap()).expect("kernels");
+    let spec = TargetSpec::load(
+        std::path::Path::new(&root),
+        &TargetId::new(p[0], p[1], p[2]),
+    )
+    .expect("target");
+    let set = KernelSet::from_dir(
+        std::path::Path::new(&args[2]),
+        target,
+        spec.hardware.cubin_arch.as_deref().unwrap(),
+    )
+    .expect("kernels");
     let t0 = Instant::now();
     let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
@@ -43,7 +59,12 @@ fn main() {
         &spec.quant.embedding,
         &model.config,
         &model.weights,
-        CudaOptions { slots: maxb + 1, slot_capacity: 2048, max_step_tokens: pp.max(512), ..Default::default() },
+        CudaOptions {
+            slots: maxb + 1,
+            slot_capacity: 2048,
+            max_step_tokens: pp.max(512),
+            ..Default::default()
+        },
     )
     .expect("backend");
     let load_s = t0.elapsed().as_secs_f64();
@@ -62,7 +83,17 @@ fn main() {
     // batch-1 decode
     let mut hist = prompt.clone();
     let t_first = Instant::now();
-    let r = b.step(&[SeqStep { slot: 0, start_pos: 0, tokens: &prompt, history: &prompt, sampling: &greedy, draw: 0, want_logits: false }]).unwrap();
+    let r = b
+        .step(&[SeqStep {
+            slot: 0,
+            start_pos: 0,
+            tokens: &prompt,
+            history: &prompt,
+            sampling: &greedy,
+            draw: 0,
+            want_logits: false,
+        }])
+        .unwrap();
     let ttft_ms = t_first.elapsed().as_secs_f64() * 1e3;
     hist.push(r[0].token);
     let mut times = Vec::new();
@@ -70,7 +101,17 @@ fn main() {
         let n = hist.len();
         let last = [hist[n - 1]];
         let t = Instant::now();
-        let r = b.step(&[SeqStep { slot: 0, start_pos: n - 1, tokens: &last, history: &hist, sampling: &greedy, draw: s as u64, want_logits: false }]).unwrap();
+        let r = b
+            .step(&[SeqStep {
+                slot: 0,
+                start_pos: n - 1,
+                tokens: &last,
+                history: &hist,
+                sampling: &greedy,
+                draw: s as u64,
+                want_logits: false,
+            }])
+            .unwrap();
         times.push(t.elapsed().as_secs_f64() * 1e6);
         hist.push(r[0].token);
     }
@@ -80,18 +121,32 @@ fn main() {
             replay.push(us);
         }
     }
-    let replay_us = if replay.is_empty() { f64::NAN } else { median(&mut replay).0 };
+    let replay_us = if replay.is_empty() {
+        f64::NAN
+    } else {
+        median(&mut replay).0
+    };
     eprintln!("decode b=1 graph replay alone: {replay_us:.1} us/token (median of 7 x 200 replays)");
     let prof = b.profile_kernels(50, 20).unwrap();
     let layers = spec.model.layers as f64;
     let mut est = 0.0;
     for (name, us) in &prof {
-        let per_token = if matches!(*name, "attn_in" | "attention" | "attn_out" | "ffn_in" | "ffn_out") { us * layers } else { *us };
+        let per_token = if matches!(
+            *name,
+            "attn_in" | "attention" | "attn_out" | "ffn_in" | "ffn_out"
+        ) {
+            us * layers
+        } else {
+            *us
+        };
         est += per_token;
         eprintln!("  kernel {name:15} {us:7.2} us/launch  -> {per_token:7.1} us/token");
     }
     eprintln!("  sum of kernels alone: {est:.1} us/token");
-    let prof_json: Vec<String> = prof.iter().map(|(n, us)| format!("\"{n}\": {us:.3}")).collect();
+    let prof_json: Vec<String> = prof
+        .iter()
+        .map(|(n, us)| format!("\"{n}\": {us:.3}"))
+        .collect();
     let warm: Vec<f64> = times.iter().skip(16).copied().collect();
     let (med, p10, p90) = median(&mut warm.clone());
     let text = model.tokenizer.decode(&hist[prompt.len()..], false);
@@ -103,19 +158,34 @@ fn main() {
     let mut pt = Vec::new();
     for rep in 0..6 {
         let t = Instant::now();
-        b.step(&[SeqStep { slot: 1, start_pos: 0, tokens: &ids, history: &ids, sampling: &greedy, draw: 0, want_logits: false }]).unwrap();
+        b.step(&[SeqStep {
+            slot: 1,
+            start_pos: 0,
+            tokens: &ids,
+            history: &ids,
+            sampling: &greedy,
+            draw: 0,
+            want_logits: false,
+        }])
+        .unwrap();
         if rep > 0 {
             pt.push(t.elapsed().as_secs_f64() * 1e3);
         }
     }
     let (pp_ms, _, _) = median(&mut pt);
-    eprintln!("prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s)", pp as f64 / pp_ms * 1e3);
+    eprintln!(
+        "prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s)",
+        pp as f64 / pp_ms * 1e3
+    );
     // each kernel alone at the prefill shape (both paths' kernels; METRALE_CUDA_GEMM=0 leaves the GEMMs out)
     let prof_pp = b.profile_kernels(3, 5).unwrap();
     for (name, us) in &prof_pp {
         eprintln!("  prefill {pp}: kernel {name:15} {us:9.2} us/launch");
     }
-    let prof_pp_json: Vec<String> = prof_pp.iter().map(|(n, us)| format!("\"{n}\": {us:.3}")).collect();
+    let prof_pp_json: Vec<String> = prof_pp
+        .iter()
+        .map(|(n, us)| format!("\"{n}\": {us:.3}"))
+        .collect();
 
     // batched decode: every sequence starts from the prompt (prefilled together), then decodes
     let mut batch_res = Vec::new();
@@ -129,8 +199,20 @@ fn main() {
             let steps_v: Vec<SeqStep> = (0..nb)
                 .map(|i| {
                     let n = hs[i].len();
-                    let (start, toks): (usize, &[u32]) = if s == 0 { (0, &hs[i][..]) } else { (n - 1, &hs[i][n - 1..]) };
-                    SeqStep { slot: i, start_pos: start, tokens: toks, history: &hs[i], sampling: &greedy, draw: s as u64, want_logits: false }
+                    let (start, toks): (usize, &[u32]) = if s == 0 {
+                        (0, &hs[i][..])
+                    } else {
+                        (n - 1, &hs[i][n - 1..])
+                    };
+                    SeqStep {
+                        slot: i,
+                        start_pos: start,
+                        tokens: toks,
+                        history: &hs[i],
+                        sampling: &greedy,
+                        draw: s as u64,
+                        want_logits: false,
+                    }
                 })
                 .collect();
             let t = Instant::now();
@@ -145,8 +227,14 @@ fn main() {
             }
         }
         let (m, _, _) = median(&mut ts);
-        eprintln!("decode batch {nb}: median {m:.1} us/step, {:.0} tok/s", nb as f64 * 1e6 / m);
-        batch_res.push(format!("{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"tok_s\": {:.1}}}", nb as f64 * 1e6 / m));
+        eprintln!(
+            "decode batch {nb}: median {m:.1} us/step, {:.0} tok/s",
+            nb as f64 * 1e6 / m
+        );
+        batch_res.push(format!(
+            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"tok_s\": {:.1}}}",
+            nb as f64 * 1e6 / m
+        ));
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(

@@ -11,7 +11,9 @@ fn entries(ptx: &str) -> Vec<String> {
     ptx.lines()
         .filter_map(|l| {
             let l = l.trim_start();
-            let rest = l.strip_prefix(".visible .entry ").or_else(|| l.strip_prefix(".entry "))?;
+            let rest = l
+                .strip_prefix(".visible .entry ")
+                .or_else(|| l.strip_prefix(".entry "))?;
             Some(rest.split(['(', ' ']).next()?.trim().to_string())
         })
         .collect()
@@ -34,7 +36,12 @@ fn main() {
         }
     };
     let cc = ctx.compute_capability().unwrap_or((0, 0));
-    println!("device 0: {} sm_{}{}", ctx.name().unwrap_or_default(), cc.0, cc.1);
+    println!(
+        "device 0: {} sm_{}{}",
+        ctx.name().unwrap_or_default(),
+        cc.0,
+        cc.1
+    );
     let (mut ok, mut bad) = (0usize, 0usize);
     for dir in &dirs {
         let mut names: Vec<_> = std::fs::read_dir(dir)
@@ -50,7 +57,10 @@ fn main() {
         }
         for cubin_path in names {
             let ptx_path = cubin_path.with_extension("ptx");
-            let label = format!("{dir}/{}", cubin_path.file_name().unwrap().to_string_lossy());
+            let label = format!(
+                "{dir}/{}",
+                cubin_path.file_name().unwrap().to_string_lossy()
+            );
             let ptx = match std::fs::read_to_string(&ptx_path) {
                 Ok(p) => p,
                 Err(e) => {
@@ -68,7 +78,14 @@ fn main() {
             let cubin = std::fs::read(&cubin_path).unwrap();
             let mut line = String::new();
             let mut failed = false;
-            for (kind, image) in [("cubin", cubin), ("ptx", { let mut p = ptx.clone().into_bytes(); p.push(0); p })] {
+            for (kind, image) in [
+                ("cubin", cubin),
+                ("ptx", {
+                    let mut p = ptx.clone().into_bytes();
+                    p.push(0);
+                    p
+                }),
+            ] {
                 match ctx.load_module(Ptx::from_binary(image)) {
                     Ok(m) => {
                         for f in &fns {
@@ -85,8 +102,16 @@ fn main() {
                     }
                 }
             }
-            println!("{} {label} [{}]{line}", if failed { "FAIL" } else { "ok  " }, fns.join(","));
-            if failed { bad += 1 } else { ok += 1 }
+            println!(
+                "{} {label} [{}]{line}",
+                if failed { "FAIL" } else { "ok  " },
+                fns.join(",")
+            );
+            if failed {
+                bad += 1
+            } else {
+                ok += 1
+            }
         }
     }
     println!("kernels loaded with every function found: {ok}; failed: {bad}");

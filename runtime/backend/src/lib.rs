@@ -8,10 +8,10 @@
 //!
 //! Invariants: only this crate's `cuda` module links the CUDA driver; nothing here knows HTTP.
 
-pub mod sampler;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod sampler;
 
 use metrale_core::BackendError;
 

@@ -28,9 +28,9 @@
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     pub temperature: f32,
-    pub top_k: usize, // 0 = off
-    pub top_p: f32,   // 1.0 = off
-    pub min_p: f32,   // 0.0 = off
+    pub top_k: usize,            // 0 = off
+    pub top_p: f32,              // 1.0 = off
+    pub min_p: f32,              // 0.0 = off
     pub repetition_penalty: f32, // 1.0 = off (llama.cpp / HF semantics)
     pub presence_penalty: f32,   // 0.0 = off (OpenAI semantics)
     pub frequency_penalty: f32,  // 0.0 = off (OpenAI semantics)
@@ -99,7 +99,11 @@ pub fn argmax(row: &[f32]) -> usize {
 
 /// `log(sum(exp(row)))`, computed stably; NaNs are skipped.
 pub fn log_sum_exp(row: &[f32]) -> f32 {
-    let max = row.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let max = row
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return max;
     }
@@ -119,10 +123,10 @@ pub fn top_n(row: &[f32], n: usize) -> Vec<(u32, f32)> {
     if n == 0 {
         return Vec::new();
     }
-    let mut idx: Vec<u32> = (0..row.len() as u32).filter(|&i| !row[i as usize].is_nan()).collect();
-    let cmp = |a: &u32, b: &u32| {
-        row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b))
-    };
+    let mut idx: Vec<u32> = (0..row.len() as u32)
+        .filter(|&i| !row[i as usize].is_nan())
+        .collect();
+    let cmp = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
     if idx.len() > n {
         idx.select_nth_unstable_by(n - 1, cmp);
         idx.truncate(n);
@@ -133,7 +137,12 @@ pub fn top_n(row: &[f32], n: usize) -> Vec<(u32, f32)> {
 
 /// Apply the repetition penalty over `history` and presence/frequency penalties over its last
 /// `n_generated` entries (the generated tokens), in place. Ids outside the row are ignored.
-pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &[u32], n_generated: usize) {
+pub fn apply_penalties(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    history: &[u32],
+    n_generated: usize,
+) {
     let rep = params.repetition_penalty;
     if rep != 1.0 && rep > 0.0 {
         let mut seen = std::collections::HashSet::with_capacity(history.len());
@@ -163,7 +172,11 @@ pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &[u
 /// in sampling order (weight descending, id ascending); weights are unnormalised probabilities.
 pub fn candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
     let t = params.temperature as f64;
-    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
     if !max.is_finite() {
         // Degenerate row (all -inf/NaN, or +inf present): fall back to the arg-max.
         return vec![(argmax(logits) as u32, 1.0)];
@@ -209,10 +222,17 @@ pub fn candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
 /// `draw` is the index of this draw in the sequence.
 pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u64) -> Sampled {
     if logits.is_empty() {
-        return Sampled { token: 0, logprob: 0.0, top_logprobs: Vec::new() };
+        return Sampled {
+            token: 0,
+            logprob: 0.0,
+            top_logprobs: Vec::new(),
+        };
     }
     let lse = log_sum_exp(logits);
-    let top_logprobs = top_n(logits, params.top_logprobs).into_iter().map(|(i, l)| (i, l - lse)).collect();
+    let top_logprobs = top_n(logits, params.top_logprobs)
+        .into_iter()
+        .map(|(i, l)| (i, l - lse))
+        .collect();
 
     let needs_penalty = params.repetition_penalty != 1.0
         || params.presence_penalty != 0.0
@@ -220,7 +240,12 @@ pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u6
     let mut owned;
     let row: &[f32] = if needs_penalty {
         owned = logits.to_vec();
-        apply_penalties(&mut owned, params, history, draw.min(history.len() as u64) as usize);
+        apply_penalties(
+            &mut owned,
+            params,
+            history,
+            draw.min(history.len() as u64) as usize,
+        );
         &owned
     } else {
         logits
@@ -244,7 +269,11 @@ pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u6
         chosen
     };
     let logprob = logits[token as usize] - lse;
-    Sampled { token, logprob, top_logprobs }
+    Sampled {
+        token,
+        logprob,
+        top_logprobs,
+    }
 }
 
 #[cfg(test)]
@@ -252,24 +281,41 @@ mod tests {
     use super::*;
 
     fn params() -> SamplingParams {
-        SamplingParams { temperature: 1.0, ..Default::default() }
+        SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn uniform_is_splitmix64() {
         // Reference values of SplitMix64 seeded with 0 (the published first outputs).
-        let first = [0xE220A8397B1DCDAFu64, 0x6E789E6AA1B965F4, 0x06C45D188009454F];
+        let first = [
+            0xE220A8397B1DCDAFu64,
+            0x6E789E6AA1B965F4,
+            0x06C45D188009454F,
+        ];
         for (d, &want) in first.iter().enumerate() {
             let u = uniform(0, d as u64);
             assert_eq!(u, (want >> 11) as f64 / (1u64 << 53) as f64);
         }
-        assert!((0..10_000).map(|d| uniform(42, d)).all(|u| (0.0..1.0).contains(&u)));
+        assert!((0..10_000)
+            .map(|d| uniform(42, d))
+            .all(|u| (0.0..1.0).contains(&u)));
     }
 
     #[test]
     fn greedy_is_argmax_with_logprobs_from_raw_logits() {
         let logits = [1.0f32, 3.0, 2.0, 3.0];
-        let s = sample(&logits, &SamplingParams { top_logprobs: 2, ..Default::default() }, &[], 0);
+        let s = sample(
+            &logits,
+            &SamplingParams {
+                top_logprobs: 2,
+                ..Default::default()
+            },
+            &[],
+            0,
+        );
         assert_eq!(s.token, 1); // lowest id wins the tie
         let lse = (1f32.exp() + 2.0 * 3f32.exp() + 2f32.exp()).ln();
         assert!((s.logprob - (3.0 - lse)).abs() < 1e-6);
@@ -281,12 +327,18 @@ mod tests {
     #[test]
     fn deterministic_per_seed_and_draw() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let p = SamplingParams { temperature: 0.8, seed: 7, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 0.8,
+            seed: 7,
+            ..Default::default()
+        };
         let a: Vec<u32> = (0..50).map(|d| sample(&logits, &p, &[], d).token).collect();
         let b: Vec<u32> = (0..50).map(|d| sample(&logits, &p, &[], d).token).collect();
         assert_eq!(a, b);
         let p2 = SamplingParams { seed: 8, ..p };
-        let c: Vec<u32> = (0..50).map(|d| sample(&logits, &p2, &[], d).token).collect();
+        let c: Vec<u32> = (0..50)
+            .map(|d| sample(&logits, &p2, &[], d).token)
+            .collect();
         assert_ne!(a, c);
     }
 
@@ -294,7 +346,11 @@ mod tests {
     fn temperature_distribution_matches_softmax() {
         let logits = [0.0f32, 1.0, 2.0, -1.0];
         let t = 0.7f32;
-        let p = SamplingParams { temperature: t, seed: 123, ..Default::default() };
+        let p = SamplingParams {
+            temperature: t,
+            seed: 123,
+            ..Default::default()
+        };
         let n = 200_000;
         let mut counts = [0usize; 4];
         for d in 0..n {
@@ -307,14 +363,20 @@ mod tests {
             let got = counts[i] as f64 / n as f64;
             // 5 standard deviations of a binomial proportion.
             let sd = (want * (1.0 - want) / n as f64).sqrt();
-            assert!((got - want).abs() < 5.0 * sd + 1e-9, "token {i}: got {got}, want {want}");
+            assert!(
+                (got - want).abs() < 5.0 * sd + 1e-9,
+                "token {i}: got {got}, want {want}"
+            );
         }
     }
 
     #[test]
     fn top_k_keeps_k_most_likely() {
         let logits = [0.0f32, 5.0, 4.0, 3.0, 4.5];
-        let p = SamplingParams { top_k: 2, ..params() };
+        let p = SamplingParams {
+            top_k: 2,
+            ..params()
+        };
         let c = candidates(&logits, &p);
         assert_eq!(c.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 4]);
         for d in 0..2000 {
@@ -328,7 +390,16 @@ mod tests {
         // probabilities 0.5, 0.25, 0.125, 0.125
         let logits = [2f32.ln() * 2.0, 2f32.ln(), 0.0, 0.0];
         let ids = |tp: f32| {
-            candidates(&logits, &SamplingParams { top_p: tp, ..params() }).iter().map(|x| x.0).collect::<Vec<_>>()
+            candidates(
+                &logits,
+                &SamplingParams {
+                    top_p: tp,
+                    ..params()
+                },
+            )
+            .iter()
+            .map(|x| x.0)
+            .collect::<Vec<_>>()
         };
         assert_eq!(ids(0.5), vec![0]);
         assert_eq!(ids(0.6), vec![0, 1]);
@@ -340,14 +411,23 @@ mod tests {
     #[test]
     fn min_p_drops_tokens_below_fraction_of_max() {
         let logits = [0.0f32, (0.5f32).ln(), (0.09f32).ln(), (0.2f32).ln()];
-        let c = candidates(&logits, &SamplingParams { min_p: 0.1, ..params() });
+        let c = candidates(
+            &logits,
+            &SamplingParams {
+                min_p: 0.1,
+                ..params()
+            },
+        );
         assert_eq!(c.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 3]);
     }
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative() {
         let mut l = vec![2.0f32, -2.0, 1.0];
-        let p = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
         apply_penalties(&mut l, &p, &[0, 1, 0, 99], 0);
         assert_eq!(l, vec![1.0, -4.0, 1.0]);
         // Greedy picks another token once the repeated one is penalised.
@@ -359,7 +439,11 @@ mod tests {
     #[test]
     fn presence_and_frequency_count_generated_tokens_only() {
         let mut l = vec![0.0f32; 4];
-        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        };
         // history: prompt [3, 3] then generated [1, 1, 2]
         apply_penalties(&mut l, &p, &[3, 3, 1, 1, 2], 3);
         assert_eq!(l, vec![0.0, -1.0, -0.75, 0.0]);
@@ -372,6 +456,16 @@ mod tests {
         let _ = sample(&[f32::NEG_INFINITY; 3], &p, &[], 0);
         let _ = sample(&[f32::INFINITY, 0.0], &p, &[], 0);
         let _ = sample(&[], &p, &[], 0);
-        let _ = sample(&[1.0], &SamplingParams { top_k: 5, top_p: 0.0, min_p: 1.0, ..p }, &[7, 7], 3);
+        let _ = sample(
+            &[1.0],
+            &SamplingParams {
+                top_k: 5,
+                top_p: 0.0,
+                min_p: 1.0,
+                ..p
+            },
+            &[7, 7],
+            3,
+        );
     }
 }

@@ -30,9 +30,23 @@ fn model() -> Option<Model> {
     Some(Model::load(&PathBuf::from(p)).expect("load METRALE_MODEL"))
 }
 
-fn step_logits(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]) -> Vec<f32> {
+fn step_logits(
+    b: &mut CpuBackend,
+    slot: usize,
+    start: usize,
+    toks: &[u32],
+    hist: &[u32],
+) -> Vec<f32> {
     let p = SamplingParams::default();
-    let s = SeqStep { slot, start_pos: start, tokens: toks, history: hist, sampling: &p, draw: 0, want_logits: true };
+    let s = SeqStep {
+        slot,
+        start_pos: start,
+        tokens: toks,
+        history: hist,
+        sampling: &p,
+        draw: 0,
+        want_logits: true,
+    };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
 
@@ -50,8 +64,15 @@ fn logits_match_hf_transformers_golden_int16_activations() {
 fn check_golden(exact: bool, tol: f32) {
     let Some(m) = model() else { return };
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
-    let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2_q4_1_hf.json")).unwrap()).unwrap();
-    let tokens: Vec<u32> = g["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2_q4_1_hf.json")).unwrap())
+            .unwrap();
+    let tokens: Vec<u32> = g["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
     let last_ref: Vec<f32> = std::fs::read(dir.join("smollm2_q4_1_hf_last.f32"))
         .unwrap()
         .chunks_exact(4)
@@ -68,12 +89,19 @@ fn check_golden(exact: bool, tol: f32) {
         let ref_top1 = top[0][0].as_u64().unwrap() as usize;
         let mut pos_diff = 0f32;
         for e in top.as_array().unwrap() {
-            let (id, l) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap() as f32);
+            let (id, l) = (
+                e[0].as_u64().unwrap() as usize,
+                e[1].as_f64().unwrap() as f32,
+            );
             pos_diff = pos_diff.max((row[id] - l).abs());
         }
         eprintln!("position {i}: top-1 {} (reference {ref_top1}), max diff over the reference top-20 {pos_diff:.3e}", metrale_backend::cpu::ops::argmax(&row));
         max_diff = max_diff.max(pos_diff);
-        assert_eq!(metrale_backend::cpu::ops::argmax(&row), ref_top1, "top-1 differs at position {i}");
+        assert_eq!(
+            metrale_backend::cpu::ops::argmax(&row),
+            ref_top1,
+            "top-1 differs at position {i}"
+        );
         if i == tokens.len() - 1 {
             for (a, r) in row.iter().zip(&last_ref) {
                 max_diff = max_diff.max((a - r).abs());
@@ -82,7 +110,11 @@ fn check_golden(exact: bool, tol: f32) {
     }
     // Whole prompt as one prefill chunk (matrix-matrix path): the last row again.
     let pre = step_logits(&mut b, 1, 0, &tokens, &tokens);
-    let pre_diff = pre.iter().zip(&last_ref).map(|(a, r)| (a - r).abs()).fold(0f32, f32::max);
+    let pre_diff = pre
+        .iter()
+        .zip(&last_ref)
+        .map(|(a, r)| (a - r).abs())
+        .fold(0f32, f32::max);
     eprintln!(
         "{} activations: max |logit diff| vs HF: token-by-token {max_diff:.2e}, prefill last row {pre_diff:.2e} (tolerance {tol:.0e})",
         if exact { "f32" } else { "16-bit integer" }
@@ -96,16 +128,33 @@ fn greedy_answer_names_paris() {
     let Some(m) = model() else { return };
     let tpl = m.require_chat_template().unwrap();
     let text = tpl
-        .render(&[ChatMessage::new("user", "What is the capital of France? Answer in one sentence.")], true)
+        .render(
+            &[ChatMessage::new(
+                "user",
+                "What is the capital of France? Answer in one sentence.",
+            )],
+            true,
+        )
         .unwrap();
-    let mut hist = m.tokenizer.encode(&text, m.tokenizer.add_bos(), true).unwrap();
+    let mut hist = m
+        .tokenizer
+        .encode(&text, m.tokenizer.add_bos(), true)
+        .unwrap();
     let mut b = CpuBackend::load(&m, 1, 256, 2).unwrap();
     let p = SamplingParams::default();
     let mut start = 0;
     let mut new = hist.clone();
     let mut out = Vec::new();
     for draw in 0..40u64 {
-        let s = SeqStep { slot: 0, start_pos: start, tokens: &new, history: &hist, sampling: &p, draw, want_logits: false };
+        let s = SeqStep {
+            slot: 0,
+            start_pos: start,
+            tokens: &new,
+            history: &hist,
+            sampling: &p,
+            draw,
+            want_logits: false,
+        };
         let t = b.step(&[s]).unwrap()[0].token;
         start += new.len();
         if m.tokenizer.is_eos(t) {
@@ -117,5 +166,8 @@ fn greedy_answer_names_paris() {
     }
     let answer = m.tokenizer.decode(&out, true);
     eprintln!("greedy answer: {answer:?}");
-    assert!(answer.contains("Paris"), "answer {answer:?} does not name Paris");
+    assert!(
+        answer.contains("Paris"),
+        "answer {answer:?} does not name Paris"
+    );
 }

@@ -35,7 +35,6 @@ struct Env {
     rng: StdRng,
 }
 
-
 fn env(test: &str) -> Option<Env> {
     let Ok(dir) = std::env::var("METRALE_CUDA_KERNELS") else {
         eprintln!("{test}: skipped: METRALE_CUDA_KERNELS (a folder of <kernel>.cubin of one target) is unset");
@@ -45,17 +44,31 @@ fn env(test: &str) -> Option<Env> {
         eprintln!("{test}: skipped: no CUDA device");
         return None;
     }
-    let target = std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
+    let target =
+        std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
     let parts: Vec<&str> = target.split('/').collect();
-    let spec = TargetSpec::load(&common::targets_root(), &TargetId::new(parts[0], parts[1], parts[2])).expect("target spec");
-    let arch = spec.hardware.cubin_arch.clone().expect("cuda target has a cubin arch");
+    let spec = TargetSpec::load(
+        &common::targets_root(),
+        &TargetId::new(parts[0], parts[1], parts[2]),
+    )
+    .expect("target spec");
+    let arch = spec
+        .hardware
+        .cubin_arch
+        .clone()
+        .expect("cuda target has a cubin arch");
     let set = KernelSet::from_dir(std::path::Path::new(&dir), &target, &arch).expect("kernel set");
     let d = Dims::from_shape(&spec.model);
     let gpu = Gpu::open(0, &set, d).expect("open GPU and load kernels");
     let seed: u64 = std::env::var("METRALE_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
     eprintln!("{test}: target {target}, seed {seed} (set METRALE_TEST_SEED to replay)");
     Some(Env {
         gpu,
@@ -83,8 +96,12 @@ fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Vec<u8
     match f {
         DevFormat::Q4_1 => {
             for _ in 0..rows * nb {
-                out.extend_from_slice(&half::f16::from_f32(rng.random_range(0.002..0.012)).to_le_bytes());
-                out.extend_from_slice(&half::f16::from_f32(rng.random_range(-0.09..0.0)).to_le_bytes());
+                out.extend_from_slice(
+                    &half::f16::from_f32(rng.random_range(0.002..0.012)).to_le_bytes(),
+                );
+                out.extend_from_slice(
+                    &half::f16::from_f32(rng.random_range(-0.09..0.0)).to_le_bytes(),
+                );
                 for _ in 0..16 {
                     out.push(rng.random());
                 }
@@ -92,7 +109,9 @@ fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Vec<u8
         }
         DevFormat::Q8_0 => {
             for _ in 0..rows * nb {
-                out.extend_from_slice(&half::f16::from_f32(rng.random_range(0.0002..0.0008)).to_le_bytes());
+                out.extend_from_slice(
+                    &half::f16::from_f32(rng.random_range(0.0002..0.0008)).to_le_bytes(),
+                );
                 for _ in 0..32 {
                     out.push(rng.random());
                 }
@@ -100,7 +119,9 @@ fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Vec<u8
         }
         DevFormat::Bf16 => {
             for _ in 0..rows * k {
-                out.extend_from_slice(&half::bf16::from_f32(rng.random_range(-0.08..0.08)).to_le_bytes());
+                out.extend_from_slice(
+                    &half::bf16::from_f32(rng.random_range(-0.08..0.08)).to_le_bytes(),
+                );
             }
         }
     }
@@ -120,10 +141,20 @@ struct Mat {
 
 impl Mat {
     fn new(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Mat {
-        Mat { dtype: dtype_of(f), rows, k, data: rand_weights(rng, f, rows, k) }
+        Mat {
+            dtype: dtype_of(f),
+            rows,
+            k,
+            data: rand_weights(rng, f, rows, k),
+        }
     }
     fn cpu(&self) -> ops::MatRef<'_> {
-        ops::MatRef { dtype: self.dtype, rows: self.rows, cols: self.k, data: &self.data }
+        ops::MatRef {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.k,
+            data: &self.data,
+        }
     }
     fn host(&self, f: DevFormat) -> HostMat {
         HostMat::repack("test", f, self.dtype, self.rows, self.k, &self.data).unwrap()
@@ -140,7 +171,10 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     let mut num = 0f64;
     let mut den = 0f64;
     for (g, w) in got.iter().zip(want) {
-        assert!(g.is_finite(), "non-finite output {g} (unwritten or overflow)");
+        assert!(
+            g.is_finite(),
+            "non-finite output {g} (unwritten or overflow)"
+        );
         num += ((g - w) as f64).powi(2);
         den += (*w as f64).powi(2);
     }
@@ -169,7 +203,10 @@ fn embed_rows_are_exact() {
     let d = e.d;
     let table = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
     let dm = DevMat::upload(&e.gpu, &table.host(e.ef)).unwrap();
-    let toks: Vec<i32> = (0..7).map(|_| e.rng.random_range(0..d.vocab as i32)).chain([0, d.vocab as i32 - 1]).collect();
+    let toks: Vec<i32> = (0..7)
+        .map(|_| e.rng.random_range(0..d.vocab as i32))
+        .chain([0, d.vocab as i32 - 1])
+        .collect();
     let tb = e.gpu.upload(&toks).unwrap();
     let x = poisoned(&e.gpu, toks.len() * d.hidden);
     e.gpu.embed(&dm, tb.ptr, x.ptr, toks.len()).unwrap();
@@ -177,8 +214,17 @@ fn embed_rows_are_exact() {
     let rb = table.dtype.row_bytes(d.hidden).unwrap();
     for (i, &t) in toks.iter().enumerate() {
         let mut want = vec![0f32; d.hidden];
-        dequantize_row(table.dtype, &table.data[t as usize * rb..(t as usize + 1) * rb], &mut want).unwrap();
-        assert_eq!(&got[i * d.hidden..(i + 1) * d.hidden], &want[..], "token {t}");
+        dequantize_row(
+            table.dtype,
+            &table.data[t as usize * rb..(t as usize + 1) * rb],
+            &mut want,
+        )
+        .unwrap();
+        assert_eq!(
+            &got[i * d.hidden..(i + 1) * d.hidden],
+            &want[..],
+            "token {t}"
+        );
     }
 }
 
@@ -201,7 +247,11 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     let wv = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
     let wqkv = HostMat::concat_rows("qkv", &[wq.host(e.wf), wk.host(e.wf), wv.host(e.wf)]).unwrap();
     let g = &e.gpu;
-    let (xb, nb, wb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &wqkv).unwrap());
+    let (xb, nb, wb) = (
+        g.upload(&x).unwrap(),
+        g.upload(&norm).unwrap(),
+        DevMat::upload(g, &wqkv).unwrap(),
+    );
     let qb = poisoned(g, n * qd);
     let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
     let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
@@ -209,11 +259,15 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
     let inv = ops::rope_inv_freq(hd, e.theta, None, None);
     let rope = g.upload(&plan::rope_table(&inv, ctx)).unwrap();
-    g.attn_in(xb.ptr, nb.ptr, &wb, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n).unwrap();
+    g.attn_in(
+        xb.ptr, nb.ptr, &wb, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n,
+    )
+    .unwrap();
     let q = read_f32(g, &qb, n * qd);
     let kcache = read_f32(g, &kc, cache_n);
     let vcache = read_f32(g, &vc, cache_n);
-    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) =
+        (vec![], vec![], vec![], vec![], vec![]);
     for t in 0..n {
         let mut xn = vec![0f32; d.hidden];
         ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
@@ -226,7 +280,9 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         wk_all.extend(kr);
         wv_all.extend(vr);
         for h in 0..d.kv_heads {
-            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx + pos[t] as usize) * hd;
+            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx
+                + pos[t] as usize)
+                * hd;
             gk.extend_from_slice(&kcache[off..off + hd]);
             gv.extend_from_slice(&vcache[off..off + hd]);
         }
@@ -236,12 +292,18 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     check("v cache (norm+proj)", &gv, &wv_all);
     // nothing else in the cache was touched
     let written = kcache.iter().filter(|v| **v != 1e30).count();
-    assert_eq!(written, n * kd, "K cache entries written outside the tokens' positions");
+    assert_eq!(
+        written,
+        n * kd,
+        "K cache entries written outside the tokens' positions"
+    );
 }
 
 #[test]
 fn attention_splits_combine_and_out_projection() {
-    let Some(mut e) = env("attention") else { return };
+    let Some(mut e) = env("attention") else {
+        return;
+    };
     let d = e.d;
     let (qd, hd) = (d.qd(), d.head_dim);
     let slots = 2;
@@ -273,13 +335,33 @@ fn attention_splits_combine_and_out_projection() {
             }
         }
         let mut att = vec![0f32; qd];
-        ops::attention(&q[t * qd..(t + 1) * qd], &k, &v, len, d.heads, d.kv_heads, hd, scale, &mut scores, &mut att);
+        ops::attention(
+            &q[t * qd..(t + 1) * qd],
+            &k,
+            &v,
+            len,
+            d.heads,
+            d.kv_heads,
+            hd,
+            scale,
+            &mut scores,
+            &mut att,
+        );
         let o = wo.matvec(&att);
         want_att.extend_from_slice(&att);
-        want_x.extend(x[t * d.hidden..(t + 1) * d.hidden].iter().zip(&o).map(|(a, b)| a + b));
+        want_x.extend(
+            x[t * d.hidden..(t + 1) * d.hidden]
+                .iter()
+                .zip(&o)
+                .map(|(a, b)| a + b),
+        );
     }
     let g = &e.gpu;
-    let (kb, vb, qb) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&q).unwrap());
+    let (kb, vb, qb) = (
+        g.upload(&kc).unwrap(),
+        g.upload(&vc).unwrap(),
+        g.upload(&q).unwrap(),
+    );
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
     let wb = DevMat::upload(g, &wo.host(e.wf)).unwrap();
     let ml = g.alloc(n * d.heads * plan::MAX_SPLITS * 8).unwrap();
@@ -291,11 +373,45 @@ fn attention_splits_combine_and_out_projection() {
     for nsplit in [1usize, 2, 3, 4, 8, 32, auto] {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
-        g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, counter.ptr, att.ptr, n).unwrap();
-        check(&format!("attention, {nsplit} splits"), &read_f32(g, &att, n * qd), &want_att);
+        g.attention(
+            qb.ptr,
+            kb.ptr,
+            vb.ptr,
+            pb.ptr,
+            sb.ptr,
+            layer,
+            ctx,
+            nsplit,
+            ml.ptr,
+            acc.ptr,
+            counter.ptr,
+            att.ptr,
+            n,
+        )
+        .unwrap();
+        check(
+            &format!("attention, {nsplit} splits"),
+            &read_f32(g, &att, n * qd),
+            &want_att,
+        );
         // run twice: the second launch checks that the combine tickets were re-armed
         g.write(&att, 0, &vec![f32::NAN; n * qd]).unwrap();
-        g.attention(qb.ptr, kb.ptr, vb.ptr, pb.ptr, sb.ptr, layer, ctx, nsplit, ml.ptr, acc.ptr, counter.ptr, att.ptr, n).unwrap();
+        g.attention(
+            qb.ptr,
+            kb.ptr,
+            vb.ptr,
+            pb.ptr,
+            sb.ptr,
+            layer,
+            ctx,
+            nsplit,
+            ml.ptr,
+            acc.ptr,
+            counter.ptr,
+            att.ptr,
+            n,
+        )
+        .unwrap();
         g.attn_out(att.ptr, &wb, xb.ptr, n).unwrap();
         let got = read_f32(g, &xb, n * d.hidden);
         check(&format!("x + Wo*attention, {nsplit} splits"), &got, &want_x);
@@ -323,7 +439,12 @@ fn ffn_norm_gate_up_silu_down_residual() {
     }
     let g = &e.gpu;
     let wgu = HostMat::interleave_rows("gu", &wg.host(e.wf), &wu.host(e.wf)).unwrap();
-    let (xb, nb, gub, db) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &wgu).unwrap(), DevMat::upload(g, &wd.host(e.wf)).unwrap());
+    let (xb, nb, gub, db) = (
+        g.upload(&x).unwrap(),
+        g.upload(&norm).unwrap(),
+        DevMat::upload(g, &wgu).unwrap(),
+        DevMat::upload(g, &wd.host(e.wf)).unwrap(),
+    );
     let hb = poisoned(g, n * d.ffn);
     g.ffn_in(xb.ptr, nb.ptr, &gub, hb.ptr, n).unwrap();
     check("h = silu(gate)*up", &read_f32(g, &hb, n * d.ffn), &want_h);
@@ -333,7 +454,12 @@ fn ffn_norm_gate_up_silu_down_residual() {
     let mut want_x = Vec::new();
     for t in 0..n {
         let o = wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn]);
-        want_x.extend(x[t * d.hidden..(t + 1) * d.hidden].iter().zip(&o).map(|(a, b)| a + b));
+        want_x.extend(
+            x[t * d.hidden..(t + 1) * d.hidden]
+                .iter()
+                .zip(&o)
+                .map(|(a, b)| a + b),
+        );
     }
     check("x + Wdown*h", &read_f32(g, &xb, n * d.hidden), &want_x);
 }
@@ -347,7 +473,11 @@ fn lm_head_and_device_argmax() {
     let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
     let head = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
     let g = &e.gpu;
-    let (xb, nb, hb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), DevMat::upload(g, &head.host(e.ef)).unwrap());
+    let (xb, nb, hb) = (
+        g.upload(&x).unwrap(),
+        g.upload(&norm).unwrap(),
+        DevMat::upload(g, &head.host(e.ef)).unwrap(),
+    );
     let (pbytes, cbytes) = g.lm_head_scratch(3);
     let (part, counter) = (g.alloc(pbytes).unwrap(), g.alloc(cbytes).unwrap());
     let (ftok, flp) = (g.upload(&[-7i32; 8]).unwrap(), g.alloc(32).unwrap());
@@ -358,13 +488,37 @@ fn lm_head_and_device_argmax() {
     for sel in [vec![2i32], vec![3, 0, 2]] {
         let sb = g.upload(&sel).unwrap();
         let lb = poisoned(g, sel.len() * d.vocab);
-        g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
+        g.lm_head(
+            xb.ptr,
+            sb.ptr,
+            nb.ptr,
+            &hb,
+            lb.ptr,
+            sel.len(),
+            part.ptr,
+            counter.ptr,
+            ftok.ptr,
+            flp.ptr,
+        )
+        .unwrap();
         logits = read_f32(g, &lb, sel.len() * d.vocab);
         // the fused greedy choice, twice (the second launch checks that the tickets were re-armed)
         for round in 0..2 {
             if round == 1 {
                 g.write(&ftok, 0, &[-7i32; 8]).unwrap();
-                g.lm_head(xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len(), part.ptr, counter.ptr, ftok.ptr, flp.ptr).unwrap();
+                g.lm_head(
+                    xb.ptr,
+                    sb.ptr,
+                    nb.ptr,
+                    &hb,
+                    lb.ptr,
+                    sel.len(),
+                    part.ptr,
+                    counter.ptr,
+                    ftok.ptr,
+                    flp.ptr,
+                )
+                .unwrap();
             }
             let mut ft = vec![0i32; sel.len()];
             let mut fl = vec![0f32; sel.len()];
@@ -373,15 +527,30 @@ fn lm_head_and_device_argmax() {
             for i in 0..sel.len() {
                 let row = &logits[i * d.vocab..(i + 1) * d.vocab];
                 let want_t = sampler::argmax(row);
-                assert_eq!(ft[i] as usize, want_t, "fused argmax, {} outputs, round {round}, row {i}", sel.len());
+                assert_eq!(
+                    ft[i] as usize,
+                    want_t,
+                    "fused argmax, {} outputs, round {round}, row {i}",
+                    sel.len()
+                );
                 let want_lp = row[want_t] - sampler::log_sum_exp(row);
-                assert!((fl[i] - want_lp).abs() < 1e-5, "fused logprob, {} outputs, row {i}: {} vs {want_lp}", sel.len(), fl[i]);
+                assert!(
+                    (fl[i] - want_lp).abs() < 1e-5,
+                    "fused logprob, {} outputs, row {i}: {} vs {want_lp}",
+                    sel.len(),
+                    fl[i]
+                );
             }
         }
         let mut want = Vec::new();
         for &s in &sel {
             let mut xn = vec![0f32; d.hidden];
-            ops::rmsnorm(&x[s as usize * d.hidden..(s as usize + 1) * d.hidden], &norm, e.eps, &mut xn);
+            ops::rmsnorm(
+                &x[s as usize * d.hidden..(s as usize + 1) * d.hidden],
+                &norm,
+                e.eps,
+                &mut xn,
+            );
             want.extend(head.matvec(&xn));
         }
         check(&format!("logits ({} outputs)", sel.len()), &logits, &want);
@@ -401,7 +570,11 @@ fn lm_head_and_device_argmax() {
         let want_t = sampler::argmax(row);
         assert_eq!(tok[i] as usize, want_t, "row {i}");
         let want_lp = row[want_t] - sampler::log_sum_exp(row);
-        assert!((lp[i] - want_lp).abs() < 1e-5, "row {i}: logprob {} vs {want_lp}", lp[i]);
+        assert!(
+            (lp[i] - want_lp).abs() < 1e-5,
+            "row {i}: logprob {} vs {want_lp}",
+            lp[i]
+        );
     }
     // ties pick the lowest id, NaN is never chosen
     let mut row = vec![-1.0f32; d.vocab];
@@ -419,7 +592,9 @@ fn lm_head_and_device_argmax() {
 fn device_sampling_matches_host_sampler() {
     use metrale_backend::cuda::SampleParams;
     use metrale_backend::sampler::SamplingParams;
-    let Some(mut e) = env("sample_probs") else { return };
+    let Some(mut e) = env("sample_probs") else {
+        return;
+    };
     let v = e.d.vocab;
     let temps = [0.2f32, 0.5, 0.7, 1.0, 1.3, 0.0];
     let top_ks = [0usize, 5, 40];
@@ -434,7 +609,11 @@ fn device_sampling_matches_host_sampler() {
         let mut row: Vec<f32> = (0..v).map(|_| e.rng.random_range(-30.0..-20.0)).collect();
         for k in 0..60 {
             let id = e.rng.random_range(0..v);
-            row[id] = if k < 4 { 5.0 } else { e.rng.random_range(0.0..8.0) };
+            row[id] = if k < 4 {
+                5.0
+            } else {
+                e.rng.random_range(0.0..8.0)
+            };
         }
         logits.extend_from_slice(&row);
         let p = SamplingParams {
@@ -446,14 +625,26 @@ fn device_sampling_matches_host_sampler() {
             ..Default::default()
         };
         let draw = e.rng.random_range(0..1000u64);
-        dp.push(SampleParams { temperature: p.temperature, top_p: p.top_p, min_p: p.min_p, top_k: p.top_k as i32, seed: p.seed, draw });
+        dp.push(SampleParams {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            top_k: p.top_k as i32,
+            seed: p.seed,
+            draw,
+        });
         hp.push((p, draw));
     }
     let g = &e.gpu;
     let lb = g.upload(&logits).unwrap();
     let pb = g.upload(&dp).unwrap();
-    let (tb, lpb, sb) = (g.upload(&vec![-1i32; rows]).unwrap(), g.alloc(rows * 4).unwrap(), g.upload(&vec![-1i32; rows]).unwrap());
-    g.sample_probs(lb.ptr, pb.ptr, tb.ptr, lpb.ptr, sb.ptr, rows).unwrap();
+    let (tb, lpb, sb) = (
+        g.upload(&vec![-1i32; rows]).unwrap(),
+        g.alloc(rows * 4).unwrap(),
+        g.upload(&vec![-1i32; rows]).unwrap(),
+    );
+    g.sample_probs(lb.ptr, pb.ptr, tb.ptr, lpb.ptr, sb.ptr, rows)
+        .unwrap();
     let (mut tok, mut lp, mut st) = (vec![0i32; rows], vec![0f32; rows], vec![0i32; rows]);
     g.read(&tb, 0, &mut tok).unwrap();
     g.read(&lpb, 0, &mut lp).unwrap();
@@ -464,14 +655,25 @@ fn device_sampling_matches_host_sampler() {
         let (p, draw) = &hp[r];
         let want = sampler::sample(row, p, &[], *draw);
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let n_cand = row.iter().filter(|&&l| (l as f64) >= max - 30.0 * p.temperature as f64).count();
+        let n_cand = row
+            .iter()
+            .filter(|&&l| (l as f64) >= max - 30.0 * p.temperature as f64)
+            .count();
         if p.temperature > 0.0 && n_cand > 2048 {
-            assert_eq!(st[r], 0, "row {r}: {n_cand} candidates must fall back to the host");
+            assert_eq!(
+                st[r], 0,
+                "row {r}: {n_cand} candidates must fall back to the host"
+            );
             continue;
         }
         assert_eq!(st[r], 1, "row {r}: status");
         assert_eq!(tok[r] as u32, want.token, "row {r}: {p:?} draw {draw}");
-        assert!((lp[r] - want.logprob).abs() < 1e-4, "row {r}: logprob {} vs {}", lp[r], want.logprob);
+        assert!(
+            (lp[r] - want.logprob).abs() < 1e-4,
+            "row {r}: logprob {} vs {}",
+            lp[r],
+            want.logprob
+        );
         on_device += 1;
     }
     eprintln!("  sample_probs: {on_device} of {rows} rows sampled on the device, identical to the host sampler; the rest fell back as required");
@@ -493,7 +695,9 @@ fn gemm_prefill_products_match_cpu_ops() {
     let slots = 2;
     let ctx = 128;
     let layer = d.layers - 1;
-    let pos: Vec<i32> = (0..n as i32).map(|i| if i < 60 { i } else { 127 - (i - 60) * 3 }).collect();
+    let pos: Vec<i32> = (0..n as i32)
+        .map(|i| if i < 60 { i } else { 127 - (i - 60) * 3 })
+        .collect();
     let slot: Vec<i32> = (0..n).map(|i| (i >= 60) as i32).collect();
     let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
     let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
@@ -511,17 +715,35 @@ fn gemm_prefill_products_match_cpu_ops() {
     let rope = g.upload(&plan::rope_table(&inv, ctx)).unwrap();
     let wqkv = HostMat::concat_rows("qkv", &[wq.host(e.wf), wk.host(e.wf), wv.host(e.wf)]).unwrap();
     let wgu = HostMat::interleave_rows("gu", &wg.host(e.wf), &wu.host(e.wf)).unwrap();
-    let (wqkv_b, wo_b, wgu_b, wd_b) = (DevMat::upload(g, &wqkv).unwrap(), DevMat::upload(g, &wo.host(e.wf)).unwrap(), DevMat::upload(g, &wgu).unwrap(), DevMat::upload(g, &wd.host(e.wf)).unwrap());
-    let (xb, nb, pb, sb) = (g.upload(&x).unwrap(), g.upload(&norm).unwrap(), g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
+    let (wqkv_b, wo_b, wgu_b, wd_b) = (
+        DevMat::upload(g, &wqkv).unwrap(),
+        DevMat::upload(g, &wo.host(e.wf)).unwrap(),
+        DevMat::upload(g, &wgu).unwrap(),
+        DevMat::upload(g, &wd.host(e.wf)).unwrap(),
+    );
+    let (xb, nb, pb, sb) = (
+        g.upload(&x).unwrap(),
+        g.upload(&norm).unwrap(),
+        g.upload(&pos).unwrap(),
+        g.upload(&slot).unwrap(),
+    );
 
     // RMSNorm + QKV + RoPE + KV write
     let qb = poisoned(g, n * qd);
     let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
     let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
     let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
-    p.norm_qkv(g, xb.ptr, nb.ptr, &wqkv_b, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n).unwrap();
-    let (q, kcache, vcache) = (read_f32(g, &qb, n * qd), read_f32(g, &kc, cache_n), read_f32(g, &vc, cache_n));
-    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv, mut want_h) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    p.norm_qkv(
+        g, xb.ptr, nb.ptr, &wqkv_b, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n,
+    )
+    .unwrap();
+    let (q, kcache, vcache) = (
+        read_f32(g, &qb, n * qd),
+        read_f32(g, &kc, cache_n),
+        read_f32(g, &vc, cache_n),
+    );
+    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv, mut want_h) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
     for t in 0..n {
         let mut xn = vec![0f32; d.hidden];
         ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
@@ -532,7 +754,9 @@ fn gemm_prefill_products_match_cpu_ops() {
         wk_all.extend(kr);
         wv_all.extend(vr);
         for h in 0..d.kv_heads {
-            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx + pos[t] as usize) * hd;
+            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx
+                + pos[t] as usize)
+                * hd;
             gk.extend_from_slice(&kcache[off..off + hd]);
             gv.extend_from_slice(&vcache[off..off + hd]);
         }
@@ -543,12 +767,21 @@ fn gemm_prefill_products_match_cpu_ops() {
     check("gemm q (norm+proj+rope)", &q, &wq_all);
     check("gemm k cache (norm+proj+rope)", &gk, &wk_all);
     check("gemm v cache (norm+proj)", &gv, &wv_all);
-    assert_eq!(kcache.iter().filter(|v| **v != 1e30).count(), n * kd, "K cache entries written outside the tokens' positions");
+    assert_eq!(
+        kcache.iter().filter(|v| **v != 1e30).count(),
+        n * kd,
+        "K cache entries written outside the tokens' positions"
+    );
 
     // RMSNorm + gate/up + SiLU
     let hb = poisoned(g, n * d.ffn);
-    p.norm_gate_up(g, xb.ptr, nb.ptr, &wgu_b, hb.ptr, n).unwrap();
-    check("gemm h = silu(gate)*up", &read_f32(g, &hb, n * d.ffn), &want_h);
+    p.norm_gate_up(g, xb.ptr, nb.ptr, &wgu_b, hb.ptr, n)
+        .unwrap();
+    check(
+        "gemm h = silu(gate)*up",
+        &read_f32(g, &hb, n * d.ffn),
+        &want_h,
+    );
 
     // output projection + residual, then down projection + residual (reference inputs)
     let ab = g.upload(&att).unwrap();
@@ -560,9 +793,21 @@ fn gemm_prefill_products_match_cpu_ops() {
     let (mut want_xo, mut want_xd) = (Vec::new(), Vec::new());
     for t in 0..n {
         let xr = &x[t * d.hidden..(t + 1) * d.hidden];
-        want_xo.extend(xr.iter().zip(wo.matvec(&att[t * qd..(t + 1) * qd])).map(|(a, b)| a + b));
-        want_xd.extend(xr.iter().zip(wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn])).map(|(a, b)| a + b));
+        want_xo.extend(
+            xr.iter()
+                .zip(wo.matvec(&att[t * qd..(t + 1) * qd]))
+                .map(|(a, b)| a + b),
+        );
+        want_xd.extend(
+            xr.iter()
+                .zip(wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn]))
+                .map(|(a, b)| a + b),
+        );
     }
     check("gemm x + Wo*att", &read_f32(g, &xo, n * d.hidden), &want_xo);
-    check("gemm x + Wdown*h", &read_f32(g, &xd, n * d.hidden), &want_xd);
+    check(
+        "gemm x + Wdown*h",
+        &read_f32(g, &xd, n * d.hidden),
+        &want_xd,
+    );
 }

@@ -20,7 +20,6 @@ use metrale_model::Model;
 
 const STEPS: usize = 64;
 
-
 struct Setup {
     model: Model,
     set: KernelSet,
@@ -28,7 +27,10 @@ struct Setup {
 }
 
 fn setup(test: &str) -> Option<Setup> {
-    let (Ok(mpath), Ok(kdir)) = (std::env::var("METRALE_MODEL"), std::env::var("METRALE_CUDA_KERNELS")) else {
+    let (Ok(mpath), Ok(kdir)) = (
+        std::env::var("METRALE_MODEL"),
+        std::env::var("METRALE_CUDA_KERNELS"),
+    ) else {
         eprintln!("{test}: skipped: METRALE_MODEL and METRALE_CUDA_KERNELS must both be set");
         return None;
     };
@@ -36,39 +38,78 @@ fn setup(test: &str) -> Option<Setup> {
         eprintln!("{test}: skipped: no CUDA device");
         return None;
     }
-    let target = std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
+    let target =
+        std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
     let p: Vec<&str> = target.split('/').collect();
-    let spec = TargetSpec::load(&common::targets_root(), &TargetId::new(p[0], p[1], p[2])).expect("target");
-    let set = KernelSet::from_dir(std::path::Path::new(&kdir), &target, spec.hardware.cubin_arch.as_deref().unwrap()).expect("kernels");
+    let spec = TargetSpec::load(&common::targets_root(), &TargetId::new(p[0], p[1], p[2]))
+        .expect("target");
+    let set = KernelSet::from_dir(
+        std::path::Path::new(&kdir),
+        &target,
+        spec.hardware.cubin_arch.as_deref().unwrap(),
+    )
+    .expect("kernels");
     let model = Model::load(std::path::Path::new(&mpath)).expect("model");
     Some(Setup { model, set, spec })
 }
 
 fn cuda(s: &Setup, opts: CudaOptions) -> CudaBackend {
-    CudaBackend::new(&s.set, Dims::from_shape(&s.spec.model), &s.spec.quant.weights, &s.spec.quant.embedding, &s.model.config, &s.model.weights, opts)
-        .expect("cuda backend")
+    CudaBackend::new(
+        &s.set,
+        Dims::from_shape(&s.spec.model),
+        &s.spec.quant.weights,
+        &s.spec.quant.embedding,
+        &s.model.config,
+        &s.model.weights,
+        opts,
+    )
+    .expect("cuda backend")
 }
 
 fn prompt(s: &Setup, text: &str) -> Vec<u32> {
     let chat = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
-    s.model.tokenizer.encode(&chat, false, true).expect("tokenize")
+    s.model
+        .tokenizer
+        .encode(&chat, false, true)
+        .expect("tokenize")
 }
 
 /// Greedy generation of `steps` tokens for each prompt (all decoded together, one slot each).
 /// Returns the tokens per prompt and the logits of the first step.
-fn generate(b: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+fn generate(
+    b: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     generate_with(b, prompts, steps, &SamplingParams::default())
 }
 
-fn generate_with(b: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize, greedy: &SamplingParams) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+fn generate_with(
+    b: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    greedy: &SamplingParams,
+) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     let mut hist: Vec<Vec<u32>> = prompts.to_vec();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut first_logits = Vec::new();
     for step in 0..steps {
         let batch: Vec<SeqStep> = (0..prompts.len())
             .map(|i| {
-                let (start, toks): (usize, &[u32]) = if step == 0 { (0, &hist[i][..]) } else { (hist[i].len() - 1, &hist[i][hist[i].len() - 1..]) };
-                SeqStep { slot: i, start_pos: start, tokens: toks, history: &hist[i], sampling: greedy, draw: step as u64, want_logits: step == 0 }
+                let (start, toks): (usize, &[u32]) = if step == 0 {
+                    (0, &hist[i][..])
+                } else {
+                    (hist[i].len() - 1, &hist[i][hist[i].len() - 1..])
+                };
+                SeqStep {
+                    slot: i,
+                    start_pos: start,
+                    tokens: toks,
+                    history: &hist[i],
+                    sampling: greedy,
+                    draw: step as u64,
+                    want_logits: step == 0,
+                }
             })
             .collect();
         let r = b.step(&batch).expect("step");
@@ -92,27 +133,61 @@ fn greedy_64_tokens_match_cpu_backend() {
     // the f32 reference path (the default CPU path quantizes activations to 16-bit blocks)
     cpu.set_exact_activations(true);
     let (want, want_logits) = generate(&mut cpu, std::slice::from_ref(&p), STEPS);
-    let mut gpu = cuda(&s, CudaOptions { slots: 2, slot_capacity: 1024, ..Default::default() });
+    let mut gpu = cuda(
+        &s,
+        CudaOptions {
+            slots: 2,
+            slot_capacity: 1024,
+            ..Default::default()
+        },
+    );
     eprintln!("cuda backend: {:?}", gpu.info());
     let (got, got_logits) = generate(&mut gpu, std::slice::from_ref(&p), STEPS);
-    eprintln!("cpu:  {:?}\ncuda: {:?}", s.model.tokenizer.decode(&want[0], false), s.model.tokenizer.decode(&got[0], false));
+    eprintln!(
+        "cpu:  {:?}\ncuda: {:?}",
+        s.model.tokenizer.decode(&want[0], false),
+        s.model.tokenizer.decode(&got[0], false)
+    );
     // logits of the prompt's last position
     let (g, w) = (&got_logits[0], &want_logits[0]);
     let num: f64 = g.iter().zip(w).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
     let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
-    let maxd = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let maxd = g
+        .iter()
+        .zip(w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
     let rel = (num / den).sqrt();
     eprintln!("prompt logits: rel L2 err {rel:.2e}, max abs diff {maxd:.3e}");
     assert!(rel < 1e-3, "logits differ: rel {rel}");
-    assert_eq!(metrale_backend::sampler::argmax(g), metrale_backend::sampler::argmax(w));
+    assert_eq!(
+        metrale_backend::sampler::argmax(g),
+        metrale_backend::sampler::argmax(w)
+    );
     assert_eq!(got[0], want[0], "greedy tokens differ from the CPU backend");
     eprintln!("graphs: {:?}", gpu.stats);
-    assert!(gpu.stats.graph_launches >= (STEPS - 1) as u64, "decode steps did not replay graphs");
+    assert!(
+        gpu.stats.graph_launches >= (STEPS - 1) as u64,
+        "decode steps did not replay graphs"
+    );
 
     // the same generation without graphs, with a chunked prefill (5-token chunks)
-    let mut plain = cuda(&s, CudaOptions { slots: 2, slot_capacity: 1024, max_step_tokens: 5, graphs: false, ..Default::default() });
+    let mut plain = cuda(
+        &s,
+        CudaOptions {
+            slots: 2,
+            slot_capacity: 1024,
+            max_step_tokens: 5,
+            graphs: false,
+            ..Default::default()
+        },
+    );
     let (got2, _) = generate(&mut plain, std::slice::from_ref(&p), 16);
-    assert_eq!(got2[0], want[0][..16], "chunked prefill / no-graph path differs");
+    assert_eq!(
+        got2[0],
+        want[0][..16],
+        "chunked prefill / no-graph path differs"
+    );
 
     // two sequences decoded together (one graph of two tokens) vs each alone on the CPU
     let p2 = prompt(&s, "Write a haiku about the sea.");
@@ -124,13 +199,21 @@ fn greedy_64_tokens_match_cpu_backend() {
     assert_eq!(got_ab[1], want_b[0], "sequence 1 in a batch of two");
 
     // seeded sampling (SmolLM2's chat preset) on the device vs the host sampler on CPU logits
-    let chat = SamplingParams { temperature: 0.2, top_p: 0.9, seed: 1234, ..Default::default() };
+    let chat = SamplingParams {
+        temperature: 0.2,
+        top_p: 0.9,
+        seed: 1234,
+        ..Default::default()
+    };
     cpu.release(0);
     gpu.release(0);
     let (want_s, _) = generate_with(&mut cpu, std::slice::from_ref(&p2), 32, &chat);
     let (got_s, _) = generate_with(&mut gpu, std::slice::from_ref(&p2), 32, &chat);
     eprintln!("sampled: {:?}", s.model.tokenizer.decode(&got_s[0], false));
-    assert_eq!(got_s[0], want_s[0], "seeded sampling differs from the CPU backend");
+    assert_eq!(
+        got_s[0], want_s[0],
+        "seeded sampling differs from the CPU backend"
+    );
 }
 
 /// A long prompt through the tensor-core prefill path (chunks of >= gemm::MIN_TOKENS tokens), in
@@ -139,23 +222,50 @@ fn greedy_64_tokens_match_cpu_backend() {
 /// tokens after it.
 #[test]
 fn long_prompt_gemm_prefill_matches_cpu_backend() {
-    let Some(s) = setup("cuda_model long prompt") else { return };
+    let Some(s) = setup("cuda_model long prompt") else {
+        return;
+    };
     let text = "Summarise the following notes in two sentences. ".to_string()
         + &"The harbour was quiet that morning; fishing boats rocked against the pier while gulls argued over scraps, and the old lighthouse keeper counted the ships leaving for the open sea. ".repeat(10);
     let p = prompt(&s, &text);
-    assert!(p.len() > 256, "prompt of {} tokens: too short to span three chunks", p.len());
+    assert!(
+        p.len() > 256,
+        "prompt of {} tokens: too short to span three chunks",
+        p.len()
+    );
     let mut cpu = CpuBackend::load(&s.model, 2, 1024, 0).expect("cpu backend");
     cpu.set_exact_activations(true);
     let (want, want_logits) = generate(&mut cpu, std::slice::from_ref(&p), 16);
-    let mut gpu = cuda(&s, CudaOptions { slots: 2, slot_capacity: 1024, max_step_tokens: 128, ..Default::default() });
+    let mut gpu = cuda(
+        &s,
+        CudaOptions {
+            slots: 2,
+            slot_capacity: 1024,
+            max_step_tokens: 128,
+            ..Default::default()
+        },
+    );
     let (got, got_logits) = generate(&mut gpu, std::slice::from_ref(&p), 16);
     let (g, w) = (&got_logits[0], &want_logits[0]);
     let num: f64 = g.iter().zip(w).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
     let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
     let rel = (num / den).sqrt();
-    eprintln!("long prompt ({} tokens, chunks of 128): prompt logits rel L2 err {rel:.2e}", p.len());
-    eprintln!("cpu:  {:?}\ncuda: {:?}", s.model.tokenizer.decode(&want[0], false), s.model.tokenizer.decode(&got[0], false));
+    eprintln!(
+        "long prompt ({} tokens, chunks of 128): prompt logits rel L2 err {rel:.2e}",
+        p.len()
+    );
+    eprintln!(
+        "cpu:  {:?}\ncuda: {:?}",
+        s.model.tokenizer.decode(&want[0], false),
+        s.model.tokenizer.decode(&got[0], false)
+    );
     assert!(rel < 1e-3, "logits differ: rel {rel}");
-    assert_eq!(metrale_backend::sampler::argmax(g), metrale_backend::sampler::argmax(w));
-    assert_eq!(got[0], want[0], "greedy tokens after a long GEMM-prefilled prompt differ from the CPU backend");
+    assert_eq!(
+        metrale_backend::sampler::argmax(g),
+        metrale_backend::sampler::argmax(w)
+    );
+    assert_eq!(
+        got[0], want[0],
+        "greedy tokens after a long GEMM-prefilled prompt differ from the CPU backend"
+    );
 }

@@ -36,16 +36,32 @@ pub const QK: usize = 32;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DTypeError {
     #[error("{dtype}: a row of {elems} elements is not a whole number of {block}-element blocks")]
-    PartialBlock { dtype: DType, elems: usize, block: usize },
+    PartialBlock {
+        dtype: DType,
+        elems: usize,
+        block: usize,
+    },
     #[error("{dtype}: a row of {elems} elements takes {expected} bytes, got {got}")]
-    Size { dtype: DType, elems: usize, expected: usize, got: usize },
+    Size {
+        dtype: DType,
+        elems: usize,
+        expected: usize,
+        got: usize,
+    },
     #[error("{dtype}: a row of {elems} elements overflows usize")]
     Overflow { dtype: DType, elems: usize },
 }
 
 impl DType {
     /// Every type, in ggml id order.
-    pub const ALL: [DType; 6] = [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::BF16];
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F16,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::BF16,
+    ];
 
     /// The ggml / GGUF type id (`enum ggml_type`).
     pub const fn ggml_id(self) -> u32 {
@@ -86,7 +102,9 @@ impl DType {
 
     /// Parse a name as [`DType::name`] spells it (case-insensitive).
     pub fn from_name(s: &str) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(s))
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(s))
     }
 
     /// Elements per block: 1 for the float types, 32 for the quantized ones.
@@ -129,11 +147,22 @@ impl DType {
 
     fn check_row(self, elems: usize, got: usize) -> Result<(), DTypeError> {
         if elems % self.block_elems() != 0 {
-            return Err(DTypeError::PartialBlock { dtype: self, elems, block: self.block_elems() });
+            return Err(DTypeError::PartialBlock {
+                dtype: self,
+                elems,
+                block: self.block_elems(),
+            });
         }
-        let expected = self.row_bytes(elems).ok_or(DTypeError::Overflow { dtype: self, elems })?;
+        let expected = self
+            .row_bytes(elems)
+            .ok_or(DTypeError::Overflow { dtype: self, elems })?;
         if expected != got {
-            return Err(DTypeError::Size { dtype: self, elems, expected, got });
+            return Err(DTypeError::Size {
+                dtype: self,
+                elems,
+                expected,
+                got,
+            });
         }
         Ok(())
     }
@@ -171,7 +200,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
             }
         }
         DType::Q4_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(dtype.block_bytes())) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(bytes.chunks_exact(dtype.block_bytes()))
+            {
                 let d = f16_at(b, 0);
                 let qs = &b[2..];
                 for j in 0..QK / 2 {
@@ -181,7 +213,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
             }
         }
         DType::Q4_1 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(dtype.block_bytes())) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(bytes.chunks_exact(dtype.block_bytes()))
+            {
                 let d = f16_at(b, 0);
                 let m = f16_at(b, 2);
                 let qs = &b[4..];
@@ -192,7 +227,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
             }
         }
         DType::Q8_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(dtype.block_bytes())) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(bytes.chunks_exact(dtype.block_bytes()))
+            {
                 let d = f16_at(b, 0);
                 for j in 0..QK {
                     o[j] = (b[2 + j] as i8) as f32 * d;
@@ -219,9 +257,18 @@ mod tests {
         }
         assert_eq!(DType::from_ggml(6), None); // Q5_0: not supported
         assert_eq!(DType::from_ggml(u32::MAX), None);
-        assert_eq!((DType::Q4_0.block_elems(), DType::Q4_0.block_bytes()), (32, 18));
-        assert_eq!((DType::Q4_1.block_elems(), DType::Q4_1.block_bytes()), (32, 20));
-        assert_eq!((DType::Q8_0.block_elems(), DType::Q8_0.block_bytes()), (32, 34));
+        assert_eq!(
+            (DType::Q4_0.block_elems(), DType::Q4_0.block_bytes()),
+            (32, 18)
+        );
+        assert_eq!(
+            (DType::Q4_1.block_elems(), DType::Q4_1.block_bytes()),
+            (32, 20)
+        );
+        assert_eq!(
+            (DType::Q8_0.block_elems(), DType::Q8_0.block_bytes()),
+            (32, 34)
+        );
         assert_eq!(DType::Q4_1.row_bytes(576), Some(18 * 20));
         assert_eq!(DType::Q4_1.row_bytes(33), None);
         assert_eq!(DType::F32.row_bytes(usize::MAX), None);
@@ -240,7 +287,12 @@ mod tests {
         dequantize_row(DType::Q4_0, &b, &mut out).unwrap();
         for j in 0..16 {
             assert_eq!(out[j], (j as f32 - 8.0) * 0.5, "element {j}");
-            assert_eq!(out[j + 16], ((15 - j) as f32 - 8.0) * 0.5, "element {}", j + 16);
+            assert_eq!(
+                out[j + 16],
+                ((15 - j) as f32 - 8.0) * 0.5,
+                "element {}",
+                j + 16
+            );
         }
         // by hand: element 0 = (0-8)*0.5 = -4, element 16 = (15-8)*0.5 = 3.5, element 31 = (0-8)*.5
         assert_eq!((out[0], out[16], out[31]), (-4.0, 3.5, -4.0));
@@ -284,7 +336,10 @@ mod tests {
     fn float_types() {
         let vals = [1.0f32, -2.5, 0.0, 65504.0];
         let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let f16b: Vec<u8> = vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect();
         // bf16 of 1.0 is 0x3F80, of -2.5 is 0xC020
         let bf16b = [0x80, 0x3F, 0x20, 0xC0, 0, 0, 0x80, 0x47];
         let mut out = [0f32; 4];
@@ -301,7 +356,12 @@ mod tests {
         let mut out = [0f32; 32];
         assert_eq!(
             dequantize_row(DType::Q4_1, &[0u8; 19], &mut out),
-            Err(DTypeError::Size { dtype: DType::Q4_1, elems: 32, expected: 20, got: 19 })
+            Err(DTypeError::Size {
+                dtype: DType::Q4_1,
+                elems: 32,
+                expected: 20,
+                got: 19
+            })
         );
         let mut out = [0f32; 31];
         assert!(matches!(

@@ -11,7 +11,12 @@ pub enum BackendError {
     #[error("device: {0}")]
     Device(String),
     #[error("out of memory on {device}: needed {needed} bytes, {free} free; {hint}")]
-    OutOfMemory { device: String, needed: u64, free: u64, hint: String },
+    OutOfMemory {
+        device: String,
+        needed: u64,
+        free: u64,
+        hint: String,
+    },
     #[error("model: {0}")]
     Model(String),
     #[error("invalid request: {0}")]

@@ -36,13 +36,25 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: String, message: String },
     #[error("{path}: field `{field}`: expected {expected}, got {got}")]
-    Invalid { path: String, field: String, expected: String, got: String },
+    Invalid {
+        path: String,
+        field: String,
+        expected: String,
+        got: String,
+    },
     #[error("target {id} not found ({path} does not exist); available targets: {available}")]
-    NotFound { id: String, path: PathBuf, available: String },
+    NotFound {
+        id: String,
+        path: PathBuf,
+        available: String,
+    },
     #[error("bad target id `{got}`: expected hw/model/quant, e.g. h200/smollm2-135m/q4_1")]
     BadId { got: String },
 }
@@ -57,7 +69,11 @@ pub struct TargetId {
 
 impl TargetId {
     pub fn new(hw: &str, model: &str, quant: &str) -> Self {
-        TargetId { hw: hw.to_string(), model: model.to_string(), quant: quant.to_string() }
+        TargetId {
+            hw: hw.to_string(),
+            model: model.to_string(),
+            quant: quant.to_string(),
+        }
     }
 }
 
@@ -71,7 +87,13 @@ impl std::str::FromStr for TargetId {
     type Err = TargetError;
     fn from_str(s: &str) -> Result<Self, TargetError> {
         let parts: Vec<&str> = s.split('/').collect();
-        let ok = |p: &str| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && p != "." && p != "..";
+        let ok = |p: &str| {
+            !p.is_empty()
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && p != "."
+                && p != ".."
+        };
         if parts.len() == 3 && parts.iter().all(|p| ok(p)) {
             Ok(TargetId::new(parts[0], parts[1], parts[2]))
         } else {
@@ -277,11 +299,17 @@ pub struct TargetSpec {
 pub const MODELS_DIR: &str = "models";
 
 fn read(path: &Path) -> Result<String, TargetError> {
-    std::fs::read_to_string(path).map_err(|source| TargetError::Io { path: path.to_path_buf(), source })
+    std::fs::read_to_string(path).map_err(|source| TargetError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 fn parse_value(text: &str, path: &str) -> Result<toml::Table, TargetError> {
-    text.parse::<toml::Table>().map_err(|e| TargetError::Parse { path: path.to_string(), message: e.to_string() })
+    text.parse::<toml::Table>().map_err(|e| TargetError::Parse {
+        path: path.to_string(),
+        message: e.to_string(),
+    })
 }
 
 /// Deep merge: tables merge key by key, anything else in `top` replaces `base`.
@@ -301,12 +329,18 @@ impl TargetSpec {
         root.join(&id.hw).join("HARDWARE.toml")
     }
     pub fn model_path(root: &Path, id: &TargetId) -> PathBuf {
-        root.join(&id.hw).join(&id.model).join(&id.quant).join("MODEL.toml")
+        root.join(&id.hw)
+            .join(&id.model)
+            .join(&id.quant)
+            .join("MODEL.toml")
     }
 
     /// Reads `targets_root/<hw>/<model>/<quant>/MODEL.toml`, resolves its `extends`, and returns the
     /// self-contained TOML text plus the repo-relative-to-root paths of the files it came from.
-    pub fn resolve_model_toml(root: &Path, id: &TargetId) -> Result<(String, Vec<PathBuf>), TargetError> {
+    pub fn resolve_model_toml(
+        root: &Path,
+        id: &TargetId,
+    ) -> Result<(String, Vec<PathBuf>), TargetError> {
         let path = Self::model_path(root, id);
         let text = read(&path)?;
         let mut top = parse_value(&text, &path.display().to_string())?;
@@ -314,25 +348,47 @@ impl TargetSpec {
         let resolved = match top.remove("extends") {
             None => top,
             Some(toml::Value::String(name)) => {
-                let valid = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && !name.starts_with('.');
+                let valid = !name.is_empty()
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                    && !name.starts_with('.');
                 if !valid {
-                    return Err(TargetError::Invalid { path: path.display().to_string(), field: "extends".into(), expected: "a model name (a file targets/models/<name>.toml)".into(), got: name });
+                    return Err(TargetError::Invalid {
+                        path: path.display().to_string(),
+                        field: "extends".into(),
+                        expected: "a model name (a file targets/models/<name>.toml)".into(),
+                        got: name,
+                    });
                 }
                 let base_path = root.join(MODELS_DIR).join(format!("{name}.toml"));
                 let base_text = read(&base_path)?;
                 let mut base = parse_value(&base_text, &base_path.display().to_string())?;
                 if base.contains_key("extends") {
-                    return Err(TargetError::Invalid { path: base_path.display().to_string(), field: "extends".into(), expected: "no extends in a shared model file".into(), got: "extends".into() });
+                    return Err(TargetError::Invalid {
+                        path: base_path.display().to_string(),
+                        field: "extends".into(),
+                        expected: "no extends in a shared model file".into(),
+                        got: "extends".into(),
+                    });
                 }
                 merge(&mut base, top);
                 files.insert(0, base_path);
                 base
             }
             Some(other) => {
-                return Err(TargetError::Invalid { path: path.display().to_string(), field: "extends".into(), expected: "a string".into(), got: other.type_str().into() })
+                return Err(TargetError::Invalid {
+                    path: path.display().to_string(),
+                    field: "extends".into(),
+                    expected: "a string".into(),
+                    got: other.type_str().into(),
+                })
             }
         };
-        let text = toml::to_string(&resolved).map_err(|e| TargetError::Parse { path: path.display().to_string(), message: e.to_string() })?;
+        let text = toml::to_string(&resolved).map_err(|e| TargetError::Parse {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
         Ok((text, files))
     }
 
@@ -341,28 +397,78 @@ impl TargetSpec {
         let hw_path = Self::hardware_path(targets_root, id);
         let model_path = Self::model_path(targets_root, id);
         if !hw_path.is_file() || !model_path.is_file() {
-            let missing = if hw_path.is_file() { model_path } else { hw_path };
+            let missing = if hw_path.is_file() {
+                model_path
+            } else {
+                hw_path
+            };
             let available = list_targets(targets_root)
-                .map(|v| v.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", "))
+                .map(|v| {
+                    v.iter()
+                        .map(|t| t.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
                 .unwrap_or_else(|e| format!("(cannot list: {e})"));
-            return Err(TargetError::NotFound { id: id.to_string(), path: missing, available });
+            return Err(TargetError::NotFound {
+                id: id.to_string(),
+                path: missing,
+                available,
+            });
         }
         let hw_text = read(&hw_path)?;
         let (model_text, _) = Self::resolve_model_toml(targets_root, id)?;
-        Self::parse(&hw_text, &hw_path.display().to_string(), &model_text, &model_path.display().to_string(), id)
+        Self::parse(
+            &hw_text,
+            &hw_path.display().to_string(),
+            &model_text,
+            &model_path.display().to_string(),
+            id,
+        )
     }
 
     /// Parses the embedded texts (HARDWARE.toml and the resolved MODEL.toml) of a target.
-    pub fn from_toml(hardware_toml: &str, model_toml: &str, id: &TargetId) -> Result<TargetSpec, TargetError> {
-        Self::parse(hardware_toml, &format!("{}/HARDWARE.toml", id.hw), model_toml, &format!("{id}/MODEL.toml"), id)
+    pub fn from_toml(
+        hardware_toml: &str,
+        model_toml: &str,
+        id: &TargetId,
+    ) -> Result<TargetSpec, TargetError> {
+        Self::parse(
+            hardware_toml,
+            &format!("{}/HARDWARE.toml", id.hw),
+            model_toml,
+            &format!("{id}/MODEL.toml"),
+            id,
+        )
     }
 
-    fn parse(hw_text: &str, hw_path: &str, model_text: &str, model_path: &str, id: &TargetId) -> Result<TargetSpec, TargetError> {
-        let hardware: Hardware = toml::from_str(hw_text).map_err(|e| TargetError::Parse { path: hw_path.to_string(), message: e.to_string() })?;
-        if model_text.parse::<toml::Table>().map(|t| t.contains_key("extends")).unwrap_or(false) {
-            return Err(TargetError::Invalid { path: model_path.to_string(), field: "extends".into(), expected: "a resolved MODEL.toml (TargetSpec::resolve_model_toml)".into(), got: "extends".into() });
+    fn parse(
+        hw_text: &str,
+        hw_path: &str,
+        model_text: &str,
+        model_path: &str,
+        id: &TargetId,
+    ) -> Result<TargetSpec, TargetError> {
+        let hardware: Hardware = toml::from_str(hw_text).map_err(|e| TargetError::Parse {
+            path: hw_path.to_string(),
+            message: e.to_string(),
+        })?;
+        if model_text
+            .parse::<toml::Table>()
+            .map(|t| t.contains_key("extends"))
+            .unwrap_or(false)
+        {
+            return Err(TargetError::Invalid {
+                path: model_path.to_string(),
+                field: "extends".into(),
+                expected: "a resolved MODEL.toml (TargetSpec::resolve_model_toml)".into(),
+                got: "extends".into(),
+            });
         }
-        let m: ModelFile = toml::from_str(model_text).map_err(|e| TargetError::Parse { path: model_path.to_string(), message: e.to_string() })?;
+        let m: ModelFile = toml::from_str(model_text).map_err(|e| TargetError::Parse {
+            path: model_path.to_string(),
+            message: e.to_string(),
+        })?;
         let spec = TargetSpec {
             id: id.clone(),
             hardware,
@@ -380,15 +486,35 @@ impl TargetSpec {
     }
 
     fn check(&self, hw_path: &str, model_path: &str) -> Result<(), TargetError> {
-        let inv = |path: &str, field: &str, expected: String, got: String| TargetError::Invalid { path: path.to_string(), field: field.to_string(), expected, got };
+        let inv = |path: &str, field: &str, expected: String, got: String| TargetError::Invalid {
+            path: path.to_string(),
+            field: field.to_string(),
+            expected,
+            got,
+        };
         if self.hardware.name != self.id.hw {
-            return Err(inv(hw_path, "name", format!("\"{}\" (the folder name)", self.id.hw), format!("\"{}\"", self.hardware.name)));
+            return Err(inv(
+                hw_path,
+                "name",
+                format!("\"{}\" (the folder name)", self.id.hw),
+                format!("\"{}\"", self.hardware.name),
+            ));
         }
         if self.model.name != self.id.model {
-            return Err(inv(model_path, "model.name", format!("\"{}\" (the folder name)", self.id.model), format!("\"{}\"", self.model.name)));
+            return Err(inv(
+                model_path,
+                "model.name",
+                format!("\"{}\" (the folder name)", self.id.model),
+                format!("\"{}\"", self.model.name),
+            ));
         }
         if self.quant.name != self.id.quant {
-            return Err(inv(model_path, "quant.name", format!("\"{}\" (the folder name)", self.id.quant), format!("\"{}\"", self.quant.name)));
+            return Err(inv(
+                model_path,
+                "quant.name",
+                format!("\"{}\" (the folder name)", self.id.quant),
+                format!("\"{}\"", self.quant.name),
+            ));
         }
         match self.hardware.backend {
             BackendKind::Cuda => {
@@ -401,70 +527,142 @@ impl TargetSpec {
                     ("compute_capability", h.compute_capability.is_some()),
                 ] {
                     if !present {
-                        return Err(inv(hw_path, field, "a value (required for backend = \"cuda\")".into(), "nothing".into()));
+                        return Err(inv(
+                            hw_path,
+                            field,
+                            "a value (required for backend = \"cuda\")".into(),
+                            "nothing".into(),
+                        ));
                     }
                 }
                 if let Some(a) = &h.cubin_arch {
                     if !a.starts_with("sm_") {
-                        return Err(inv(hw_path, "cubin_arch", "sm_<NN>[a], e.g. sm_90a".into(), a.clone()));
+                        return Err(inv(
+                            hw_path,
+                            "cubin_arch",
+                            "sm_<NN>[a], e.g. sm_90a".into(),
+                            a.clone(),
+                        ));
                     }
                 }
                 if let Some(a) = &h.ptx_arch {
                     if !a.starts_with("compute_") {
-                        return Err(inv(hw_path, "ptx_arch", "compute_<NN>[a], e.g. compute_90".into(), a.clone()));
+                        return Err(inv(
+                            hw_path,
+                            "ptx_arch",
+                            "compute_<NN>[a], e.g. compute_90".into(),
+                            a.clone(),
+                        ));
                     }
                 }
             }
             BackendKind::Metal => {
                 if self.hardware.metal_std.is_none() {
-                    return Err(inv(hw_path, "metal_std", "a value such as \"metal3.1\" (required for backend = \"metal\")".into(), "nothing".into()));
+                    return Err(inv(
+                        hw_path,
+                        "metal_std",
+                        "a value such as \"metal3.1\" (required for backend = \"metal\")".into(),
+                        "nothing".into(),
+                    ));
                 }
             }
             BackendKind::Cpu => {}
         }
         let m = &self.model;
         if m.heads == 0 || m.kv_heads == 0 || m.heads % m.kv_heads != 0 {
-            return Err(inv(model_path, "model.kv_heads", format!("a divisor of heads ({})", m.heads), m.kv_heads.to_string()));
+            return Err(inv(
+                model_path,
+                "model.kv_heads",
+                format!("a divisor of heads ({})", m.heads),
+                m.kv_heads.to_string(),
+            ));
         }
         if m.heads * m.head_dim != m.hidden {
-            return Err(inv(model_path, "model.head_dim", format!("hidden / heads = {}", m.hidden / m.heads.max(1)), m.head_dim.to_string()));
+            return Err(inv(
+                model_path,
+                "model.head_dim",
+                format!("hidden / heads = {}", m.hidden / m.heads.max(1)),
+                m.head_dim.to_string(),
+            ));
         }
-        for (field, v) in [("model.layers", m.layers), ("model.ffn", m.ffn), ("model.vocab", m.vocab), ("model.max_context", m.max_context)] {
+        for (field, v) in [
+            ("model.layers", m.layers),
+            ("model.ffn", m.ffn),
+            ("model.vocab", m.vocab),
+            ("model.max_context", m.max_context),
+        ] {
             if v == 0 {
-                return Err(inv(model_path, field, "a positive number".into(), "0".into()));
+                return Err(inv(
+                    model_path,
+                    field,
+                    "a positive number".into(),
+                    "0".into(),
+                ));
             }
         }
         if let Some(rs) = &m.rope_scaling {
             if rs.rope_type != "llama3" {
-                return Err(inv(model_path, "model.rope_scaling.rope_type", "\"llama3\"".into(), rs.rope_type.clone()));
+                return Err(inv(
+                    model_path,
+                    "model.rope_scaling.rope_type",
+                    "\"llama3\"".into(),
+                    rs.rope_type.clone(),
+                ));
             }
         }
         if self.model_types.is_empty() {
-            return Err(inv(model_path, "model_types", "at least one [[model_types]] entry".into(), "none".into()));
+            return Err(inv(
+                model_path,
+                "model_types",
+                "at least one [[model_types]] entry".into(),
+                "none".into(),
+            ));
         }
         for q in [&self.quant.weights, &self.quant.embedding] {
             if !["q4_0", "q4_1", "q8_0", "bf16", "f16", "f32"].contains(&q.as_str()) {
-                return Err(inv(model_path, "quant.weights/embedding", "one of q4_0, q4_1, q8_0, bf16, f16, f32".into(), q.clone()));
+                return Err(inv(
+                    model_path,
+                    "quant.weights/embedding",
+                    "one of q4_0, q4_1, q8_0, bf16, f16, f32".into(),
+                    q.clone(),
+                ));
             }
         }
         let mut seen = std::collections::BTreeSet::new();
         for k in &self.kernels {
             if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(inv(model_path, "kernels", "names of [A-Za-z0-9_]+".into(), format!("\"{k}\"")));
+                return Err(inv(
+                    model_path,
+                    "kernels",
+                    "names of [A-Za-z0-9_]+".into(),
+                    format!("\"{k}\""),
+                ));
             }
             if !seen.insert(k) {
-                return Err(inv(model_path, "kernels", "each kernel once".into(), format!("\"{k}\" twice")));
+                return Err(inv(
+                    model_path,
+                    "kernels",
+                    "each kernel once".into(),
+                    format!("\"{k}\" twice"),
+                ));
             }
         }
         if self.hardware.backend == BackendKind::Cpu && !self.kernels.is_empty() {
-            return Err(inv(model_path, "kernels", "an empty list (the cpu backend has no compiled kernels)".into(), format!("{:?}", self.kernels)));
+            return Err(inv(
+                model_path,
+                "kernels",
+                "an empty list (the cpu backend has no compiled kernels)".into(),
+                format!("{:?}", self.kernels),
+            ));
         }
         Ok(())
     }
 
     /// Whether a checkpoint with this config is served by this target.
     pub fn serves(&self, model_type: &str, hidden_size: usize) -> bool {
-        self.model_types.iter().any(|t| t.model_type == model_type && t.hidden_size as usize == hidden_size)
+        self.model_types
+            .iter()
+            .any(|t| t.model_type == model_type && t.hidden_size as usize == hidden_size)
     }
 
     /// Human-readable multi-line description (used by `metrale-server --target-info`).
@@ -498,27 +696,73 @@ impl TargetSpec {
         if let Some(r) = &m.rope_scaling {
             s.push_str(&format!(
                 "rope scaling: {} factor {}, low {}, high {}, original context {}\n",
-                r.rope_type, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
+                r.rope_type,
+                r.factor,
+                r.low_freq_factor,
+                r.high_freq_factor,
+                r.original_max_position_embeddings
             ));
         }
-        s.push_str(&format!("quant:    {} (weights {}, embedding {})\n", self.quant.name, self.quant.weights, self.quant.embedding));
-        let pairs: Vec<String> = self.model_types.iter().map(|t| format!("({}, {})", t.model_type, t.hidden_size)).collect();
-        s.push_str(&format!("serves (model_type, hidden_size): {}\n", pairs.join(", ")));
+        s.push_str(&format!(
+            "quant:    {} (weights {}, embedding {})\n",
+            self.quant.name, self.quant.weights, self.quant.embedding
+        ));
+        let pairs: Vec<String> = self
+            .model_types
+            .iter()
+            .map(|t| format!("({}, {})", t.model_type, t.hidden_size))
+            .collect();
+        s.push_str(&format!(
+            "serves (model_type, hidden_size): {}\n",
+            pairs.join(", ")
+        ));
         let preset = |p: &SamplingPreset| {
             let mut v = Vec::new();
-            if let Some(x) = p.temperature { v.push(format!("temperature={x}")) }
-            if let Some(x) = p.top_p { v.push(format!("top_p={x}")) }
-            if let Some(x) = p.top_k { v.push(format!("top_k={x}")) }
-            if let Some(x) = p.min_p { v.push(format!("min_p={x}")) }
-            if let Some(x) = p.repetition_penalty { v.push(format!("repetition_penalty={x}")) }
-            if v.is_empty() { "(none)".to_string() } else { v.join(" ") }
+            if let Some(x) = p.temperature {
+                v.push(format!("temperature={x}"))
+            }
+            if let Some(x) = p.top_p {
+                v.push(format!("top_p={x}"))
+            }
+            if let Some(x) = p.top_k {
+                v.push(format!("top_k={x}"))
+            }
+            if let Some(x) = p.min_p {
+                v.push(format!("min_p={x}"))
+            }
+            if let Some(x) = p.repetition_penalty {
+                v.push(format!("repetition_penalty={x}"))
+            }
+            if v.is_empty() {
+                "(none)".to_string()
+            } else {
+                v.join(" ")
+            }
         };
-        s.push_str(&format!("sampling.chat:       {}\n", preset(&self.sampling.chat)));
-        s.push_str(&format!("sampling.completion: {}\n", preset(&self.sampling.completion)));
+        s.push_str(&format!(
+            "sampling.chat:       {}\n",
+            preset(&self.sampling.chat)
+        ));
+        s.push_str(&format!(
+            "sampling.completion: {}\n",
+            preset(&self.sampling.completion)
+        ));
         let b = &self.behavior;
         let o = |x: Option<usize>| x.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
-        s.push_str(&format!("behavior: max_tokens {}, ctx_size {}, parallel {}\n", o(b.max_tokens), o(b.ctx_size), o(b.parallel)));
-        s.push_str(&format!("kernels:  {}\n", if self.kernels.is_empty() { "(none)".to_string() } else { self.kernels.join(", ") }));
+        s.push_str(&format!(
+            "behavior: max_tokens {}, ctx_size {}, parallel {}\n",
+            o(b.max_tokens),
+            o(b.ctx_size),
+            o(b.parallel)
+        ));
+        s.push_str(&format!(
+            "kernels:  {}\n",
+            if self.kernels.is_empty() {
+                "(none)".to_string()
+            } else {
+                self.kernels.join(", ")
+            }
+        ));
         s
     }
 }
@@ -527,8 +771,14 @@ impl TargetSpec {
 pub fn list_targets(root: &Path) -> Result<Vec<TargetId>, TargetError> {
     let dirs = |p: &Path| -> Result<Vec<String>, TargetError> {
         let mut v = Vec::new();
-        for e in std::fs::read_dir(p).map_err(|source| TargetError::Io { path: p.to_path_buf(), source })? {
-            let e = e.map_err(|source| TargetError::Io { path: p.to_path_buf(), source })?;
+        for e in std::fs::read_dir(p).map_err(|source| TargetError::Io {
+            path: p.to_path_buf(),
+            source,
+        })? {
+            let e = e.map_err(|source| TargetError::Io {
+                path: p.to_path_buf(),
+                source,
+            })?;
             if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
                 if let Some(n) = e.file_name().to_str() {
                     v.push(n.to_string());
@@ -546,7 +796,12 @@ pub fn list_targets(root: &Path) -> Result<Vec<TargetId>, TargetError> {
         }
         for model in dirs(&hw_dir)? {
             for quant in dirs(&hw_dir.join(&model))? {
-                if hw_dir.join(&model).join(&quant).join("MODEL.toml").is_file() {
+                if hw_dir
+                    .join(&model)
+                    .join(&quant)
+                    .join("MODEL.toml")
+                    .is_file()
+                {
                     out.push(TargetId::new(&hw, &model, &quant));
                 }
             }
@@ -559,7 +814,9 @@ pub fn list_targets(root: &Path) -> Result<Vec<TargetId>, TargetError> {
 pub fn matrix(ids: &[TargetId]) -> BTreeMap<String, Vec<String>> {
     let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for id in ids {
-        m.entry(id.hw.clone()).or_default().push(format!("{}/{}", id.model, id.quant));
+        m.entry(id.hw.clone())
+            .or_default()
+            .push(format!("{}/{}", id.model, id.quant));
     }
     m
 }

@@ -22,8 +22,8 @@
 
 pub mod metrics;
 
-pub use metrics::{Histogram, MetricsSnapshot};
 pub use metrale_backend::BackendInfo;
+pub use metrics::{Histogram, MetricsSnapshot};
 
 use metrale_backend::{Backend, SeqOutput, SeqStep};
 use metrale_core::BackendError;
@@ -58,8 +58,16 @@ pub enum FinishReason {
 /// What the engine streams back for one request.
 #[derive(Debug, Clone)]
 pub enum Event {
-    Token { id: u32, logprob: f32, top_logprobs: Vec<(u32, f32)> },
-    Done { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Token {
+        id: u32,
+        logprob: f32,
+        top_logprobs: Vec<(u32, f32)>,
+    },
+    Done {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     Error(String),
 }
 
@@ -85,7 +93,10 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { prefill_chunk: 256, max_step_tokens: 512 }
+        EngineConfig {
+            prefill_chunk: 256,
+            max_step_tokens: 512,
+        }
     }
 }
 
@@ -139,13 +150,19 @@ impl Engine {
 impl EngineHandle {
     /// Queue a request. Events arrive on the returned receiver; dropping it cancels the request.
     /// `max_tokens` is clipped so that the prompt and the generated tokens fit one slot.
-    pub fn submit(&self, mut req: GenerateRequest) -> Result<tmpsc::UnboundedReceiver<Event>, SubmitError> {
+    pub fn submit(
+        &self,
+        mut req: GenerateRequest,
+    ) -> Result<tmpsc::UnboundedReceiver<Event>, SubmitError> {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
         let capacity = self.shared.info.slot_capacity;
         if req.prompt.len() > capacity {
-            return Err(SubmitError::PromptTooLong { prompt: req.prompt.len(), capacity });
+            return Err(SubmitError::PromptTooLong {
+                prompt: req.prompt.len(),
+                capacity,
+            });
         }
         // The prompt fills positions 0..p; generated token k (k >= 1) is fed at position p + k - 1.
         req.max_tokens = req.max_tokens.min(capacity + 1 - req.prompt.len());
@@ -154,11 +171,26 @@ impl EngineHandle {
         }
         let (tx, rx) = tmpsc::unbounded_channel();
         let guard = self.shared.tx.lock().unwrap();
-        let sender = guard.as_ref().ok_or_else(|| SubmitError::Stopped("the engine was shut down".into()))?;
+        let sender = guard
+            .as_ref()
+            .ok_or_else(|| SubmitError::Stopped("the engine was shut down".into()))?;
         self.shared.waiting.fetch_add(1, Ordering::SeqCst);
-        if sender.send(Submitted { req, tx, at: Instant::now() }).is_err() {
+        if sender
+            .send(Submitted {
+                req,
+                tx,
+                at: Instant::now(),
+            })
+            .is_err()
+        {
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            let why = self.shared.dead.lock().unwrap().clone().unwrap_or_else(|| "the engine thread has ended".into());
+            let why = self
+                .shared
+                .dead
+                .lock()
+                .unwrap()
+                .clone()
+                .unwrap_or_else(|| "the engine thread has ended".into());
             return Err(SubmitError::Stopped(why));
         }
         Ok(rx)
@@ -232,7 +264,12 @@ enum End {
 }
 
 impl Loop {
-    fn new(backend: Box<dyn Backend>, cfg: EngineConfig, rx: mpsc::Receiver<Submitted>, shared: std::sync::Weak<Shared>) -> Loop {
+    fn new(
+        backend: Box<dyn Backend>,
+        cfg: EngineConfig,
+        rx: mpsc::Receiver<Submitted>,
+        shared: std::sync::Weak<Shared>,
+    ) -> Loop {
         let info = backend.info();
         Loop {
             backend,
@@ -298,14 +335,27 @@ impl Loop {
                 let s = self.waiting.pop_front().unwrap();
                 self.admitted(1);
                 if s.req.max_tokens == 0 {
-                    let ev = Event::Done { reason: FinishReason::Length, prompt_tokens: s.req.prompt.len(), completion_tokens: 0 };
+                    let ev = Event::Done {
+                        reason: FinishReason::Length,
+                        prompt_tokens: s.req.prompt.len(),
+                        completion_tokens: 0,
+                    };
                     self.outbox.push((s.tx, ev));
                     self.m.request_success_total[1].1 += 1;
                     continue;
                 }
                 let slot = self.free.pop().unwrap();
                 let history = s.req.prompt.clone();
-                self.running.push(Seq { req: s.req, tx: s.tx, slot, history, cached: 0, generated: 0, submitted: s.at, last_token_at: None });
+                self.running.push(Seq {
+                    req: s.req,
+                    tx: s.tx,
+                    slot,
+                    history,
+                    cached: 0,
+                    generated: 0,
+                    submitted: s.at,
+                    last_token_at: None,
+                });
             }
             // Cancelled while running.
             let mut i = 0;
@@ -340,7 +390,11 @@ impl Loop {
             if s.prefilling() {
                 let left = s.req.prompt.len() - s.cached;
                 let n = left.min(self.cfg.prefill_chunk).min(budget);
-                let n = if n == 0 && !any_prefill && plan.is_empty() { left.min(self.cfg.prefill_chunk) } else { n };
+                let n = if n == 0 && !any_prefill && plan.is_empty() {
+                    left.min(self.cfg.prefill_chunk)
+                } else {
+                    n
+                };
                 if n == 0 {
                     continue;
                 }
@@ -352,7 +406,11 @@ impl Loop {
         let outs: Vec<Result<SeqOutput, String>> = match self.run_plan(&plan) {
             Ok(Ok(outs)) if outs.len() == plan.len() => outs.into_iter().map(Ok).collect(),
             Ok(Ok(outs)) => {
-                let msg = format!("backend returned {} outputs for {} sequences", outs.len(), plan.len());
+                let msg = format!(
+                    "backend returned {} outputs for {} sequences",
+                    outs.len(),
+                    plan.len()
+                );
                 plan.iter().map(|_| Err(msg.clone())).collect()
             }
             // One bad entry (say, a token id outside the vocabulary) must not fail its batch-mates:
@@ -394,8 +452,14 @@ impl Loop {
             s.generated += 1;
             self.m.generation_tokens_total += 1;
             match s.last_token_at {
-                None => self.m.time_to_first_token_seconds.observe((now - s.submitted).as_secs_f64()),
-                Some(t) => self.m.inter_token_latency_seconds.observe((now - t).as_secs_f64()),
+                None => self
+                    .m
+                    .time_to_first_token_seconds
+                    .observe((now - s.submitted).as_secs_f64()),
+                Some(t) => self
+                    .m
+                    .inter_token_latency_seconds
+                    .observe((now - t).as_secs_f64()),
             }
             s.last_token_at = Some(now);
             let is_stop = !s.req.ignore_eos && s.req.stop_tokens.contains(&out.token);
@@ -404,7 +468,11 @@ impl Loop {
                 continue;
             }
             s.history.push(out.token);
-            let ev = Event::Token { id: out.token, logprob: out.logprob, top_logprobs: out.top_logprobs };
+            let ev = Event::Token {
+                id: out.token,
+                logprob: out.logprob,
+                top_logprobs: out.top_logprobs,
+            };
             self.outbox.push((s.tx.clone(), ev));
             if s.generated >= s.req.max_tokens {
                 ended.push((i, End::Length));
@@ -417,7 +485,10 @@ impl Loop {
     }
 
     /// Run one backend step over `plan`; `Err` carries a panic message.
-    fn run_plan(&mut self, plan: &[(usize, usize, usize)]) -> Result<Result<Vec<SeqOutput>, BackendError>, String> {
+    fn run_plan(
+        &mut self,
+        plan: &[(usize, usize, usize)],
+    ) -> Result<Result<Vec<SeqOutput>, BackendError>, String> {
         let steps: Vec<SeqStep<'_>> = plan
             .iter()
             .map(|&(i, a, b)| {
@@ -434,14 +505,16 @@ impl Loop {
             })
             .collect();
         let backend = &mut self.backend;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps))).map_err(|p| {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            format!("the backend panicked: {msg}")
-        })
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps))).map_err(
+            |p| {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                format!("the backend panicked: {msg}")
+            },
+        )
     }
 
     /// The backend panicked: its state is unknown, so end every request and refuse new ones.
@@ -466,8 +539,22 @@ impl Loop {
         self.free.push(s.slot);
         let (prompt_tokens, completion_tokens) = (s.req.prompt.len(), s.generated);
         let (k, ev) = match end {
-            End::Stop => (0, Some(Event::Done { reason: FinishReason::Stop, prompt_tokens, completion_tokens })),
-            End::Length => (1, Some(Event::Done { reason: FinishReason::Length, prompt_tokens, completion_tokens })),
+            End::Stop => (
+                0,
+                Some(Event::Done {
+                    reason: FinishReason::Stop,
+                    prompt_tokens,
+                    completion_tokens,
+                }),
+            ),
+            End::Length => (
+                1,
+                Some(Event::Done {
+                    reason: FinishReason::Length,
+                    prompt_tokens,
+                    completion_tokens,
+                }),
+            ),
             End::Abort => (2, None),
             End::Error(msg) => (3, Some(Event::Error(msg))),
         };
@@ -476,7 +563,9 @@ impl Loop {
         }
         self.m.request_success_total[k].1 += 1;
         if k < 2 {
-            self.m.e2e_request_latency_seconds.observe(s.submitted.elapsed().as_secs_f64());
+            self.m
+                .e2e_request_latency_seconds
+                .observe(s.submitted.elapsed().as_secs_f64());
         }
     }
 }

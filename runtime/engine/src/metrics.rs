@@ -9,17 +9,18 @@ use std::fmt::Write;
 
 /// vLLM's buckets for `time_to_first_token_seconds`.
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 /// vLLM's buckets for `inter_token_latency_seconds`.
 pub const ITL_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
 ];
 /// vLLM's buckets for `e2e_request_latency_seconds`.
 pub const E2E_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-    1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 /// A histogram: upper bounds, per-bucket (non-cumulative) counts, sum and count of observations.
@@ -34,7 +35,12 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn new(bounds: &[f64]) -> Histogram {
-        Histogram { bounds: bounds.to_vec(), counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+        Histogram {
+            bounds: bounds.to_vec(),
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
     }
 
     pub fn observe(&mut self, v: f64) {
@@ -90,12 +96,18 @@ impl Default for MetricsSnapshot {
 }
 
 fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn fmt_f64(v: f64) -> String {
     if v.is_infinite() {
-        if v > 0.0 { "+Inf".into() } else { "-Inf".into() }
+        if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
     } else {
         format!("{v}")
     }
@@ -112,28 +124,88 @@ impl MetricsSnapshot {
             let _ = writeln!(s, "# TYPE vllm:{name} {kind}");
             let _ = writeln!(s, "vllm:{name}{{model_name=\"{m}\"}} {v}");
         };
-        scalar(&mut s, "num_requests_running", "gauge", "Number of requests in model execution batches.", self.num_requests_running.to_string());
-        scalar(&mut s, "num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.num_requests_waiting.to_string());
-        scalar(&mut s, "kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", fmt_f64(self.kv_cache_usage_perc));
-        scalar(&mut s, "prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total.to_string());
-        scalar(&mut s, "generation_tokens_total", "counter", "Number of generation tokens processed.", self.generation_tokens_total.to_string());
-        let _ = writeln!(s, "# HELP vllm:request_success_total Count of successfully processed requests.");
+        scalar(
+            &mut s,
+            "num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            self.num_requests_running.to_string(),
+        );
+        scalar(
+            &mut s,
+            "num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            self.num_requests_waiting.to_string(),
+        );
+        scalar(
+            &mut s,
+            "kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            fmt_f64(self.kv_cache_usage_perc),
+        );
+        scalar(
+            &mut s,
+            "prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            self.prompt_tokens_total.to_string(),
+        );
+        scalar(
+            &mut s,
+            "generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            self.generation_tokens_total.to_string(),
+        );
+        let _ = writeln!(
+            s,
+            "# HELP vllm:request_success_total Count of successfully processed requests."
+        );
         let _ = writeln!(s, "# TYPE vllm:request_success_total counter");
         for (reason, n) in &self.request_success_total {
-            let _ = writeln!(s, "vllm:request_success_total{{finished_reason=\"{reason}\",model_name=\"{m}\"}} {n}");
+            let _ = writeln!(
+                s,
+                "vllm:request_success_total{{finished_reason=\"{reason}\",model_name=\"{m}\"}} {n}"
+            );
         }
         for (name, help, h) in [
-            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", &self.time_to_first_token_seconds),
-            ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", &self.inter_token_latency_seconds),
-            ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &self.e2e_request_latency_seconds),
+            (
+                "time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                &self.time_to_first_token_seconds,
+            ),
+            (
+                "inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                &self.inter_token_latency_seconds,
+            ),
+            (
+                "e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                &self.e2e_request_latency_seconds,
+            ),
         ] {
             let _ = writeln!(s, "# HELP vllm:{name} {help}");
             let _ = writeln!(s, "# TYPE vllm:{name} histogram");
             for (b, c) in h.bounds.iter().zip(h.cumulative()) {
-                let _ = writeln!(s, "vllm:{name}_bucket{{le=\"{}\",model_name=\"{m}\"}} {c}", fmt_f64(*b));
+                let _ = writeln!(
+                    s,
+                    "vllm:{name}_bucket{{le=\"{}\",model_name=\"{m}\"}} {c}",
+                    fmt_f64(*b)
+                );
             }
-            let _ = writeln!(s, "vllm:{name}_bucket{{le=\"+Inf\",model_name=\"{m}\"}} {}", h.count);
-            let _ = writeln!(s, "vllm:{name}_sum{{model_name=\"{m}\"}} {}", fmt_f64(h.sum));
+            let _ = writeln!(
+                s,
+                "vllm:{name}_bucket{{le=\"+Inf\",model_name=\"{m}\"}} {}",
+                h.count
+            );
+            let _ = writeln!(
+                s,
+                "vllm:{name}_sum{{model_name=\"{m}\"}} {}",
+                fmt_f64(h.sum)
+            );
             let _ = writeln!(s, "vllm:{name}_count{{model_name=\"{m}\"}} {}", h.count);
         }
         s
@@ -154,14 +226,24 @@ mod tests {
         assert_eq!(h.cumulative(), vec![2, 3]);
         assert_eq!(h.count, 4);
         assert!((h.sum - 3.65).abs() < 1e-12);
-        let mut s = MetricsSnapshot { num_requests_running: 2, prompt_tokens_total: 17, ..Default::default() };
+        let mut s = MetricsSnapshot {
+            num_requests_running: 2,
+            prompt_tokens_total: 17,
+            ..Default::default()
+        };
         s.time_to_first_token_seconds = h;
         let text = s.prometheus_text("smol\"lm");
         assert!(text.contains("vllm:num_requests_running{model_name=\"smol\\\"lm\"} 2\n"));
         assert!(text.contains("# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name=\"smol\\\"lm\"} 17\n"));
-        assert!(text.contains("vllm:time_to_first_token_seconds_bucket{le=\"1\",model_name=\"smol\\\"lm\"} 3\n"));
-        assert!(text.contains("vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"smol\\\"lm\"} 4\n"));
-        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"smol\\\"lm\"} 4\n"));
+        assert!(text.contains(
+            "vllm:time_to_first_token_seconds_bucket{le=\"1\",model_name=\"smol\\\"lm\"} 3\n"
+        ));
+        assert!(text.contains(
+            "vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"smol\\\"lm\"} 4\n"
+        ));
+        assert!(
+            text.contains("vllm:time_to_first_token_seconds_count{model_name=\"smol\\\"lm\"} 4\n")
+        );
         assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
     }
 }

@@ -4,18 +4,33 @@ use metrale_backend::cpu::synthetic::tiny_backend;
 use metrale_core::dtype::DType;
 
 fn engine(slots: usize, capacity: usize) -> EngineHandle {
-    Engine::spawn(Box::new(tiny_backend(DType::Q4_1, 3, slots, capacity, 2)), EngineConfig { prefill_chunk: 4, max_step_tokens: 6 })
+    Engine::spawn(
+        Box::new(tiny_backend(DType::Q4_1, 3, slots, capacity, 2)),
+        EngineConfig {
+            prefill_chunk: 4,
+            max_step_tokens: 6,
+        },
+    )
 }
 
 fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop_tokens: vec![], ignore_eos: false }
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+        ignore_eos: false,
+    }
 }
 
 /// Collect a request's events: generated ids and the final event.
 fn collect(mut rx: tmpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Event) {
     let mut ids = Vec::new();
     loop {
-        match rx.blocking_recv().expect("the engine ended the stream without Done") {
+        match rx
+            .blocking_recv()
+            .expect("the engine ended the stream without Done")
+        {
             Event::Token { id, logprob, .. } => {
                 assert!(logprob <= 0.0);
                 ids.push(id)
@@ -26,22 +41,34 @@ fn collect(mut rx: tmpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Event) {
 }
 
 fn prompts() -> Vec<Vec<u32>> {
-    (0..6u32).map(|i| (0..(3 + 2 * i)).map(|j| (i * 7 + j * 3) % 50).collect()).collect()
+    (0..6u32)
+        .map(|i| (0..(3 + 2 * i)).map(|j| (i * 7 + j * 3) % 50).collect())
+        .collect()
 }
 
 #[test]
 fn concurrent_requests_all_answered_and_equal_to_running_alone() {
     // Alone: one slot, one request at a time.
     let solo = engine(1, 64);
-    let want: Vec<Vec<u32>> = prompts().into_iter().map(|p| collect(solo.submit(req(p, 7)).unwrap()).0).collect();
+    let want: Vec<Vec<u32>> = prompts()
+        .into_iter()
+        .map(|p| collect(solo.submit(req(p, 7)).unwrap()).0)
+        .collect();
     // Together: 6 requests on 3 slots, prefill chunks of 4 mixed with decodes.
     let e = engine(3, 64);
-    let rxs: Vec<_> = prompts().into_iter().map(|p| e.submit(req(p, 7)).unwrap()).collect();
+    let rxs: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| e.submit(req(p, 7)).unwrap())
+        .collect();
     for (i, rx) in rxs.into_iter().enumerate() {
         let (ids, done) = collect(rx);
         assert_eq!(ids, want[i], "request {i} differs when batched");
         match done {
-            Event::Done { reason: FinishReason::Length, prompt_tokens, completion_tokens: 7 } => {
+            Event::Done {
+                reason: FinishReason::Length,
+                prompt_tokens,
+                completion_tokens: 7,
+            } => {
                 assert_eq!(prompt_tokens, prompts()[i].len())
             }
             other => panic!("request {i}: {other:?}"),
@@ -49,26 +76,44 @@ fn concurrent_requests_all_answered_and_equal_to_running_alone() {
     }
     let m = e.metrics();
     assert_eq!(m.generation_tokens_total, 42);
-    assert_eq!(m.prompt_tokens_total, prompts().iter().map(|p| p.len() as u64).sum::<u64>());
+    assert_eq!(
+        m.prompt_tokens_total,
+        prompts().iter().map(|p| p.len() as u64).sum::<u64>()
+    );
     assert_eq!(m.time_to_first_token_seconds.count, 6);
     assert_eq!(m.inter_token_latency_seconds.count, 36);
     assert_eq!(m.e2e_request_latency_seconds.count, 6);
     assert_eq!(m.request_success_total[1], ("length", 6));
     assert_eq!((m.num_requests_running, m.num_requests_waiting), (0, 0));
     let text = m.prometheus_text("tiny");
-    assert!(text.contains("vllm:generation_tokens_total{model_name=\"tiny\"} 42\n"), "{text}");
+    assert!(
+        text.contains("vllm:generation_tokens_total{model_name=\"tiny\"} 42\n"),
+        "{text}"
+    );
 }
 
 #[test]
 fn dropping_the_receiver_cancels_and_frees_the_slot() {
     let e = engine(1, 512);
-    let mut rx = e.submit(GenerateRequest { ignore_eos: true, ..req(vec![1, 2, 3], 500) }).unwrap();
+    let mut rx = e
+        .submit(GenerateRequest {
+            ignore_eos: true,
+            ..req(vec![1, 2, 3], 500)
+        })
+        .unwrap();
     assert!(matches!(rx.blocking_recv(), Some(Event::Token { .. })));
     drop(rx);
     // The only slot must come free for the next request.
     let (ids, done) = collect(e.submit(req(vec![4, 5], 3)).unwrap());
     assert_eq!(ids.len(), 3);
-    assert!(matches!(done, Event::Done { reason: FinishReason::Length, completion_tokens: 3, .. }));
+    assert!(matches!(
+        done,
+        Event::Done {
+            reason: FinishReason::Length,
+            completion_tokens: 3,
+            ..
+        }
+    ));
     let m = e.metrics();
     assert_eq!(m.request_success_total[2], ("abort", 1));
     assert!(m.generation_tokens_total < 500);
@@ -80,10 +125,25 @@ fn stop_tokens_end_with_stop_unless_ignored() {
     let (free_run, _) = collect(e.submit(req(vec![9, 8, 7], 10)).unwrap());
     let stop = free_run[3];
     let first = free_run.iter().position(|&t| t == stop).unwrap();
-    let (ids, done) = collect(e.submit(GenerateRequest { stop_tokens: vec![stop], ..req(vec![9, 8, 7], 10) }).unwrap());
+    let (ids, done) = collect(
+        e.submit(GenerateRequest {
+            stop_tokens: vec![stop],
+            ..req(vec![9, 8, 7], 10)
+        })
+        .unwrap(),
+    );
     assert_eq!(ids, free_run[..first].to_vec());
-    assert!(matches!(done, Event::Done { reason: FinishReason::Stop, completion_tokens, .. } if completion_tokens == first + 1));
-    let (ids, _) = collect(e.submit(GenerateRequest { stop_tokens: vec![stop], ignore_eos: true, ..req(vec![9, 8, 7], 10) }).unwrap());
+    assert!(
+        matches!(done, Event::Done { reason: FinishReason::Stop, completion_tokens, .. } if completion_tokens == first + 1)
+    );
+    let (ids, _) = collect(
+        e.submit(GenerateRequest {
+            stop_tokens: vec![stop],
+            ignore_eos: true,
+            ..req(vec![9, 8, 7], 10)
+        })
+        .unwrap(),
+    );
     assert_eq!(ids, free_run);
 }
 
@@ -91,15 +151,40 @@ fn stop_tokens_end_with_stop_unless_ignored() {
 fn too_long_and_empty_prompts_are_refused_and_max_tokens_clipped() {
     let e = engine(1, 16);
     match e.submit(req(vec![1; 17], 4)) {
-        Err(SubmitError::PromptTooLong { prompt: 17, capacity: 16 }) => {}
+        Err(SubmitError::PromptTooLong {
+            prompt: 17,
+            capacity: 16,
+        }) => {}
         other => panic!("{:?}", other.map(|_| ())),
     }
-    assert!(matches!(e.submit(req(vec![], 4)), Err(SubmitError::EmptyPrompt)));
+    assert!(matches!(
+        e.submit(req(vec![], 4)),
+        Err(SubmitError::EmptyPrompt)
+    ));
     // 14 prompt tokens in 16 positions: at most 3 tokens can be generated.
-    let (ids, done) = collect(e.submit(GenerateRequest { ignore_eos: true, ..req(vec![2; 14], 100) }).unwrap());
+    let (ids, done) = collect(
+        e.submit(GenerateRequest {
+            ignore_eos: true,
+            ..req(vec![2; 14], 100)
+        })
+        .unwrap(),
+    );
     assert_eq!(ids.len(), 3);
-    assert!(matches!(done, Event::Done { reason: FinishReason::Length, completion_tokens: 3, .. }));
-    let (ids, _) = collect(e.submit(GenerateRequest { ignore_eos: true, ..req(vec![2; 16], 100) }).unwrap());
+    assert!(matches!(
+        done,
+        Event::Done {
+            reason: FinishReason::Length,
+            completion_tokens: 3,
+            ..
+        }
+    ));
+    let (ids, _) = collect(
+        e.submit(GenerateRequest {
+            ignore_eos: true,
+            ..req(vec![2; 16], 100)
+        })
+        .unwrap(),
+    );
     assert_eq!(ids.len(), 1);
     assert_eq!(e.info().slots, 1);
 }
@@ -107,8 +192,17 @@ fn too_long_and_empty_prompts_are_refused_and_max_tokens_clipped() {
 #[test]
 fn seeded_sampling_is_reproducible_through_the_engine() {
     let e = engine(2, 64);
-    let p = SamplingParams { temperature: 1.0, top_p: 0.9, seed: 77, ..Default::default() };
-    let r = || GenerateRequest { sampling: p.clone(), ignore_eos: true, ..req(vec![5, 6, 7], 12) };
+    let p = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.9,
+        seed: 77,
+        ..Default::default()
+    };
+    let r = || GenerateRequest {
+        sampling: p.clone(),
+        ignore_eos: true,
+        ..req(vec![5, 6, 7], 12)
+    };
     let a = e.submit(r()).unwrap();
     let b = e.submit(r()).unwrap();
     assert_eq!(collect(a).0, collect(b).0);
@@ -121,10 +215,19 @@ fn a_bad_request_fails_alone_and_its_batch_mates_finish() {
     let bad = e.submit(req(vec![1, 99, 3], 4)).unwrap();
     let good = e.submit(req(vec![4, 5, 6], 4)).unwrap();
     let (_, done_bad) = collect(bad);
-    assert!(matches!(&done_bad, Event::Error(m) if m.contains("outside the vocabulary")), "{done_bad:?}");
+    assert!(
+        matches!(&done_bad, Event::Error(m) if m.contains("outside the vocabulary")),
+        "{done_bad:?}"
+    );
     let (ids, done_good) = collect(good);
     assert_eq!(ids.len(), 4);
-    assert!(matches!(done_good, Event::Done { reason: FinishReason::Length, .. }));
+    assert!(matches!(
+        done_good,
+        Event::Done {
+            reason: FinishReason::Length,
+            ..
+        }
+    ));
     assert_eq!(e.metrics().request_success_total[3], ("error", 1));
     // The engine keeps serving.
     assert_eq!(collect(e.submit(req(vec![7], 2)).unwrap()).0.len(), 2);

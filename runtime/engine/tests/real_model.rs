@@ -35,7 +35,10 @@ fn concurrent_chats_on_the_real_model() {
         .map(|q| {
             let text = tpl.render(&[ChatMessage::new("user", *q)], true).unwrap();
             GenerateRequest {
-                prompt: m.tokenizer.encode(&text, m.tokenizer.add_bos(), true).unwrap(),
+                prompt: m
+                    .tokenizer
+                    .encode(&text, m.tokenizer.add_bos(), true)
+                    .unwrap(),
                 max_tokens: 24,
                 sampling: SamplingParams::default(),
                 stop_tokens: m.config.eos.clone(),
@@ -43,24 +46,54 @@ fn concurrent_chats_on_the_real_model() {
             }
         })
         .collect();
-    let solo = Engine::spawn(Box::new(CpuBackend::load(&m, 1, 256, 2).unwrap()), EngineConfig::default());
-    let want: Vec<Vec<u32>> = reqs.iter().map(|r| collect(solo.submit(r.clone()).unwrap()).0).collect();
+    let solo = Engine::spawn(
+        Box::new(CpuBackend::load(&m, 1, 256, 2).unwrap()),
+        EngineConfig::default(),
+    );
+    let want: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| collect(solo.submit(r.clone()).unwrap()).0)
+        .collect();
     drop(solo);
-    let e = Engine::spawn(Box::new(CpuBackend::load(&m, 3, 256, 2).unwrap()), EngineConfig { prefill_chunk: 16, max_step_tokens: 32 });
+    let e = Engine::spawn(
+        Box::new(CpuBackend::load(&m, 3, 256, 2).unwrap()),
+        EngineConfig {
+            prefill_chunk: 16,
+            max_step_tokens: 32,
+        },
+    );
     let rxs: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
     for (i, rx) in rxs.into_iter().enumerate() {
         let (ids, done) = collect(rx);
         let text = m.tokenizer.decode(&ids, true);
         eprintln!("{:?} -> {:?} ({done:?})", questions[i], text);
-        assert!(matches!(done, Event::Done { reason: FinishReason::Stop | FinishReason::Length, .. }), "{done:?}");
+        assert!(
+            matches!(
+                done,
+                Event::Done {
+                    reason: FinishReason::Stop | FinishReason::Length,
+                    ..
+                }
+            ),
+            "{done:?}"
+        );
         // 16-bit activation blocks make batched rows bit-identical to solo rows only up to summation
         // order; greedy picks agree unless two logits tie within ~1e-2, which these prompts avoid.
-        assert_eq!(ids, want[i], "request {i}: batched answer differs from the solo one");
+        assert_eq!(
+            ids, want[i],
+            "request {i}: batched answer differs from the solo one"
+        );
         if i == 0 {
             assert!(text.contains("Paris"), "{text:?}");
         }
     }
     let metrics = e.metrics();
-    assert_eq!(metrics.request_success_total[0].1 + metrics.request_success_total[1].1, 4);
-    assert_eq!(metrics.prompt_tokens_total, reqs.iter().map(|r| r.prompt.len() as u64).sum::<u64>());
+    assert_eq!(
+        metrics.request_success_total[0].1 + metrics.request_success_total[1].1,
+        4
+    );
+    assert_eq!(
+        metrics.prompt_tokens_total,
+        reqs.iter().map(|r| r.prompt.len() as u64).sum::<u64>()
+    );
 }

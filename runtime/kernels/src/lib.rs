@@ -41,11 +41,19 @@ pub enum KernelsError {
     #[error("the embedded kernel pack is corrupt: {0}. Rebuild the binary with `cargo xtask build-target`.")]
     Corrupt(String),
     #[error("kernel `{kernel}`: blob {blob} has sha256 {actual}, the embedded attestation says {attested}: the binary was modified after it was built; rebuild it")]
-    DigestMismatch { kernel: String, blob: String, attested: String, actual: String },
+    DigestMismatch {
+        kernel: String,
+        blob: String,
+        attested: String,
+        actual: String,
+    },
     #[error("kernel `{kernel}`: blob {blob} is not attested by the embedded statement")]
     NotAttested { kernel: String, blob: String },
     #[error("KERNEL_SET_HASH mismatch: embedded {embedded}, recomputed from the attestation {recomputed}")]
-    KernelSetHash { embedded: String, recomputed: String },
+    KernelSetHash {
+        embedded: String,
+        recomputed: String,
+    },
 }
 
 /// One compiled kernel of this binary.
@@ -84,7 +92,16 @@ pub struct Registry {
 
 impl Registry {
     fn empty(error: Option<KernelsError>) -> Registry {
-        Registry { target: None, kernels: Vec::new(), kernel_set_hash: String::new(), attestation_json: "", target_closures_json: "", matrix: Vec::new(), statement: None, error }
+        Registry {
+            target: None,
+            kernels: Vec::new(),
+            kernel_set_hash: String::new(),
+            attestation_json: "",
+            target_closures_json: "",
+            matrix: Vec::new(),
+            statement: None,
+            error,
+        }
     }
 
     /// Parses a pack (the embedded one, or any other for tests and tools).
@@ -101,18 +118,33 @@ impl Registry {
     fn parse(bytes: &'static [u8]) -> Result<Registry, KernelsError> {
         let c = |e: metrale_attestation::AttestError| KernelsError::Corrupt(e.to_string());
         let pack = Pack::parse(bytes).map_err(c)?;
-        let s = |k: &str| -> Result<&'static str, KernelsError> { pack.get_str(k).map_err(c)?.ok_or_else(|| KernelsError::Corrupt(format!("entry {k} missing"))) };
-        let id: TargetId = s(keys::TARGET_ID)?.parse().map_err(|e: metrale_core::target::TargetError| KernelsError::Corrupt(e.to_string()))?;
-        let spec = TargetSpec::from_toml(s(keys::HARDWARE_TOML)?, s(keys::MODEL_TOML)?, &id).map_err(|e| KernelsError::Corrupt(e.to_string()))?;
+        let s = |k: &str| -> Result<&'static str, KernelsError> {
+            pack.get_str(k)
+                .map_err(c)?
+                .ok_or_else(|| KernelsError::Corrupt(format!("entry {k} missing")))
+        };
+        let id: TargetId = s(keys::TARGET_ID)?
+            .parse()
+            .map_err(|e: metrale_core::target::TargetError| KernelsError::Corrupt(e.to_string()))?;
+        let spec = TargetSpec::from_toml(s(keys::HARDWARE_TOML)?, s(keys::MODEL_TOML)?, &id)
+            .map_err(|e| KernelsError::Corrupt(e.to_string()))?;
         let attestation_json = s(keys::ATTESTATION)?;
         let statement = Statement::from_json(attestation_json).map_err(c)?;
         let mut kernels = Vec::new();
         for name in pack.kernel_names().map_err(c)? {
             let blob = |kind: &str| pack.get(&keys::kernel(name, kind)).unwrap_or(&[]);
-            let text = |kind: &str| pack.get_str(&keys::kernel(name, kind)).map(|o| o.unwrap_or("")).map_err(c);
+            let text = |kind: &str| {
+                pack.get_str(&keys::kernel(name, kind))
+                    .map(|o| o.unwrap_or(""))
+                    .map_err(c)
+            };
             kernels.push(Kernel {
                 name: name.to_string(),
-                functions: text("functions")?.lines().filter(|l| !l.is_empty()).map(str::to_string).collect(),
+                functions: text("functions")?
+                    .lines()
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_string)
+                    .collect(),
                 cubin: blob("cubin"),
                 ptx: text("ptx")?,
                 metal: text("metal")?,
@@ -126,7 +158,11 @@ impl Registry {
             .lines()
             .filter_map(|l| {
                 let mut f = l.split('\t');
-                Some((f.next()?.to_string(), f.next()?.to_string(), f.next()?.parse().ok()?))
+                Some((
+                    f.next()?.to_string(),
+                    f.next()?.to_string(),
+                    f.next()?.parse().ok()?,
+                ))
             })
             .collect();
         Ok(Registry {
@@ -144,7 +180,11 @@ impl Registry {
     /// Targets (of the matrix known at build time) that serve a checkpoint with this config, e.g. to
     /// name them when refusing it. Empty for a generic build.
     pub fn targets_serving(&self, model_type: &str, hidden_size: usize) -> Vec<String> {
-        self.matrix.iter().filter(|(_, m, h)| m == model_type && *h == hidden_size).map(|(t, _, _)| t.clone()).collect()
+        self.matrix
+            .iter()
+            .filter(|(_, m, h)| m == model_type && *h == hidden_size)
+            .map(|(t, _, _)| t.clone())
+            .collect()
     }
 
     pub fn kernel(&self, name: &str) -> Option<&Kernel> {
@@ -157,31 +197,66 @@ impl Registry {
         if let Some(e) = &self.error {
             return Err(e.clone());
         }
-        let Some(st) = &self.statement else { return Ok(()) };
+        let Some(st) = &self.statement else {
+            return Ok(());
+        };
         for k in &self.kernels {
-            let blobs: [(&str, &[u8]); 4] = [("cubin", k.cubin), ("ptx", k.ptx.as_bytes()), ("metal", k.metal.as_bytes()), ("metallib", k.metallib)];
+            let blobs: [(&str, &[u8]); 4] = [
+                ("cubin", k.cubin),
+                ("ptx", k.ptx.as_bytes()),
+                ("metal", k.metal.as_bytes()),
+                ("metallib", k.metallib),
+            ];
             for (kind, bytes) in blobs {
                 let subject = format!("kernels/{}.{kind}", k.name);
                 match st.subject_sha256(&subject) {
                     Some(att) => {
                         let actual = metrale_attestation::sha256_hex(bytes);
                         if actual != att {
-                            return Err(KernelsError::DigestMismatch { kernel: k.name.clone(), blob: subject, attested: att.to_string(), actual });
+                            return Err(KernelsError::DigestMismatch {
+                                kernel: k.name.clone(),
+                                blob: subject,
+                                attested: att.to_string(),
+                                actual,
+                            });
                         }
                     }
-                    None if !bytes.is_empty() => return Err(KernelsError::NotAttested { kernel: k.name.clone(), blob: subject }),
+                    None if !bytes.is_empty() => {
+                        return Err(KernelsError::NotAttested {
+                            kernel: k.name.clone(),
+                            blob: subject,
+                        })
+                    }
                     None => {}
                 }
             }
         }
-        for k in st.predicate.build_definition.internal_parameters.kernels.keys() {
+        for k in st
+            .predicate
+            .build_definition
+            .internal_parameters
+            .kernels
+            .keys()
+        {
             if self.kernel(k).is_none() {
-                return Err(KernelsError::Corrupt(format!("kernel `{k}` is attested but missing from the pack")));
+                return Err(KernelsError::Corrupt(format!(
+                    "kernel `{k}` is attested but missing from the pack"
+                )));
             }
         }
-        let recomputed = metrale_attestation::statement::kernel_set_hash(&self.target.as_ref().map(|t| t.id.to_string()).unwrap_or_default(), &st.predicate.build_definition.internal_parameters.kernels);
+        let recomputed = metrale_attestation::statement::kernel_set_hash(
+            &self
+                .target
+                .as_ref()
+                .map(|t| t.id.to_string())
+                .unwrap_or_default(),
+            &st.predicate.build_definition.internal_parameters.kernels,
+        );
         if recomputed != self.kernel_set_hash || recomputed != st.kernel_set_hash() {
-            return Err(KernelsError::KernelSetHash { embedded: self.kernel_set_hash.clone(), recomputed });
+            return Err(KernelsError::KernelSetHash {
+                embedded: self.kernel_set_hash.clone(),
+                recomputed,
+            });
         }
         Ok(())
     }

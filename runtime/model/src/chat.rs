@@ -23,7 +23,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -69,8 +72,18 @@ fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-        "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     let month = MONTHS[(m - 1) as usize];
     let mut out = String::new();
@@ -108,16 +121,32 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("raise_exception: {msg}"),
+                ))
+            },
+        );
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned("chat", source.to_string()).map_err(terr)?;
-        Ok(ChatTemplate { env, source: source.to_string(), bos_token: String::new(), eos_token: String::new() })
+        env.add_template_owned("chat", source.to_string())
+            .map_err(terr)?;
+        Ok(ChatTemplate {
+            env,
+            source: source.to_string(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+        })
     }
 
     /// Set the strings the template sees as `bos_token` and `eos_token`.
-    pub fn with_tokens(mut self, bos_token: impl Into<String>, eos_token: impl Into<String>) -> ChatTemplate {
+    pub fn with_tokens(
+        mut self,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> ChatTemplate {
         self.bos_token = bos_token.into();
         self.eos_token = eos_token.into();
         self
@@ -129,12 +158,21 @@ impl ChatTemplate {
     }
 
     /// The template of a GGUF file (`tokenizer.chat_template`), if it has one.
-    pub fn from_gguf(g: &crate::gguf::GgufFile, bos_token: &str, eos_token: &str) -> Result<Option<ChatTemplate>> {
+    pub fn from_gguf(
+        g: &crate::gguf::GgufFile,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<Option<ChatTemplate>> {
         match g.opt_str("tokenizer.chat_template")? {
             None => Ok(None),
             Some(src) => Ok(Some(
                 ChatTemplate::new(src)
-                    .map_err(|e| terr(format!("{}: tokenizer.chat_template: {e}", g.path.display())))?
+                    .map_err(|e| {
+                        terr(format!(
+                            "{}: tokenizer.chat_template: {e}",
+                            g.path.display()
+                        ))
+                    })?
                     .with_tokens(bos_token, eos_token),
             )),
         }
@@ -152,12 +190,21 @@ impl ChatTemplate {
                 msg: e.to_string(),
             })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-            Err(source) => return Err(ModelError::Io { path: cfg_path, source }),
+            Err(source) => {
+                return Err(ModelError::Io {
+                    path: cfg_path,
+                    source,
+                })
+            }
         };
         let tok = |k: &str| -> String {
             match cfg.get(k) {
                 Some(serde_json::Value::String(s)) => s.clone(),
-                Some(o) => o.get("content").and_then(|c| c.as_str()).unwrap_or("").to_string(),
+                Some(o) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .unwrap_or("")
+                    .to_string(),
                 None => String::new(),
             }
         };
@@ -182,7 +229,12 @@ impl ChatTemplate {
                     })
                 }
             },
-            Err(source) => return Err(ModelError::Io { path: jinja_path, source }),
+            Err(source) => {
+                return Err(ModelError::Io {
+                    path: jinja_path,
+                    source,
+                })
+            }
         };
         match src {
             None => Ok(None),
@@ -221,7 +273,11 @@ mod tests {
     use super::*;
 
     fn msgs() -> Vec<ChatMessage> {
-        vec![ChatMessage::new("system", "  Be brief. "), ChatMessage::new("user", "Hi"), ChatMessage::new("assistant", "Hello")]
+        vec![
+            ChatMessage::new("system", "  Be brief. "),
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "Hello"),
+        ]
     }
 
     #[test]
@@ -234,8 +290,14 @@ mod tests {
         )
         .unwrap()
         .with_tokens("<s>", "</s>");
-        assert_eq!(t.render(&msgs(), true).unwrap(), "<s>SYSTEM:Be brief.|indented|USER:Hi|</s>");
-        assert_eq!(t.render(&msgs(), false).unwrap(), "<s>SYSTEM:Be brief.|indented|USER:Hi|");
+        assert_eq!(
+            t.render(&msgs(), true).unwrap(),
+            "<s>SYSTEM:Be brief.|indented|USER:Hi|</s>"
+        );
+        assert_eq!(
+            t.render(&msgs(), false).unwrap(),
+            "<s>SYSTEM:Be brief.|indented|USER:Hi|"
+        );
     }
 
     #[test]

@@ -21,7 +21,12 @@ pub const SUPPORTED_ARCHS: &str = "llama (GGUF general.architecture = llama; HF 
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// Llama 3.1-style: wavelength-dependent scaling of the inverse frequencies.
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: usize },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: usize,
+    },
     /// Positions divided by `factor`.
     Linear { factor: f32 },
     /// Per-dimension frequency divisors stored in the GGUF tensor `rope_freqs.weight` (head_dim / 2
@@ -77,7 +82,9 @@ fn derived_head_dim(path: &Path, field: &str, hidden: usize, n_heads: usize) -> 
         return Err(ModelError::Mismatch {
             path: path.to_path_buf(),
             field: field.into(),
-            expected: format!("a divisor of the hidden size ({hidden}), since no head dimension is given"),
+            expected: format!(
+                "a divisor of the hidden size ({hidden}), since no head dimension is given"
+            ),
             got: n_heads.to_string(),
         });
     }
@@ -107,17 +114,33 @@ impl ModelConfig {
             ));
         }
         if self.head_dim % 2 != 0 {
-            return Err(mm("head_dim", "an even number (RoPE rotates pairs)".into(), self.head_dim.to_string()));
+            return Err(mm(
+                "head_dim",
+                "an even number (RoPE rotates pairs)".into(),
+                self.head_dim.to_string(),
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(mm("rope_theta", "a positive finite number".into(), self.rope_theta.to_string()));
+            return Err(mm(
+                "rope_theta",
+                "a positive finite number".into(),
+                self.rope_theta.to_string(),
+            ));
         }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
-            return Err(mm("norm_eps", "a positive finite number".into(), self.norm_eps.to_string()));
+            return Err(mm(
+                "norm_eps",
+                "a positive finite number".into(),
+                self.norm_eps.to_string(),
+            ));
         }
         for id in self.bos.iter().chain(&self.eos) {
             if *id as usize >= self.vocab {
-                return Err(mm("bos/eos token id", format!("< vocab ({})", self.vocab), id.to_string()));
+                return Err(mm(
+                    "bos/eos token id",
+                    format!("< vocab ({})", self.vocab),
+                    id.to_string(),
+                ));
             }
         }
         Ok(())
@@ -136,8 +159,16 @@ impl ModelConfig {
         }
         let k = |s: &str| format!("llama.{s}");
         let n_layers = positive(path, "llama.block_count", g.req_usize(&k("block_count"))?)?;
-        let hidden = positive(path, "llama.embedding_length", g.req_usize(&k("embedding_length"))?)?;
-        let n_heads = positive(path, "llama.attention.head_count", g.req_usize(&k("attention.head_count"))?)?;
+        let hidden = positive(
+            path,
+            "llama.embedding_length",
+            g.req_usize(&k("embedding_length"))?,
+        )?;
+        let n_heads = positive(
+            path,
+            "llama.attention.head_count",
+            g.req_usize(&k("attention.head_count"))?,
+        )?;
         let n_kv_heads = match g.opt_u64(&k("attention.head_count_kv"))? {
             Some(v) => positive(path, "llama.attention.head_count_kv", v as usize)?,
             None => n_heads,
@@ -156,21 +187,39 @@ impl ModelConfig {
                 });
             }
         }
-        let ffn = positive(path, "llama.feed_forward_length", g.req_usize(&k("feed_forward_length"))?)?;
+        let ffn = positive(
+            path,
+            "llama.feed_forward_length",
+            g.req_usize(&k("feed_forward_length"))?,
+        )?;
         let rope_theta = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
-        let norm_eps = g.opt_f32(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5);
-        let max_context = positive(path, "llama.context_length", g.req_usize(&k("context_length"))?)?;
-        let embd = g.header.tensors.iter().find(|t| t.name == "token_embd.weight").ok_or_else(|| {
-            ModelError::MissingTensor {
+        let norm_eps = g
+            .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5);
+        let max_context = positive(
+            path,
+            "llama.context_length",
+            g.req_usize(&k("context_length"))?,
+        )?;
+        let embd = g
+            .header
+            .tensors
+            .iter()
+            .find(|t| t.name == "token_embd.weight")
+            .ok_or_else(|| ModelError::MissingTensor {
                 path: path.to_path_buf(),
                 name: "token_embd.weight".into(),
                 available: g.header.tensors.len(),
                 hint: String::new(),
-            }
-        })?;
+            })?;
         let vocab = embd.shape.get(1).copied().unwrap_or(1);
         let tied_embeddings = !g.header.tensors.iter().any(|t| t.name == "output.weight");
-        let rope_scaling = if g.header.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
+        let rope_scaling = if g
+            .header
+            .tensors
+            .iter()
+            .any(|t| t.name == "rope_freqs.weight")
+        {
             Some(RopeScaling::FreqFactors)
         } else {
             match g.opt_str(&k("rope.scaling.type"))? {
@@ -194,7 +243,11 @@ impl ModelConfig {
         };
         let bos = tok_id("tokenizer.ggml.bos_token_id")?;
         let mut eos = Vec::new();
-        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
             if let Some(id) = tok_id(key)? {
                 push_unique(&mut eos, id);
             }
@@ -206,7 +259,10 @@ impl ModelConfig {
             Some("llama") => true,
             _ => matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe")),
         };
-        let add_bos = g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos) && bos.is_some();
+        let add_bos = g
+            .opt_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(default_add_bos)
+            && bos.is_some();
         let name = match g.opt_str("general.name")? {
             Some(n) => n.to_string(),
             None => file_stem(path),
@@ -271,7 +327,10 @@ impl ModelConfig {
         let opt_f32 = |k: &str| -> Result<Option<f32>> {
             match cfg.get(k) {
                 None | Some(Json::Null) => Ok(None),
-                Some(v) => v.as_f64().map(|f| Some(f as f32)).ok_or_else(|| mm(k, "a number", v)),
+                Some(v) => v
+                    .as_f64()
+                    .map(|f| Some(f as f32))
+                    .ok_or_else(|| mm(k, "a number", v)),
             }
         };
         let model_type = cfg.get("model_type").and_then(Json::as_str).unwrap_or("");
@@ -327,12 +386,18 @@ impl ModelConfig {
         let max_context = positive(path, &field("max_position_embeddings"), max_context)?;
         let tied_embeddings = match cfg.get("tie_word_embeddings") {
             None | Some(Json::Null) => false,
-            Some(v) => v.as_bool().ok_or_else(|| mm("tie_word_embeddings", "a bool", v))?,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| mm("tie_word_embeddings", "a bool", v))?,
         };
         let rope_scaling = match cfg.get("rope_scaling") {
             None | Some(Json::Null) => None,
             Some(rs) => {
-                let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Json::as_str).unwrap_or("");
+                let kind = rs
+                    .get("rope_type")
+                    .or_else(|| rs.get("type"))
+                    .and_then(Json::as_str)
+                    .unwrap_or("");
                 let f = |k: &str, d: f64| rs.get(k).and_then(Json::as_f64).unwrap_or(d) as f32;
                 match kind {
                     "default" => None,
@@ -343,9 +408,12 @@ impl ModelConfig {
                         original_max_position: rs
                             .get("original_max_position_embeddings")
                             .and_then(Json::as_u64)
-                            .unwrap_or(8192) as usize,
+                            .unwrap_or(8192)
+                            as usize,
                     }),
-                    "linear" => Some(RopeScaling::Linear { factor: f("factor", 1.0) }),
+                    "linear" => Some(RopeScaling::Linear {
+                        factor: f("factor", 1.0),
+                    }),
                     other => {
                         return Err(ModelError::Unsupported {
                             path: path.to_path_buf(),
@@ -362,7 +430,11 @@ impl ModelConfig {
                 None | Some(Json::Null) => Ok(vec![]),
                 Some(Json::Array(a)) => a
                     .iter()
-                    .map(|v| v.as_u64().and_then(|u| u32::try_from(u).ok()).ok_or_else(|| mm(k, "token ids", v)))
+                    .map(|v| {
+                        v.as_u64()
+                            .and_then(|u| u32::try_from(u).ok())
+                            .ok_or_else(|| mm(k, "token ids", v))
+                    })
                     .collect(),
                 Some(v) => v
                     .as_u64()
@@ -373,7 +445,10 @@ impl ModelConfig {
         };
         let bos = id_list("bos_token_id")?.first().copied();
         let mut eos = Vec::new();
-        for id in id_list("eos_token_id")?.into_iter().chain(generation_eos.iter().copied()) {
+        for id in id_list("eos_token_id")?
+            .into_iter()
+            .chain(generation_eos.iter().copied())
+        {
             push_unique(&mut eos, id);
         }
         let name = cfg
@@ -408,12 +483,18 @@ impl ModelConfig {
 
     /// Size of one token's K and V over all layers, in elements (for KV cache sizing).
     pub fn kv_elems_per_token(&self) -> usize {
-        2usize.saturating_mul(self.n_layers).saturating_mul(self.n_kv_heads).saturating_mul(self.head_dim)
+        2usize
+            .saturating_mul(self.n_layers)
+            .saturating_mul(self.n_kv_heads)
+            .saturating_mul(self.head_dim)
     }
 }
 
 fn file_stem(path: &Path) -> String {
-    path.file_stem().or(path.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    path.file_stem()
+        .or(path.file_name())
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Check that every tensor a llama forward pass reads is present with the right shape and a usable

@@ -15,22 +15,49 @@ pub enum ModelError {
     },
     /// The file is malformed at `field`: truncated, an absurd count or length, an offset past the end...
     #[error("{}: {field}: {msg}", .path.display())]
-    Malformed { path: PathBuf, field: String, msg: String },
+    Malformed {
+        path: PathBuf,
+        field: String,
+        msg: String,
+    },
     /// A value has the wrong type, shape or value.
     #[error("{}: {field}: expected {expected}, got {got}", .path.display())]
-    Mismatch { path: PathBuf, field: String, expected: String, got: String },
+    Mismatch {
+        path: PathBuf,
+        field: String,
+        expected: String,
+        got: String,
+    },
     /// A required metadata key or config field is missing.
     #[error("{}: missing {field}{}", .path.display(), hint_suffix(.hint))]
-    Missing { path: PathBuf, field: String, hint: String },
+    Missing {
+        path: PathBuf,
+        field: String,
+        hint: String,
+    },
     /// A tensor is not in the model.
     #[error("{}: tensor '{name}' not found ({available} tensors present){}", .path.display(), hint_suffix(.hint))]
-    MissingTensor { path: PathBuf, name: String, available: usize, hint: String },
+    MissingTensor {
+        path: PathBuf,
+        name: String,
+        available: usize,
+        hint: String,
+    },
     /// The model is of an architecture this runtime does not run.
     #[error("{}: architecture '{arch}' is not supported (supported: {supported})", .path.display())]
-    UnsupportedArch { path: PathBuf, arch: String, supported: String },
+    UnsupportedArch {
+        path: PathBuf,
+        arch: String,
+        supported: String,
+    },
     /// A feature of the file that is valid but not supported here (a tensor type, a pre-tokenizer...).
     #[error("{}: {field}: '{value}' is not supported (supported: {supported})", .path.display())]
-    Unsupported { path: PathBuf, field: String, value: String, supported: String },
+    Unsupported {
+        path: PathBuf,
+        field: String,
+        value: String,
+        supported: String,
+    },
     /// A tensor's bytes do not fit the dtype numerics (should not happen for a loaded model).
     #[error("tensor '{tensor}': {source}")]
     Numerics {

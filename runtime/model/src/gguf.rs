@@ -71,7 +71,7 @@ impl ValueType {
             U16 | I16 => 2,
             U32 | I32 | F32 => 4,
             U64 | I64 | F64 => 8,
-            String => 8,     // u64 length
+            String => 8,    // u64 length
             Array => 4 + 8, // u32 type + u64 count
         }
     }
@@ -202,7 +202,11 @@ impl<'a> Reader<'a> {
     }
 
     fn err(&self, field: &str, msg: impl Into<String>) -> ModelError {
-        ModelError::Malformed { path: self.path.to_path_buf(), field: field.to_string(), msg: msg.into() }
+        ModelError::Malformed {
+            path: self.path.to_path_buf(),
+            field: field.to_string(),
+            msg: msg.into(),
+        }
     }
 
     fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
@@ -257,15 +261,23 @@ impl<'a> Reader<'a> {
         let at = self.pos;
         let len = self.count(field, 1)?;
         let bytes = self.take(len, field)?;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|e| self.err(field, format!("string at offset {at} is not valid UTF-8: {e}")))
+        String::from_utf8(bytes.to_vec()).map_err(|e| {
+            self.err(
+                field,
+                format!("string at offset {at} is not valid UTF-8: {e}"),
+            )
+        })
     }
 
     fn value_type(&mut self, field: &str) -> Result<ValueType> {
         let at = self.pos;
         let t = self.u32(field)?;
-        ValueType::from_u32(t)
-            .ok_or_else(|| self.err(field, format!("unknown value type {t} at offset {at} (known: 0..=12)")))
+        ValueType::from_u32(t).ok_or_else(|| {
+            self.err(
+                field,
+                format!("unknown value type {t} at offset {at} (known: 0..=12)"),
+            )
+        })
     }
 
     fn value(&mut self, t: ValueType, field: &str, depth: u32) -> Result<Value> {
@@ -374,7 +386,10 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
         let field = format!("tensor '{name}'");
         let n_dims = r.u32(&field)?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(r.err(&field, format!("n_dims is {n_dims}, expected 1..={MAX_DIMS}")));
+            return Err(r.err(
+                &field,
+                format!("n_dims is {n_dims}, expected 1..={MAX_DIMS}"),
+            ));
         }
         let mut shape = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -382,7 +397,12 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
             let d = usize::try_from(d)
                 .ok()
                 .filter(|&d| d > 0 && d <= buf.len().saturating_mul(2).max(1 << 20))
-                .ok_or_else(|| r.err(&field, format!("dimension {d} is absurd for a {} byte file", buf.len())))?;
+                .ok_or_else(|| {
+                    r.err(
+                        &field,
+                        format!("dimension {d} is absurd for a {} byte file", buf.len()),
+                    )
+                })?;
             shape.push(d);
         }
         let type_id = r.u32(&field)?;
@@ -390,13 +410,22 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
             path: path.to_path_buf(),
             field: format!("{field} ggml type"),
             value: format!("{type_id} ({})", ggml_type_name(type_id)),
-            supported: DType::ALL.iter().map(|d| format!("{} ({})", d.ggml_id(), d)).collect::<Vec<_>>().join(", "),
+            supported: DType::ALL
+                .iter()
+                .map(|d| format!("{} ({})", d.ggml_id(), d))
+                .collect::<Vec<_>>()
+                .join(", "),
         })?;
         let offset = r.u64(&field)?;
         let row = dtype.row_bytes(shape[0]).ok_or_else(|| {
             r.err(
                 &field,
-                format!("row length {} is not a multiple of {}'s block of {}", shape[0], dtype, dtype.block_elems()),
+                format!(
+                    "row length {} is not a multiple of {}'s block of {}",
+                    shape[0],
+                    dtype,
+                    dtype.block_elems()
+                ),
             )
         })?;
         let n_bytes = shape[1..]
@@ -404,20 +433,37 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
             .try_fold(row, |acc, &d| acc.checked_mul(d))
             .filter(|&b| b <= buf.len())
             .ok_or_else(|| {
-                r.err(&field, format!("shape {shape:?} of {dtype} is larger than the whole file ({} bytes)", buf.len()))
+                r.err(
+                    &field,
+                    format!(
+                        "shape {shape:?} of {dtype} is larger than the whole file ({} bytes)",
+                        buf.len()
+                    ),
+                )
             })?;
         if offset % alignment != 0 {
-            return Err(r.err(&field, format!("data offset {offset} is not a multiple of the alignment {alignment}")));
+            return Err(r.err(
+                &field,
+                format!("data offset {offset} is not a multiple of the alignment {alignment}"),
+            ));
         }
         if !seen.insert(name.clone()) {
             return Err(r.err(&field, "duplicate tensor name"));
         }
-        raws.push(Raw { name, dtype, shape, offset, n_bytes });
+        raws.push(Raw {
+            name,
+            dtype,
+            shape,
+            offset,
+            n_bytes,
+        });
     }
     let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
     let mut tensors = Vec::with_capacity(raws.len());
     for t in raws {
-        let end = data_offset.checked_add(t.offset).and_then(|s| s.checked_add(t.n_bytes as u64));
+        let end = data_offset
+            .checked_add(t.offset)
+            .and_then(|s| s.checked_add(t.n_bytes as u64));
         match end {
             Some(end) if end <= buf.len() as u64 => {}
             _ => {
@@ -442,7 +488,13 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
             n_bytes: t.n_bytes,
         });
     }
-    Ok(GgufHeader { version, metadata, tensors, alignment, data_offset: data_offset as usize })
+    Ok(GgufHeader {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset: data_offset as usize,
+    })
 }
 
 /// ggml's name for a type id, for error messages about unsupported types.
@@ -498,13 +550,20 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Memory-map and parse a GGUF file. The file must not be modified while it is mapped.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only; the runtime's contract is that model files are not modified
         // while a server has them loaded (as for every mmap-based loader).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let header = parse_header(&map, path)?;
-        Ok(GgufFile { path: path.to_path_buf(), header, map })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            header,
+            map,
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -526,41 +585,58 @@ impl GgufFile {
     }
 
     fn missing(&self, key: &str) -> ModelError {
-        ModelError::Missing { path: self.path.clone(), field: format!("metadata '{key}'"), hint: String::new() }
+        ModelError::Missing {
+            path: self.path.clone(),
+            field: format!("metadata '{key}'"),
+            hint: String::new(),
+        }
     }
 
     /// An optional non-negative integer (any integer type).
     pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(Some).ok_or_else(|| self.mismatch(key, "a non-negative integer", v)),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| self.mismatch(key, "a non-negative integer", v)),
         }
     }
 
     /// A required non-negative integer that fits usize.
     pub fn req_usize(&self, key: &str) -> Result<usize> {
         let v = self.opt_u64(key)?.ok_or_else(|| self.missing(key))?;
-        usize::try_from(v).map_err(|_| self.mismatch(key, "an integer that fits usize", &Value::U64(v)))
+        usize::try_from(v)
+            .map_err(|_| self.mismatch(key, "an integer that fits usize", &Value::U64(v)))
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(|f| Some(f as f32)).ok_or_else(|| self.mismatch(key, "a float", v)),
+            Some(v) => v
+                .as_f64()
+                .map(|f| Some(f as f32))
+                .ok_or_else(|| self.mismatch(key, "a float", v)),
         }
     }
 
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.mismatch(key, "a bool", v)),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.mismatch(key, "a bool", v)),
         }
     }
 
     pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_str().map(Some).ok_or_else(|| self.mismatch(key, "a string", v)),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.mismatch(key, "a string", v)),
         }
     }
 
@@ -574,7 +650,10 @@ impl GgufFile {
             None => Ok(None),
             Some(v @ Value::Array(_, items)) => items
                 .iter()
-                .map(|i| i.as_str().ok_or_else(|| self.mismatch(key, "an array of strings", v)))
+                .map(|i| {
+                    i.as_str()
+                        .ok_or_else(|| self.mismatch(key, "an array of strings", v))
+                })
                 .collect::<Result<Vec<_>>>()
                 .map(Some),
             Some(v) => Err(self.mismatch(key, "an array of strings", v)),
@@ -587,7 +666,10 @@ impl GgufFile {
             None => Ok(None),
             Some(v @ Value::Array(_, items)) => items
                 .iter()
-                .map(|i| i.as_i64().ok_or_else(|| self.mismatch(key, "an array of integers", v)))
+                .map(|i| {
+                    i.as_i64()
+                        .ok_or_else(|| self.mismatch(key, "an array of integers", v))
+                })
                 .collect::<Result<Vec<_>>>()
                 .map(Some),
             Some(v) => Err(self.mismatch(key, "an array of integers", v)),
@@ -679,11 +761,20 @@ mod tests {
         assert_eq!(m["u64"], Value::U64(u64::MAX));
         assert_eq!(m["i64"], Value::I64(i64::MIN));
         assert_eq!(m["f64"], Value::F64(0.25));
-        assert_eq!(m["arr_u32"], Value::Array(ValueType::U32, vec![Value::U32(1), Value::U32(2), Value::U32(3)]));
+        assert_eq!(
+            m["arr_u32"],
+            Value::Array(
+                ValueType::U32,
+                vec![Value::U32(1), Value::U32(2), Value::U32(3)]
+            )
+        );
         match &m["nested"] {
             Value::Array(ValueType::Array, v) => {
                 assert_eq!(v.len(), 2);
-                assert_eq!(v[1], Value::Array(ValueType::String, vec![Value::String("c".into())]));
+                assert_eq!(
+                    v[1],
+                    Value::Array(ValueType::String, vec![Value::String("c".into())])
+                );
             }
             other => panic!("{other:?}"),
         }
@@ -694,11 +785,20 @@ mod tests {
         assert_eq!(h.data_offset % 64, 0);
         assert_eq!(h.tensors.len(), 1);
         let t = &h.tensors[0];
-        assert_eq!((t.name.as_str(), t.dtype, t.shape.clone(), t.n_bytes), ("t", DType::F32, vec![2, 3], 24));
-        assert_eq!(&b[t.file_offset + 4..t.file_offset + 8], &1f32.to_le_bytes());
+        assert_eq!(
+            (t.name.as_str(), t.dtype, t.shape.clone(), t.n_bytes),
+            ("t", DType::F32, vec![2, 3], 24)
+        );
+        assert_eq!(
+            &b[t.file_offset + 4..t.file_offset + 8],
+            &1f32.to_le_bytes()
+        );
         // every cut of this file is an error, never a panic
         for n in 0..b.len() {
-            assert!(parse_header(&b[..n], Path::new("every.gguf")).is_err(), "cut at {n}");
+            assert!(
+                parse_header(&b[..n], Path::new("every.gguf")).is_err(),
+                "cut at {n}"
+            );
         }
     }
 
@@ -707,12 +807,22 @@ mod tests {
         let mut b = every_type();
         let at = b.windows(4).position(|w| w == b"bool").unwrap() + 4 + 4;
         b[at] = 2;
-        let e = parse_header(&b, Path::new("x.gguf")).unwrap_err().to_string();
-        assert!(e.contains("metadata 'bool'") && e.contains("expected 0 or 1"), "{e}");
+        let e = parse_header(&b, Path::new("x.gguf"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("metadata 'bool'") && e.contains("expected 0 or 1"),
+            "{e}"
+        );
         let mut b = every_type();
         let at = b.windows(6).position(|w| w == "héllo".as_bytes()).unwrap();
         b[at + 1] = 0xff;
-        let e = parse_header(&b, Path::new("x.gguf")).unwrap_err().to_string();
-        assert!(e.contains("metadata 'string'") && e.contains("UTF-8"), "{e}");
+        let e = parse_header(&b, Path::new("x.gguf"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("metadata 'string'") && e.contains("UTF-8"),
+            "{e}"
+        );
     }
 }

@@ -23,13 +23,18 @@ use std::path::{Component, Path};
 
 fn read_json(path: &Path) -> Result<Option<Json>> {
     match std::fs::read(path) {
-        Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|e| ModelError::Malformed {
-            path: path.to_path_buf(),
-            field: "json".into(),
-            msg: e.to_string(),
-        }),
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| ModelError::Malformed {
+                path: path.to_path_buf(),
+                field: "json".into(),
+                msg: e.to_string(),
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(ModelError::Io { path: path.to_path_buf(), source }),
+        Err(source) => Err(ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
     }
 }
 
@@ -71,8 +76,16 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
 
 /// Permute the rows of an HF q_proj/k_proj (`rows` rows of `row_bytes` bytes, `n_head` heads) from
 /// HF's half-split rope layout to GGUF's adjacent-pair layout, as llama.cpp's converter does.
-pub fn permute_qk_rows(data: &[u8], rows: usize, row_bytes: usize, n_head: usize) -> Option<Vec<u8>> {
-    if n_head == 0 || rows % n_head.checked_mul(2)? != 0 || data.len() != rows.checked_mul(row_bytes)? {
+pub fn permute_qk_rows(
+    data: &[u8],
+    rows: usize,
+    row_bytes: usize,
+    n_head: usize,
+) -> Option<Vec<u8>> {
+    if n_head == 0
+        || rows % n_head.checked_mul(2)? != 0
+        || data.len() != rows.checked_mul(row_bytes)?
+    {
         return None;
     }
     let hd = rows / n_head;
@@ -99,34 +112,47 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
     let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let gen_cfg = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
     let tok_path = dir.join("tokenizer.json");
-    let tok_json = std::fs::read(&tok_path).map_err(|source| ModelError::Io { path: tok_path.clone(), source })?;
+    let tok_json = std::fs::read(&tok_path).map_err(|source| ModelError::Io {
+        path: tok_path.clone(),
+        source,
+    })?;
 
     // add_bos: tokenizer_config.json's flag when present, else whether tokenizer.json's post-processor
     // inserts the BOS token (what HF's encode(add_special_tokens=True) would do).
     let add_bos = match tok_cfg.get("add_bos_token").and_then(Json::as_bool) {
         Some(b) => b,
         None => {
-            let tj: Json = serde_json::from_slice(&tok_json).map_err(|e| ModelError::Malformed {
-                path: tok_path.clone(),
-                field: "json".into(),
-                msg: e.to_string(),
-            })?;
+            let tj: Json =
+                serde_json::from_slice(&tok_json).map_err(|e| ModelError::Malformed {
+                    path: tok_path.clone(),
+                    field: "json".into(),
+                    msg: e.to_string(),
+                })?;
             let bos_str = match tok_cfg.get("bos_token") {
                 Some(Json::String(s)) => Some(s.clone()),
                 Some(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
                 None => None,
             };
             match (bos_str, tj.get("post_processor")) {
-                (Some(b), Some(pp)) if !b.is_empty() => {
-                    pp.get("single").map(|s| s.to_string().contains(&format!("\"{b}\""))).unwrap_or(false)
-                }
+                (Some(b), Some(pp)) if !b.is_empty() => pp
+                    .get("single")
+                    .map(|s| s.to_string().contains(&format!("\"{b}\"")))
+                    .unwrap_or(false),
                 _ => false,
             }
         }
     };
     let generation_eos: Vec<u32> = match gen_cfg.get("eos_token_id") {
-        Some(Json::Array(a)) => a.iter().filter_map(|v| v.as_u64()).filter_map(|v| u32::try_from(v).ok()).collect(),
-        Some(v) => v.as_u64().and_then(|v| u32::try_from(v).ok()).into_iter().collect(),
+        Some(Json::Array(a)) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .filter_map(|v| u32::try_from(v).ok())
+            .collect(),
+        Some(v) => v
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .into_iter()
+            .collect(),
         None => vec![],
     };
     let cfg_path = dir.join("config.json");
@@ -134,32 +160,41 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
 
     // Which safetensors files.
     let index_path = dir.join("model.safetensors.index.json");
-    let (files, weight_map): (Vec<String>, Option<BTreeMap<String, String>>) = match read_json(&index_path)? {
-        Some(idx) => {
-            let wm = idx.get("weight_map").and_then(Json::as_object).ok_or_else(|| ModelError::Missing {
-                path: index_path.clone(),
-                field: "weight_map".into(),
-                hint: "a sharded checkpoint's index maps each tensor to its file".into(),
-            })?;
-            let mut map = BTreeMap::new();
-            for (k, v) in wm {
-                let f = v.as_str().filter(|f| plain_file_name(f)).ok_or_else(|| ModelError::Mismatch {
-                    path: index_path.clone(),
-                    field: format!("weight_map['{k}']"),
-                    expected: "a file name in the same directory".into(),
-                    got: v.to_string(),
-                })?;
-                map.insert(k.clone(), f.to_string());
+    let (files, weight_map): (Vec<String>, Option<BTreeMap<String, String>>) =
+        match read_json(&index_path)? {
+            Some(idx) => {
+                let wm = idx
+                    .get("weight_map")
+                    .and_then(Json::as_object)
+                    .ok_or_else(|| ModelError::Missing {
+                        path: index_path.clone(),
+                        field: "weight_map".into(),
+                        hint: "a sharded checkpoint's index maps each tensor to its file".into(),
+                    })?;
+                let mut map = BTreeMap::new();
+                for (k, v) in wm {
+                    let f = v.as_str().filter(|f| plain_file_name(f)).ok_or_else(|| {
+                        ModelError::Mismatch {
+                            path: index_path.clone(),
+                            field: format!("weight_map['{k}']"),
+                            expected: "a file name in the same directory".into(),
+                            got: v.to_string(),
+                        }
+                    })?;
+                    map.insert(k.clone(), f.to_string());
+                }
+                let files: BTreeSet<String> = map.values().cloned().collect();
+                (files.into_iter().collect(), Some(map))
             }
-            let files: BTreeSet<String> = map.values().cloned().collect();
-            (files.into_iter().collect(), Some(map))
-        }
-        None => (vec!["model.safetensors".into()], None),
-    };
+            None => (vec!["model.safetensors".into()], None),
+        };
     let mut maps = Vec::with_capacity(files.len());
     for f in &files {
         let p = dir.join(f);
-        let io = |source| ModelError::Io { path: p.clone(), source };
+        let io = |source| ModelError::Io {
+            path: p.clone(),
+            source,
+        };
         let file = std::fs::File::open(&p).map_err(io)?;
         // SAFETY: read-only map; model files must not change while loaded.
         maps.push(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?);
@@ -224,14 +259,22 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
             let is_q = name.ends_with(".attn_q.weight");
             let is_k = name.ends_with(".attn_k.weight");
             if is_q || is_k {
-                let n_head = if is_q { config.n_heads } else { config.n_kv_heads };
+                let n_head = if is_q {
+                    config.n_heads
+                } else {
+                    config.n_kv_heads
+                };
                 let rows: usize = shape[1..].iter().product();
                 let rb = dtype.row_bytes(shape[0]).unwrap_or(0);
-                let permuted = permute_qk_rows(data, rows, rb, n_head).ok_or_else(|| ModelError::Mismatch {
-                    path: p.clone(),
-                    field: format!("tensor '{hf_name}' shape"),
-                    expected: format!("a matrix whose row count is a multiple of 2 x {n_head} heads"),
-                    got: format!("{:?}", view.shape()),
+                let permuted = permute_qk_rows(data, rows, rb, n_head).ok_or_else(|| {
+                    ModelError::Mismatch {
+                        path: p.clone(),
+                        field: format!("tensor '{hf_name}' shape"),
+                        expected: format!(
+                            "a matrix whose row count is a multiple of 2 x {n_head} heads"
+                        ),
+                        got: format!("{:?}", view.shape()),
+                    }
                 })?;
                 owned.push((name, dtype, shape, permuted));
             } else {
@@ -266,12 +309,20 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
             path: dir.to_path_buf(),
             name: "lm_head.weight".into(),
             available: weights.len(),
-            hint: "config.json has tie_word_embeddings false, so the checkpoint needs its own LM head".into(),
+            hint:
+                "config.json has tie_word_embeddings false, so the checkpoint needs its own LM head"
+                    .into(),
         });
     }
     validate_llama(&config, &weights)?;
 
-    let tokenizer = Tokenizer::from_hf_json(&tok_json, &tok_path, config.bos, config.eos.clone(), config.add_bos)?;
+    let tokenizer = Tokenizer::from_hf_json(
+        &tok_json,
+        &tok_path,
+        config.bos,
+        config.eos.clone(),
+        config.add_bos,
+    )?;
     if tokenizer.vocab_size() > config.vocab {
         return Err(ModelError::Mismatch {
             path: tok_path,
@@ -281,5 +332,12 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
         });
     }
     let chat_template = ChatTemplate::from_hf(dir)?;
-    Ok(Model { config, weights, tokenizer, chat_template, path: dir.to_path_buf(), format: Format::HfSafetensors })
+    Ok(Model {
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        path: dir.to_path_buf(),
+        format: Format::HfSafetensors,
+    })
 }

@@ -52,23 +52,35 @@ pub struct Model {
 impl Model {
     /// Load a `.gguf` file or an HF checkpoint directory.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
-        let meta = std::fs::metadata(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         if meta.is_dir() {
             return hf::load(path);
         }
         let mut magic = [0u8; 4];
         {
             use std::io::Read;
-            let mut f =
-                std::fs::File::open(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
-            let n = f.read(&mut magic).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
-            if n == 4 && magic != gguf::MAGIC && path.extension().is_some_and(|e| e == "safetensors") {
+            let mut f = std::fs::File::open(path).map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let n = f.read(&mut magic).map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            if n == 4
+                && magic != gguf::MAGIC
+                && path.extension().is_some_and(|e| e == "safetensors")
+            {
                 return Err(ModelError::Mismatch {
                     path: path.to_path_buf(),
                     field: "path".into(),
-                    expected: "a .gguf file or an HF checkpoint directory (pass the directory that holds \
+                    expected:
+                        "a .gguf file or an HF checkpoint directory (pass the directory that holds \
                                config.json, not the .safetensors file)"
-                        .into(),
+                            .into(),
                     got: "a .safetensors file".into(),
                 });
             }
@@ -78,11 +90,14 @@ impl Model {
 
     /// The chat template, or an error saying the model has none (pass one with --chat-template).
     pub fn require_chat_template(&self) -> Result<&ChatTemplate, ModelError> {
-        self.chat_template.as_ref().ok_or_else(|| ModelError::Missing {
-            path: self.path.clone(),
-            field: "chat template".into(),
-            hint: "the model ships none; give one explicitly (e.g. --chat-template FILE)".into(),
-        })
+        self.chat_template
+            .as_ref()
+            .ok_or_else(|| ModelError::Missing {
+                path: self.path.clone(),
+                field: "chat template".into(),
+                hint: "the model ships none; give one explicitly (e.g. --chat-template FILE)"
+                    .into(),
+            })
     }
 }
 
@@ -98,7 +113,9 @@ fn load_gguf(path: &Path) -> Result<Model, ModelError> {
             got: format!("{} tokens", tokenizer.vocab_size()),
         });
     }
-    let text = |id: Option<u32>| id.map(|i| String::from_utf8_lossy(tokenizer.token_bytes_ref(i)).into_owned());
+    let text = |id: Option<u32>| {
+        id.map(|i| String::from_utf8_lossy(tokenizer.token_bytes_ref(i)).into_owned())
+    };
     let bos_text = text(config.bos).unwrap_or_default();
     let eos_text = text(config.eos.first().copied()).unwrap_or_default();
     let chat_template = chat::ChatTemplate::from_gguf(&g, &bos_text, &eos_text)?;
@@ -109,9 +126,20 @@ fn load_gguf(path: &Path) -> Result<Model, ModelError> {
             t.name,
             t.dtype,
             t.shape,
-            weights::Source::Mapped { map: 0, offset: t.file_offset, len: t.n_bytes },
+            weights::Source::Mapped {
+                map: 0,
+                offset: t.file_offset,
+                len: t.n_bytes,
+            },
         )?;
     }
     config::validate_llama(&config, &weights)?;
-    Ok(Model { config, weights, tokenizer, chat_template, path: path.to_path_buf(), format: Format::Gguf })
+    Ok(Model {
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        path: path.to_path_buf(),
+        format: Format::Gguf,
+    })
 }

@@ -32,7 +32,8 @@ use tokenizers::pre_tokenizers::split::Split;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 /// The GPT-2 pre-tokenizer regex as llama.cpp writes it.
-pub const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+pub const GPT2_REGEX: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 /// The llama3 pre-tokenizer regex as llama.cpp adapts it (case-insensitive contractions spelled out).
 pub const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The `tokenizer.ggml.pre` values this reader supports.
@@ -86,7 +87,9 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 fn tk_err(msg: impl std::fmt::Display) -> ModelError {
-    ModelError::Tokenizer { msg: msg.to_string() }
+    ModelError::Tokenizer {
+        msg: msg.to_string(),
+    }
 }
 
 /// GPT-2's bytes_to_unicode, inverted: printable char -> byte.
@@ -94,7 +97,8 @@ fn byte_level_decoder() -> HashMap<char, u8> {
     let mut m = HashMap::with_capacity(256);
     let mut n = 0u32;
     for b in 0u32..256 {
-        let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+        let printable =
+            (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
         let c = if printable {
             b
         } else {
@@ -135,9 +139,13 @@ fn token_to_bytes(tok: &str, mode: ByteMode, bl: &HashMap<char, u8>) -> Vec<u8> 
 
 fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapper, bool)> {
     let split = |re: &str| -> Result<PreTokenizerWrapper> {
-        Ok(Split::new(tokenizers::pre_tokenizers::split::SplitPattern::Regex(re.into()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| tk_err(format!("regex {re:?}: {e}")))?
-            .into())
+        Ok(Split::new(
+            tokenizers::pre_tokenizers::split::SplitPattern::Regex(re.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| tk_err(format!("regex {re:?}: {e}")))?
+        .into())
     };
     // use_regex = false: the Split steps above already did the splitting; ByteLevel only maps bytes.
     let bytes: PreTokenizerWrapper = ByteLevel::new(false, false, false).into();
@@ -159,7 +167,12 @@ fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapp
 
 impl Tokenizer {
     /// Build from a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE, `model = gpt2`).
-    pub fn from_gguf(g: &GgufFile, bos: Option<u32>, eos: Vec<u32>, add_bos: bool) -> Result<Tokenizer> {
+    pub fn from_gguf(
+        g: &GgufFile,
+        bos: Option<u32>,
+        eos: Vec<u32>,
+        add_bos: bool,
+    ) -> Result<Tokenizer> {
         let path = g.path.as_path();
         let model = g.req_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
@@ -171,18 +184,32 @@ impl Tokenizer {
             });
         }
         let pre = g.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
-        let pre_name = if pre == "default" { "default (absent)" } else { pre };
+        let pre_name = if pre == "default" {
+            "default (absent)"
+        } else {
+            pre
+        };
         let (pre_tok, ignore_merges) = pre_tokenizer(pre, path).map_err(|e| match e {
-            ModelError::Unsupported { path, field, supported, .. } => {
-                ModelError::Unsupported { path, field, value: pre_name.into(), supported }
-            }
+            ModelError::Unsupported {
+                path,
+                field,
+                supported,
+                ..
+            } => ModelError::Unsupported {
+                path,
+                field,
+                value: pre_name.into(),
+                supported,
+            },
             e => e,
         })?;
-        let tokens = g.opt_str_array("tokenizer.ggml.tokens")?.ok_or_else(|| ModelError::Missing {
-            path: path.to_path_buf(),
-            field: "metadata 'tokenizer.ggml.tokens'".into(),
-            hint: String::new(),
-        })?;
+        let tokens =
+            g.opt_str_array("tokenizer.ggml.tokens")?
+                .ok_or_else(|| ModelError::Missing {
+                    path: path.to_path_buf(),
+                    field: "metadata 'tokenizer.ggml.tokens'".into(),
+                    hint: String::new(),
+                })?;
         if tokens.is_empty() || tokens.len() > u32::MAX as usize {
             return Err(ModelError::Mismatch {
                 path: path.to_path_buf(),
@@ -203,7 +230,9 @@ impl Tokenizer {
             }
             None => vec![token_type::NORMAL; tokens.len()],
         };
-        let merges_raw = g.opt_str_array("tokenizer.ggml.merges")?.unwrap_or_default();
+        let merges_raw = g
+            .opt_str_array("tokenizer.ggml.merges")?
+            .unwrap_or_default();
         let mut merges = Vec::with_capacity(merges_raw.len());
         for (i, m) in merges_raw.iter().enumerate() {
             let (a, b) = m.split_once(' ').ok_or_else(|| ModelError::Mismatch {
@@ -214,7 +243,11 @@ impl Tokenizer {
             })?;
             merges.push((a.to_string(), b.to_string()));
         }
-        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .ignore_merges(ignore_merges)
@@ -232,7 +265,9 @@ impl Tokenizer {
                     special[i] = true;
                     special_tokens.push(AddedToken::from(t.to_string(), true));
                 }
-                token_type::USER_DEFINED => user_tokens.push(AddedToken::from(t.to_string(), false)),
+                token_type::USER_DEFINED => {
+                    user_tokens.push(AddedToken::from(t.to_string(), false))
+                }
                 token_type::NORMAL | token_type::UNUSED | token_type::BYTE => {}
                 other => {
                     return Err(ModelError::Mismatch {
@@ -252,11 +287,22 @@ impl Tokenizer {
             .iter()
             .zip(&types)
             .map(|(t, ty)| match *ty {
-                token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => t.as_bytes().to_vec(),
+                token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => {
+                    t.as_bytes().to_vec()
+                }
                 _ => token_to_bytes(t, ByteMode::ByteLevel, &bl),
             })
             .collect();
-        let tk = Tokenizer { with_special, plain, bytes, special, byte_mode: ByteMode::ByteLevel, bos, eos, add_bos };
+        let tk = Tokenizer {
+            with_special,
+            plain,
+            bytes,
+            special,
+            byte_mode: ByteMode::ByteLevel,
+            bos,
+            eos,
+            add_bos,
+        };
         tk.check_ids(path)?;
         Ok(tk)
     }
@@ -300,7 +346,16 @@ impl Tokenizer {
                 bytes.push(token_to_bytes(&t, byte_mode, &bl));
             }
         }
-        let tk = Tokenizer { with_special, plain, bytes, special, byte_mode, bos, eos, add_bos };
+        let tk = Tokenizer {
+            with_special,
+            plain,
+            bytes,
+            special,
+            byte_mode,
+            bos,
+            eos,
+            add_bos,
+        };
         tk.check_ids(path)?;
         Ok(tk)
     }
@@ -323,11 +378,20 @@ impl Tokenizer {
     /// `parse_special` matches special tokens such as `<|im_start|>` in the text (otherwise their text
     /// is tokenized as ordinary characters).
     pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Result<Vec<u32>> {
-        let tk = if parse_special { &self.with_special } else { &self.plain };
-        let enc = tk.encode_fast(text, false).map_err(|e| tk_err(format!("encoding {} bytes: {e}", text.len())))?;
+        let tk = if parse_special {
+            &self.with_special
+        } else {
+            &self.plain
+        };
+        let enc = tk
+            .encode_fast(text, false)
+            .map_err(|e| tk_err(format!("encoding {} bytes: {e}", text.len())))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if add_bos {
-            ids.push(self.bos.ok_or_else(|| tk_err("add_bos requested but the model has no BOS token"))?);
+            ids.push(
+                self.bos
+                    .ok_or_else(|| tk_err("add_bos requested but the model has no BOS token"))?,
+            );
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
@@ -348,11 +412,22 @@ impl Tokenizer {
             }
             return String::from_utf8_lossy(&out).into_owned();
         }
-        let ids: Vec<u32> = ids.iter().copied().filter(|&id| (id as usize) < self.bytes.len()).collect();
-        self.with_special.decode(&ids, skip_special).unwrap_or_else(|_| {
-            // the tokenizers decoders fail only on ids they do not know, which are filtered above
-            String::from_utf8_lossy(&ids.iter().flat_map(|&id| self.token_bytes(id)).collect::<Vec<u8>>()).into_owned()
-        })
+        let ids: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&id| (id as usize) < self.bytes.len())
+            .collect();
+        self.with_special
+            .decode(&ids, skip_special)
+            .unwrap_or_else(|_| {
+                // the tokenizers decoders fail only on ids they do not know, which are filtered above
+                String::from_utf8_lossy(
+                    &ids.iter()
+                        .flat_map(|&id| self.token_bytes(id))
+                        .collect::<Vec<u8>>(),
+                )
+                .into_owned()
+            })
     }
 
     /// The raw bytes token `id` stands for (may be part of a UTF-8 character); empty for an id outside
@@ -363,7 +438,10 @@ impl Tokenizer {
 
     /// Same as [`Tokenizer::token_bytes`], borrowed.
     pub fn token_bytes_ref(&self, id: u32) -> &[u8] {
-        self.bytes.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
+        self.bytes
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
     }
 
     /// The vocabulary entry of `id` as stored (e.g. `Ġthe` in a byte-level vocabulary).
@@ -424,6 +502,9 @@ mod tests {
         assert_eq!(m[&'a'], b'a');
         assert_eq!(token_to_bytes("Ġhello", ByteMode::ByteLevel, &m), b" hello");
         assert_eq!(token_to_bytes("<0x0A>", ByteMode::SentencePiece, &m), b"\n");
-        assert_eq!(token_to_bytes("\u{2581}the", ByteMode::SentencePiece, &m), b" the");
+        assert_eq!(
+            token_to_bytes("\u{2581}the", ByteMode::SentencePiece, &m),
+            b" the"
+        );
     }
 }

@@ -61,8 +61,10 @@ impl<'a> TensorRef<'a> {
 
     /// Dequantize row `i` into `out` (which must be `row_len()` long).
     pub fn dequantize_row(&self, i: usize, out: &mut [f32]) -> Result<()> {
-        dequantize_row(self.dtype, self.row(i), out)
-            .map_err(|source| ModelError::Numerics { tensor: self.name.to_string(), source })
+        dequantize_row(self.dtype, self.row(i), out).map_err(|source| ModelError::Numerics {
+            tensor: self.name.to_string(),
+            source,
+        })
     }
 
     /// The whole tensor as f32 (allocates `n_elems()` floats).
@@ -80,7 +82,11 @@ impl<'a> TensorRef<'a> {
 #[derive(Debug)]
 pub(crate) enum Source {
     /// `maps[map][offset..offset + len]`
-    Mapped { map: usize, offset: usize, len: usize },
+    Mapped {
+        map: usize,
+        offset: usize,
+        len: usize,
+    },
     Owned(Vec<u8>),
 }
 
@@ -111,16 +117,28 @@ impl std::fmt::Debug for Weights {
 /// Expected byte size of a tensor, checked.
 pub(crate) fn tensor_bytes(dtype: DType, shape: &[usize]) -> Option<usize> {
     let row = dtype.row_bytes(*shape.first()?)?;
-    shape[1..].iter().try_fold(row, |acc, &d| acc.checked_mul(d))
+    shape[1..]
+        .iter()
+        .try_fold(row, |acc, &d| acc.checked_mul(d))
 }
 
 impl Weights {
     pub(crate) fn new(path: PathBuf, maps: Vec<memmap2::Mmap>) -> Weights {
-        Weights { path, maps, entries: BTreeMap::new() }
+        Weights {
+            path,
+            maps,
+            entries: BTreeMap::new(),
+        }
     }
 
     /// Insert an entry after checking that its bytes match its dtype and shape.
-    pub(crate) fn insert(&mut self, name: String, dtype: DType, shape: Vec<usize>, source: Source) -> Result<()> {
+    pub(crate) fn insert(
+        &mut self,
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        source: Source,
+    ) -> Result<()> {
         let len = match &source {
             Source::Mapped { map, offset, len } => {
                 let end = offset.checked_add(*len);
@@ -150,7 +168,18 @@ impl Weights {
                 got: format!("{len} bytes"),
             });
         }
-        if self.entries.insert(name.clone(), Entry { dtype, shape, source }).is_some() {
+        if self
+            .entries
+            .insert(
+                name.clone(),
+                Entry {
+                    dtype,
+                    shape,
+                    source,
+                },
+            )
+            .is_some()
+        {
             return Err(ModelError::Malformed {
                 path: self.path.clone(),
                 field: format!("tensor '{name}'"),
@@ -162,17 +191,25 @@ impl Weights {
 
     /// The tensor called `name`, or an error naming it.
     pub fn get(&self, name: &str) -> Result<TensorRef<'_>> {
-        let (key, e) = self.entries.get_key_value(name).ok_or_else(|| ModelError::MissingTensor {
-            path: self.path.clone(),
-            name: name.to_string(),
-            available: self.entries.len(),
-            hint: String::new(),
-        })?;
+        let (key, e) =
+            self.entries
+                .get_key_value(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    path: self.path.clone(),
+                    name: name.to_string(),
+                    available: self.entries.len(),
+                    hint: String::new(),
+                })?;
         let data: &[u8] = match &e.source {
             Source::Mapped { map, offset, len } => &self.maps[*map][*offset..*offset + *len],
             Source::Owned(v) => v,
         };
-        Ok(TensorRef { name: key, dtype: e.dtype, shape: e.shape.clone(), data })
+        Ok(TensorRef {
+            name: key,
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data,
+        })
     }
 
     /// Whether a tensor is present.

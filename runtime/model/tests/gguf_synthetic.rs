@@ -23,22 +23,58 @@ fn valid_tiny_model_loads() {
     let p = tiny_llama().write(dir.path(), "tiny.gguf");
     let m = Model::load(&p).unwrap();
     let c = &m.config;
-    assert_eq!((c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn), (2, 64, 2, 1, 32, 128));
-    assert_eq!((c.vocab, c.max_context, c.rope_theta, c.norm_eps), (3 + 256 + 7, 256, 100000.0, 1e-5));
-    assert_eq!((c.name.as_str(), c.tied_embeddings, c.bos, c.eos.clone(), c.add_bos), ("tiny", true, Some(1), vec![2], false));
+    assert_eq!(
+        (
+            c.n_layers,
+            c.hidden,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.ffn
+        ),
+        (2, 64, 2, 1, 32, 128)
+    );
+    assert_eq!(
+        (c.vocab, c.max_context, c.rope_theta, c.norm_eps),
+        (3 + 256 + 7, 256, 100000.0, 1e-5)
+    );
+    assert_eq!(
+        (
+            c.name.as_str(),
+            c.tied_embeddings,
+            c.bos,
+            c.eos.clone(),
+            c.add_bos
+        ),
+        ("tiny", true, Some(1), vec![2], false)
+    );
     assert_eq!(m.weights.len(), 2 + 9 * 2);
     let q = m.weights.get("blk.1.attn_q.weight").unwrap();
-    assert_eq!((q.dtype, q.shape.clone(), q.data.len()), (DType::Q4_1, vec![64, 64], 64 * 2 * 20));
+    assert_eq!(
+        (q.dtype, q.shape.clone(), q.data.len()),
+        (DType::Q4_1, vec![64, 64], 64 * 2 * 20)
+    );
     // tokenizer: merges apply; smollm splits digits one by one (no "123" token from "1 2", "12 3")
     let t = &m.tokenizer;
     let hello = t.token_to_id("hello").unwrap();
     assert_eq!(t.encode("hello", false, false).unwrap(), vec![hello]);
     let one = t.token_to_id("1").unwrap();
-    assert_eq!(t.encode("123", false, false).unwrap(), vec![one, one + 1, one + 2]);
+    assert_eq!(
+        t.encode("123", false, false).unwrap(),
+        vec![one, one + 1, one + 2]
+    );
     assert_eq!(t.encode("<|im_end|>", false, true).unwrap(), vec![2]);
-    assert_eq!(t.encode("<|im_end|>", false, false).unwrap().len(), "<|im_end|>".len());
+    assert_eq!(
+        t.encode("<|im_end|>", false, false).unwrap().len(),
+        "<|im_end|>".len()
+    );
     // chat template with a Python string method (pycompat)
-    let s = m.chat_template.as_ref().unwrap().render(&[ChatMessage::new("user", "  hi  ")], true).unwrap();
+    let s = m
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(&[ChatMessage::new("user", "  hi  ")], true)
+        .unwrap();
     assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
 }
 
@@ -57,13 +93,21 @@ fn pre_tokenizers_gpt2_and_llama3() {
     let t = &m.tokenizer;
     let four = t.token_to_id("4").unwrap();
     // llama3 splits digits in groups of three: "12345" -> "123" "45"
-    assert_eq!(t.encode("12345", false, false).unwrap(), vec![id123, four, four + 1]);
+    assert_eq!(
+        t.encode("12345", false, false).unwrap(),
+        vec![id123, four, four + 1]
+    );
     // llama3's default add_bos is true, but the file's explicit flag (false) wins
     assert!(!m.config.add_bos);
     g.remove_kv("tokenizer.ggml.add_bos_token");
     let m = Model::load(&g.write(dir.path(), "llama3b.gguf")).unwrap();
     assert!(m.config.add_bos);
-    assert_eq!(m.tokenizer.encode("hello", m.config.add_bos, false).unwrap()[0], 1);
+    assert_eq!(
+        m.tokenizer
+            .encode("hello", m.config.add_bos, false)
+            .unwrap()[0],
+        1
+    );
 }
 
 #[test]
@@ -71,7 +115,10 @@ fn unknown_pre_tokenizer_is_refused_by_name() {
     let mut g = tiny_llama();
     g.kv("tokenizer.ggml.pre", V::Str("qwen2".into()));
     let e = load_err(&g, "pre.gguf");
-    assert!(e.contains("qwen2") && e.contains("smollm") && e.contains("tokenizer.ggml.pre"), "{e}");
+    assert!(
+        e.contains("qwen2") && e.contains("smollm") && e.contains("tokenizer.ggml.pre"),
+        "{e}"
+    );
     g.remove_kv("tokenizer.ggml.pre");
     let e = load_err(&g, "nopre.gguf");
     assert!(e.contains("default") && e.contains("smollm"), "{e}");
@@ -134,12 +181,18 @@ fn absurd_array_count_and_bad_value_type() {
     let p = dir.path().join("arr.gguf");
     std::fs::write(&p, &b).unwrap();
     let e = Model::load(&p).unwrap_err().to_string();
-    assert!(e.contains("tokenizer.ggml.tokens") && e.contains("absurd"), "{e}");
+    assert!(
+        e.contains("tokenizer.ggml.tokens") && e.contains("absurd"),
+        "{e}"
+    );
     let mut b = good.clone();
     b[at..at + 4].copy_from_slice(&77u32.to_le_bytes());
     std::fs::write(&p, &b).unwrap();
     let e = Model::load(&p).unwrap_err().to_string();
-    assert!(e.contains("tokenizer.ggml.tokens") && e.contains("unknown value type 77"), "{e}");
+    assert!(
+        e.contains("tokenizer.ggml.tokens") && e.contains("unknown value type 77"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -148,57 +201,93 @@ fn tensor_problems() {
     let mut g = tiny_llama();
     g.tensor("blk.1.ffn_down.weight").offset = Some(1 << 30);
     let e = load_err(&g, "offset.gguf");
-    assert!(e.contains("blk.1.ffn_down.weight") && e.contains("past the end of the file"), "{e}");
+    assert!(
+        e.contains("blk.1.ffn_down.weight") && e.contains("past the end of the file"),
+        "{e}"
+    );
     // misaligned offset
     let mut g = tiny_llama();
     g.tensor("blk.0.attn_k.weight").offset = Some(33);
     let e = load_err(&g, "align.gguf");
-    assert!(e.contains("blk.0.attn_k.weight") && e.contains("alignment"), "{e}");
+    assert!(
+        e.contains("blk.0.attn_k.weight") && e.contains("alignment"),
+        "{e}"
+    );
     // unsupported ggml type (Q6_K = 14)
     let mut g = tiny_llama();
     g.tensor("blk.0.ffn_up.weight").ggml_type = 14;
     let e = load_err(&g, "qtype.gguf");
-    assert!(e.contains("blk.0.ffn_up.weight") && e.contains("Q6_K") && e.contains("q4_1"), "{e}");
+    assert!(
+        e.contains("blk.0.ffn_up.weight") && e.contains("Q6_K") && e.contains("q4_1"),
+        "{e}"
+    );
     // a row that is not whole blocks
     let mut g = tiny_llama();
     g.tensor("blk.0.ffn_up.weight").dims[0] = 63;
     let e = load_err(&g, "rowlen.gguf");
-    assert!(e.contains("blk.0.ffn_up.weight") && e.contains("block"), "{e}");
+    assert!(
+        e.contains("blk.0.ffn_up.weight") && e.contains("block"),
+        "{e}"
+    );
     // absurd dimension
     let mut g = tiny_llama();
     g.tensor("blk.0.ffn_up.weight").dims[1] = u64::MAX / 2;
     let e = load_err(&g, "dim.gguf");
-    assert!(e.contains("blk.0.ffn_up.weight") && e.contains("absurd"), "{e}");
+    assert!(
+        e.contains("blk.0.ffn_up.weight") && e.contains("absurd"),
+        "{e}"
+    );
     // too many dims
     let mut g = tiny_llama();
     g.tensor("output_norm.weight").dims = vec![64, 1, 1, 1, 1];
     let e = load_err(&g, "ndims.gguf");
-    assert!(e.contains("output_norm.weight") && e.contains("n_dims"), "{e}");
+    assert!(
+        e.contains("output_norm.weight") && e.contains("n_dims"),
+        "{e}"
+    );
     // wrong dtype for a llama tensor: a quantized norm
     let mut g = tiny_llama();
     let t = g.tensor("blk.1.ffn_norm.weight");
     t.ggml_type = 8;
     t.data = vec![0; 2 * 34];
     let e = load_err(&g, "normtype.gguf");
-    assert!(e.contains("blk.1.ffn_norm.weight") && e.contains("f32"), "{e}");
+    assert!(
+        e.contains("blk.1.ffn_norm.weight") && e.contains("f32"),
+        "{e}"
+    );
     // wrong shape for a llama tensor
     let mut g = tiny_llama();
     let t = g.tensor("blk.0.attn_k.weight");
     t.dims = vec![64, 64];
     t.data = vec![0; 64 * 2 * 20];
     let e = load_err(&g, "shape.gguf");
-    assert!(e.contains("blk.0.attn_k.weight") && e.contains("[64, 32]"), "{e}");
+    assert!(
+        e.contains("blk.0.attn_k.weight") && e.contains("[64, 32]"),
+        "{e}"
+    );
     // missing tensor
     let mut g = tiny_llama();
     g.tensors.retain(|t| t.name != "blk.1.attn_v.weight");
     let e = load_err(&g, "missing.gguf");
-    assert!(e.contains("blk.1.attn_v.weight") && e.contains("not found"), "{e}");
+    assert!(
+        e.contains("blk.1.attn_v.weight") && e.contains("not found"),
+        "{e}"
+    );
     // duplicate tensor
     let mut g = tiny_llama();
-    let dup = T { name: "output_norm.weight".into(), dims: vec![64], ggml_type: 0, data: vec![0; 256], offset: None };
+    let dup = T {
+        name: "output_norm.weight".into(),
+        dims: vec![64],
+        ggml_type: 0,
+        data: vec![0; 256],
+        offset: None,
+    };
     g.tensors.push(dup);
     let e = load_err(&g, "dup.gguf");
-    assert!(e.contains("output_norm.weight") && e.contains("duplicate"), "{e}");
+    assert!(
+        e.contains("output_norm.weight") && e.contains("duplicate"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -206,11 +295,17 @@ fn metadata_problems() {
     let mut g = tiny_llama();
     g.remove_kv("llama.block_count");
     let e = load_err(&g, "nolayers.gguf");
-    assert!(e.contains("llama.block_count") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("llama.block_count") && e.contains("missing"),
+        "{e}"
+    );
     let mut g = tiny_llama();
     g.kv("llama.block_count", V::Str("two".into()));
     let e = load_err(&g, "strlayers.gguf");
-    assert!(e.contains("llama.block_count") && e.contains("integer"), "{e}");
+    assert!(
+        e.contains("llama.block_count") && e.contains("integer"),
+        "{e}"
+    );
     let mut g = tiny_llama();
     g.kv("llama.block_count", V::U32(3));
     let e = load_err(&g, "morelayers.gguf");
@@ -222,7 +317,10 @@ fn metadata_problems() {
     let mut g = tiny_llama();
     g.kv("general.alignment", V::U32(24));
     let e = load_err(&g, "alignment.gguf");
-    assert!(e.contains("general.alignment") && e.contains("power of two"), "{e}");
+    assert!(
+        e.contains("general.alignment") && e.contains("power of two"),
+        "{e}"
+    );
     let mut g = tiny_llama();
     g.kv("tokenizer.ggml.eos_token_id", V::U32(100000));
     let e = load_err(&g, "eos.gguf");
@@ -230,19 +328,29 @@ fn metadata_problems() {
     let mut g = tiny_llama();
     g.kv("tokenizer.ggml.token_type", V::I32Arr(vec![1; 5]));
     let e = load_err(&g, "types.gguf");
-    assert!(e.contains("tokenizer.ggml.token_type") && e.contains("one per token"), "{e}");
+    assert!(
+        e.contains("tokenizer.ggml.token_type") && e.contains("one per token"),
+        "{e}"
+    );
     let mut g = tiny_llama();
     g.kv("tokenizer.ggml.merges", V::StrArr(vec!["nospace".into()]));
     let e = load_err(&g, "merges.gguf");
-    assert!(e.contains("tokenizer.ggml.merges") && e.contains("nospace"), "{e}");
+    assert!(
+        e.contains("tokenizer.ggml.merges") && e.contains("nospace"),
+        "{e}"
+    );
     let mut g = tiny_llama();
     g.kv("tokenizer.chat_template", V::Str("{% for %}".into()));
-    let e = Model::load(&g.write(tempfile::tempdir().unwrap().path(), "tpl.gguf")).unwrap_err().to_string();
+    let e = Model::load(&g.write(tempfile::tempdir().unwrap().path(), "tpl.gguf"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("chat template") && e.contains("tpl.gguf"), "{e}");
 }
 
 fn must_not_panic(bytes: &[u8], what: &str) -> Result<(), ModelError> {
-    let r = std::panic::catch_unwind(|| gguf::parse_header(bytes, Path::new("sweep.gguf").as_ref()).map(|_| ()));
+    let r = std::panic::catch_unwind(|| {
+        gguf::parse_header(bytes, Path::new("sweep.gguf").as_ref()).map(|_| ())
+    });
     r.unwrap_or_else(|_| panic!("parser panicked on {what}"))
 }
 
@@ -251,10 +359,18 @@ fn truncated_everywhere_is_an_error() {
     let bytes = tiny_llama().bytes();
     // every prefix of the file: header cuts are field errors, data cuts are "past the end"
     for n in 0..bytes.len() {
-        let e = must_not_panic(&bytes[..n], &format!("a cut at {n}")).expect_err("a truncated file parses");
+        let e = must_not_panic(&bytes[..n], &format!("a cut at {n}"))
+            .expect_err("a truncated file parses");
         let s = e.to_string();
         assert!(
-            ["truncated", "past the end", "absurd", "larger than the whole file"].iter().any(|w| s.contains(w)),
+            [
+                "truncated",
+                "past the end",
+                "absurd",
+                "larger than the whole file"
+            ]
+            .iter()
+            .any(|w| s.contains(w)),
             "cut at {n}: {s}"
         );
     }
@@ -271,7 +387,11 @@ fn truncated_everywhere_is_an_error() {
 #[test]
 fn byte_flips_never_panic() {
     let bytes = tiny_llama().bytes();
-    let header_end = bytes.windows(17).position(|w| w == b"token_embd.weight").unwrap() + 200;
+    let header_end = bytes
+        .windows(17)
+        .position(|w| w == b"token_embd.weight")
+        .unwrap()
+        + 200;
     let mut x = 0x2545F4914F6CDD1Du64;
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("flip.gguf");
@@ -294,11 +414,31 @@ fn byte_flips_never_panic() {
 #[test]
 fn absurd_config_counts_are_errors_not_allocations() {
     for (key, v, want) in [
-        ("llama.block_count", u32::MAX, "'blk.2.attn_norm.weight' not found"),
-        ("llama.attention.head_count", u32::MAX, "llama.attention.head_count: expected a divisor"),
-        ("llama.embedding_length", u32::MAX, "a divisor of the hidden size (4294967295)"),
-        ("llama.feed_forward_length", u32::MAX, "'blk.0.ffn_gate.weight' shape"),
-        ("llama.context_length", 0, "llama.context_length: expected a positive integer"),
+        (
+            "llama.block_count",
+            u32::MAX,
+            "'blk.2.attn_norm.weight' not found",
+        ),
+        (
+            "llama.attention.head_count",
+            u32::MAX,
+            "llama.attention.head_count: expected a divisor",
+        ),
+        (
+            "llama.embedding_length",
+            u32::MAX,
+            "a divisor of the hidden size (4294967295)",
+        ),
+        (
+            "llama.feed_forward_length",
+            u32::MAX,
+            "'blk.0.ffn_gate.weight' shape",
+        ),
+        (
+            "llama.context_length",
+            0,
+            "llama.context_length: expected a positive integer",
+        ),
     ] {
         let mut g = tiny_llama();
         g.kv(key, V::U32(v));
@@ -321,7 +461,9 @@ fn every_supported_tensor_type_loads() {
         let t = g.tensor(name);
         let n: u64 = t.dims.iter().product();
         t.ggml_type = ty;
-        t.data = (0..(n as usize / 32 * elem_bytes_per_32)).map(|i| (i % 7) as u8).collect();
+        t.data = (0..(n as usize / 32 * elem_bytes_per_32))
+            .map(|i| (i % 7) as u8)
+            .collect();
     }
     let dir = tempfile::tempdir().unwrap();
     let m = Model::load(&g.write(dir.path(), "types.gguf")).unwrap();

@@ -9,7 +9,9 @@ use metrale_model::{ChatMessage, Format, Model};
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// An HF tensor straight from the safetensors file, as f32, row-major [rows][cols].
@@ -36,13 +38,39 @@ fn single_file_config_and_names() {
     let c = &m.config;
     assert_eq!(m.format, Format::HfSafetensors);
     assert_eq!((c.arch.as_str(), c.model_type.as_str()), ("llama", "llama"));
-    assert_eq!((c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn), (2, 32, 4, 2, 8, 64));
-    assert_eq!((c.vocab, c.max_context, c.rope_theta, c.norm_eps), (263, 512, 100000.0, 1e-5));
-    assert_eq!((c.tied_embeddings, c.bos, c.eos.clone(), c.add_bos), (true, Some(1), vec![2], false));
+    assert_eq!(
+        (
+            c.n_layers,
+            c.hidden,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.ffn
+        ),
+        (2, 32, 4, 2, 8, 64)
+    );
+    assert_eq!(
+        (c.vocab, c.max_context, c.rope_theta, c.norm_eps),
+        (263, 512, 100000.0, 1e-5)
+    );
+    assert_eq!(
+        (c.tied_embeddings, c.bos, c.eos.clone(), c.add_bos),
+        (true, Some(1), vec![2], false)
+    );
     assert_eq!(c.rope_scaling, None);
     let mut want: Vec<String> = vec!["token_embd.weight".into(), "output_norm.weight".into()];
     for l in 0..2 {
-        for s in ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"] {
+        for s in [
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ] {
             want.push(format!("blk.{l}.{s}.weight"));
         }
     }
@@ -50,7 +78,10 @@ fn single_file_config_and_names() {
     assert_eq!(m.weights.names().collect::<Vec<_>>(), want);
     let t = |n: &str| m.weights.get(n).unwrap();
     // ggml order: [in_features, out_features]
-    assert_eq!((t("token_embd.weight").shape, t("token_embd.weight").dtype), (vec![32, 263], DType::BF16));
+    assert_eq!(
+        (t("token_embd.weight").shape, t("token_embd.weight").dtype),
+        (vec![32, 263], DType::BF16)
+    );
     assert_eq!(t("blk.0.attn_k.weight").shape, vec![32, 16]);
     assert_eq!(t("blk.0.ffn_down.weight").shape, vec![64, 32]);
     assert_eq!(t("blk.0.attn_norm.weight").dtype, DType::F32);
@@ -61,7 +92,10 @@ fn single_file_config_and_names() {
     let (_, emb) = hf_tensor(&dir, "model.safetensors", "model.embed_tokens.weight");
     assert_eq!(t("token_embd.weight").to_f32(), emb);
     let e = m.weights.get("output.weight").unwrap_err().to_string();
-    assert!(e.contains("output.weight") && e.contains("not found"), "{e}");
+    assert!(
+        e.contains("output.weight") && e.contains("not found"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -70,7 +104,18 @@ fn qk_permutation_hand_table() {
     let m = Model::load(&dir).unwrap();
     // head_dim 8: GGUF row 2j+t of a head is HF row t*4+j: [0,4,1,5,2,6,3,7]
     let table = [0usize, 4, 1, 5, 2, 6, 3, 7];
-    for (name, hf, heads) in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4), ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight", 2)] {
+    for (name, hf, heads) in [
+        (
+            "blk.0.attn_q.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            4,
+        ),
+        (
+            "blk.1.attn_k.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+            2,
+        ),
+    ] {
         let (shape, hfw) = hf_tensor(&dir, "model.safetensors", hf);
         assert_eq!(shape, vec![heads * 8, 32]);
         let g = m.weights.get(name).unwrap().to_f32();
@@ -86,7 +131,15 @@ fn qk_permutation_hand_table() {
 
 fn matvec(w: &[f32], rows: usize, x: &[f32]) -> Vec<f32> {
     let cols = x.len();
-    (0..rows).map(|r| w[r * cols..(r + 1) * cols].iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+    (0..rows)
+        .map(|r| {
+            w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(x)
+                .map(|(a, b)| a * b)
+                .sum()
+        })
+        .collect()
 }
 
 /// HF llama RoPE: element j pairs with j + d/2 (rotate_half), frequency theta^(-2j/d).
@@ -120,24 +173,49 @@ fn qk_permutation_preserves_rope_attention_scores() {
     let x: Vec<f32> = (0..32).map(|i| ((i * 7 % 11) as f32 - 5.0) / 5.0).collect();
     let y: Vec<f32> = (0..32).map(|i| ((i * 5 % 13) as f32 - 6.0) / 6.0).collect();
     for layer in 0..2 {
-        let (_, wq) = hf_tensor(&dir, "model.safetensors", &format!("model.layers.{layer}.self_attn.q_proj.weight"));
-        let (_, wk) = hf_tensor(&dir, "model.safetensors", &format!("model.layers.{layer}.self_attn.k_proj.weight"));
-        let gq = m.weights.get(&format!("blk.{layer}.attn_q.weight")).unwrap().to_f32();
-        let gk = m.weights.get(&format!("blk.{layer}.attn_k.weight")).unwrap().to_f32();
+        let (_, wq) = hf_tensor(
+            &dir,
+            "model.safetensors",
+            &format!("model.layers.{layer}.self_attn.q_proj.weight"),
+        );
+        let (_, wk) = hf_tensor(
+            &dir,
+            "model.safetensors",
+            &format!("model.layers.{layer}.self_attn.k_proj.weight"),
+        );
+        let gq = m
+            .weights
+            .get(&format!("blk.{layer}.attn_q.weight"))
+            .unwrap()
+            .to_f32();
+        let gk = m
+            .weights
+            .get(&format!("blk.{layer}.attn_k.weight"))
+            .unwrap()
+            .to_f32();
         let (qh, kh) = (matvec(&wq, 32, &x), matvec(&wk, 16, &y));
         let (qg, kg) = (matvec(&gq, 32, &x), matvec(&gk, 16, &y));
         for (pq, pk) in [(0.0, 0.0), (5.0, 2.0), (37.0, 11.0), (300.0, 299.0)] {
             for h in 0..c.n_heads {
                 let kvh = h / (c.n_heads / c.n_kv_heads);
-                let (mut a, mut b) = (qh[h * hd..(h + 1) * hd].to_vec(), kh[kvh * hd..(kvh + 1) * hd].to_vec());
+                let (mut a, mut b) = (
+                    qh[h * hd..(h + 1) * hd].to_vec(),
+                    kh[kvh * hd..(kvh + 1) * hd].to_vec(),
+                );
                 rope_hf(&mut a, pq, c.rope_theta);
                 rope_hf(&mut b, pk, c.rope_theta);
                 let s_hf: f32 = a.iter().zip(&b).map(|(p, q)| p * q).sum();
-                let (mut a, mut b) = (qg[h * hd..(h + 1) * hd].to_vec(), kg[kvh * hd..(kvh + 1) * hd].to_vec());
+                let (mut a, mut b) = (
+                    qg[h * hd..(h + 1) * hd].to_vec(),
+                    kg[kvh * hd..(kvh + 1) * hd].to_vec(),
+                );
                 rope_adjacent(&mut a, pq, c.rope_theta);
                 rope_adjacent(&mut b, pk, c.rope_theta);
                 let s_gg: f32 = a.iter().zip(&b).map(|(p, q)| p * q).sum();
-                assert!((s_hf - s_gg).abs() <= 1e-3 * (1.0 + s_hf.abs()), "layer {layer} head {h} pos {pq}/{pk}: {s_hf} vs {s_gg}");
+                assert!(
+                    (s_hf - s_gg).abs() <= 1e-3 * (1.0 + s_hf.abs()),
+                    "layer {layer} head {h} pos {pq}/{pk}: {s_hf} vs {s_gg}"
+                );
             }
         }
     }
@@ -152,7 +230,11 @@ fn sharded_checkpoint() {
     let out = m.weights.get("output.weight").unwrap();
     assert_eq!((out.shape.clone(), out.dtype), (vec![32, 263], DType::BF16));
     for n in single.weights.names() {
-        assert_eq!(single.weights.get(n).unwrap().data, m.weights.get(n).unwrap().data, "{n}");
+        assert_eq!(
+            single.weights.get(n).unwrap().data,
+            m.weights.get(n).unwrap().data,
+            "{n}"
+        );
     }
 }
 
@@ -176,19 +258,32 @@ fn broken_sharded_index() {
     copy_dir(&fixture("tiny-llama-sharded"), d);
     let idx = d.join("model.safetensors.index.json");
     // a tensor the index puts in the wrong shard
-    edit_json(&idx, |v| v["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors".into());
+    edit_json(&idx, |v| {
+        v["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors".into()
+    });
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("model.norm.weight") && e.contains("model-00002-of-00002.safetensors"), "{e}");
+    assert!(
+        e.contains("model.norm.weight") && e.contains("model-00002-of-00002.safetensors"),
+        "{e}"
+    );
     // a shard outside the directory
     copy_dir(&fixture("tiny-llama-sharded"), d);
-    edit_json(&idx, |v| v["weight_map"]["model.norm.weight"] = "../model-00001-of-00002.safetensors".into());
+    edit_json(&idx, |v| {
+        v["weight_map"]["model.norm.weight"] = "../model-00001-of-00002.safetensors".into()
+    });
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("weight_map['model.norm.weight']") && e.contains("same directory"), "{e}");
+    assert!(
+        e.contains("weight_map['model.norm.weight']") && e.contains("same directory"),
+        "{e}"
+    );
     // a missing shard file
     copy_dir(&fixture("tiny-llama-sharded"), d);
     std::fs::remove_file(d.join("model-00002-of-00002.safetensors")).unwrap();
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("model-00002-of-00002.safetensors") && e.contains("cannot read"), "{e}");
+    assert!(
+        e.contains("model-00002-of-00002.safetensors") && e.contains("cannot read"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -203,9 +298,14 @@ fn config_refusals() {
         v["architectures"] = serde_json::json!(["MistralForCausalLM"]);
     });
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("mistral") && e.contains("llama") && e.contains("config.json"), "{e}");
+    assert!(
+        e.contains("mistral") && e.contains("llama") && e.contains("config.json"),
+        "{e}"
+    );
     reset();
-    edit_json(&cfg, |v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    edit_json(&cfg, |v| {
+        v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
+    });
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("yarn") && e.contains("llama3"), "{e}");
     reset();
@@ -216,12 +316,20 @@ fn config_refusals() {
     let m = Model::load(d).unwrap();
     assert_eq!(
         m.config.rope_scaling,
-        Some(metrale_model::RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 })
+        Some(metrale_model::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192
+        })
     );
     reset();
     edit_json(&cfg, |v| v["tie_word_embeddings"] = false.into());
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("lm_head.weight") && e.contains("tie_word_embeddings"), "{e}");
+    assert!(
+        e.contains("lm_head.weight") && e.contains("tie_word_embeddings"),
+        "{e}"
+    );
     reset();
     edit_json(&cfg, |v| v["num_hidden_layers"] = 3.into());
     let e = Model::load(d).unwrap_err().to_string();
@@ -246,7 +354,9 @@ fn hf_tokenizer_and_template() {
     let hello = t.token_to_id("hello").unwrap();
     assert_eq!(hello, 262);
     assert_eq!(t.encode("hello", false, false).unwrap(), vec![hello]);
-    let ids = t.encode("<|im_start|>hello<|im_end|>", false, true).unwrap();
+    let ids = t
+        .encode("<|im_start|>hello<|im_end|>", false, true)
+        .unwrap();
     assert_eq!(ids, vec![1, hello, 2]);
     let plain = t.encode("<|im_start|>hello", false, false).unwrap();
     assert_eq!(plain.len(), "<|im_start|>".len() + 1);
@@ -256,8 +366,13 @@ fn hf_tokenizer_and_template() {
     let s = "héllo wörld 🦀\n\t  x";
     assert_eq!(t.decode(&t.encode(s, false, false).unwrap(), false), s);
     let tpl = m.chat_template.as_ref().unwrap();
-    let out = tpl.render(&[ChatMessage::new("user", " hi ")], true).unwrap();
-    assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    let out = tpl
+        .render(&[ChatMessage::new("user", " hi ")], true)
+        .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
 }
 
 #[test]
@@ -284,9 +399,14 @@ fn malformed_safetensors_and_absurd_config() {
     b[0..8].copy_from_slice(&u64::MAX.to_le_bytes()); // header length
     std::fs::write(&st, &b).unwrap();
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("model.safetensors") && e.contains("header"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("header"),
+        "{e}"
+    );
     std::fs::write(&st, &bytes).unwrap();
-    edit_json(&d.join("config.json"), |v| v["num_hidden_layers"] = serde_json::json!(1u64 << 60));
+    edit_json(&d.join("config.json"), |v| {
+        v["num_hidden_layers"] = serde_json::json!(1u64 << 60)
+    });
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("blk.2."), "{e}");
     edit_json(&d.join("config.json"), |v| {

@@ -9,7 +9,9 @@ fn model_path() -> Option<PathBuf> {
     match std::env::var_os("METRALE_MODEL") {
         Some(p) => Some(PathBuf::from(p)),
         None => {
-            eprintln!("skipped: METRALE_MODEL is not set (path of SmolLM2-135M-Instruct.Q4_1.gguf)");
+            eprintln!(
+                "skipped: METRALE_MODEL is not set (path of SmolLM2-135M-Instruct.Q4_1.gguf)"
+            );
             None
         }
     }
@@ -24,24 +26,45 @@ fn config_and_weights_match_reference() {
     let c = &m.config;
     assert_eq!(m.format, Format::Gguf);
     assert_eq!((c.arch.as_str(), c.model_type.as_str()), ("llama", "llama"));
-    assert_eq!((c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim), (30, 576, 9, 3, 64));
+    assert_eq!(
+        (c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim),
+        (30, 576, 9, 3, 64)
+    );
     assert_eq!((c.ffn, c.vocab, c.max_context), (1536, 49152, 8192));
     assert_eq!(c.rope_theta, 100000.0);
     assert_eq!(c.norm_eps, 1e-5);
     assert!(c.tied_embeddings);
     assert_eq!(c.rope_scaling, None);
-    assert_eq!((c.bos, c.eos.as_slice(), c.add_bos), (Some(1), &[2u32][..], false));
-    let count = |d: DType| m.weights.names().filter(|n| m.weights.get(n).unwrap().dtype == d).count();
+    assert_eq!(
+        (c.bos, c.eos.as_slice(), c.add_bos),
+        (Some(1), &[2u32][..], false)
+    );
+    let count = |d: DType| {
+        m.weights
+            .names()
+            .filter(|n| m.weights.get(n).unwrap().dtype == d)
+            .count()
+    };
     assert_eq!(count(DType::Q4_1), 210);
     assert_eq!(count(DType::F32), 61);
-    assert_eq!(m.weights.get("token_embd.weight").unwrap().dtype, DType::Q8_0);
-    assert_eq!(m.weights.get("token_embd.weight").unwrap().shape, vec![576, 49152]);
+    assert_eq!(
+        m.weights.get("token_embd.weight").unwrap().dtype,
+        DType::Q8_0
+    );
+    assert_eq!(
+        m.weights.get("token_embd.weight").unwrap().shape,
+        vec![576, 49152]
+    );
     assert_eq!(m.weights.len(), 272);
     assert!(m.weights.get("output.weight").is_err());
     assert_eq!(m.weights.owned_bytes(), 0);
     let q = m.weights.get("blk.0.attn_q.weight").unwrap();
     assert_eq!((q.row_len(), q.n_rows()), (576, 576));
-    let err = m.weights.get("blk.30.attn_q.weight").unwrap_err().to_string();
+    let err = m
+        .weights
+        .get("blk.30.attn_q.weight")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("blk.30.attn_q.weight"), "{err}");
     eprintln!("weights: {} bytes", m.weights.total_bytes());
     assert!(m.weights.total_bytes() > 90_000_000 && m.weights.total_bytes() < 98_362_432);
@@ -65,7 +88,10 @@ fn tokenizer_specials() {
     let ids = t.encode("<|im_start|>user", false, true).unwrap();
     assert_eq!(ids[0], 1);
     let plain = t.encode("<|im_start|>user", false, false).unwrap();
-    assert!(!plain.contains(&1), "parse_special=false must tokenize the markup as text: {plain:?}");
+    assert!(
+        !plain.contains(&1),
+        "parse_special=false must tokenize the markup as text: {plain:?}"
+    );
     assert_eq!(t.decode(&plain, false), "<|im_start|>user");
     assert_eq!(t.decode(&ids, false), "<|im_start|>user");
     assert_eq!(t.decode(&ids, true), "user");
@@ -82,7 +108,13 @@ fn chat_template_renders() {
     let m = Model::load(&p).unwrap();
     let tpl = m.require_chat_template().unwrap();
     let s = tpl
-        .render(&[ChatMessage::new("user", "What is the capital of France? Answer in one sentence.")], true)
+        .render(
+            &[ChatMessage::new(
+                "user",
+                "What is the capital of France? Answer in one sentence.",
+            )],
+            true,
+        )
         .unwrap();
     eprintln!("{s:?}");
     assert!(s.ends_with("<|im_start|>assistant\n"));
@@ -102,9 +134,13 @@ fn truncated_real_file_is_always_an_error() {
     cuts.extend((0..200).map(|i| header_end + i * (bytes.len() - header_end) / 200));
     cuts.push(bytes.len() - 1);
     for n in cuts {
-        let r = std::panic::catch_unwind(|| metrale_model::gguf::parse_header(&bytes[..n], path).map(|_| ()))
-            .unwrap_or_else(|_| panic!("panic on a cut at {n}"));
-        let e = r.expect_err(&format!("a cut at {n} of {} parsed", bytes.len())).to_string();
+        let r = std::panic::catch_unwind(|| {
+            metrale_model::gguf::parse_header(&bytes[..n], path).map(|_| ())
+        })
+        .unwrap_or_else(|_| panic!("panic on a cut at {n}"));
+        let e = r
+            .expect_err(&format!("a cut at {n} of {} parsed", bytes.len()))
+            .to_string();
         assert!(e.contains("truncated.gguf"), "{e}");
     }
     // and two real truncated files through Model::load
@@ -125,8 +161,11 @@ fn dequantize_equals_gguf_py() {
     let Some(p) = model_path() else { return };
     let m = Model::load(&p).unwrap();
     let g: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dequant_gguf_py.json"))
-            .unwrap(),
+        &std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/golden/dequant_gguf_py.json"),
+        )
+        .unwrap(),
     )
     .unwrap();
     let rows = g["rows"].as_array().unwrap();
@@ -135,18 +174,32 @@ fn dequantize_equals_gguf_py() {
         let name = r["tensor"].as_str().unwrap();
         let row = r["row"].as_u64().unwrap() as usize;
         let t = m.weights.get(name).unwrap();
-        assert_eq!(t.dtype.name().to_uppercase(), r["type"].as_str().unwrap(), "{name}");
+        assert_eq!(
+            t.dtype.name().to_uppercase(),
+            r["type"].as_str().unwrap(),
+            "{name}"
+        );
         let mut out = vec![0f32; t.row_len()];
         assert_eq!(out.len() as u64, r["row_len"].as_u64().unwrap());
         t.dequantize_row(row, &mut out).unwrap();
         for (i, want) in r["first64"].as_array().unwrap().iter().enumerate() {
             let want = want.as_f64().unwrap() as f32;
-            assert!((out[i] - want).abs() <= 1e-6 * want.abs().max(1.0), "{name} row {row} [{i}]: {} vs {want}", out[i]);
+            assert!(
+                (out[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{name} row {row} [{i}]: {} vs {want}",
+                out[i]
+            );
         }
         let sum: f64 = out.iter().map(|&x| x as f64).sum();
         let sumsq: f64 = out.iter().map(|&x| (x as f64) * (x as f64)).sum();
         let (ws, wq) = (r["sum"].as_f64().unwrap(), r["sumsq"].as_f64().unwrap());
-        assert!((sum - ws).abs() <= 1e-5 * ws.abs().max(1.0), "{name} row {row} sum {sum} vs {ws}");
-        assert!((sumsq - wq).abs() <= 1e-5 * wq.abs().max(1.0), "{name} row {row} sumsq {sumsq} vs {wq}");
+        assert!(
+            (sum - ws).abs() <= 1e-5 * ws.abs().max(1.0),
+            "{name} row {row} sum {sum} vs {ws}"
+        );
+        assert!(
+            (sumsq - wq).abs() <= 1e-5 * wq.abs().max(1.0),
+            "{name} row {row} sumsq {sumsq} vs {wq}"
+        );
     }
 }

@@ -14,14 +14,18 @@ fn model_path() -> Option<PathBuf> {
     match std::env::var_os("METRALE_MODEL") {
         Some(p) => Some(PathBuf::from(p)),
         None => {
-            eprintln!("skipped: METRALE_MODEL is not set (path of SmolLM2-135M-Instruct.Q4_1.gguf)");
+            eprintln!(
+                "skipped: METRALE_MODEL is not set (path of SmolLM2-135M-Instruct.Q4_1.gguf)"
+            );
             None
         }
     }
 }
 
 fn golden(name: &str) -> Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name);
     serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
 }
 
@@ -37,17 +41,41 @@ fn token_ids_equal_llama_cpp() {
     for c in cases {
         let text = c["text"].as_str().unwrap();
         let ps = c["parse_special"].as_bool().unwrap();
-        let want: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want: Vec<u32> = c["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         let got = m.tokenizer.encode(text, false, ps).unwrap();
         if got != want {
-            failures.push(format!("{text:?} (parse_special={ps}):\n  llama.cpp {want:?}\n  metrale   {got:?}"));
+            failures.push(format!(
+                "{text:?} (parse_special={ps}):\n  llama.cpp {want:?}\n  metrale   {got:?}"
+            ));
         }
         // decoding gives the text back (with special tokens kept)
-        assert_eq!(m.tokenizer.decode(&got, false), text, "decode(encode(s)) != s");
-        let bytes: Vec<u8> = got.iter().flat_map(|&i| m.tokenizer.token_bytes(i)).collect();
-        assert_eq!(bytes, text.as_bytes(), "token_bytes do not concatenate to the text");
+        assert_eq!(
+            m.tokenizer.decode(&got, false),
+            text,
+            "decode(encode(s)) != s"
+        );
+        let bytes: Vec<u8> = got
+            .iter()
+            .flat_map(|&i| m.tokenizer.token_bytes(i))
+            .collect();
+        assert_eq!(
+            bytes,
+            text.as_bytes(),
+            "token_bytes do not concatenate to the text"
+        );
     }
-    assert!(failures.is_empty(), "{} of {} cases differ from llama.cpp:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ from llama.cpp:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -59,7 +87,9 @@ fn chat_template_equals_jinja2() {
     assert_eq!(tpl.source(), g["template"].as_str().unwrap());
     for c in g["cases"].as_array().unwrap() {
         let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
-        let got = tpl.render(&msgs, c["add_generation_prompt"].as_bool().unwrap()).unwrap();
+        let got = tpl
+            .render(&msgs, c["add_generation_prompt"].as_bool().unwrap())
+            .unwrap();
         assert_eq!(got, c["prompt"].as_str().unwrap());
     }
     // REFERENCE.md's question, spelled out

@@ -50,7 +50,10 @@ pub trait WithCommon: DeserializeOwned {
 pub fn parse_request<T: WithCommon>(body: &[u8]) -> Result<T, ApiError> {
     let v: serde_json::Value = parse_body(body)?;
     if !v.is_object() {
-        return Err(ApiError::invalid("the request body must be a JSON object", None));
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+        ));
     }
     let common: CommonParams = parse_value(&v)?;
     let mut r: T = parse_value(&v)?;
@@ -236,7 +239,10 @@ pub fn validate_common(
     let temperature = check_range(c.temperature, "temperature", 0.0, 2.0)?;
     let top_p = match c.top_p {
         Some(p) if !(p.is_finite() && p > 0.0 && p <= 1.0) => {
-            return Err(ApiError::invalid(format!("'top_p' must be in (0, 1], got {p}"), Some("top_p")))
+            return Err(ApiError::invalid(
+                format!("'top_p' must be in (0, 1], got {p}"),
+                Some("top_p"),
+            ))
         }
         v => v,
     };
@@ -264,7 +270,10 @@ pub fn validate_common(
     let n = match c.n {
         None => 1,
         Some(n) if n < 1 || n as usize > MAX_N => {
-            return Err(ApiError::invalid(format!("'n' must be between 1 and {MAX_N}, got {n}"), Some("n")))
+            return Err(ApiError::invalid(
+                format!("'n' must be between 1 and {MAX_N}, got {n}"),
+                Some("n"),
+            ))
         }
         Some(n) => n as usize,
     };
@@ -275,17 +284,30 @@ pub fn validate_common(
     };
     if stops.len() > MAX_STOPS {
         return Err(ApiError::invalid(
-            format!("at most {MAX_STOPS} stop strings are allowed, got {}", stops.len()),
+            format!(
+                "at most {MAX_STOPS} stop strings are allowed, got {}",
+                stops.len()
+            ),
             Some("stop"),
         ));
     }
     if stops.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("stop strings must not be empty", Some("stop")));
+        return Err(ApiError::invalid(
+            "stop strings must not be empty",
+            Some("stop"),
+        ));
     }
     if c.logit_bias.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::invalid("'logit_bias' is not supported by this server", Some("logit_bias")));
+        return Err(ApiError::invalid(
+            "'logit_bias' is not supported by this server",
+            Some("logit_bias"),
+        ));
     }
-    let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = c
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
     let stream = c.stream.unwrap_or(false);
     if c.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
@@ -325,10 +347,19 @@ pub fn validate_common(
 /// Validate a chat request's own fields and the shared ones.
 pub fn validate_chat(r: &ChatRequest, preset: &SamplingPreset) -> Result<GenParams, ApiError> {
     if r.messages.is_empty() {
-        return Err(ApiError::invalid("'messages' must not be empty", Some("messages")));
+        return Err(ApiError::invalid(
+            "'messages' must not be empty",
+            Some("messages"),
+        ));
     }
-    if r.tools.as_ref().is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(ApiError::invalid("tool calling is not supported by this server", Some("tools")));
+    if r.tools
+        .as_ref()
+        .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return Err(ApiError::invalid(
+            "tool calling is not supported by this server",
+            Some("tools"),
+        ));
     }
     if let Some(rf) = &r.response_format {
         let kind = rf.get("type").and_then(|t| t.as_str());
@@ -347,9 +378,14 @@ pub fn validate_chat(r: &ChatRequest, preset: &SamplingPreset) -> Result<GenPara
             ))
         }
         (false, Some(k)) if k > 0 => {
-            return Err(ApiError::invalid("'top_logprobs' requires 'logprobs': true", Some("top_logprobs")))
+            return Err(ApiError::invalid(
+                "'top_logprobs' requires 'logprobs': true",
+                Some("top_logprobs"),
+            ))
         }
-        (true, k) => Some(LogprobsSpec { top: k.unwrap_or(0) as usize }),
+        (true, k) => Some(LogprobsSpec {
+            top: k.unwrap_or(0) as usize,
+        }),
         (false, _) => None,
     };
     let (max, name) = match (r.max_completion_tokens, r.common.max_tokens) {
@@ -360,16 +396,28 @@ pub fn validate_chat(r: &ChatRequest, preset: &SamplingPreset) -> Result<GenPara
 }
 
 /// Validate a completion request's own fields and the shared ones.
-pub fn validate_completion(r: &CompletionRequest, preset: &SamplingPreset) -> Result<GenParams, ApiError> {
+pub fn validate_completion(
+    r: &CompletionRequest,
+    preset: &SamplingPreset,
+) -> Result<GenParams, ApiError> {
     if r.echo.unwrap_or(false) {
-        return Err(ApiError::invalid("'echo' is not supported by this server", Some("echo")));
+        return Err(ApiError::invalid(
+            "'echo' is not supported by this server",
+            Some("echo"),
+        ));
     }
     if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid("'suffix' is not supported by this server", Some("suffix")));
+        return Err(ApiError::invalid(
+            "'suffix' is not supported by this server",
+            Some("suffix"),
+        ));
     }
     if let Some(b) = r.best_of {
         if b != 1 && Some(b) != r.common.n {
-            return Err(ApiError::invalid("'best_of' other than n is not supported", Some("best_of")));
+            return Err(ApiError::invalid(
+                "'best_of' other than n is not supported",
+                Some("best_of"),
+            ));
         }
     }
     let logprobs = match r.logprobs {
@@ -382,7 +430,13 @@ pub fn validate_completion(r: &CompletionRequest, preset: &SamplingPreset) -> Re
         }
         Some(k) => Some(LogprobsSpec { top: k as usize }),
     };
-    validate_common(&r.common, r.common.max_tokens, "max_tokens", logprobs, preset)
+    validate_common(
+        &r.common,
+        r.common.max_tokens,
+        "max_tokens",
+        logprobs,
+        preset,
+    )
 }
 
 /// Check token ids from a client against the vocabulary size.
@@ -442,10 +496,12 @@ mod tests {
 
     #[test]
     fn wrong_type_names_the_field() {
-        let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#).unwrap_err();
+        let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#)
+            .unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.message.contains("temperature"), "{}", e.message);
-        let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"5"}"#).unwrap_err();
+        let e =
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"5"}"#).unwrap_err();
         assert!(e.message.contains("max_tokens"), "{}", e.message);
         let e = parse_request::<ChatRequest>(br#"{"messages":"hi"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages"));
@@ -492,8 +548,10 @@ mod tests {
             min_p: None,
             repetition_penalty: Some(1.1),
         };
-        let r: ChatRequest =
-            parse_request(br#"{"messages":[{"role":"user","content":"x"}],"temperature":0.7,"seed":5}"#).unwrap();
+        let r: ChatRequest = parse_request(
+            br#"{"messages":[{"role":"user","content":"x"}],"temperature":0.7,"seed":5}"#,
+        )
+        .unwrap();
         let p = validate_chat(&r, &preset).unwrap();
         assert_eq!(p.sampling.temperature, 0.7);
         assert_eq!(p.sampling.top_p, 0.9);
@@ -501,9 +559,13 @@ mod tests {
         assert_eq!(p.sampling.min_p, 0.0);
         assert_eq!(p.sampling.repetition_penalty, 1.1);
         assert_eq!(p.sampling.seed, 5);
-        let r: ChatRequest = parse_request(br#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        let r: ChatRequest =
+            parse_request(br#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
         let p = validate_chat(&r, &SamplingPreset::default()).unwrap();
-        assert_eq!(p.sampling.temperature, 1.0, "OpenAI default without a preset");
+        assert_eq!(
+            p.sampling.temperature, 1.0,
+            "OpenAI default without a preset"
+        );
     }
 
     #[test]
@@ -519,12 +581,20 @@ mod tests {
 
     #[test]
     fn logprobs_forms() {
-        let p = chat(r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":3}"#).unwrap();
+        let p = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":3}"#,
+        )
+        .unwrap();
         assert_eq!(p.logprobs, Some(LogprobsSpec { top: 3 }));
         assert_eq!(p.sampling.top_logprobs, 3);
         assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#).is_err());
         let r: CompletionRequest = parse_request(br#"{"prompt":"x","logprobs":2}"#).unwrap();
-        assert_eq!(validate_completion(&r, &SamplingPreset::default()).unwrap().logprobs, Some(LogprobsSpec { top: 2 }));
+        assert_eq!(
+            validate_completion(&r, &SamplingPreset::default())
+                .unwrap()
+                .logprobs,
+            Some(LogprobsSpec { top: 2 })
+        );
     }
 
     #[test]
@@ -537,8 +607,14 @@ mod tests {
         assert!(matches!(r.prompt, PromptSpec::TokenLists(_)));
         assert!(parse_request::<CompletionRequest>(br#"{"prompt":{"a":1}}"#).is_err());
         assert_eq!(check_token_ids(&[1, 5], 10, "prompt").unwrap(), vec![1, 5]);
-        assert_eq!(check_token_ids(&[10], 10, "prompt").unwrap_err().status, 400);
-        assert_eq!(check_token_ids(&[-1], 10, "prompt").unwrap_err().status, 400);
+        assert_eq!(
+            check_token_ids(&[10], 10, "prompt").unwrap_err().status,
+            400
+        );
+        assert_eq!(
+            check_token_ids(&[-1], 10, "prompt").unwrap_err().status,
+            400
+        );
     }
 
     #[test]
@@ -556,8 +632,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(message_text(&r.messages[0], 0).unwrap(), "a\nb");
-        let r: ChatRequest =
-            parse_body(br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#).unwrap();
+        let r: ChatRequest = parse_body(
+            br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+        )
+        .unwrap();
         assert_eq!(message_text(&r.messages[0], 0).unwrap_err().status, 400);
     }
 }

@@ -97,7 +97,15 @@ mod tests {
     #[test]
     fn aliases_parse() {
         let c = Cli::try_parse_from([
-            "metrale-server", "--model", "/", "--max-num-seqs", "3", "--served-model-name", "x", "--max-model-len", "512",
+            "metrale-server",
+            "--model",
+            "/",
+            "--max-num-seqs",
+            "3",
+            "--served-model-name",
+            "x",
+            "--max-model-len",
+            "512",
         ])
         .unwrap();
         assert_eq!(c.parallel, Some(3));
@@ -118,6 +126,8 @@ mod tests {
         assert!(e.contains("fetch-model"), "{e}");
         let c = Cli::try_parse_from(["metrale-server", "--model", "/", "--parallel", "0"]).unwrap();
         assert!(check(&c).is_err());
-        assert!(Cli::try_parse_from(["metrale-server", "--model", "/", "--port", "99999"]).is_err());
+        assert!(
+            Cli::try_parse_from(["metrale-server", "--model", "/", "--port", "99999"]).is_err()
+        );
     }
 }

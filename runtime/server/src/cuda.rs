@@ -9,9 +9,23 @@ use metrale_backend::Backend;
 use metrale_core::target::TargetSpec;
 use metrale_model::Model;
 
-pub fn load(target: &TargetSpec, model: &Model, slots: usize, ctx: usize) -> Result<Box<dyn Backend>> {
-    let opts = CudaOptions { device: 0, slots, slot_capacity: ctx, ..CudaOptions::default() };
-    let b = CudaBackend::from_registry(model, opts)
-        .with_context(|| format!("loading the CUDA backend of {} ({slots} slots x {ctx} tokens)", target.id))?;
+pub fn load(
+    target: &TargetSpec,
+    model: &Model,
+    slots: usize,
+    ctx: usize,
+) -> Result<Box<dyn Backend>> {
+    let opts = CudaOptions {
+        device: 0,
+        slots,
+        slot_capacity: ctx,
+        ..CudaOptions::default()
+    };
+    let b = CudaBackend::from_registry(model, opts).with_context(|| {
+        format!(
+            "loading the CUDA backend of {} ({slots} slots x {ctx} tokens)",
+            target.id
+        )
+    })?;
     Ok(Box::new(b))
 }

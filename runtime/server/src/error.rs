@@ -46,8 +46,15 @@ impl ApiError {
     }
 
     /// 400 with an explicit code (e.g. `context_length_exceeded`).
-    pub fn invalid_code(message: impl Into<String>, param: Option<&str>, code: &'static str) -> Self {
-        Self { code: Some(code), ..Self::invalid(message, param) }
+    pub fn invalid_code(
+        message: impl Into<String>,
+        param: Option<&str>,
+        code: &'static str,
+    ) -> Self {
+        Self {
+            code: Some(code),
+            ..Self::invalid(message, param)
+        }
     }
 
     /// 401: missing or wrong API key.

@@ -29,7 +29,9 @@ use crate::textstream::TextStreamer;
 pub fn submit_error(e: SubmitError) -> ApiError {
     match e {
         SubmitError::PromptTooLong { prompt, capacity } => too_long(prompt, capacity),
-        SubmitError::EmptyPrompt => ApiError::invalid("the prompt is empty (0 tokens)", Some("prompt")),
+        SubmitError::EmptyPrompt => {
+            ApiError::invalid("the prompt is empty (0 tokens)", Some("prompt"))
+        }
         SubmitError::Stopped(m) => ApiError::unavailable(format!("the engine has stopped: {m}")),
     }
 }
@@ -49,9 +51,21 @@ pub fn too_long(prompt: usize, capacity: usize) -> ApiError {
 
 /// What one choice produced since the last poll.
 enum ChoiceOut {
-    Delta { index: usize, text: String, logprobs: Vec<TokenLogprob> },
-    Finish { index: usize, text: String, logprobs: Vec<TokenLogprob>, reason: &'static str, completion_tokens: usize },
-    Error { error: ApiError },
+    Delta {
+        index: usize,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finish {
+        index: usize,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+        reason: &'static str,
+        completion_tokens: usize,
+    },
+    Error {
+        error: ApiError,
+    },
 }
 
 /// One running choice: the engine receiver and the text state.
@@ -79,10 +93,13 @@ impl Choice {
             text,
             bytes,
             logprob,
-            top: top.iter().map(|&(t, lp)| {
-                let (s, b) = piece(t);
-                (s, b, lp)
-            }).collect(),
+            top: top
+                .iter()
+                .map(|&(t, lp)| {
+                    let (s, b) = piece(t);
+                    (s, b, lp)
+                })
+                .collect(),
         }
     }
 
@@ -91,7 +108,11 @@ impl Choice {
         loop {
             let ev = self.rx.as_mut()?.recv().await;
             match ev {
-                Some(Event::Token { id, logprob, top_logprobs }) => {
+                Some(Event::Token {
+                    id,
+                    logprob,
+                    top_logprobs,
+                }) => {
                     self.tokens += 1;
                     let is_stop_token = !self.ignore_eos && self.stop_tokens.contains(&id);
                     if is_stop_token {
@@ -102,7 +123,11 @@ impl Choice {
                         self.pending_logprobs.push(e);
                     }
                     let tk = &self.served.model.tokenizer;
-                    let bytes = if tk.is_special(id) { Vec::new() } else { tk.token_bytes(id) };
+                    let bytes = if tk.is_special(id) {
+                        Vec::new()
+                    } else {
+                        tk.token_bytes(id)
+                    };
                     let r = self.streamer.push(&bytes);
                     if r.stopped {
                         self.rx = None; // cancels the rest of this sequence
@@ -122,7 +147,11 @@ impl Choice {
                         });
                     }
                 }
-                Some(Event::Done { reason, completion_tokens, .. }) => {
+                Some(Event::Done {
+                    reason,
+                    completion_tokens,
+                    ..
+                }) => {
                     self.rx = None;
                     return Some(ChoiceOut::Finish {
                         index,
@@ -137,12 +166,16 @@ impl Choice {
                 }
                 Some(Event::Error(m)) => {
                     self.rx = None;
-                    return Some(ChoiceOut::Error { error: ApiError::internal(format!("generation failed: {m}")) });
+                    return Some(ChoiceOut::Error {
+                        error: ApiError::internal(format!("generation failed: {m}")),
+                    });
                 }
                 None => {
                     self.rx = None;
                     return Some(ChoiceOut::Error {
-                        error: ApiError::unavailable("the engine stopped before this request finished"),
+                        error: ApiError::unavailable(
+                            "the engine stopped before this request finished",
+                        ),
                     });
                 }
             }
@@ -162,7 +195,10 @@ pub struct Job {
 }
 
 /// Submit every choice to the engine; errors here are answered before any byte is sent.
-fn start(served: &Arc<Served>, job: &Job) -> Result<(SelectAll<BoxStream<'static, ChoiceOut>>, usize), ApiError> {
+fn start(
+    served: &Arc<Served>,
+    job: &Job,
+) -> Result<(SelectAll<BoxStream<'static, ChoiceOut>>, usize), ApiError> {
     let p = &job.params;
     let cap = served.ctx_size;
     let mut all = SelectAll::new();
@@ -170,7 +206,10 @@ fn start(served: &Arc<Served>, job: &Job) -> Result<(SelectAll<BoxStream<'static
     // Check every prompt before submitting any, so a refused request starts no work.
     for prompt in &job.prompts {
         if prompt.is_empty() {
-            return Err(ApiError::invalid("the prompt is empty (0 tokens)", Some("prompt")));
+            return Err(ApiError::invalid(
+                "the prompt is empty (0 tokens)",
+                Some("prompt"),
+            ));
         }
         if prompt.len() > cap {
             let mut e = too_long(prompt.len(), cap);
@@ -185,7 +224,11 @@ fn start(served: &Arc<Served>, job: &Job) -> Result<(SelectAll<BoxStream<'static
         // The first token is sampled from the prompt's last position, so a prompt of exactly `cap`
         // tokens still gets one (the engine clips the same way).
         let room = cap + 1 - prompt.len();
-        let max_tokens = p.max_tokens.or(served.default_max_tokens).unwrap_or(room).min(room);
+        let max_tokens = p
+            .max_tokens
+            .or(served.default_max_tokens)
+            .unwrap_or(room)
+            .min(room);
         for j in 0..p.n {
             let mut sampling = p.sampling.clone();
             sampling.seed = sampling.seed.wrapping_add(j as u64);
@@ -225,7 +268,9 @@ fn new_id(kind: Kind) -> String {
 }
 
 fn now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Run a job and answer it, whole or streamed.
@@ -240,9 +285,22 @@ pub async fn respond(served: Arc<Served>, job: Job) -> Result<Response, ApiError
     };
     let n_choices = job.prompts.len() * job.params.n;
     if job.params.stream {
-        Ok(stream_response(header, choices, n_choices, prompt_tokens, job.params.logprobs.is_some()))
+        Ok(stream_response(
+            header,
+            choices,
+            n_choices,
+            prompt_tokens,
+            job.params.logprobs.is_some(),
+        ))
     } else {
-        whole_response(header, choices, n_choices, prompt_tokens, job.params.logprobs.is_some()).await
+        whole_response(
+            header,
+            choices,
+            n_choices,
+            prompt_tokens,
+            job.params.logprobs.is_some(),
+        )
+        .await
     }
 }
 
@@ -259,11 +317,21 @@ async fn whole_response(
     let mut completion_tokens = 0;
     while let Some(out) = choices.next().await {
         match out {
-            ChoiceOut::Delta { index, text: t, logprobs: l } => {
+            ChoiceOut::Delta {
+                index,
+                text: t,
+                logprobs: l,
+            } => {
                 text[index].push_str(&t);
                 lps[index].extend(l);
             }
-            ChoiceOut::Finish { index, text: t, logprobs: l, reason, completion_tokens: c } => {
+            ChoiceOut::Finish {
+                index,
+                text: t,
+                logprobs: l,
+                reason,
+                completion_tokens: c,
+            } => {
                 text[index].push_str(&t);
                 lps[index].extend(l);
                 finish[index] = reason.to_owned();
@@ -276,9 +344,21 @@ async fn whole_response(
         .into_iter()
         .zip(lps)
         .zip(finish)
-        .map(|((t, l), f)| (t, logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)), f))
+        .map(|((t, l), f)| {
+            (
+                t,
+                logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)),
+                f,
+            )
+        })
         .collect();
-    let body = header.full(out, Usage { prompt_tokens, completion_tokens });
+    let body = header.full(
+        out,
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+        },
+    );
     Ok(axum::Json(body).into_response())
 }
 
@@ -304,8 +384,18 @@ impl StreamState {
 
     fn handle(&mut self, out: ChoiceOut) {
         match out {
-            ChoiceOut::Delta { index, text, logprobs } => self.emit(index, &text, &logprobs, None),
-            ChoiceOut::Finish { index, text, logprobs, reason, completion_tokens } => {
+            ChoiceOut::Delta {
+                index,
+                text,
+                logprobs,
+            } => self.emit(index, &text, &logprobs, None),
+            ChoiceOut::Finish {
+                index,
+                text,
+                logprobs,
+                reason,
+                completion_tokens,
+            } => {
                 self.usage.completion_tokens += completion_tokens;
                 if !text.is_empty() || !logprobs.is_empty() {
                     self.emit(index, &text, &logprobs, None);
@@ -340,7 +430,10 @@ fn stream_response(
     let mut st = StreamState {
         queue: VecDeque::new(),
         choices,
-        usage: Usage { prompt_tokens, completion_tokens: 0 },
+        usage: Usage {
+            prompt_tokens,
+            completion_tokens: 0,
+        },
         logprobs,
         sent_chars: vec![0; n],
         finished: false,
@@ -384,9 +477,16 @@ mod tests {
 
     #[test]
     fn too_long_names_both_counts_and_is_400() {
-        let e = submit_error(SubmitError::PromptTooLong { prompt: 9000, capacity: 8192 });
+        let e = submit_error(SubmitError::PromptTooLong {
+            prompt: 9000,
+            capacity: 8192,
+        });
         assert_eq!(e.status, 400);
-        assert!(e.message.contains("9000") && e.message.contains("8192"), "{}", e.message);
+        assert!(
+            e.message.contains("9000") && e.message.contains("8192"),
+            "{}",
+            e.message
+        );
         assert_eq!(e.code, Some("context_length_exceeded"));
         assert_eq!(submit_error(SubmitError::EmptyPrompt).status, 400);
         assert_eq!(submit_error(SubmitError::Stopped("x".into())).status, 503);

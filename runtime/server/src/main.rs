@@ -21,7 +21,11 @@ fn main() {
         print!("{}", metrale_kernels::target_info());
         return;
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().worker_threads(2).build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

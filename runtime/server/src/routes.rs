@@ -16,7 +16,9 @@ use axum::{Json, Router};
 use metrale_model::ChatMessage;
 use serde_json::json;
 
-use crate::api::{self, ChatRequest, CompletionRequest, DetokenizeRequest, PromptSpec, TokenizeRequest};
+use crate::api::{
+    self, ChatRequest, CompletionRequest, DetokenizeRequest, PromptSpec, TokenizeRequest,
+};
 use crate::error::ApiError;
 use crate::generate::{self, Job};
 use crate::sse::Kind;
@@ -41,7 +43,9 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 fn served(s: &AppState) -> Result<Arc<Served>, ApiError> {
-    s.ready.get().cloned().ok_or_else(|| ApiError::unavailable("the model is still loading; retry when GET /health returns 200"))
+    s.ready.get().cloned().ok_or_else(|| {
+        ApiError::unavailable("the model is still loading; retry when GET /health returns 200")
+    })
 }
 
 async fn auth(State(s): St, req: Request, next: Next) -> Response {
@@ -101,14 +105,25 @@ impl<S: Send + Sync> FromRequest<S> for Body {
 async fn health(State(s): St) -> Response {
     match s.ready.get() {
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response(),
     }
 }
 
 async fn metrics(State(s): St) -> Result<Response, ApiError> {
     let sv = served(&s)?;
     let text = sv.engine.metrics().prometheus_text(&sv.name);
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
 }
 
 async fn models(State(s): St) -> Result<Json<serde_json::Value>, ApiError> {
@@ -130,9 +145,9 @@ async fn tokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::Val
     let r: TokenizeRequest = api::parse_body(&body)?;
     let tk = &sv.model.tokenizer;
     let add_bos = r.add_special && tk.add_bos();
-    let tokens = tk
-        .encode(&r.content, add_bos, true)
-        .map_err(|e| ApiError::invalid(format!("cannot tokenize 'content': {e}"), Some("content")))?;
+    let tokens = tk.encode(&r.content, add_bos, true).map_err(|e| {
+        ApiError::invalid(format!("cannot tokenize 'content': {e}"), Some("content"))
+    })?;
     Ok(Json(json!({"tokens": tokens})))
 }
 
@@ -140,14 +155,19 @@ async fn detokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::V
     let sv = served(&s)?;
     let r: DetokenizeRequest = api::parse_body(&body)?;
     let ids = api::check_token_ids(&r.tokens, sv.vocab, "tokens")?;
-    Ok(Json(json!({"content": sv.model.tokenizer.decode(&ids, false)})))
+    Ok(Json(
+        json!({"content": sv.model.tokenizer.decode(&ids, false)}),
+    ))
 }
 
 /// Tokenize a prompt text: the model's BOS rule, special-token markup parsed.
 fn encode_prompt(sv: &Served, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
     let tk = &sv.model.tokenizer;
     // A template that already wrote the BOS text gets no second BOS.
-    let bos_written = tk.bos().and_then(|b| tk.token_text(b)).is_some_and(|t| !t.is_empty() && text.starts_with(&t));
+    let bos_written = tk
+        .bos()
+        .and_then(|b| tk.token_text(b))
+        .is_some_and(|t| !t.is_empty() && text.starts_with(&t));
     tk.encode(text, tk.add_bos() && !bos_written, true)
         .map_err(|e| ApiError::invalid(format!("cannot tokenize '{param}': {e}"), Some(param)))
 }
@@ -168,20 +188,31 @@ async fn chat(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
         let role = match m.role.as_str() {
             "developer" => "system",
             "system" | "user" | "assistant" | "tool" => m.role.as_str(),
-            other => {
-                return Err(ApiError::invalid(
-                    format!("unknown role '{other}' (expected system, developer, user, assistant or tool)"),
-                    Some(&format!("messages[{i}].role")),
-                ))
-            }
+            other => return Err(ApiError::invalid(
+                format!(
+                    "unknown role '{other}' (expected system, developer, user, assistant or tool)"
+                ),
+                Some(&format!("messages[{i}].role")),
+            )),
         };
         msgs.push(ChatMessage::new(role, api::message_text(m, i)?));
     }
-    let text = template
-        .render(&msgs, true)
-        .map_err(|e| ApiError::invalid(format!("the chat template failed on these messages: {e}"), Some("messages")))?;
+    let text = template.render(&msgs, true).map_err(|e| {
+        ApiError::invalid(
+            format!("the chat template failed on these messages: {e}"),
+            Some("messages"),
+        )
+    })?;
     let prompt = encode_prompt(&sv, &text, "messages")?;
-    generate::respond(sv, Job { kind: Kind::Chat, prompts: vec![prompt], params }).await
+    generate::respond(
+        sv,
+        Job {
+            kind: Kind::Chat,
+            prompts: vec![prompt],
+            params,
+        },
+    )
+    .await
 }
 
 async fn completions(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
@@ -190,20 +221,39 @@ async fn completions(State(s): St, Body(body): Body) -> Result<Response, ApiErro
     let params = api::validate_completion(&r, &sv.completion_preset)?;
     let prompts = match &r.prompt {
         PromptSpec::Text(t) => vec![encode_prompt(&sv, t, "prompt")?],
-        PromptSpec::Texts(ts) => ts.iter().map(|t| encode_prompt(&sv, t, "prompt")).collect::<Result<_, _>>()?,
+        PromptSpec::Texts(ts) => ts
+            .iter()
+            .map(|t| encode_prompt(&sv, t, "prompt"))
+            .collect::<Result<_, _>>()?,
         PromptSpec::Tokens(ids) => vec![api::check_token_ids(ids, sv.vocab, "prompt")?],
-        PromptSpec::TokenLists(l) => {
-            l.iter().map(|ids| api::check_token_ids(ids, sv.vocab, "prompt")).collect::<Result<_, _>>()?
-        }
+        PromptSpec::TokenLists(l) => l
+            .iter()
+            .map(|ids| api::check_token_ids(ids, sv.vocab, "prompt"))
+            .collect::<Result<_, _>>()?,
     };
     if prompts.is_empty() {
-        return Err(ApiError::invalid("'prompt' must not be an empty list", Some("prompt")));
-    }
-    if prompts.len() * params.n > api::MAX_N {
         return Err(ApiError::invalid(
-            format!("at most {} choices per request (prompts x n), got {}", api::MAX_N, prompts.len() * params.n),
+            "'prompt' must not be an empty list",
             Some("prompt"),
         ));
     }
-    generate::respond(sv, Job { kind: Kind::Completion, prompts, params }).await
+    if prompts.len() * params.n > api::MAX_N {
+        return Err(ApiError::invalid(
+            format!(
+                "at most {} choices per request (prompts x n), got {}",
+                api::MAX_N,
+                prompts.len() * params.n
+            ),
+            Some("prompt"),
+        ));
+    }
+    generate::respond(
+        sv,
+        Job {
+            kind: Kind::Completion,
+            prompts,
+            params,
+        },
+    )
+    .await
 }

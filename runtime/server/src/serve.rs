@@ -50,7 +50,11 @@ pub fn check_target(target: Option<&TargetSpec>, model: &Model) -> Result<()> {
     if t.serves(mt, hidden) {
         return Ok(());
     }
-    let pairs: Vec<String> = t.model_types.iter().map(|p| format!("({}, hidden {})", p.model_type, p.hidden_size)).collect();
+    let pairs: Vec<String> = t
+        .model_types
+        .iter()
+        .map(|p| format!("({}, hidden {})", p.model_type, p.hidden_size))
+        .collect();
     bail!(
         "this binary was built for target {} and serves {}; the checkpoint {} is ({mt}, hidden {hidden}). \
          Build a binary for it (`cargo xtask list-targets`, then `cargo xtask build-target --hw {} --model <model> \
@@ -70,7 +74,9 @@ fn load_backend(
     ctx: usize,
     threads: usize,
 ) -> Result<Box<dyn Backend>> {
-    let backend = target.map(|t| t.hardware.backend.to_string()).unwrap_or_else(|| "cpu".into());
+    let backend = target
+        .map(|t| t.hardware.backend.to_string())
+        .unwrap_or_else(|| "cpu".into());
     match backend.as_str() {
         "cpu" => {
             check_host_memory(model, slots, ctx)?;
@@ -101,9 +107,13 @@ fn mem_available() -> Option<u64> {
 /// Refuse a KV cache that does not fit in the host's available memory before allocating it (the
 /// kernel's OOM killer would otherwise end the process, or a neighbour, mid-start).
 fn check_host_memory(model: &Model, slots: usize, ctx: usize) -> Result<()> {
-    let Some(avail) = mem_available() else { return Ok(()) };
+    let Some(avail) = mem_available() else {
+        return Ok(());
+    };
     let per_token = model.config.kv_elems_per_token() as u64 * CPU_KV_ELEM_BYTES;
-    let need = per_token.saturating_mul(slots as u64).saturating_mul(ctx as u64);
+    let need = per_token
+        .saturating_mul(slots as u64)
+        .saturating_mul(ctx as u64);
     // Leave a tenth of what is free (and the weights' working set) to the rest of the process.
     let budget = (avail - avail / 10).saturating_sub(model.weights.total_bytes());
     if need > budget {
@@ -129,8 +139,11 @@ pub async fn run(cli: Cli) -> Result<()> {
     // Read the template before anything slow, so a bad file fails at once.
     let template_override = match &cli.chat_template {
         Some(p) => {
-            let src = std::fs::read_to_string(p).with_context(|| format!("reading --chat-template {}", p.display()))?;
-            Some(ChatTemplate::new(&src).with_context(|| format!("--chat-template {} is not a valid template", p.display()))?)
+            let src = std::fs::read_to_string(p)
+                .with_context(|| format!("reading --chat-template {}", p.display()))?;
+            Some(ChatTemplate::new(&src).with_context(|| {
+                format!("--chat-template {} is not a valid template", p.display())
+            })?)
         }
         None => None,
     };
@@ -145,9 +158,17 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .and_then(|mut a| a.next())
                 .ok_or(())
         })
-        .map_err(|_| anyhow::anyhow!("--host {} is not an address or a resolvable host name", cli.host))?;
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "--host {} is not an address or a resolvable host name",
+                cli.host
+            )
+        })?;
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
-        format!("cannot listen on {addr}; is another server using port {}? pick another with --port", cli.port)
+        format!(
+            "cannot listen on {addr}; is another server using port {}? pick another with --port",
+            cli.port
+        )
     })?;
     let local = listener.local_addr()?;
 
@@ -162,7 +183,9 @@ pub async fn run(cli: Cli) -> Result<()> {
             })
             .await
     });
-    eprintln!("metrale-server: listening on http://{local} (GET /health is 503 until the model is ready)");
+    eprintln!(
+        "metrale-server: listening on http://{local} (GET /health is 503 until the model is ready)"
+    );
     if let Some(t) = &target {
         eprintln!("target: {} (backend {})", t.id, t.hardware.backend);
     } else {
@@ -171,7 +194,9 @@ pub async fn run(cli: Cli) -> Result<()> {
 
     let t0 = Instant::now();
     eprintln!("loading model {} ...", model_path.display());
-    let load = tokio::task::spawn_blocking(move || -> Result<Served> { load(&cli, &model_path, target, template_override) });
+    let load = tokio::task::spawn_blocking(move || -> Result<Served> {
+        load(&cli, &model_path, target, template_override)
+    });
     let served = tokio::select! {
         r = load => r.context("the loader thread panicked")??,
         _ = shutdown_signal() => {
@@ -187,7 +212,9 @@ pub async fn run(cli: Cli) -> Result<()> {
         served.kv_tokens,
         served.parallel
     );
-    eprintln!("serving on http://{local}/v1 (OpenAI API), /health, /metrics, /tokenize, /detokenize");
+    eprintln!(
+        "serving on http://{local}/v1 (OpenAI API), /health, /metrics, /tokenize, /detokenize"
+    );
     let _ = state.ready.set(Arc::new(served));
 
     tokio::select! {
@@ -200,9 +227,15 @@ pub async fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-fn load(cli: &Cli, path: &std::path::Path, target: Option<TargetSpec>, template: Option<ChatTemplate>) -> Result<Served> {
+fn load(
+    cli: &Cli,
+    path: &std::path::Path,
+    target: Option<TargetSpec>,
+    template: Option<ChatTemplate>,
+) -> Result<Served> {
     let t = Instant::now();
-    let mut model = Model::load(path).with_context(|| format!("loading the model {}", path.display()))?;
+    let mut model =
+        Model::load(path).with_context(|| format!("loading the model {}", path.display()))?;
     let c = &model.config;
     eprintln!(
         "  model: {} ({}, {} layers, hidden {}, vocab {}, context {}), weights {} [{:.1} s]",
@@ -217,18 +250,28 @@ fn load(cli: &Cli, path: &std::path::Path, target: Option<TargetSpec>, template:
     );
     check_target(target.as_ref(), &model)?;
 
-    let behavior = target.as_ref().map(|t| t.behavior.clone()).unwrap_or_default();
+    let behavior = target
+        .as_ref()
+        .map(|t| t.behavior.clone())
+        .unwrap_or_default();
     let model_ctx = c.max_context.max(2);
     let ctx = match cli.ctx_size {
         Some(n) if n > model_ctx => {
-            eprintln!("  note: --ctx-size {n} exceeds the model's context {model_ctx}; using {model_ctx}");
+            eprintln!(
+                "  note: --ctx-size {n} exceeds the model's context {model_ctx}; using {model_ctx}"
+            );
             model_ctx
         }
         Some(n) => n.max(2),
         None => behavior.ctx_size.unwrap_or(DEFAULT_CTX).min(model_ctx),
     };
-    let parallel = cli.parallel.or(behavior.parallel).unwrap_or(DEFAULT_PARALLEL);
-    let threads = cli.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let parallel = cli
+        .parallel
+        .or(behavior.parallel)
+        .unwrap_or(DEFAULT_PARALLEL);
+    let threads = cli
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
 
     let t = Instant::now();
     let backend = load_backend(target.as_ref(), &model, parallel, ctx, threads)?;
@@ -279,12 +322,15 @@ fn load(cli: &Cli, path: &std::path::Path, target: Option<TargetSpec>, template:
         default_max_tokens: behavior.max_tokens,
         stop_tokens,
         vocab,
-        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
     })
 }
 
 fn file_stem(p: &std::path::Path) -> String {
-    p.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+    p.file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
 }
 
 async fn shutdown_signal() {

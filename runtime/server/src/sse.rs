@@ -198,7 +198,13 @@ mod tests {
     use super::*;
 
     fn header(kind: Kind, include_usage: bool) -> Header {
-        Header { kind, id: "chatcmpl-1".into(), created: 7, model: "m".into(), include_usage }
+        Header {
+            kind,
+            id: "chatcmpl-1".into(),
+            created: 7,
+            model: "m".into(),
+            include_usage,
+        }
     }
 
     #[test]
@@ -216,7 +222,10 @@ mod tests {
         assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
         assert_eq!(first["choices"][0]["delta"]["content"], "");
         assert!(first["choices"][0]["finish_reason"].is_null());
-        assert!(first.get("usage").is_none(), "no usage key without include_usage");
+        assert!(
+            first.get("usage").is_none(),
+            "no usage key without include_usage"
+        );
         let mid = h.chunk(0, false, "Par", None, None);
         assert!(mid["choices"][0]["delta"].get("role").is_none());
         assert_eq!(mid["choices"][0]["delta"]["content"], "Par");
@@ -230,7 +239,10 @@ mod tests {
     fn usage_chunk_only_with_include_usage() {
         let h = header(Kind::Chat, true);
         assert!(h.chunk(0, false, "x", None, None)["usage"].is_null());
-        let u = h.usage_chunk(Usage { prompt_tokens: 3, completion_tokens: 4 });
+        let u = h.usage_chunk(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+        });
         assert_eq!(u["choices"], json!([]));
         assert_eq!(u["usage"]["total_tokens"], 7);
     }
@@ -242,7 +254,13 @@ mod tests {
         assert_eq!(c["object"], "text_completion");
         assert_eq!(c["choices"][0]["text"], "hi");
         assert_eq!(c["choices"][0]["index"], 1);
-        let full = h.full(vec![("a".into(), None, "stop".into())], Usage { prompt_tokens: 1, completion_tokens: 1 });
+        let full = h.full(
+            vec![("a".into(), None, "stop".into())],
+            Usage {
+                prompt_tokens: 1,
+                completion_tokens: 1,
+            },
+        );
         assert_eq!(full["choices"][0]["text"], "a");
         assert_eq!(full["usage"]["total_tokens"], 2);
         let hc = header(Kind::Chat, false);
@@ -254,8 +272,18 @@ mod tests {
     #[test]
     fn logprob_shapes() {
         let toks = vec![
-            TokenLogprob { text: "ab".into(), bytes: b"ab".to_vec(), logprob: -0.5, top: vec![("ab".into(), b"ab".to_vec(), -0.5)] },
-            TokenLogprob { text: "é".into(), bytes: "é".as_bytes().to_vec(), logprob: -1.0, top: vec![] },
+            TokenLogprob {
+                text: "ab".into(),
+                bytes: b"ab".to_vec(),
+                logprob: -0.5,
+                top: vec![("ab".into(), b"ab".to_vec(), -0.5)],
+            },
+            TokenLogprob {
+                text: "é".into(),
+                bytes: "é".as_bytes().to_vec(),
+                logprob: -1.0,
+                top: vec![],
+            },
         ];
         let c = logprobs_json(Kind::Chat, &toks, 0);
         assert_eq!(c["content"][0]["token"], "ab");

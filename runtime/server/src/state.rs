@@ -39,6 +39,9 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(api_key: Option<String>) -> Arc<Self> {
-        Arc::new(Self { ready: OnceLock::new(), api_key })
+        Arc::new(Self {
+            ready: OnceLock::new(),
+            api_key,
+        })
     }
 }

@@ -32,7 +32,12 @@ impl TextStreamer {
     /// `stops` must not contain empty strings (request validation refuses them).
     pub fn new(stops: Vec<String>) -> Self {
         debug_assert!(stops.iter().all(|s| !s.is_empty()));
-        Self { stops, partial: Vec::new(), pending: String::new(), stopped: false }
+        Self {
+            stops,
+            partial: Vec::new(),
+            pending: String::new(),
+            stopped: false,
+        }
     }
 
     /// Whether a stop string has been found (further pushes release nothing).
@@ -43,7 +48,10 @@ impl TextStreamer {
     /// Feed the raw bytes of the next token.
     pub fn push(&mut self, bytes: &[u8]) -> Released {
         if self.stopped {
-            return Released { text: String::new(), stopped: true };
+            return Released {
+                text: String::new(),
+                stopped: true,
+            };
         }
         self.partial.extend_from_slice(bytes);
         let decoded = take_complete_utf8(&mut self.partial);
@@ -54,13 +62,19 @@ impl TextStreamer {
             let text = self.pending[..at].to_owned();
             self.pending.clear();
             self.partial.clear();
-            return Released { text, stopped: true };
+            return Released {
+                text,
+                stopped: true,
+            };
         }
         let hold = self.stop_prefix_len();
         let cut = self.pending.len() - hold;
         let text = self.pending[..cut].to_owned();
         self.pending.drain(..cut);
-        Released { text, stopped: false }
+        Released {
+            text,
+            stopped: false,
+        }
     }
 
     /// The sequence ended without a stop string: release everything held back (an incomplete
@@ -79,7 +93,10 @@ impl TextStreamer {
 
     /// Byte offset in `pending` of the earliest stop-string occurrence.
     fn first_stop(&self) -> Option<usize> {
-        self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min()
+        self.stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
     }
 
     /// Length of the longest suffix of `pending` that is a proper prefix of some stop string.
@@ -235,7 +252,13 @@ mod tests {
         let mut s = TextStreamer::new(vec!["x".into()]);
         assert!(s.push(b"ax").stopped);
         assert!(s.is_stopped());
-        assert_eq!(s.push(b"more"), Released { text: String::new(), stopped: true });
+        assert_eq!(
+            s.push(b"more"),
+            Released {
+                text: String::new(),
+                stopped: true
+            }
+        );
         assert_eq!(s.finish(), "");
     }
 

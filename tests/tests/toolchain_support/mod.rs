@@ -6,7 +6,10 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 pub fn target_dir() -> PathBuf {
@@ -38,7 +41,11 @@ pub fn xtask() -> PathBuf {
     BUILT
         .get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let st = Command::new(cargo).current_dir(repo()).args(["build", "--release", "--quiet", "-p", "xtask"]).status().expect("running cargo");
+            let st = Command::new(cargo)
+                .current_dir(repo())
+                .args(["build", "--release", "--quiet", "-p", "xtask"])
+                .status()
+                .expect("running cargo");
             assert!(st.success(), "cargo build -p xtask failed");
             target_dir().join("release").join("xtask")
         })
@@ -47,8 +54,17 @@ pub fn xtask() -> PathBuf {
 
 /// Runs xtask with `args`, returning its output (stdout+stderr shown on failure by callers).
 pub fn run_xtask(args: &[&str]) -> Output {
-    let out = Command::new(xtask()).current_dir(repo()).args(args).output().expect("running xtask");
-    eprintln!("$ xtask {}\n{}{}", args.join(" "), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(xtask())
+        .current_dir(repo())
+        .args(args)
+        .output()
+        .expect("running xtask");
+    eprintln!(
+        "$ xtask {}\n{}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
@@ -85,7 +101,6 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("fc", "#include \"y.cuh\"\n#include \"z.cuh\"\nextern \"C\" __global__ void fc_one(float* o) { o[0] = fy(fz(o[0])); }\nextern \"C\" __global__ void fc_two(float* o) { o[1] = {{model.vocab}}; }\n"),
 ];
 
-
 /// Writes the fixture templates and headers into `dir/kernels/cuda/`.
 pub fn write_fixture_kernels(dir: &Path) {
     let cuda = dir.join("kernels/cuda");
@@ -107,7 +122,13 @@ pub fn fixture_tree(dir: &Path) {
     let text: String = std::fs::read_to_string(&m)
         .unwrap()
         .lines()
-        .map(|l| if l.starts_with("kernels = ") { "kernels = [\"fa\", \"fb\", \"fc\"]".to_string() } else { l.to_string() })
+        .map(|l| {
+            if l.starts_with("kernels = ") {
+                "kernels = [\"fa\", \"fb\", \"fc\"]".to_string()
+            } else {
+                l.to_string()
+            }
+        })
         .collect::<Vec<_>>()
         .join("\n");
     std::fs::write(&m, text).unwrap();

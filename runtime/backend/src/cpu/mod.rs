@@ -43,9 +43,17 @@ pub fn model_inv_freq(
     Ok(match &c.rope_scaling {
         None => ops::rope_inv_freq(head_dim, c.rope_theta, None, None),
         Some(RopeScaling::Linear { factor }) => {
-            ops::rope_inv_freq(head_dim, c.rope_theta, None, None).into_iter().map(|f| f / factor).collect()
+            ops::rope_inv_freq(head_dim, c.rope_theta, None, None)
+                .into_iter()
+                .map(|f| f / factor)
+                .collect()
         }
-        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }) => {
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        }) => {
             let s = ops::Llama3RopeScaling {
                 factor: *factor,
                 low_freq_factor: *low_freq_factor,
@@ -72,7 +80,12 @@ pub struct QTensor {
 
 impl QTensor {
     pub fn mat(&self) -> MatRef<'_> {
-        MatRef { dtype: self.dtype, rows: self.rows, cols: self.cols, data: &self.data }
+        MatRef {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+        }
     }
 }
 
@@ -149,7 +162,12 @@ fn model_err(e: impl std::fmt::Display) -> BackendError {
     BackendError::Model(e.to_string())
 }
 
-fn load_matrix(model: &Model, name: &str, rows: usize, cols: usize) -> Result<QTensor, BackendError> {
+fn load_matrix(
+    model: &Model,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QTensor, BackendError> {
     let t = model.weights.get(name).map_err(model_err)?;
     if t.shape.len() != 2 || t.shape[0] != cols || t.shape[1] != rows {
         return Err(BackendError::Model(format!(
@@ -158,18 +176,32 @@ fn load_matrix(model: &Model, name: &str, rows: usize, cols: usize) -> Result<QT
         )));
     }
     if t.dtype.row_bytes(cols).map(|b| b * rows) != Some(t.data.len()) {
-        return Err(BackendError::Model(format!("tensor '{name}': {} bytes do not fit {} {:?}", t.data.len(), t.dtype, t.shape)));
+        return Err(BackendError::Model(format!(
+            "tensor '{name}': {} bytes do not fit {} {:?}",
+            t.data.len(),
+            t.dtype,
+            t.shape
+        )));
     }
-    Ok(QTensor { dtype: t.dtype, rows, cols, data: t.data.to_vec() })
+    Ok(QTensor {
+        dtype: t.dtype,
+        rows,
+        cols,
+        data: t.data.to_vec(),
+    })
 }
 
 fn load_vector(model: &Model, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
     let t = model.weights.get(name).map_err(model_err)?;
     if t.n_elems() != n || t.shape[0] != n {
-        return Err(BackendError::Model(format!("tensor '{name}': expected {n} elements, got shape {:?}", t.shape)));
+        return Err(BackendError::Model(format!(
+            "tensor '{name}': expected {n} elements, got shape {:?}",
+            t.shape
+        )));
     }
     let mut out = vec![0f32; n];
-    dequantize_row(t.dtype, t.data, &mut out).map_err(|e| BackendError::Model(format!("tensor '{name}': {e}")))?;
+    dequantize_row(t.dtype, t.data, &mut out)
+        .map_err(|e| BackendError::Model(format!("tensor '{name}': {e}")))?;
     Ok(out)
 }
 
@@ -177,7 +209,12 @@ impl CpuBackend {
     /// Copy the model's weights (in their stored form) and allocate `slots` KV caches of
     /// `slot_capacity` tokens each (f32; pages are touched only when used). `threads` workers run the
     /// matrix products (0 = one per available core).
-    pub fn load(model: &Model, slots: usize, slot_capacity: usize, threads: usize) -> Result<CpuBackend, BackendError> {
+    pub fn load(
+        model: &Model,
+        slots: usize,
+        slot_capacity: usize,
+        threads: usize,
+    ) -> Result<CpuBackend, BackendError> {
         let c = &model.config;
         if slots == 0 || slot_capacity == 0 {
             return Err(BackendError::Invalid(format!(
@@ -207,7 +244,9 @@ impl CpuBackend {
         } else if c.tied_embeddings {
             None
         } else {
-            return Err(BackendError::Model("no output.weight and the config does not tie embeddings".into()));
+            return Err(BackendError::Model(
+                "no output.weight and the config does not tie embeddings".into(),
+            ));
         };
         let out_norm = load_vector(model, "output_norm.weight", h)?;
         let mut layers = Vec::with_capacity(dims.n_layers);
@@ -225,8 +264,20 @@ impl CpuBackend {
                 w_down: load_matrix(model, &n("ffn_down"), h, f)?,
             });
         }
-        let inv_freq = model_inv_freq(c, dims.head_dim, || load_vector(model, "rope_freqs.weight", dims.head_dim / 2))?;
-        Self::from_parts(dims, embd, lm_head, out_norm, layers, inv_freq, slots, slot_capacity, threads)
+        let inv_freq = model_inv_freq(c, dims.head_dim, || {
+            load_vector(model, "rope_freqs.weight", dims.head_dim / 2)
+        })?;
+        Self::from_parts(
+            dims,
+            embd,
+            lm_head,
+            out_norm,
+            layers,
+            inv_freq,
+            slots,
+            slot_capacity,
+            threads,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -241,15 +292,23 @@ impl CpuBackend {
         slot_capacity: usize,
         threads: usize,
     ) -> Result<CpuBackend, BackendError> {
-        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
         let per_slot = dims
             .n_layers
             .checked_mul(slot_capacity)
             .and_then(|x| x.checked_mul(dims.kv_dim()))
-            .ok_or_else(|| BackendError::Invalid(format!("KV cache of {slot_capacity} tokens overflows")))?;
+            .ok_or_else(|| {
+                BackendError::Invalid(format!("KV cache of {slot_capacity} tokens overflows"))
+            })?;
         // The whole cache must fit in available memory (it is allocated zeroed and lazily: pages
         // are touched as sequences grow, so a too-large cache would fail late, mid-request).
-        let needed = (per_slot as u64).saturating_mul(4 * 2).saturating_mul(slots as u64);
+        let needed = (per_slot as u64)
+            .saturating_mul(4 * 2)
+            .saturating_mul(slots as u64);
         if let Some(free) = mem_available() {
             if needed > free {
                 return Err(BackendError::OutOfMemory {
@@ -262,13 +321,32 @@ impl CpuBackend {
                 });
             }
         }
-        let kv = (0..slots).map(|_| SlotCache { k: vec![0.0; per_slot], v: vec![0.0; per_slot] }).collect();
+        let kv = (0..slots)
+            .map(|_| SlotCache {
+                k: vec![0.0; per_slot],
+                v: vec![0.0; per_slot],
+            })
+            .collect();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("metrale-cpu-{i}"))
             .build()
-            .map_err(|e| BackendError::Device(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuBackend { dims, embd, lm_head, out_norm, layers, inv_freq, kv, slot_capacity, threads, pool, exact: false })
+            .map_err(|e| {
+                BackendError::Device(format!("cannot start {threads} CPU worker threads: {e}"))
+            })?;
+        Ok(CpuBackend {
+            dims,
+            embd,
+            lm_head,
+            out_norm,
+            layers,
+            inv_freq,
+            kv,
+            slot_capacity,
+            threads,
+            pool,
+            exact: false,
+        })
     }
 
     /// Choose f32 activations in the matrix products (`true`: the reference, slower) or 16-bit
@@ -278,7 +356,11 @@ impl CpuBackend {
     }
 
     fn mm(&self) -> MatmulMany {
-        if self.exact { ops::matmul_many } else { ops::matmul_qact_many }
+        if self.exact {
+            ops::matmul_many
+        } else {
+            ops::matmul_qact_many
+        }
     }
 
     /// Shape constants of the loaded model.
@@ -287,7 +369,9 @@ impl CpuBackend {
     }
 
     fn weight_bytes(&self) -> u64 {
-        let mut n = self.embd.data.len() + self.lm_head.as_ref().map_or(0, |t| t.data.len()) + self.out_norm.len() * 4;
+        let mut n = self.embd.data.len()
+            + self.lm_head.as_ref().map_or(0, |t| t.data.len())
+            + self.out_norm.len() * 4;
         for l in &self.layers {
             n += (l.attn_norm.len() + l.ffn_norm.len()) * 4;
             for t in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
@@ -301,10 +385,17 @@ impl CpuBackend {
         let mut used = vec![false; self.kv.len()];
         for (i, s) in batch.iter().enumerate() {
             if s.slot >= self.kv.len() {
-                return Err(BackendError::Invalid(format!("entry {i}: slot {} does not exist ({} slots)", s.slot, self.kv.len())));
+                return Err(BackendError::Invalid(format!(
+                    "entry {i}: slot {} does not exist ({} slots)",
+                    s.slot,
+                    self.kv.len()
+                )));
             }
             if std::mem::replace(&mut used[s.slot], true) {
-                return Err(BackendError::Invalid(format!("entry {i}: slot {} appears twice in one step", s.slot)));
+                return Err(BackendError::Invalid(format!(
+                    "entry {i}: slot {} appears twice in one step",
+                    s.slot
+                )));
             }
             if s.tokens.is_empty() {
                 return Err(BackendError::Invalid(format!("entry {i}: no tokens")));
@@ -313,11 +404,17 @@ impl CpuBackend {
             if end.is_none_or(|e| e > self.slot_capacity) {
                 return Err(BackendError::Invalid(format!(
                     "entry {i}: positions {}..{}+{} exceed the slot capacity {}",
-                    s.start_pos, s.start_pos, s.tokens.len(), self.slot_capacity
+                    s.start_pos,
+                    s.start_pos,
+                    s.tokens.len(),
+                    self.slot_capacity
                 )));
             }
             if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.dims.vocab) {
-                return Err(BackendError::Invalid(format!("entry {i}: token id {t} is outside the vocabulary ({})", self.dims.vocab)));
+                return Err(BackendError::Invalid(format!(
+                    "entry {i}: token id {t} is outside the vocabulary ({})",
+                    self.dims.vocab
+                )));
             }
         }
         Ok(())
@@ -359,7 +456,12 @@ impl CpuBackend {
         let erb = self.embd.mat().row_bytes();
         for (row, &t) in x.chunks_exact_mut(h).zip(&ids) {
             let t = t as usize;
-            dequantize_row(self.embd.dtype, &self.embd.data[t * erb..(t + 1) * erb], row).expect("validated at load");
+            dequantize_row(
+                self.embd.dtype,
+                &self.embd.data[t * erb..(t + 1) * erb],
+                row,
+            )
+            .expect("validated at load");
         }
         let mut xn = vec![0f32; n * h];
         let mut q = vec![0f32; n * qd];
@@ -380,7 +482,12 @@ impl CpuBackend {
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.attn_norm, d.norm_eps, xnr);
                 }
-                mm(&[l.wq.mat(), l.wk.mat(), l.wv.mat()], &xn, n, &mut [&mut q, &mut k, &mut v]);
+                mm(
+                    &[l.wq.mat(), l.wk.mat(), l.wv.mat()],
+                    &xn,
+                    n,
+                    &mut [&mut q, &mut k, &mut v],
+                );
                 for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
                     ops::rope_inplace(&mut q[i * qd..(i + 1) * qd], hd, pos, inv_freq);
                     ops::rope_inplace(&mut k[i * kvd..(i + 1) * kvd], hd, pos, inv_freq);
@@ -397,38 +504,51 @@ impl CpuBackend {
                 let mut tasks = Vec::new();
                 for &(b0, b1) in &blocks {
                     for g in 0..d.n_kv_heads {
-                        let outs: Vec<&mut [f32]> =
-                            (b0..b1).map(|ti| pieces[ti * d.n_kv_heads + g].take().expect("each piece once")).collect();
+                        let outs: Vec<&mut [f32]> = (b0..b1)
+                            .map(|ti| {
+                                pieces[ti * d.n_kv_heads + g]
+                                    .take()
+                                    .expect("each piece once")
+                            })
+                            .collect();
                         tasks.push((b0, b1, g, outs));
                     }
                 }
-                tasks.into_par_iter().for_each_init(Vec::new, |scores, (b0, b1, g, mut outs)| {
-                    let slot = tok_meta[b0].0;
-                    let qs: Vec<&[f32]> = (b0..b1).map(|ti| &qr[ti * qd..(ti + 1) * qd]).collect();
-                    let pos: Vec<usize> = (b0..b1).map(|ti| tok_meta[ti].1).collect();
-                    let n_pos = pos.iter().max().map_or(0, |p| p + 1);
-                    let base = li * cap * kvd;
-                    let c = &kv_ro[slot];
-                    ops::attention_block(
-                        &qs,
-                        &pos,
-                        &c.k[base..base + n_pos * kvd],
-                        &c.v[base..base + n_pos * kvd],
-                        g,
-                        d.n_heads,
-                        d.n_kv_heads,
-                        hd,
-                        scale,
-                        scores,
-                        &mut outs,
-                    );
-                });
+                tasks
+                    .into_par_iter()
+                    .for_each_init(Vec::new, |scores, (b0, b1, g, mut outs)| {
+                        let slot = tok_meta[b0].0;
+                        let qs: Vec<&[f32]> =
+                            (b0..b1).map(|ti| &qr[ti * qd..(ti + 1) * qd]).collect();
+                        let pos: Vec<usize> = (b0..b1).map(|ti| tok_meta[ti].1).collect();
+                        let n_pos = pos.iter().max().map_or(0, |p| p + 1);
+                        let base = li * cap * kvd;
+                        let c = &kv_ro[slot];
+                        ops::attention_block(
+                            &qs,
+                            &pos,
+                            &c.k[base..base + n_pos * kvd],
+                            &c.v[base..base + n_pos * kvd],
+                            g,
+                            d.n_heads,
+                            d.n_kv_heads,
+                            hd,
+                            scale,
+                            scores,
+                            &mut outs,
+                        );
+                    });
                 mm(&[l.wo.mat()], &att, n, &mut [&mut o]);
                 ops::add_inplace(&mut x, &o);
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.ffn_norm, d.norm_eps, xnr);
                 }
-                mm(&[l.w_gate.mat(), l.w_up.mat()], &xn, n, &mut [&mut g, &mut u]);
+                mm(
+                    &[l.w_gate.mat(), l.w_up.mat()],
+                    &xn,
+                    n,
+                    &mut [&mut g, &mut u],
+                );
                 for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
                     ops::swiglu_inplace(gr, ur);
                 }
@@ -448,14 +568,19 @@ impl CpuBackend {
         let w = self.lm_head.as_ref().unwrap_or(&self.embd);
         let mut logits = vec![0f32; rows * self.dims.vocab];
         let mm = self.mm();
-        self.pool.install(|| mm(&[w.mat()], hidden, rows, &mut [&mut logits]));
+        self.pool
+            .install(|| mm(&[w.mat()], hidden, rows, &mut [&mut logits]));
         logits
     }
 }
 
 impl Backend for CpuBackend {
     fn info(&self) -> BackendInfo {
-        let kv_bytes = self.kv.iter().map(|c| (c.k.len() + c.v.len()) as u64 * 4).sum();
+        let kv_bytes = self
+            .kv
+            .iter()
+            .map(|c| (c.k.len() + c.v.len()) as u64 * 4)
+            .sum();
         BackendInfo {
             name: "cpu".into(),
             device: format!(

@@ -199,8 +199,19 @@ pub fn attention(
     out: &mut [f32],
 ) {
     for h in 0..n_heads {
-        attention_head(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores,
-            &mut out[h * head_dim..(h + 1) * head_dim]);
+        attention_head(
+            q,
+            k,
+            v,
+            n_ctx,
+            h,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale,
+            scores,
+            &mut out[h * head_dim..(h + 1) * head_dim],
+        );
     }
 }
 
@@ -223,11 +234,17 @@ pub fn attention_head(
     {
         if simd_level() == "avx2" {
             // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
-            unsafe { attention_head_avx2(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out) };
+            unsafe {
+                attention_head_avx2(
+                    q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out,
+                )
+            };
             return;
         }
     }
-    attention_head_body(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out)
+    attention_head_body(
+        q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out,
+    )
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -246,7 +263,9 @@ unsafe fn attention_head_avx2(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attention_head_body(q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out)
+    attention_head_body(
+        q, k, v, n_ctx, h, n_heads, n_kv_heads, head_dim, scale, scores, out,
+    )
 }
 
 #[inline(always)]
@@ -308,11 +327,17 @@ pub fn attention_block(
     {
         if simd_level() == "avx2" {
             // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
-            unsafe { attention_block_avx2(q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out) };
+            unsafe {
+                attention_block_avx2(
+                    q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out,
+                )
+            };
             return;
         }
     }
-    attention_block_body(q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out)
+    attention_block_body(
+        q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out,
+    )
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -331,7 +356,9 @@ unsafe fn attention_block_avx2(
     scores: &mut Vec<f32>,
     out: &mut [&mut [f32]],
 ) {
-    attention_block_body(q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out)
+    attention_block_body(
+        q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out,
+    )
 }
 
 #[inline(always)]
@@ -351,7 +378,9 @@ fn attention_block_body(
 ) {
     let kv_dim = n_kv_heads * head_dim;
     let gs = n_heads / n_kv_heads;
-    let Some(&max_pos) = pos.iter().max() else { return };
+    let Some(&max_pos) = pos.iter().max() else {
+        return;
+    };
     let n_ctx = max_pos + 1;
     let nq = q.len() * gs;
     scores.clear();
@@ -365,7 +394,8 @@ fn attention_block_body(
             }
             for hh in 0..gs {
                 let h = g * gs + hh;
-                scores[(i * gs + hh) * n_ctx + p] = dot_f32(&qi[h * head_dim..(h + 1) * head_dim], kp) * scale;
+                scores[(i * gs + hh) * n_ctx + p] =
+                    dot_f32(&qi[h * head_dim..(h + 1) * head_dim], kp) * scale;
             }
         }
     }
@@ -463,7 +493,8 @@ fn dot_f32_row(row: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     for (b, xb) in row.chunks_exact(64).zip(x.chunks_exact(16)) {
         for l in 0..16 {
-            acc[l] += f32::from_le_bytes([b[4 * l], b[4 * l + 1], b[4 * l + 2], b[4 * l + 3]]) * xb[l];
+            acc[l] +=
+                f32::from_le_bytes([b[4 * l], b[4 * l + 1], b[4 * l + 2], b[4 * l + 3]]) * xb[l];
         }
     }
     let rem = x.len() / 16 * 16;
@@ -478,7 +509,11 @@ fn dot_f32_row(row: &[u8], x: &[f32]) -> f32 {
 fn dot_16bit_row(row: &[u8], x: &[f32], bf: bool) -> f32 {
     let conv = |lo: u8, hi: u8| {
         let h = u16::from_le_bytes([lo, hi]);
-        if bf { f32::from_bits((h as u32) << 16) } else { f16_to_f32(h) }
+        if bf {
+            f32::from_bits((h as u32) << 16)
+        } else {
+            f16_to_f32(h)
+        }
     };
     let mut acc = [0f32; 16];
     for (b, xb) in row.chunks_exact(32).zip(x.chunks_exact(16)) {
@@ -530,7 +565,14 @@ impl MatRef<'_> {
 pub const ROW_BLOCK: usize = 8;
 
 #[inline(always)]
-fn matmul_rows_body(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize, out_t: &mut [f32]) {
+fn matmul_rows_body(
+    w: MatRef<'_>,
+    r0: usize,
+    x: &[f32],
+    xs: &[f32],
+    n_tok: usize,
+    out_t: &mut [f32],
+) {
     let rb = w.row_bytes();
     let nb = w.cols / QK.min(w.cols.max(1));
     let nrows = out_t.len() / n_tok;
@@ -539,7 +581,11 @@ fn matmul_rows_body(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usiz
         let re = (r + ROW_BLOCK).min(nrows);
         for t in 0..n_tok {
             let xt = &x[t * w.cols..(t + 1) * w.cols];
-            let xst = if xs.is_empty() { xs } else { &xs[t * nb..(t + 1) * nb] };
+            let xst = if xs.is_empty() {
+                xs
+            } else {
+                &xs[t * nb..(t + 1) * nb]
+            };
             for rr in r..re {
                 let row = &w.data[(r0 + rr) * rb..(r0 + rr + 1) * rb];
                 out_t[rr * n_tok + t] = dot_row(w.dtype, row, xt, xst);
@@ -551,7 +597,14 @@ fn matmul_rows_body(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usiz
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn matmul_rows_avx2(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize, out_t: &mut [f32]) {
+unsafe fn matmul_rows_avx2(
+    w: MatRef<'_>,
+    r0: usize,
+    x: &[f32],
+    xs: &[f32],
+    n_tok: usize,
+    out_t: &mut [f32],
+) {
     matmul_rows_body(w, r0, x, xs, n_tok, out_t)
 }
 
@@ -572,7 +625,14 @@ pub fn simd_level() -> &'static str {
 /// `out_t[rr * n_tok + t] = dot(W[r0 + rr], x[t])` for `rr < out_t.len() / n_tok` and `t < n_tok`:
 /// a block of output rows for every token (rows-major output). `x` is `[n_tok][cols]`, `xs` the
 /// concatenated [`block_sums`] of each token (may be empty unless the weight is Q4_0/Q4_1).
-pub fn matmul_rows(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize, out_t: &mut [f32]) {
+pub fn matmul_rows(
+    w: MatRef<'_>,
+    r0: usize,
+    x: &[f32],
+    xs: &[f32],
+    n_tok: usize,
+    out_t: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if simd_level() == "avx2" {
@@ -586,7 +646,11 @@ pub fn matmul_rows(w: MatRef<'_>, r0: usize, x: &[f32], xs: &[f32], n_tok: usize
 
 /// Matrix-vector product `out[r] = dot(W[r], x)` for every row (single-threaded reference).
 pub fn matvec(w: MatRef<'_>, x: &[f32], out: &mut [f32]) {
-    let xs = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) { block_sums(x) } else { Vec::new() };
+    let xs = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
+        block_sums(x)
+    } else {
+        Vec::new()
+    };
     matmul_rows(w, 0, x, &xs, 1, out)
 }
 
@@ -595,7 +659,12 @@ pub fn matvec(w: MatRef<'_>, x: &[f32], out: &mut [f32]) {
 /// out_t_chunk)` runs on each, `out_t` being `[rows][n_tok]`; the results are then transposed into
 /// `outs[i]` = `[n_tok][rows_i]`. One region instead of one per matrix halves the thread
 /// synchronisations of a decode step.
-fn par_rows_many(rows: &[usize], n_tok: usize, outs: &mut [&mut [f32]], f: impl Fn(usize, usize, &mut [f32]) + Sync) {
+fn par_rows_many(
+    rows: &[usize],
+    n_tok: usize,
+    outs: &mut [&mut [f32]],
+    f: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
     use rayon::prelude::*;
     let threads = rayon::current_num_threads().max(1);
     let total: usize = rows.iter().sum();
@@ -646,10 +715,30 @@ fn transpose_into(out_t: &[f32], rows: usize, n_tok: usize, out: &mut [f32]) {
 }
 
 fn check_shapes(what: &str, ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &[&mut [f32]]) {
-    assert_eq!(ws.len(), outs.len(), "{what}: {} matrices but {} outputs", ws.len(), outs.len());
+    assert_eq!(
+        ws.len(),
+        outs.len(),
+        "{what}: {} matrices but {} outputs",
+        ws.len(),
+        outs.len()
+    );
     for (w, o) in ws.iter().zip(outs) {
-        assert_eq!(x.len(), n_tok * w.cols, "{what}: x has {} values, expected {} x {}", x.len(), n_tok, w.cols);
-        assert_eq!(o.len(), n_tok * w.rows, "{what}: out has {} values, expected {} x {}", o.len(), n_tok, w.rows);
+        assert_eq!(
+            x.len(),
+            n_tok * w.cols,
+            "{what}: x has {} values, expected {} x {}",
+            x.len(),
+            n_tok,
+            w.cols
+        );
+        assert_eq!(
+            o.len(),
+            n_tok * w.rows,
+            "{what}: out has {} values, expected {} x {}",
+            o.len(),
+            n_tok,
+            w.rows
+        );
     }
 }
 
@@ -658,14 +747,21 @@ fn check_shapes(what: &str, ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &[
 /// `x` = `[n_tok][cols]`.
 pub fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
     check_shapes("matmul", ws, x, n_tok, outs);
-    let Some(cols) = ws.first().map(|w| w.cols) else { return };
-    let xs: Vec<f32> = if ws.iter().any(|w| matches!(w.dtype, DType::Q4_0 | DType::Q4_1)) {
+    let Some(cols) = ws.first().map(|w| w.cols) else {
+        return;
+    };
+    let xs: Vec<f32> = if ws
+        .iter()
+        .any(|w| matches!(w.dtype, DType::Q4_0 | DType::Q4_1))
+    {
         x.chunks_exact(cols).flat_map(block_sums).collect()
     } else {
         Vec::new()
     };
     let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
-    par_rows_many(&rows, n_tok, outs, |i, r0, o| matmul_rows(ws[i], r0, x, &xs, n_tok, o));
+    par_rows_many(&rows, n_tok, outs, |i, r0, o| {
+        matmul_rows(ws[i], r0, x, &xs, n_tok, o)
+    });
 }
 
 /// One matrix product: [`matmul_many`] with one matrix.
@@ -682,10 +778,14 @@ pub fn matmul_qact_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [
         return matmul_many(ws, x, n_tok, outs);
     }
     check_shapes("matmul_qact", ws, x, n_tok, outs);
-    let Some(cols) = ws.first().map(|w| w.cols) else { return };
+    let Some(cols) = ws.first().map(|w| w.cols) else {
+        return;
+    };
     let acts = super::qact::QuantizedActs::new(x, cols);
     let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
-    par_rows_many(&rows, n_tok, outs, |i, r0, o| super::qact::matmul_rows_qact(ws[i], r0, &acts, n_tok, o));
+    par_rows_many(&rows, n_tok, outs, |i, r0, o| {
+        super::qact::matmul_rows_qact(ws[i], r0, &acts, n_tok, o)
+    });
 }
 
 /// One matrix product: [`matmul_qact_many`] with one matrix.
@@ -704,7 +804,10 @@ mod tests {
         for h in 0..=u16::MAX {
             let want = half::f16::from_bits(h).to_f32();
             let got = f16_to_f32(h);
-            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{h:#x}: {got} vs {want}");
+            assert!(
+                want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()),
+                "{h:#x}: {got} vs {want}"
+            );
         }
     }
 
@@ -714,9 +817,17 @@ mod tests {
         for (k, dt) in DType::ALL.into_iter().enumerate() {
             let w = rand_weights(dt, rows, cols, 11 + k as u64);
             let x = rand_vec(cols * 3, 5);
-            let m = MatRef { dtype: dt, rows, cols, data: &w };
+            let m = MatRef {
+                dtype: dt,
+                rows,
+                cols,
+                data: &w,
+            };
             let mut got = vec![0f32; rows * 3];
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
             pool.install(|| matmul(m, &x, 3, &mut got));
             let rb = dt.row_bytes(cols).unwrap();
             for t in 0..3 {
@@ -725,9 +836,16 @@ mod tests {
                 for r in 0..rows {
                     let mut deq = vec![0f32; cols];
                     dequantize_row(dt, &w[r * rb..(r + 1) * rb], &mut deq).unwrap();
-                    let want: f64 = deq.iter().zip(&x[t * cols..]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let want: f64 = deq
+                        .iter()
+                        .zip(&x[t * cols..])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum();
                     let g = got[t * rows + r];
-                    assert!((g as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{dt} r{r} t{t}: {g} vs {want}");
+                    assert!(
+                        (g as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "{dt} r{r} t{t}: {g} vs {want}"
+                    );
                     assert_eq!(g.to_bits(), single[r].to_bits(), "matmul and matvec differ");
                 }
             }
@@ -757,10 +875,20 @@ mod tests {
         let (c0, s0, c1, s1) = (3f32.cos(), 3f32.sin(), 0.3f32.cos(), 0.3f32.sin());
         let want = [c0, s0, -2.0 * s1, 2.0 * c1];
         for i in 0..4 {
-            assert!((x[i] - want[i]).abs() < 1e-6, "{i}: {} vs {}", x[i], want[i]);
+            assert!(
+                (x[i] - want[i]).abs() < 1e-6,
+                "{i}: {} vs {}",
+                x[i],
+                want[i]
+            );
         }
         // Llama 3 scaling: a low frequency is divided by the factor, a high one is kept.
-        let s = Llama3RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 };
+        let s = Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
         let plain = rope_inv_freq(128, 500000.0, None, None);
         let scaled = rope_inv_freq(128, 500000.0, Some(&s), None);
         assert_eq!(scaled[0], plain[0]);
@@ -780,13 +908,30 @@ mod tests {
             let mut bufs = vec![vec![0f32; 3 * hd]; 3];
             let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
             let mut sc = Vec::new();
-            attention_block(&qs, &pos, &k, &v, g, n_heads, n_kv, hd, 0.25, &mut sc, &mut outs);
+            attention_block(
+                &qs, &pos, &k, &v, g, n_heads, n_kv, hd, 0.25, &mut sc, &mut outs,
+            );
             for (i, &p) in pos.iter().enumerate() {
                 for hh in 0..3 {
                     let mut want = vec![0f32; hd];
-                    attention_head(&qv[i], &k, &v, p + 1, g * 3 + hh, n_heads, n_kv, hd, 0.25, &mut sc, &mut want);
+                    attention_head(
+                        &qv[i],
+                        &k,
+                        &v,
+                        p + 1,
+                        g * 3 + hh,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        0.25,
+                        &mut sc,
+                        &mut want,
+                    );
                     for j in 0..hd {
-                        assert!((bufs[i][hh * hd + j] - want[j]).abs() < 1e-6, "g{g} token{i} head{hh}");
+                        assert!(
+                            (bufs[i][hh * hd + j] - want[j]).abs() < 1e-6,
+                            "g{g} token{i} head{hh}"
+                        );
                     }
                 }
             }
@@ -805,12 +950,19 @@ mod tests {
         for h in 0..n_heads {
             let g = h / 2;
             let s: Vec<f64> = (0..n_ctx)
-                .map(|p| (0..hd).map(|i| q[h * hd + i] as f64 * k[p * n_kv * hd + g * hd + i] as f64).sum::<f64>() * 0.5)
+                .map(|p| {
+                    (0..hd)
+                        .map(|i| q[h * hd + i] as f64 * k[p * n_kv * hd + g * hd + i] as f64)
+                        .sum::<f64>()
+                        * 0.5
+                })
                 .collect();
             let m = s.iter().cloned().fold(f64::MIN, f64::max);
             let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
             for i in 0..hd {
-                let want: f64 = (0..n_ctx).map(|p| (s[p] - m).exp() / z * v[p * n_kv * hd + g * hd + i] as f64).sum();
+                let want: f64 = (0..n_ctx)
+                    .map(|p| (s[p] - m).exp() / z * v[p * n_kv * hd + g * hd + i] as f64)
+                    .sum();
                 assert!((out[h * hd + i] as f64 - want).abs() < 1e-5);
             }
         }

@@ -34,7 +34,12 @@ impl QuantizedActs {
         let mut q = vec![0i16; x.len()];
         let mut d = vec![0f32; nb];
         let mut s = vec![0f32; nb];
-        for (((xb, qb), db), sb) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).zip(&mut d).zip(&mut s) {
+        for (((xb, qb), db), sb) in x
+            .chunks_exact(QK)
+            .zip(q.chunks_exact_mut(QK))
+            .zip(&mut d)
+            .zip(&mut s)
+        {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = amax / 32767.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
@@ -59,10 +64,15 @@ fn dot_generic(dtype: DType, row: &[u8], q: &[i16], d: &[f32], s: &[f32]) -> f32
         let wd = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
         match dtype {
             DType::Q4_1 | DType::Q4_0 => {
-                let qs = if dtype == DType::Q4_1 { &b[4..20] } else { &b[2..18] };
+                let qs = if dtype == DType::Q4_1 {
+                    &b[4..20]
+                } else {
+                    &b[2..18]
+                };
                 let mut isum = 0i32;
                 for j in 0..16 {
-                    isum += (qs[j] & 0x0f) as i32 * qb[j] as i32 + (qs[j] >> 4) as i32 * qb[j + 16] as i32;
+                    isum += (qs[j] & 0x0f) as i32 * qb[j] as i32
+                        + (qs[j] >> 4) as i32 * qb[j + 16] as i32;
                 }
                 acc += wd * db * isum as f32;
                 if dtype == DType::Q4_1 {
@@ -132,7 +142,9 @@ mod avx2 {
             for r in 0..R {
                 let blk = blk0.add(r * row_bytes + b * bb);
                 // f16 scale (and min) -> f32 with F16C
-                let h = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
+                let h = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                    blk as *const i32,
+                )));
                 wd[r] = _mm_cvtss_f32(h);
                 if K == Q4_1 {
                     wm[r] = _mm_cvtss_f32(_mm_movehdup_ps(h));
@@ -143,7 +155,9 @@ mod avx2 {
                         _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(18) as *const __m128i)),
                     ),
                     _ => {
-                        let qs = _mm_loadu_si128(blk.add(if K == Q4_1 { 4 } else { 2 }) as *const __m128i);
+                        let qs = _mm_loadu_si128(
+                            blk.add(if K == Q4_1 { 4 } else { 2 }) as *const __m128i
+                        );
                         let lo = _mm_and_si128(qs, mask);
                         let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
                         (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi))
@@ -157,7 +171,10 @@ mod avx2 {
                 let dt = *d[t].add(b);
                 let st = *s[t].add(b);
                 for r in 0..R {
-                    let p = _mm256_add_epi32(_mm256_madd_epi16(w[r].0, x0), _mm256_madd_epi16(w[r].1, x1));
+                    let p = _mm256_add_epi32(
+                        _mm256_madd_epi16(w[r].0, x0),
+                        _mm256_madd_epi16(w[r].1, x1),
+                    );
                     let scale = _mm256_set1_ps(wd[r] * dt);
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][t]);
                     match K {
@@ -178,17 +195,30 @@ mod avx2 {
     }
 
     #[inline(always)]
-    unsafe fn rows_k<const K: u8>(w: MatRef<'_>, r0: usize, a: &QuantizedActs, n_tok: usize, out_t: &mut [f32]) {
+    unsafe fn rows_k<const K: u8>(
+        w: MatRef<'_>,
+        r0: usize,
+        a: &QuantizedActs,
+        n_tok: usize,
+        out_t: &mut [f32],
+    ) {
         let rb = w.row_bytes();
         let nb = w.cols / QK;
         let nrows = out_t.len() / n_tok;
-        let ptrs = |t: usize| (a.q.as_ptr().add(t * w.cols), a.d.as_ptr().add(t * nb), a.s.as_ptr().add(t * nb));
+        let ptrs = |t: usize| {
+            (
+                a.q.as_ptr().add(t * w.cols),
+                a.d.as_ptr().add(t * nb),
+                a.s.as_ptr().add(t * nb),
+            )
+        };
         for rr in 0..nrows {
             let row = w.data.as_ptr().add((r0 + rr) * rb);
             let mut t = 0;
             while t + 4 <= n_tok {
                 let p = [ptrs(t), ptrs(t + 1), ptrs(t + 2), ptrs(t + 3)];
-                let r = dot_rn::<K, 1, 4>(row, rb, nb, p.map(|x| x.0), p.map(|x| x.1), p.map(|x| x.2));
+                let r =
+                    dot_rn::<K, 1, 4>(row, rb, nb, p.map(|x| x.0), p.map(|x| x.1), p.map(|x| x.2));
                 out_t[rr * n_tok + t..rr * n_tok + t + 4].copy_from_slice(&r[0]);
                 t += 4;
             }
@@ -212,7 +242,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn rows(w: MatRef<'_>, r0: usize, a: &QuantizedActs, n_tok: usize, out_t: &mut [f32]) {
+    pub unsafe fn rows(
+        w: MatRef<'_>,
+        r0: usize,
+        a: &QuantizedActs,
+        n_tok: usize,
+        out_t: &mut [f32],
+    ) {
         match w.dtype {
             DType::Q4_0 => rows_k::<Q4_0>(w, r0, a, n_tok, out_t),
             DType::Q4_1 => rows_k::<Q4_1>(w, r0, a, n_tok, out_t),
@@ -224,7 +260,10 @@ mod avx2 {
 /// Integer dot of one block-quantized weight row with one quantized activation row (`q`, `d`, `s`
 /// of that row). Uses AVX2 when the CPU has it.
 pub fn dot_row_qact(dtype: DType, row: &[u8], q: &[i16], d: &[f32], s: &[f32]) -> f32 {
-    assert!(dtype.is_quantized(), "dot_row_qact: {dtype} is not block-quantized");
+    assert!(
+        dtype.is_quantized(),
+        "dot_row_qact: {dtype} is not block-quantized"
+    );
     assert_eq!(row.len(), d.len() * dtype.block_bytes());
     assert!(q.len() == d.len() * QK && s.len() == d.len());
     #[cfg(target_arch = "x86_64")]
@@ -237,12 +276,20 @@ pub fn dot_row_qact(dtype: DType, row: &[u8], q: &[i16], d: &[f32], s: &[f32]) -
 
 /// The quantized-activation analogue of [`super::ops::matmul_rows`]: rows `r0..` of the weight for
 /// every token, into `out_t` = `[rows][n_tok]`.
-pub fn matmul_rows_qact(w: MatRef<'_>, r0: usize, a: &QuantizedActs, n_tok: usize, out_t: &mut [f32]) {
+pub fn matmul_rows_qact(
+    w: MatRef<'_>,
+    r0: usize,
+    a: &QuantizedActs,
+    n_tok: usize,
+    out_t: &mut [f32],
+) {
     assert!(w.dtype.is_quantized());
     let rb = w.row_bytes();
     let nb = w.cols / QK;
     let nrows = out_t.len() / n_tok;
-    assert!((r0 + nrows) * rb <= w.data.len() && a.q.len() >= n_tok * w.cols && a.d.len() >= n_tok * nb);
+    assert!(
+        (r0 + nrows) * rb <= w.data.len() && a.q.len() >= n_tok * w.cols && a.d.len() >= n_tok * nb
+    );
     #[cfg(target_arch = "x86_64")]
     if super::ops::simd_level() == "avx2" {
         // SAFETY: avx2+fma+f16c present; bounds checked above.
@@ -276,7 +323,12 @@ mod tests {
             // 5 tokens: one 4-token tile and one single token; an outlier in one block.
             let mut x = rand_vec(cols * 5, 9);
             x[7] = 40.0;
-            let m = MatRef { dtype: dt, rows, cols, data: &w };
+            let m = MatRef {
+                dtype: dt,
+                rows,
+                cols,
+                data: &w,
+            };
             let mut exact = vec![0f32; rows * 5];
             let mut fast = vec![0f32; rows * 5];
             crate::cpu::ops::matmul(m, &x, 5, &mut exact);
@@ -285,17 +337,35 @@ mod tests {
             let rb = dt.row_bytes(cols).unwrap();
             for t in 0..5 {
                 for r in 0..rows {
-                    let (q, d, s) = (&a.q[t * cols..(t + 1) * cols], &a.d[t * 4..t * 4 + 4], &a.s[t * 4..t * 4 + 4]);
+                    let (q, d, s) = (
+                        &a.q[t * cols..(t + 1) * cols],
+                        &a.d[t * 4..t * 4 + 4],
+                        &a.s[t * 4..t * 4 + 4],
+                    );
                     let g = dot_generic(dt, &w[r * rb..(r + 1) * rb], q, d, s);
                     let f = fast[t * rows + r];
-                    assert!((g - f).abs() <= 1e-5 * (1.0 + g.abs()), "{dt}: generic {g} vs simd {f}");
-                    assert_eq!(dot_row_qact(dt, &w[r * rb..(r + 1) * rb], q, d, s).to_bits(), f.to_bits());
+                    assert!(
+                        (g - f).abs() <= 1e-5 * (1.0 + g.abs()),
+                        "{dt}: generic {g} vs simd {f}"
+                    );
+                    assert_eq!(
+                        dot_row_qact(dt, &w[r * rb..(r + 1) * rb], q, d, s).to_bits(),
+                        f.to_bits()
+                    );
                     // 16-bit activations: each element is off by at most half its block's scale.
                     let mut deq = vec![0f32; cols];
-                    metrale_core::dtype::dequantize_row(dt, &w[r * rb..(r + 1) * rb], &mut deq).unwrap();
-                    let bound: f32 = deq.iter().enumerate().map(|(j, wj)| wj.abs() * d[j / 32] * 0.5).sum();
+                    metrale_core::dtype::dequantize_row(dt, &w[r * rb..(r + 1) * rb], &mut deq)
+                        .unwrap();
+                    let bound: f32 = deq
+                        .iter()
+                        .enumerate()
+                        .map(|(j, wj)| wj.abs() * d[j / 32] * 0.5)
+                        .sum();
                     let e = exact[t * rows + r];
-                    assert!((e - f).abs() <= bound + 1e-5 * (1.0 + e.abs()), "{dt}: qact {f} vs f32 {e}, bound {bound}");
+                    assert!(
+                        (e - f).abs() <= bound + 1e-5 * (1.0 + e.abs()),
+                        "{dt}: qact {f} vs f32 {e}, bound {bound}"
+                    );
                 }
             }
         }

@@ -7,11 +7,15 @@ use metrale_core::dtype::DType;
 
 /// Deterministic pseudo-random values in [-1, 1).
 pub fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64).map(|i| (crate::sampler::uniform(seed, i) * 2.0 - 1.0) as f32).collect()
+    (0..n as u64)
+        .map(|i| (crate::sampler::uniform(seed, i) * 2.0 - 1.0) as f32)
+        .collect()
 }
 
 pub fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
-    (0..n as u64).map(|i| (crate::sampler::uniform(seed, i) * 256.0) as u8).collect()
+    (0..n as u64)
+        .map(|i| (crate::sampler::uniform(seed, i) * 256.0) as u8)
+        .collect()
 }
 
 /// Random valid weight bytes of `dtype` (finite f16 scales).
@@ -22,7 +26,9 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
     match dtype {
         DType::F32 => {
             for (i, c) in b.chunks_exact_mut(4).enumerate() {
-                c.copy_from_slice(&((crate::sampler::uniform(seed, i as u64) as f32) - 0.5).to_le_bytes());
+                c.copy_from_slice(
+                    &((crate::sampler::uniform(seed, i as u64) as f32) - 0.5).to_le_bytes(),
+                );
             }
         }
         DType::F16 => {
@@ -51,31 +57,66 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
     b
 }
 
-
 /// A 2-layer llama (hidden 64, 4 heads of 16, 2 KV heads, FFN 96, vocab 50) with Q4_1 matrices and a
 /// tied Q8_0 embedding, random weights from `seed`.
-pub fn tiny_backend(dtype: DType, seed: u64, slots: usize, slot_capacity: usize, threads: usize) -> CpuBackend {
-    let dims = Dims { n_layers: 2, hidden: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, ffn: 96, vocab: 50, norm_eps: 1e-5 };
+pub fn tiny_backend(
+    dtype: DType,
+    seed: u64,
+    slots: usize,
+    slot_capacity: usize,
+    threads: usize,
+) -> CpuBackend {
+    let dims = Dims {
+        n_layers: 2,
+        hidden: 64,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        ffn: 96,
+        vocab: 50,
+        norm_eps: 1e-5,
+    };
     let mut s = seed.wrapping_mul(1000);
     let mut m = |rows: usize, cols: usize, dt: DType| {
         s += 1;
-        QTensor { dtype: dt, rows, cols, data: rand_weights(dt, rows, cols, s) }
+        QTensor {
+            dtype: dt,
+            rows,
+            cols,
+            data: rand_weights(dt, rows, cols, s),
+        }
     };
     let embd = m(dims.vocab, dims.hidden, DType::Q8_0);
     let layers = (0..dims.n_layers as u64)
         .map(|i| Layer {
-            attn_norm: rand_vec(64, seed + 900 + i).iter().map(|v| 1.0 + 0.2 * v).collect(),
+            attn_norm: rand_vec(64, seed + 900 + i)
+                .iter()
+                .map(|v| 1.0 + 0.2 * v)
+                .collect(),
             wq: m(64, 64, dtype),
             wk: m(32, 64, dtype),
             wv: m(32, 64, dtype),
             wo: m(64, 64, dtype),
-            ffn_norm: rand_vec(64, seed + 950 + i).iter().map(|v| 1.0 + 0.2 * v).collect(),
+            ffn_norm: rand_vec(64, seed + 950 + i)
+                .iter()
+                .map(|v| 1.0 + 0.2 * v)
+                .collect(),
             w_gate: m(96, 64, dtype),
             w_up: m(96, 64, dtype),
             w_down: m(64, 96, dtype),
         })
         .collect();
     let inv = super::ops::rope_inv_freq(16, 10000.0, None, None);
-    CpuBackend::from_parts(dims, embd, None, vec![1.0; 64], layers, inv, slots, slot_capacity, threads)
-        .expect("tiny model sizes are valid")
+    CpuBackend::from_parts(
+        dims,
+        embd,
+        None,
+        vec![1.0; 64],
+        layers,
+        inv,
+        slots,
+        slot_capacity,
+        threads,
+    )
+    .expect("tiny model sizes are valid")
 }

@@ -10,18 +10,37 @@ fn tiny(dtype: DType) -> CpuBackend {
 
 fn run(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]) -> Vec<f32> {
     let p = SamplingParams::default();
-    let s = SeqStep { slot, start_pos: start, tokens: toks, history: hist, sampling: &p, draw: 0, want_logits: true };
+    let s = SeqStep {
+        slot,
+        start_pos: start,
+        tokens: toks,
+        history: hist,
+        sampling: &p,
+        draw: 0,
+        want_logits: true,
+    };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
 
 fn close(a: &[f32], b: &[f32], tol: f32) {
-    let m = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let m = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     assert!(m <= tol, "max diff {m} > {tol}");
 }
 
 #[test]
 fn prefill_chunks_decode_and_batching_agree() {
-    for dt in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::F16, DType::BF16, DType::F32] {
+    for dt in [
+        DType::Q4_1,
+        DType::Q4_0,
+        DType::Q8_0,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+    ] {
         let mut b = tiny(dt);
         let prompt: Vec<u32> = vec![1, 7, 3, 49, 20, 11, 5, 8, 30];
         let whole = run(&mut b, 0, 0, &prompt, &prompt);
@@ -44,8 +63,24 @@ fn prefill_chunks_decode_and_batching_agree() {
         let other: Vec<u32> = vec![2, 2, 9];
         let out = b
             .step(&[
-                SeqStep { slot: 0, start_pos: prompt.len(), tokens: &next, history: &h0, sampling: &p, draw: 0, want_logits: true },
-                SeqStep { slot: 1, start_pos: 0, tokens: &other, history: &other, sampling: &p, draw: 0, want_logits: true },
+                SeqStep {
+                    slot: 0,
+                    start_pos: prompt.len(),
+                    tokens: &next,
+                    history: &h0,
+                    sampling: &p,
+                    draw: 0,
+                    want_logits: true,
+                },
+                SeqStep {
+                    slot: 1,
+                    start_pos: 0,
+                    tokens: &other,
+                    history: &other,
+                    sampling: &p,
+                    draw: 0,
+                    want_logits: true,
+                },
             ])
             .unwrap();
         let alone0 = run(&mut b, 2, prompt.len(), &next, &h0);
@@ -60,7 +95,15 @@ fn prefill_chunks_decode_and_batching_agree() {
 fn invalid_steps_are_refused() {
     let mut b = tiny(DType::Q4_1);
     let p = SamplingParams::default();
-    let bad = |slot, start, toks: &'static [u32]| SeqStep { slot, start_pos: start, tokens: toks, history: toks, sampling: &p, draw: 0, want_logits: false };
+    let bad = |slot, start, toks: &'static [u32]| SeqStep {
+        slot,
+        start_pos: start,
+        tokens: toks,
+        history: toks,
+        sampling: &p,
+        draw: 0,
+        want_logits: false,
+    };
     assert!(b.step(&[bad(3, 0, &[1])]).is_err());
     assert!(b.step(&[bad(0, 31, &[1, 2])]).is_err());
     assert!(b.step(&[bad(0, 0, &[50])]).is_err());
@@ -72,8 +115,22 @@ fn invalid_steps_are_refused() {
 #[test]
 fn a_kv_cache_larger_than_memory_is_refused() {
     let b = CpuBackend::from_parts(
-        Dims { n_layers: 1, hidden: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, ffn: 96, vocab: 50, norm_eps: 1e-5 },
-        QTensor { dtype: DType::F32, rows: 50, cols: 64, data: vec![0; 50 * 64 * 4] },
+        Dims {
+            n_layers: 1,
+            hidden: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            ffn: 96,
+            vocab: 50,
+            norm_eps: 1e-5,
+        },
+        QTensor {
+            dtype: DType::F32,
+            rows: 50,
+            cols: 64,
+            data: vec![0; 50 * 64 * 4],
+        },
         None,
         vec![1.0; 64],
         Vec::new(),

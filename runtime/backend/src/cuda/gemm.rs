@@ -39,7 +39,9 @@ pub fn grid(n: usize, ntok: usize) -> (u32, u32, u32) {
 
 /// Whether the GEMM path is enabled (`METRALE_CUDA_GEMM` unset or not "0").
 pub fn enabled() -> bool {
-    std::env::var("METRALE_CUDA_GEMM").map(|v| v != "0").unwrap_or(true)
+    std::env::var("METRALE_CUDA_GEMM")
+        .map(|v| v != "0")
+        .unwrap_or(true)
 }
 
 macro_rules! kargs {
@@ -84,55 +86,154 @@ impl Prefill {
 
     fn check(&self, ntok: usize) -> Result<(), BackendError> {
         if ntok == 0 || ntok > self.max_tokens {
-            return Err(BackendError::Invalid(format!("prefill chunk of {ntok} tokens: must be 1..={}", self.max_tokens)));
+            return Err(BackendError::Invalid(format!(
+                "prefill chunk of {ntok} tokens: must be 1..={}",
+                self.max_tokens
+            )));
         }
         Ok(())
     }
 
     /// Split `x` (`[ntok][K]` f32) into the hi/lo/sx scratch: `norm` = Some(weights) applies RMSNorm
     /// first (K = hidden); otherwise `f` is `split_qd` or `split_ffn`.
-    fn split(&self, g: &Gpu, f: &CudaFunction, what: &str, x: u64, norm: Option<u64>, ntok: usize) -> Result<(), BackendError> {
+    fn split(
+        &self,
+        g: &Gpu,
+        f: &CudaFunction,
+        what: &str,
+        x: u64,
+        norm: Option<u64>,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         let (hi, lo, sx, n) = (self.hi.ptr, self.lo.ptr, self.sx.ptr, ntok as i32);
         let grid = (ntok.div_ceil(8) as u32, 1, 1);
         match norm {
-            Some(w) => g.launch(f, what, grid, SPLIT_THREADS, &mut kargs!(x, w, hi, lo, sx, n)),
+            Some(w) => g.launch(
+                f,
+                what,
+                grid,
+                SPLIT_THREADS,
+                &mut kargs!(x, w, hi, lo, sx, n),
+            ),
             None => g.launch(f, what, grid, SPLIT_THREADS, &mut kargs!(x, hi, lo, sx, n)),
         }
     }
 
     /// RMSNorm(x) -> QKV projection -> RoPE -> q, and K/V into the cache (what `attn_in` does).
     #[allow(clippy::too_many_arguments)]
-    pub fn norm_qkv(&self, g: &Gpu, x: u64, norm: u64, w: &DevMat, rope: u64, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, ntok: usize) -> Result<(), BackendError> {
+    pub fn norm_qkv(
+        &self,
+        g: &Gpu,
+        x: u64,
+        norm: u64,
+        w: &DevMat,
+        rope: u64,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        pos: u64,
+        slot: u64,
+        layer: usize,
+        ctx: usize,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.norm_split, "norm_split", x, Some(norm), ntok)?;
         let d = g.dims;
         let (hi, lo, sx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         let (qs, sc, l, c, n) = (w.qs.ptr, w.sc_ptr(), layer as i32, ctx as i32, ntok as i32);
-        g.launch(&self.qkv, "gemm_qkv", grid(d.qd() + 2 * d.kd(), ntok), THREADS, &mut kargs!(hi, lo, sx, qs, sc, rope, q, kc, vc, pos, slot, l, c, n))
+        g.launch(
+            &self.qkv,
+            "gemm_qkv",
+            grid(d.qd() + 2 * d.kd(), ntok),
+            THREADS,
+            &mut kargs!(hi, lo, sx, qs, sc, rope, q, kc, vc, pos, slot, l, c, n),
+        )
     }
 
     /// x += att * Wo^T (what `attn_out` does).
-    pub fn out_proj(&self, g: &Gpu, att: u64, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn out_proj(
+        &self,
+        g: &Gpu,
+        att: u64,
+        w: &DevMat,
+        x: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.split_qd, "split_qd", att, None, ntok)?;
-        let (hi, lo, sx, qs, sc, n) = (self.hi.ptr, self.lo.ptr, self.sx.ptr, w.qs.ptr, w.sc_ptr(), ntok as i32);
-        g.launch(&self.o, "gemm_o", grid(g.dims.hidden, ntok), THREADS, &mut kargs!(hi, lo, sx, qs, sc, x, n))
+        let (hi, lo, sx, qs, sc, n) = (
+            self.hi.ptr,
+            self.lo.ptr,
+            self.sx.ptr,
+            w.qs.ptr,
+            w.sc_ptr(),
+            ntok as i32,
+        );
+        g.launch(
+            &self.o,
+            "gemm_o",
+            grid(g.dims.hidden, ntok),
+            THREADS,
+            &mut kargs!(hi, lo, sx, qs, sc, x, n),
+        )
     }
 
     /// h = SiLU(gate) * up of RMSNorm(x) (what `ffn_in` does).
-    pub fn norm_gate_up(&self, g: &Gpu, x: u64, norm: u64, w: &DevMat, h: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn norm_gate_up(
+        &self,
+        g: &Gpu,
+        x: u64,
+        norm: u64,
+        w: &DevMat,
+        h: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.norm_split, "norm_split", x, Some(norm), ntok)?;
-        let (hi, lo, sx, qs, sc, n) = (self.hi.ptr, self.lo.ptr, self.sx.ptr, w.qs.ptr, w.sc_ptr(), ntok as i32);
-        g.launch(&self.gu, "gemm_gu", grid(2 * g.dims.ffn, ntok), THREADS, &mut kargs!(hi, lo, sx, qs, sc, h, n))
+        let (hi, lo, sx, qs, sc, n) = (
+            self.hi.ptr,
+            self.lo.ptr,
+            self.sx.ptr,
+            w.qs.ptr,
+            w.sc_ptr(),
+            ntok as i32,
+        );
+        g.launch(
+            &self.gu,
+            "gemm_gu",
+            grid(2 * g.dims.ffn, ntok),
+            THREADS,
+            &mut kargs!(hi, lo, sx, qs, sc, h, n),
+        )
     }
 
     /// x += h * Wdown^T (what `ffn_out` does).
-    pub fn down(&self, g: &Gpu, h: u64, w: &DevMat, x: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn down(
+        &self,
+        g: &Gpu,
+        h: u64,
+        w: &DevMat,
+        x: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.split_ffn, "split_ffn", h, None, ntok)?;
-        let (hi, lo, sx, qs, sc, n) = (self.hi.ptr, self.lo.ptr, self.sx.ptr, w.qs.ptr, w.sc_ptr(), ntok as i32);
-        g.launch(&self.down, "gemm_down", grid(g.dims.hidden, ntok), THREADS, &mut kargs!(hi, lo, sx, qs, sc, x, n))
+        let (hi, lo, sx, qs, sc, n) = (
+            self.hi.ptr,
+            self.lo.ptr,
+            self.sx.ptr,
+            w.qs.ptr,
+            w.sc_ptr(),
+            ntok as i32,
+        );
+        g.launch(
+            &self.down,
+            "gemm_down",
+            grid(g.dims.hidden, ntok),
+            THREADS,
+            &mut kargs!(hi, lo, sx, qs, sc, x, n),
+        )
     }
 }
 

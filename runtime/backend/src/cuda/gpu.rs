@@ -16,14 +16,26 @@ use std::sync::Arc;
 
 use std::ffi::c_void;
 
-use cudarc::driver::{result as dres, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{
+    result as dres, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+};
 use metrale_core::BackendError;
 
 use super::plan;
 
 /// The kernel templates a CUDA target compiles (kernels/cuda/README.md); `gemm` holds the
 /// tensor-core prefill kernels (launched by `super::gemm`).
-pub const TEMPLATES: [&str; 9] = ["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head", "sample", "gemm"];
+pub const TEMPLATES: [&str; 9] = [
+    "embed",
+    "attn_in",
+    "attention",
+    "attn_out",
+    "ffn_in",
+    "ffn_out",
+    "lm_head",
+    "sample",
+    "gemm",
+];
 
 /// Every (template, entry point) pair the backend launches.
 pub const KERNELS: [(&str, &str); 10] = [
@@ -69,7 +81,9 @@ pub struct KernelSet {
     pub blobs: BTreeMap<String, KernelBlob>,
 }
 
-fn dev_err(what: impl std::fmt::Display) -> impl FnOnce(cudarc::driver::DriverError) -> BackendError {
+fn dev_err(
+    what: impl std::fmt::Display,
+) -> impl FnOnce(cudarc::driver::DriverError) -> BackendError {
     let what = what.to_string();
     move |e| BackendError::Device(format!("{what}: {e}"))
 }
@@ -87,31 +101,69 @@ impl KernelSet {
                 ))
             })?;
             let ptx = std::fs::read(dir.join(format!("{name}.ptx"))).ok();
-            blobs.insert(name.to_string(), KernelBlob { name: name.to_string(), cubin, ptx });
+            blobs.insert(
+                name.to_string(),
+                KernelBlob {
+                    name: name.to_string(),
+                    cubin,
+                    ptx,
+                },
+            );
         }
-        Ok(KernelSet { target: target.into(), arch: arch.into(), blobs })
+        Ok(KernelSet {
+            target: target.into(),
+            arch: arch.into(),
+            blobs,
+        })
     }
 }
 
 impl KernelSet {
     /// The kernels embedded in this binary (`metrale_kernels::registry()`), after checking every
     /// blob's sha256 against the embedded attestation. Also returns the target they were built for.
-    pub fn from_registry(reg: &metrale_kernels::Registry) -> Result<(KernelSet, metrale_core::target::TargetSpec), BackendError> {
-        reg.verify().map_err(|e| BackendError::Device(format!("embedded kernels refused: {e}")))?;
+    pub fn from_registry(
+        reg: &metrale_kernels::Registry,
+    ) -> Result<(KernelSet, metrale_core::target::TargetSpec), BackendError> {
+        reg.verify()
+            .map_err(|e| BackendError::Device(format!("embedded kernels refused: {e}")))?;
         let spec = reg.target.clone().ok_or_else(|| {
             BackendError::Device("this binary embeds no kernels (a generic build): build it with `cargo xtask build-target --hw <gpu> ...`".into())
         })?;
         let target = format!("{}/{}/{}", spec.id.hw, spec.id.model, spec.id.quant);
         let arch = spec.hardware.cubin_arch.clone().ok_or_else(|| {
-            BackendError::Device(format!("target {target} is not a CUDA target (no cubin arch)"))
+            BackendError::Device(format!(
+                "target {target} is not a CUDA target (no cubin arch)"
+            ))
         })?;
         let mut blobs = BTreeMap::new();
         for name in TEMPLATES {
-            let k = reg.kernel(name).ok_or_else(|| BackendError::Device(format!("target {target}: the binary embeds no kernel {name}")))?;
-            let ptx = if k.ptx.is_empty() { None } else { Some(k.ptx.as_bytes().to_vec()) };
-            blobs.insert(name.to_string(), KernelBlob { name: name.to_string(), cubin: k.cubin.to_vec(), ptx });
+            let k = reg.kernel(name).ok_or_else(|| {
+                BackendError::Device(format!(
+                    "target {target}: the binary embeds no kernel {name}"
+                ))
+            })?;
+            let ptx = if k.ptx.is_empty() {
+                None
+            } else {
+                Some(k.ptx.as_bytes().to_vec())
+            };
+            blobs.insert(
+                name.to_string(),
+                KernelBlob {
+                    name: name.to_string(),
+                    cubin: k.cubin.to_vec(),
+                    ptx,
+                },
+            );
         }
-        Ok((KernelSet { target, arch, blobs }, spec))
+        Ok((
+            KernelSet {
+                target,
+                arch,
+                blobs,
+            },
+            spec,
+        ))
     }
 }
 
@@ -194,7 +246,8 @@ pub fn device_count() -> usize {
     if !unsafe { sys::is_culib_present() } {
         return 0;
     }
-    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n as usize).unwrap_or(0)).unwrap_or(0)
+    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n as usize).unwrap_or(0))
+        .unwrap_or(0)
 }
 
 impl Gpu {
@@ -206,12 +259,16 @@ impl Gpu {
                 set.arch, set.target
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(dev_err(format!("open CUDA device {ordinal}")))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(dev_err(format!("open CUDA device {ordinal}")))?;
         // One stream and program order: no per-buffer events (they would also break graph capture).
         unsafe { ctx.disable_event_tracking() };
-        let cc = ctx.compute_capability().map_err(dev_err("compute capability"))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(dev_err("compute capability"))?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        plan::check_arch(&set.arch, &set.target, ordinal, cc, &device_name).map_err(BackendError::Device)?;
+        plan::check_arch(&set.arch, &set.target, ordinal, cc, &device_name)
+            .map_err(BackendError::Device)?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err("SM count"))? as usize;
@@ -221,9 +278,13 @@ impl Gpu {
         let mut loaded_from = "cubin";
         for name in TEMPLATES {
             let blob = set.blobs.get(name).ok_or_else(|| {
-                BackendError::Device(format!("kernel set {}: kernel {name} is missing", set.target))
+                BackendError::Device(format!(
+                    "kernel set {}: kernel {name} is missing",
+                    set.target
+                ))
             })?;
-            let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(blob.cubin.clone())) {
+            let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(blob.cubin.clone()))
+            {
                 Ok(m) => m,
                 Err(e_cubin) => match &blob.ptx {
                     Some(ptx) => {
@@ -234,15 +295,19 @@ impl Gpu {
                             BackendError::Device(format!("kernel {name}: cubin refused ({e_cubin}) and PTX refused ({e})"))
                         })?
                     }
-                    None => return Err(BackendError::Device(format!("kernel {name}: cubin refused by the driver: {e_cubin}"))),
+                    None => {
+                        return Err(BackendError::Device(format!(
+                            "kernel {name}: cubin refused by the driver: {e_cubin}"
+                        )))
+                    }
                 },
             };
             modules.insert(name, module);
         }
         for (name, entry) in KERNELS {
-            let f = modules[name]
-                .load_function(entry)
-                .map_err(dev_err(format!("kernel {name}: entry point {entry} not found")))?;
+            let f = modules[name].load_function(entry).map_err(dev_err(format!(
+                "kernel {name}: entry point {entry} not found"
+            )))?;
             funcs.insert(entry, f);
         }
         let mut take = |n: &str| funcs.remove(n).expect("every kernel was loaded above");
@@ -259,14 +324,38 @@ impl Gpu {
             sample: take("sample_probs"),
             modules,
         };
-        let pdl = cc.0 >= 9 && std::env::var("METRALE_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
-        let lm1_per_sm = f.lm_head_1.occupancy_max_active_blocks_per_multiprocessor(plan::MV_THREADS, 0, None).map(|n| n as usize).unwrap_or(2).max(1);
+        let pdl = cc.0 >= 9
+            && std::env::var("METRALE_CUDA_PDL")
+                .map(|v| v != "0")
+                .unwrap_or(true);
+        let lm1_per_sm = f
+            .lm_head_1
+            .occupancy_max_active_blocks_per_multiprocessor(plan::MV_THREADS, 0, None)
+            .map(|n| n as usize)
+            .unwrap_or(2)
+            .max(1);
         let cluster_max = if cc.0 >= 9 {
-            std::env::var("METRALE_CUDA_CLUSTER").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(plan::ATT_CLUSTER_DEFAULT).min(plan::ATT_MAX_CLUSTER)
+            std::env::var("METRALE_CUDA_CLUSTER")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(plan::ATT_CLUSTER_DEFAULT)
+                .min(plan::ATT_MAX_CLUSTER)
         } else {
             0
         };
-        Ok(Gpu { ctx, stream, sm_count, dims, device_name, cc, f, loaded_from, pdl, lm1_per_sm, cluster_max })
+        Ok(Gpu {
+            ctx,
+            stream,
+            sm_count,
+            dims,
+            device_name,
+            cc,
+            f,
+            loaded_from,
+            pdl,
+            lm1_per_sm,
+            cluster_max,
+        })
     }
 
     /// Free and total device memory in bytes.
@@ -289,7 +378,11 @@ impl Gpu {
             let (p, _sync) = slice.device_ptr(&self.stream);
             p
         };
-        Ok(DevBuf { _slice: slice, ptr, bytes })
+        Ok(DevBuf {
+            _slice: slice,
+            ptr,
+            bytes,
+        })
     }
 
     /// Allocate and fill from `data`.
@@ -311,10 +404,18 @@ impl Gpu {
 
     /// Copy `data` to `buf` at byte offset `off` in stream order without waiting: the driver stages
     /// pageable memory before returning, so `data` may be reused at once.
-    pub fn write_async<T: Copy>(&self, buf: &DevBuf, off: usize, data: &[T]) -> Result<(), BackendError> {
+    pub fn write_async<T: Copy>(
+        &self,
+        buf: &DevBuf,
+        off: usize,
+        data: &[T],
+    ) -> Result<(), BackendError> {
         let bytes = std::mem::size_of_val(data);
         if off + bytes > buf.bytes {
-            return Err(BackendError::Device(format!("write of {bytes} bytes at {off} past a buffer of {}", buf.bytes)));
+            return Err(BackendError::Device(format!(
+                "write of {bytes} bytes at {off} past a buffer of {}",
+                buf.bytes
+            )));
         }
         if bytes == 0 {
             return Ok(());
@@ -324,10 +425,18 @@ impl Gpu {
     }
 
     /// Read `out.len()` elements from `buf` at byte offset `off` (waits for the stream first).
-    pub fn read<T: Copy>(&self, buf: &DevBuf, off: usize, out: &mut [T]) -> Result<(), BackendError> {
+    pub fn read<T: Copy>(
+        &self,
+        buf: &DevBuf,
+        off: usize,
+        out: &mut [T],
+    ) -> Result<(), BackendError> {
         let bytes = std::mem::size_of_val(out);
         if off + bytes > buf.bytes {
-            return Err(BackendError::Device(format!("read of {bytes} bytes at {off} past a buffer of {}", buf.bytes)));
+            return Err(BackendError::Device(format!(
+                "read of {bytes} bytes at {off} past a buffer of {}",
+                buf.bytes
+            )));
         }
         if bytes == 0 {
             return Ok(());
@@ -338,23 +447,46 @@ impl Gpu {
     }
 
     pub fn sync(&self) -> Result<(), BackendError> {
-        self.stream.synchronize().map_err(dev_err("stream synchronize (a kernel failed)"))
+        self.stream
+            .synchronize()
+            .map_err(dev_err("stream synchronize (a kernel failed)"))
     }
 
     /// Entry point `entry` of the loaded template `template` (kernels launched outside this file).
     pub fn function(&self, template: &str, entry: &str) -> Result<CudaFunction, BackendError> {
-        let m = self.f.modules.get(template).ok_or_else(|| BackendError::Device(format!("kernel {template} is not loaded")))?;
-        m.load_function(entry).map_err(dev_err(format!("kernel {template}: entry point {entry} not found")))
+        let m = self
+            .f
+            .modules
+            .get(template)
+            .ok_or_else(|| BackendError::Device(format!("kernel {template} is not loaded")))?;
+        m.load_function(entry).map_err(dev_err(format!(
+            "kernel {template}: entry point {entry} not found"
+        )))
     }
 
     /// Launch `f` on the stream (with the PDL attribute when enabled).
-    pub(crate) fn launch(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
+    pub(crate) fn launch(
+        &self,
+        f: &CudaFunction,
+        what: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<(), BackendError> {
         self.launch_cluster(f, what, grid, block, 1, args)
     }
 
     /// Launch `f` as [`Gpu::launch`] does, grouped into thread-block clusters of `cluster_y` blocks
     /// along y when `cluster_y > 1` (sm_90+ only; the caller checks [`Gpu::cluster_max`]).
-    fn launch_cluster(&self, f: &CudaFunction, what: &str, grid: (u32, u32, u32), block: u32, cluster_y: u32, args: &mut [*mut c_void]) -> Result<(), BackendError> {
+    fn launch_cluster(
+        &self,
+        f: &CudaFunction,
+        what: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        cluster_y: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<(), BackendError> {
         // SAFETY: zeroed attributes are valid plain data; we set each id and its matching union field.
         let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         let mut n = 0usize;
@@ -365,7 +497,11 @@ impl Gpu {
         }
         if cluster_y > 1 {
             attrs[n].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: cluster_y, z: 1 };
+            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                x: 1,
+                y: cluster_y,
+                z: 1,
+            };
             n += 1;
         }
         let cfg = sys::CUlaunchConfig {
@@ -377,15 +513,26 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: 0,
             hStream: self.stream.cu_stream(),
-            attrs: if n > 0 { attrs.as_mut_ptr() } else { std::ptr::null_mut() },
+            attrs: if n > 0 {
+                attrs.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
             numAttrs: n as u32,
         };
         self.ctx.bind_to_thread().map_err(dev_err("bind context"))?;
         // SAFETY: `args` points to live values whose types match the kernel's parameters (each
         // launcher below mirrors its template's signature).
-        unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .map_err(dev_err(format!("launch {what}")))
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(dev_err(format!("launch {what}")))
     }
 
     fn mv_grid(&self, row_pairs: usize, k: usize, ntok: usize) -> (u32, u32, u32) {
@@ -393,29 +540,87 @@ impl Gpu {
     }
 
     /// embed(table_qs, table_sc, tokens, x, ntok)
-    pub fn embed(&self, table: &DevMat, tokens: u64, x: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn embed(
+        &self,
+        table: &DevMat,
+        tokens: u64,
+        x: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         let (qs, sc, n) = (table.qs.ptr, table.sc_ptr(), ntok as i32);
-        self.launch(&self.f.embed, "embed", (ntok as u32, 1, 1), plan::EMBED_THREADS, &mut kargs!(qs, sc, tokens, x, n))
+        self.launch(
+            &self.f.embed,
+            "embed",
+            (ntok as u32, 1, 1),
+            plan::EMBED_THREADS,
+            &mut kargs!(qs, sc, tokens, x, n),
+        )
     }
 
     /// attn_in(x, norm, wqkv_qs, wqkv_sc, rope, q, kc, vc, pos, slot, layer, ctx, ntok)
     #[allow(clippy::too_many_arguments)]
-    pub fn attn_in(&self, x: u64, norm: u64, w: &DevMat, rope: u64, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, ntok: usize) -> Result<(), BackendError> {
+    pub fn attn_in(
+        &self,
+        x: u64,
+        norm: u64,
+        w: &DevMat,
+        rope: u64,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        pos: u64,
+        slot: u64,
+        layer: usize,
+        ctx: usize,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         let d = self.dims;
         let grid = self.mv_grid((d.qd() + 2 * d.kd()) / 2, d.hidden, ntok);
         let (qs, sc, l, c, n) = (w.qs.ptr, w.sc_ptr(), layer as i32, ctx as i32, ntok as i32);
-        self.launch(&self.f.attn_in, "attn_in", grid, plan::MV_THREADS, &mut kargs!(x, norm, qs, sc, rope, q, kc, vc, pos, slot, l, c, n))
+        self.launch(
+            &self.f.attn_in,
+            "attn_in",
+            grid,
+            plan::MV_THREADS,
+            &mut kargs!(x, norm, qs, sc, rope, q, kc, vc, pos, slot, l, c, n),
+        )
     }
 
     /// attention(q, kc, vc, pos, slot, layer, ctx, nsplit, part_ml, part_acc, counter, out):
     /// `counter` holds `ntok * kv_heads` zeroed u32 tickets; `out` receives `[ntok][qd]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&self, q: u64, kc: u64, vc: u64, pos: u64, slot: u64, layer: usize, ctx: usize, nsplit: usize, part_ml: u64, part_acc: u64, counter: u64, out: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn attention(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        pos: u64,
+        slot: u64,
+        layer: usize,
+        ctx: usize,
+        nsplit: usize,
+        part_ml: u64,
+        part_acc: u64,
+        counter: u64,
+        out: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         let grid = (self.dims.kv_heads as u32, nsplit as u32, ntok as u32);
         let (l, c, s) = (layer as i32, ctx as i32, nsplit as i32);
         // the splits of one (KV head, token) as one cluster: combined through distributed shared memory
-        let cluster = if nsplit > 1 && nsplit <= self.cluster_max { nsplit as u32 } else { 1 };
-        self.launch_cluster(&self.f.attention, "attention", grid, plan::ATT_THREADS, cluster, &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc, counter, out))
+        let cluster = if nsplit > 1 && nsplit <= self.cluster_max {
+            nsplit as u32
+        } else {
+            1
+        };
+        self.launch_cluster(
+            &self.f.attention,
+            "attention",
+            grid,
+            plan::ATT_THREADS,
+            cluster,
+            &mut kargs!(q, kc, vc, pos, slot, l, c, s, part_ml, part_acc, counter, out),
+        )
     }
 
     /// attn_out(att, wo_qs, wo_sc, x, ntok)
@@ -423,15 +628,34 @@ impl Gpu {
         let d = self.dims;
         let grid = self.mv_grid(d.hidden / 2, d.qd(), ntok);
         let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), ntok as i32);
-        self.launch(&self.f.attn_out, "attn_out", grid, plan::MV_THREADS, &mut kargs!(att, qs, sc, x, n))
+        self.launch(
+            &self.f.attn_out,
+            "attn_out",
+            grid,
+            plan::MV_THREADS,
+            &mut kargs!(att, qs, sc, x, n),
+        )
     }
 
     /// ffn_in(x, norm, wgu_qs, wgu_sc, h, ntok)
-    pub fn ffn_in(&self, x: u64, norm: u64, w: &DevMat, h: u64, ntok: usize) -> Result<(), BackendError> {
+    pub fn ffn_in(
+        &self,
+        x: u64,
+        norm: u64,
+        w: &DevMat,
+        h: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
         let d = self.dims;
         let grid = self.mv_grid(d.ffn, d.hidden, ntok);
         let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), ntok as i32);
-        self.launch(&self.f.ffn_in, "ffn_in", grid, plan::MV_THREADS, &mut kargs!(x, norm, qs, sc, h, n))
+        self.launch(
+            &self.f.ffn_in,
+            "ffn_in",
+            grid,
+            plan::MV_THREADS,
+            &mut kargs!(x, norm, qs, sc, h, n),
+        )
     }
 
     /// ffn_out(h, wdown_qs, wdown_sc, x, ntok)
@@ -439,7 +663,13 @@ impl Gpu {
         let d = self.dims;
         let grid = self.mv_grid(d.hidden / 2, d.ffn, ntok);
         let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), ntok as i32);
-        self.launch(&self.f.ffn_out, "ffn_out", grid, plan::MV_THREADS, &mut kargs!(h, qs, sc, x, n))
+        self.launch(
+            &self.f.ffn_out,
+            "ffn_out",
+            grid,
+            plan::MV_THREADS,
+            &mut kargs!(h, qs, sc, x, n),
+        )
     }
 
     /// lm_head(x, sel, norm, wout_qs, wout_sc, logits, nout, part, counter, out_tok, out_logprob):
@@ -447,15 +677,43 @@ impl Gpu {
     /// batch-1 decode path). `part` and `counter` are sized by [`Gpu::lm_head_scratch`]; the
     /// counters are zero between launches.
     #[allow(clippy::too_many_arguments)]
-    pub fn lm_head(&self, x: u64, sel: u64, norm: u64, w: &DevMat, logits: u64, nout: usize, part: u64, counter: u64, out_tok: u64, out_lp: u64) -> Result<(), BackendError> {
+    pub fn lm_head(
+        &self,
+        x: u64,
+        sel: u64,
+        norm: u64,
+        w: &DevMat,
+        logits: u64,
+        nout: usize,
+        part: u64,
+        counter: u64,
+        out_tok: u64,
+        out_lp: u64,
+    ) -> Result<(), BackendError> {
         let (qs, sc, n) = (w.qs.ptr, w.sc_ptr(), nout as i32);
         if nout == 1 {
-            let grid = (plan::lm_head1_blocks(self.dims.vocab, self.sm_count, self.lm1_per_sm), 1, 1);
-            return self.launch(&self.f.lm_head_1, "lm_head_1", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp));
+            let grid = (
+                plan::lm_head1_blocks(self.dims.vocab, self.sm_count, self.lm1_per_sm),
+                1,
+                1,
+            );
+            return self.launch(
+                &self.f.lm_head_1,
+                "lm_head_1",
+                grid,
+                plan::MV_THREADS,
+                &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp),
+            );
         }
         let d = self.dims;
         let grid = self.mv_grid(d.vocab / 2, d.hidden, nout);
-        self.launch(&self.f.lm_head, "lm_head", grid, plan::MV_THREADS, &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp))
+        self.launch(
+            &self.f.lm_head,
+            "lm_head",
+            grid,
+            plan::MV_THREADS,
+            &mut kargs!(x, sel, norm, qs, sc, logits, n, part, counter, out_tok, out_lp),
+        )
     }
 
     /// Bytes of the `part` buffer `lm_head` needs for up to `nout` outputs (12-byte partials), and of
@@ -463,20 +721,47 @@ impl Gpu {
     pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
         let d = self.dims;
         let (gx, gy, _) = self.mv_grid(d.vocab / 2, d.hidden, nout);
-        let gx = (gx as usize).max(plan::lm_head1_blocks(d.vocab, self.sm_count, self.lm1_per_sm) as usize);
+        let gx = (gx as usize)
+            .max(plan::lm_head1_blocks(d.vocab, self.sm_count, self.lm1_per_sm) as usize);
         (nout.max(1) * gx * 12, gy.max(1) as usize * 4)
     }
 
     /// argmax_logprob(logits, out_tok, out_logprob, nout)
-    pub fn argmax(&self, logits: u64, out_tok: u64, out_lp: u64, nout: usize) -> Result<(), BackendError> {
+    pub fn argmax(
+        &self,
+        logits: u64,
+        out_tok: u64,
+        out_lp: u64,
+        nout: usize,
+    ) -> Result<(), BackendError> {
         let n = nout as i32;
-        self.launch(&self.f.argmax, "argmax_logprob", (nout as u32, 1, 1), plan::SAMPLE_THREADS, &mut kargs!(logits, out_tok, out_lp, n))
+        self.launch(
+            &self.f.argmax,
+            "argmax_logprob",
+            (nout as u32, 1, 1),
+            plan::SAMPLE_THREADS,
+            &mut kargs!(logits, out_tok, out_lp, n),
+        )
     }
 
     /// sample_probs(logits, params, out_tok, out_logprob, status, nout)
-    pub fn sample_probs(&self, logits: u64, params: u64, out_tok: u64, out_lp: u64, status: u64, nout: usize) -> Result<(), BackendError> {
+    pub fn sample_probs(
+        &self,
+        logits: u64,
+        params: u64,
+        out_tok: u64,
+        out_lp: u64,
+        status: u64,
+        nout: usize,
+    ) -> Result<(), BackendError> {
         let n = nout as i32;
-        self.launch(&self.f.sample, "sample_probs", (nout as u32, 1, 1), plan::SAMPLE_THREADS, &mut kargs!(logits, params, out_tok, out_lp, status, n))
+        self.launch(
+            &self.f.sample,
+            "sample_probs",
+            (nout as u32, 1, 1),
+            plan::SAMPLE_THREADS,
+            &mut kargs!(logits, params, out_tok, out_lp, status, n),
+        )
     }
 
     /// Start capturing this stream's launches into a graph.
@@ -506,8 +791,17 @@ pub struct DevMat {
 impl DevMat {
     pub fn upload(gpu: &Gpu, m: &plan::HostMat) -> Result<DevMat, BackendError> {
         let qs = gpu.upload(&m.qs)?;
-        let sc = if m.sc.is_empty() { None } else { Some(gpu.upload(&m.sc)?) };
-        Ok(DevMat { qs, sc, rows: m.rows, k: m.k })
+        let sc = if m.sc.is_empty() {
+            None
+        } else {
+            Some(gpu.upload(&m.sc)?)
+        };
+        Ok(DevMat {
+            qs,
+            sc,
+            rows: m.rows,
+            k: m.k,
+        })
     }
     pub fn sc_ptr(&self) -> u64 {
         self.sc.as_ref().map(|b| b.ptr).unwrap_or(0)

@@ -63,7 +63,13 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { device: 0, slots: 8, slot_capacity: 4096, max_step_tokens: 512, graphs: true }
+        CudaOptions {
+            device: 0,
+            slots: 8,
+            slot_capacity: 4096,
+            max_step_tokens: 512,
+            graphs: true,
+        }
     }
 }
 
@@ -184,7 +190,13 @@ fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendEr
 }
 
 /// A weight matrix from `weights`, checked to be `rows` x `k`, repacked to `fmt`.
-fn host_mat(w: &Weights, name: &str, fmt: DevFormat, rows: usize, k: usize) -> Result<HostMat, BackendError> {
+fn host_mat(
+    w: &Weights,
+    name: &str,
+    fmt: DevFormat,
+    rows: usize,
+    k: usize,
+) -> Result<HostMat, BackendError> {
     let t = w.get(name).map_err(model_err)?;
     if t.row_len() != k || t.n_rows() != rows {
         return Err(BackendError::Model(format!(
@@ -199,7 +211,10 @@ fn host_mat(w: &Weights, name: &str, fmt: DevFormat, rows: usize, k: usize) -> R
 fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
     let t = w.get(name).map_err(model_err)?;
     if t.n_elems() != n {
-        return Err(BackendError::Model(format!("tensor {name}: expected {n} elements, got {}", t.n_elems())));
+        return Err(BackendError::Model(format!(
+            "tensor {name}: expected {n} elements, got {}",
+            t.n_elems()
+        )));
     }
     Ok(t.to_f32())
 }
@@ -216,26 +231,38 @@ impl CudaBackend {
         opts: CudaOptions,
     ) -> Result<CudaBackend, BackendError> {
         check_config(config, &dims, &set.target)?;
-        let wf = DevFormat::from_quant_name(weights_fmt)
-            .ok_or_else(|| BackendError::Model(format!("unknown weights format {weights_fmt:?}")))?;
-        let ef = DevFormat::from_quant_name(embedding_fmt)
-            .ok_or_else(|| BackendError::Model(format!("unknown embedding format {embedding_fmt:?}")))?;
+        let wf = DevFormat::from_quant_name(weights_fmt).ok_or_else(|| {
+            BackendError::Model(format!("unknown weights format {weights_fmt:?}"))
+        })?;
+        let ef = DevFormat::from_quant_name(embedding_fmt).ok_or_else(|| {
+            BackendError::Model(format!("unknown embedding format {embedding_fmt:?}"))
+        })?;
         if opts.slots == 0 || opts.slot_capacity == 0 || opts.max_step_tokens == 0 {
-            return Err(BackendError::Invalid("slots, slot capacity and max step tokens must be positive".into()));
+            return Err(BackendError::Invalid(
+                "slots, slot capacity and max step tokens must be positive".into(),
+            ));
         }
         let gpu = Gpu::open(opts.device, set, dims)?;
         let d = dims;
         let (hd, qd, kd) = (d.hidden, d.qd(), d.kd());
 
-        let emb = DevMat::upload(&gpu, &host_mat(weights, "token_embd.weight", ef, d.vocab, hd)?)?;
+        let emb = DevMat::upload(
+            &gpu,
+            &host_mat(weights, "token_embd.weight", ef, d.vocab, hd)?,
+        )?;
         let out = if weights.contains("output.weight") {
-            Some(DevMat::upload(&gpu, &host_mat(weights, "output.weight", ef, d.vocab, hd)?)?)
+            Some(DevMat::upload(
+                &gpu,
+                &host_mat(weights, "output.weight", ef, d.vocab, hd)?,
+            )?)
         } else {
             None
         };
         let out_norm = gpu.upload(&host_vec(weights, "output_norm.weight", hd)?)?;
         // RoPE scaling (llama3, linear, GGUF rope_freqs) lives in the host table, from the CPU backend's frequencies
-        let inv_freq = crate::cpu::model_inv_freq(config, d.head_dim, || host_vec(weights, "rope_freqs.weight", d.head_dim / 2))?;
+        let inv_freq = crate::cpu::model_inv_freq(config, d.head_dim, || {
+            host_vec(weights, "rope_freqs.weight", d.head_dim / 2)
+        })?;
         let rope = gpu.upload(&plan::rope_table(&inv_freq, opts.slot_capacity))?;
         let mut layers = Vec::with_capacity(d.layers);
         for l in 0..d.layers {
@@ -258,9 +285,15 @@ impl CudaBackend {
                 wdown: DevMat::upload(&gpu, &wdown)?,
             });
         }
-        let mut weight_bytes = (emb.bytes() + out.as_ref().map(|m| m.bytes()).unwrap_or(0) + out_norm.bytes) as u64;
+        let mut weight_bytes =
+            (emb.bytes() + out.as_ref().map(|m| m.bytes()).unwrap_or(0) + out_norm.bytes) as u64;
         for l in &layers {
-            weight_bytes += (l.attn_norm.bytes + l.wqkv.bytes() + l.wo.bytes() + l.ffn_norm.bytes + l.wgu.bytes() + l.wdown.bytes()) as u64;
+            weight_bytes += (l.attn_norm.bytes
+                + l.wqkv.bytes()
+                + l.wo.bytes()
+                + l.ffn_norm.bytes
+                + l.wgu.bytes()
+                + l.wdown.bytes()) as u64;
         }
 
         let t = opts.max_step_tokens;
@@ -299,15 +332,45 @@ impl CudaBackend {
             vc: gpu.alloc(kv_elems * f)?,
         };
         let kv_bytes = 2 * (kv_elems * f) as u64;
-        let prefill = if gemm::enabled() { Some(gemm::Prefill::new(&gpu, t)?) } else { None };
-        Ok(CudaBackend { gpu, opts, emb, out, out_norm, rope, layers, b, graphs: HashMap::new(), prefill, last_key: None, weight_bytes, kv_bytes, stats: Stats::default() })
+        let prefill = if gemm::enabled() {
+            Some(gemm::Prefill::new(&gpu, t)?)
+        } else {
+            None
+        };
+        Ok(CudaBackend {
+            gpu,
+            opts,
+            emb,
+            out,
+            out_norm,
+            rope,
+            layers,
+            b,
+            graphs: HashMap::new(),
+            prefill,
+            last_key: None,
+            weight_bytes,
+            kv_bytes,
+            stats: Stats::default(),
+        })
     }
 
     /// The backend of this binary: the embedded, attestation-checked kernels
     /// (`metrale_kernels::registry()`), the target's shape and quant, and `model`'s weights.
-    pub fn from_registry(model: &metrale_model::Model, opts: CudaOptions) -> Result<CudaBackend, BackendError> {
+    pub fn from_registry(
+        model: &metrale_model::Model,
+        opts: CudaOptions,
+    ) -> Result<CudaBackend, BackendError> {
         let (set, spec) = KernelSet::from_registry(metrale_kernels::registry())?;
-        CudaBackend::new(&set, Dims::from_shape(&spec.model), &spec.quant.weights, &spec.quant.embedding, &model.config, &model.weights, opts)
+        CudaBackend::new(
+            &set,
+            Dims::from_shape(&spec.model),
+            &spec.quant.weights,
+            &spec.quant.embedding,
+            &model.config,
+            &model.weights,
+            opts,
+        )
     }
 
     /// The device layer (tests and benchmarks).
@@ -317,7 +380,13 @@ impl CudaBackend {
 
     /// Enqueue the whole forward pass of one chunk (inputs already in the token/pos/slot/sel buffers).
     /// `gemm`: run the layer products as tensor-core GEMMs (`gemm::Prefill`) instead of matvecs.
-    fn enqueue(&self, ntok: usize, nout: usize, nsplit: usize, gemm: bool) -> Result<(), BackendError> {
+    fn enqueue(
+        &self,
+        ntok: usize,
+        nout: usize,
+        nsplit: usize,
+        gemm: bool,
+    ) -> Result<(), BackendError> {
         let g = &self.gpu;
         let b = &self.b;
         let cap = self.opts.slot_capacity;
@@ -325,10 +394,51 @@ impl CudaBackend {
         g.embed(&self.emb, b.tokens, b.x.ptr, ntok)?;
         for (l, w) in self.layers.iter().enumerate() {
             match pf {
-                Some(p) => p.norm_qkv(g, b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?,
-                None => g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, ntok)?,
+                Some(p) => p.norm_qkv(
+                    g,
+                    b.x.ptr,
+                    w.attn_norm.ptr,
+                    &w.wqkv,
+                    self.rope.ptr,
+                    b.q.ptr,
+                    b.kc.ptr,
+                    b.vc.ptr,
+                    b.pos,
+                    b.slot,
+                    l,
+                    cap,
+                    ntok,
+                )?,
+                None => g.attn_in(
+                    b.x.ptr,
+                    w.attn_norm.ptr,
+                    &w.wqkv,
+                    self.rope.ptr,
+                    b.q.ptr,
+                    b.kc.ptr,
+                    b.vc.ptr,
+                    b.pos,
+                    b.slot,
+                    l,
+                    cap,
+                    ntok,
+                )?,
             }
-            g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, l, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, b.att_counter.ptr, b.att.ptr, ntok)?;
+            g.attention(
+                b.q.ptr,
+                b.kc.ptr,
+                b.vc.ptr,
+                b.pos,
+                b.slot,
+                l,
+                cap,
+                nsplit,
+                b.part_ml.ptr,
+                b.part_acc.ptr,
+                b.att_counter.ptr,
+                b.att.ptr,
+                ntok,
+            )?;
             match pf {
                 Some(p) => {
                     p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok)?;
@@ -344,17 +454,36 @@ impl CudaBackend {
         }
         if nout > 0 {
             let head = self.out.as_ref().unwrap_or(&self.emb);
-            g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, head, b.logits.ptr, nout, b.lm_part.ptr, b.lm_counter.ptr, b.out_tok, b.out_lp)?;
+            g.lm_head(
+                b.x.ptr,
+                b.sel,
+                self.out_norm.ptr,
+                head,
+                b.logits.ptr,
+                nout,
+                b.lm_part.ptr,
+                b.lm_counter.ptr,
+                b.out_tok,
+                b.out_lp,
+            )?;
         }
         Ok(())
     }
 
     /// Run one chunk: write inputs, launch (graph for decode chunks), wait.
-    fn run_chunk(&mut self, tokens: &[i32], pos: &[i32], slot: &[i32], sel: &[i32], decode: bool) -> Result<(), BackendError> {
+    fn run_chunk(
+        &mut self,
+        tokens: &[i32],
+        pos: &[i32],
+        slot: &[i32],
+        sel: &[i32],
+        decode: bool,
+    ) -> Result<(), BackendError> {
         let ntok = tokens.len();
         let nout = sel.len();
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
-        let nsplit = plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
+        let nsplit =
+            plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
         // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
         let t = self.opts.max_step_tokens;
         let mut io = vec![0i32; 3 * t + self.opts.slots];
@@ -389,12 +518,26 @@ impl CudaBackend {
     /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
     /// launches of one kernel, replayed `rounds` times; microseconds per launch, graph-node overhead
     /// included. Benchmarks only: it rewrites the activations and the KV entries of that chunk.
-    pub fn profile_kernels(&mut self, reps: usize, rounds: usize) -> Result<Vec<(&'static str, f64)>, BackendError> {
-        let Some((ntok, nsplit)) = self.last_key else { return Ok(Vec::new()) };
+    pub fn profile_kernels(
+        &mut self,
+        reps: usize,
+        rounds: usize,
+    ) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        let Some((ntok, nsplit)) = self.last_key else {
+            return Ok(Vec::new());
+        };
         let nout = ntok.min(self.opts.slots);
         let cap = self.opts.slot_capacity;
         let mut out = Vec::new();
-        let mut names = vec!["embed", "attn_in", "attention", "attn_out", "ffn_in", "ffn_out", "lm_head"];
+        let mut names = vec![
+            "embed",
+            "attn_in",
+            "attention",
+            "attn_out",
+            "ffn_in",
+            "ffn_out",
+            "lm_head",
+        ];
         if self.prefill.is_some() {
             names.extend(["gemm_norm_qkv", "gemm_o", "gemm_norm_gu", "gemm_down"]);
         }
@@ -407,34 +550,98 @@ impl CudaBackend {
             for _ in 0..reps {
                 r = r.and_then(|_| match name {
                     "embed" => g.embed(&self.emb, b.tokens, b.x.ptr, ntok),
-                    "attn_in" => g.attn_in(b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, ntok),
-                    "attention" => g.attention(b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, nsplit, b.part_ml.ptr, b.part_acc.ptr, b.att_counter.ptr, b.att.ptr, ntok),
+                    "attn_in" => g.attn_in(
+                        b.x.ptr,
+                        w.attn_norm.ptr,
+                        &w.wqkv,
+                        self.rope.ptr,
+                        b.q.ptr,
+                        b.kc.ptr,
+                        b.vc.ptr,
+                        b.pos,
+                        b.slot,
+                        0,
+                        cap,
+                        ntok,
+                    ),
+                    "attention" => g.attention(
+                        b.q.ptr,
+                        b.kc.ptr,
+                        b.vc.ptr,
+                        b.pos,
+                        b.slot,
+                        0,
+                        cap,
+                        nsplit,
+                        b.part_ml.ptr,
+                        b.part_acc.ptr,
+                        b.att_counter.ptr,
+                        b.att.ptr,
+                        ntok,
+                    ),
                     "attn_out" => g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok),
                     "ffn_in" => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
                     "ffn_out" => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
                     "gemm_norm_qkv" | "gemm_o" | "gemm_norm_gu" | "gemm_down" => {
-                        let p = self.prefill.as_ref().expect("listed only with the prefill kernels");
+                        let p = self
+                            .prefill
+                            .as_ref()
+                            .expect("listed only with the prefill kernels");
                         match name {
-                            "gemm_norm_qkv" => p.norm_qkv(g, b.x.ptr, w.attn_norm.ptr, &w.wqkv, self.rope.ptr, b.q.ptr, b.kc.ptr, b.vc.ptr, b.pos, b.slot, 0, cap, ntok),
+                            "gemm_norm_qkv" => p.norm_qkv(
+                                g,
+                                b.x.ptr,
+                                w.attn_norm.ptr,
+                                &w.wqkv,
+                                self.rope.ptr,
+                                b.q.ptr,
+                                b.kc.ptr,
+                                b.vc.ptr,
+                                b.pos,
+                                b.slot,
+                                0,
+                                cap,
+                                ntok,
+                            ),
                             "gemm_o" => p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok),
-                            "gemm_norm_gu" => p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
+                            "gemm_norm_gu" => {
+                                p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)
+                            }
                             _ => p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok),
                         }
                     }
-                    _ => g.lm_head(b.x.ptr, b.sel, self.out_norm.ptr, self.out.as_ref().unwrap_or(&self.emb), b.logits.ptr, nout, b.lm_part.ptr, b.lm_counter.ptr, b.out_tok, b.out_lp),
+                    _ => g.lm_head(
+                        b.x.ptr,
+                        b.sel,
+                        self.out_norm.ptr,
+                        self.out.as_ref().unwrap_or(&self.emb),
+                        b.logits.ptr,
+                        nout,
+                        b.lm_part.ptr,
+                        b.lm_counter.ptr,
+                        b.out_tok,
+                        b.out_lp,
+                    ),
                 });
             }
             let graph = g.end_capture();
             r?;
             let graph = graph?;
-            graph.launch().map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+            graph
+                .launch()
+                .map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
             g.sync()?;
             let t = std::time::Instant::now();
             for _ in 0..rounds {
-                graph.launch().map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+                graph
+                    .launch()
+                    .map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
             }
             g.sync()?;
-            out.push((name, t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64));
+            out.push((
+                name,
+                t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64,
+            ));
         }
         Ok(out)
     }
@@ -443,12 +650,17 @@ impl CudaBackend {
     /// per replay in microseconds (host clock around `n` launches and one wait): the GPU-side cost of
     /// a decode step without the host's input and output copies. Replays rewrite the same KV entries.
     pub fn time_graph_replay(&mut self, n: usize) -> Result<Option<f64>, BackendError> {
-        let Some(key) = self.last_key else { return Ok(None) };
-        let Some(g) = self.graphs.get(&key) else { return Ok(None) };
+        let Some(key) = self.last_key else {
+            return Ok(None);
+        };
+        let Some(g) = self.graphs.get(&key) else {
+            return Ok(None);
+        };
         self.gpu.sync()?;
         let t = std::time::Instant::now();
         for _ in 0..n {
-            g.launch().map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
+            g.launch()
+                .map_err(|e| BackendError::Device(format!("graph launch: {e}")))?;
         }
         self.gpu.sync()?;
         Ok(Some(t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64))
@@ -458,23 +670,42 @@ impl CudaBackend {
         let mut seen = vec![false; self.opts.slots];
         for s in batch {
             if s.slot >= self.opts.slots {
-                return Err(BackendError::Invalid(format!("slot {} out of range (backend has {} slots)", s.slot, self.opts.slots)));
+                return Err(BackendError::Invalid(format!(
+                    "slot {} out of range (backend has {} slots)",
+                    s.slot, self.opts.slots
+                )));
             }
             if std::mem::replace(&mut seen[s.slot], true) {
-                return Err(BackendError::Invalid(format!("slot {} appears twice in one step", s.slot)));
+                return Err(BackendError::Invalid(format!(
+                    "slot {} appears twice in one step",
+                    s.slot
+                )));
             }
             if s.tokens.is_empty() {
-                return Err(BackendError::Invalid(format!("slot {}: a step needs at least one token", s.slot)));
+                return Err(BackendError::Invalid(format!(
+                    "slot {}: a step needs at least one token",
+                    s.slot
+                )));
             }
-            let end = s.start_pos.checked_add(s.tokens.len()).unwrap_or(usize::MAX);
+            let end = s
+                .start_pos
+                .checked_add(s.tokens.len())
+                .unwrap_or(usize::MAX);
             if end > self.opts.slot_capacity {
                 return Err(BackendError::Invalid(format!(
                     "slot {}: positions up to {end} exceed the slot capacity of {} tokens",
                     s.slot, self.opts.slot_capacity
                 )));
             }
-            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.gpu.dims.vocab) {
-                return Err(BackendError::Invalid(format!("token id {t} >= vocab {}", self.gpu.dims.vocab)));
+            if let Some(&t) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.gpu.dims.vocab)
+            {
+                return Err(BackendError::Invalid(format!(
+                    "token id {t} >= vocab {}",
+                    self.gpu.dims.vocab
+                )));
             }
         }
         Ok(())
@@ -484,7 +715,11 @@ impl CudaBackend {
 /// Whether a request needs nothing the device does not do: no penalties, no logprob list, no logits.
 fn device_only(s: &SeqStep<'_>) -> bool {
     let p = s.sampling;
-    p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.top_logprobs == 0 && !s.want_logits
+    p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && p.top_logprobs == 0
+        && !s.want_logits
 }
 
 /// Whether a request's token can be taken from the device's greedy pick (fused in lm_head).
@@ -510,7 +745,10 @@ impl Backend for CudaBackend {
         let g = &self.gpu;
         BackendInfo {
             name: "cuda".into(),
-            device: format!("{} (sm_{}{}, {} SMs)", g.device_name, g.cc.0, g.cc.1, g.sm_count),
+            device: format!(
+                "{} (sm_{}{}, {} SMs)",
+                g.device_name, g.cc.0, g.cc.1, g.sm_count
+            ),
             slots: self.opts.slots,
             slot_capacity: self.opts.slot_capacity,
             weight_bytes: self.weight_bytes,
@@ -529,7 +767,8 @@ impl Backend for CudaBackend {
         let mut slot = Vec::with_capacity(maxt);
         let mut sel = Vec::new();
         let mut sel_seq = Vec::new();
-        let mut pending: Vec<(usize, usize)> = batch.iter().enumerate().map(|(i, _)| (i, 0)).collect();
+        let mut pending: Vec<(usize, usize)> =
+            batch.iter().enumerate().map(|(i, _)| (i, 0)).collect();
         pending.reverse();
         while let Some((i, from)) = pending.pop() {
             let s = &batch[i];
@@ -556,7 +795,10 @@ impl Backend for CudaBackend {
                 sel_seq.clear();
             }
         }
-        Ok(outputs.into_iter().map(|o| o.expect("every sequence's last token was in a chunk")).collect())
+        Ok(outputs
+            .into_iter()
+            .map(|o| o.expect("every sequence's last token was in a chunk"))
+            .collect())
     }
 
     fn release(&mut self, _slot: SlotId) {
@@ -567,7 +809,12 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     /// Turn the device outputs of a chunk into `SeqOutput`s for the sequences it finished.
-    fn collect(&self, batch: &[SeqStep<'_>], sel_seq: &[usize], outputs: &mut [Option<SeqOutput>]) -> Result<(), BackendError> {
+    fn collect(
+        &self,
+        batch: &[SeqStep<'_>],
+        sel_seq: &[usize],
+        outputs: &mut [Option<SeqOutput>],
+    ) -> Result<(), BackendError> {
         let n = sel_seq.len();
         if n == 0 {
             return Ok(());
@@ -577,30 +824,59 @@ impl CudaBackend {
         let mut io = vec![0u32; 2 * nout];
         self.gpu.read(&self.b.io_out, 0, &mut io)?;
         let tok: Vec<i32> = io[..n].iter().map(|&v| v as i32).collect();
-        let lp: Vec<f32> = io[nout..nout + n].iter().map(|&v| f32::from_bits(v)).collect();
+        let lp: Vec<f32> = io[nout..nout + n]
+            .iter()
+            .map(|&v| f32::from_bits(v))
+            .collect();
         let vocab = self.gpu.dims.vocab;
         // temperature sampling on the device for the rows that need nothing else (one extra launch)
-        let sampled = sel_seq.iter().any(|&i| device_only(&batch[i]) && !batch[i].sampling.is_greedy());
+        let sampled = sel_seq
+            .iter()
+            .any(|&i| device_only(&batch[i]) && !batch[i].sampling.is_greedy());
         let mut samp = vec![0u32; 3 * nout];
         if sampled {
-            let params: Vec<SampleParams> = sel_seq.iter().map(|&i| sample_params(&batch[i])).collect();
+            let params: Vec<SampleParams> =
+                sel_seq.iter().map(|&i| sample_params(&batch[i])).collect();
             self.gpu.write_async(&self.b.samp_params, 0, &params)?;
             let so = self.b.samp_out.ptr;
-            self.gpu.sample_probs(self.b.logits.ptr, self.b.samp_params.ptr, so, so + (nout * 4) as u64, so + (2 * nout * 4) as u64, n)?;
+            self.gpu.sample_probs(
+                self.b.logits.ptr,
+                self.b.samp_params.ptr,
+                so,
+                so + (nout * 4) as u64,
+                so + (2 * nout * 4) as u64,
+                n,
+            )?;
             self.gpu.read(&self.b.samp_out, 0, &mut samp)?;
         }
         for (k, &i) in sel_seq.iter().enumerate() {
             let s = &batch[i];
-            let on_device = sampled && device_only(s) && !s.sampling.is_greedy() && samp[2 * nout + k] == 1;
+            let on_device =
+                sampled && device_only(s) && !s.sampling.is_greedy() && samp[2 * nout + k] == 1;
             let out = if device_greedy(s) {
-                SeqOutput { token: tok[k] as u32, logprob: lp[k], top_logprobs: Vec::new(), logits: None }
+                SeqOutput {
+                    token: tok[k] as u32,
+                    logprob: lp[k],
+                    top_logprobs: Vec::new(),
+                    logits: None,
+                }
             } else if on_device {
-                SeqOutput { token: samp[k], logprob: f32::from_bits(samp[nout + k]), top_logprobs: Vec::new(), logits: None }
+                SeqOutput {
+                    token: samp[k],
+                    logprob: f32::from_bits(samp[nout + k]),
+                    top_logprobs: Vec::new(),
+                    logits: None,
+                }
             } else {
                 let mut row = vec![0f32; vocab];
                 self.gpu.read(&self.b.logits, k * vocab * 4, &mut row)?;
                 let r = sampler::sample(&row, s.sampling, s.history, s.draw);
-                SeqOutput { token: r.token, logprob: r.logprob, top_logprobs: r.top_logprobs, logits: s.want_logits.then_some(row) }
+                SeqOutput {
+                    token: r.token,
+                    logprob: r.logprob,
+                    top_logprobs: r.top_logprobs,
+                    logits: s.want_logits.then_some(row),
+                }
             };
             outputs[i] = Some(out);
         }
@@ -618,7 +894,14 @@ mod tests {
         match KernelSet::from_registry(reg) {
             // a generic build embeds no kernels: refused with the command to run
             Err(e) => {
-                assert!(reg.target.is_none() || reg.target.as_ref().is_some_and(|t| t.hardware.cubin_arch.is_none()), "{e}");
+                assert!(
+                    reg.target.is_none()
+                        || reg
+                            .target
+                            .as_ref()
+                            .is_some_and(|t| t.hardware.cubin_arch.is_none()),
+                    "{e}"
+                );
                 assert!(e.to_string().contains("build"), "{e}");
             }
             Ok((set, spec)) => {
@@ -631,7 +914,15 @@ mod tests {
 
     #[test]
     fn config_mismatch_names_the_field() {
-        let d = Dims { layers: 30, hidden: 576, heads: 9, kv_heads: 3, head_dim: 64, ffn: 1536, vocab: 49152 };
+        let d = Dims {
+            layers: 30,
+            hidden: 576,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+        };
         let mut c = ModelConfig {
             name: "m".into(),
             arch: "llama".into(),
@@ -654,11 +945,21 @@ mod tests {
         };
         assert!(check_config(&c, &d, "h200/smollm2-135m/q4_1").is_ok());
         c.hidden = 2048;
-        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1").unwrap_err().to_string();
-        assert!(e.contains("hidden is 2048") && e.contains("compiled for 576"), "{e}");
+        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("hidden is 2048") && e.contains("compiled for 576"),
+            "{e}"
+        );
         // RoPE scaling is no longer refused (the table carries it)
         c.hidden = 576;
-        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 });
+        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        });
         assert!(check_config(&c, &d, "h200/llama-3.2-1b/q4_1").is_ok());
     }
 
@@ -667,15 +968,30 @@ mod tests {
     fn rope_table_with_llama3_scaling_matches_cpu_rotation() {
         let mut c = llama_1b_config();
         let hd = c.head_dim;
-        let plain = crate::cpu::model_inv_freq(&c, hd, || unreachable!("no rope_freqs without FreqFactors")).unwrap();
-        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 });
-        let inv = crate::cpu::model_inv_freq(&c, hd, || unreachable!("no rope_freqs without FreqFactors")).unwrap();
+        let plain = crate::cpu::model_inv_freq(&c, hd, || {
+            unreachable!("no rope_freqs without FreqFactors")
+        })
+        .unwrap();
+        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        });
+        let inv = crate::cpu::model_inv_freq(&c, hd, || {
+            unreachable!("no rope_freqs without FreqFactors")
+        })
+        .unwrap();
         // scaling changed the low frequencies and kept the highest one
         assert_eq!(inv[0], plain[0]);
-        assert!((inv[hd / 2 - 1] - plain[hd / 2 - 1] / 32.0).abs() <= 1e-6 * plain[hd / 2 - 1].abs());
+        assert!(
+            (inv[hd / 2 - 1] - plain[hd / 2 - 1] / 32.0).abs() <= 1e-6 * plain[hd / 2 - 1].abs()
+        );
         let n_pos = 5000;
         let table = plan::rope_table(&inv, n_pos);
-        let x: Vec<f32> = (0..hd).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+        let x: Vec<f32> = (0..hd)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3)
+            .collect();
         for pos in [0usize, 1, 7, 1000, 4999] {
             let mut want = x.clone();
             crate::cpu::ops::rope_inplace(&mut want, hd, pos, &inv);
@@ -684,7 +1000,10 @@ mod tests {
                 let (a, b) = (x[2 * i], x[2 * i + 1]);
                 let got = [a * co - b * si, a * si + b * co];
                 for (g, w) in got.iter().zip(&want[2 * i..2 * i + 2]) {
-                    assert!((g - w).abs() <= 1e-5, "pos {pos} pair {i}: table rotation {g} vs cpu {w}");
+                    assert!(
+                        (g - w).abs() <= 1e-5,
+                        "pos {pos} pair {i}: table rotation {g} vs cpu {w}"
+                    );
                 }
             }
         }

@@ -54,7 +54,9 @@ pub fn tok_tile(k: usize) -> usize {
 /// Grid of a matrix-vector kernel over `row_pairs` row pairs and `ntok` tokens of row length `k`:
 /// enough blocks for every warp to own one row pair, at most four blocks per SM (warps then loop).
 pub fn mv_grid(row_pairs: usize, k: usize, ntok: usize, sm_count: usize) -> (u32, u32, u32) {
-    let x = row_pairs.div_ceil(MV_WARPS as usize).clamp(1, 4 * sm_count.max(1));
+    let x = row_pairs
+        .div_ceil(MV_WARPS as usize)
+        .clamp(1, 4 * sm_count.max(1));
     let y = ntok.div_ceil(tok_tile(k)).max(1);
     (x as u32, y as u32, 1)
 }
@@ -64,12 +66,18 @@ pub fn mv_grid(row_pairs: usize, k: usize, ntok: usize, sm_count: usize) -> (u32
 /// when each warp would get under 8 rows. Any count is correct (the warps stride over row
 /// batches); this only sets the work per warp and the number of partials to merge.
 pub fn lm_head1_blocks(vocab: usize, sm_count: usize, per_sm: usize) -> u32 {
-    (per_sm.max(1) * sm_count.max(1)).min(vocab.div_ceil(8 * MV_WARPS as usize)).max(1) as u32
+    (per_sm.max(1) * sm_count.max(1))
+        .min(vocab.div_ceil(8 * MV_WARPS as usize))
+        .max(1) as u32
 }
 
 /// The compute capability a cubin arch such as "sm_90a" or "sm_80" runs on: (9, 0), (8, 0).
 pub fn arch_capability(arch: &str) -> Option<(i32, i32)> {
-    let digits: String = arch.strip_prefix("sm_")?.chars().take_while(|c| c.is_ascii_digit()).collect();
+    let digits: String = arch
+        .strip_prefix("sm_")?
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
     let n: i32 = digits.parse().ok()?;
     if n < 10 {
         return None;
@@ -93,8 +101,15 @@ pub fn rope_table(inv_freq: &[f32], n_pos: usize) -> Vec<[f32; 2]> {
 
 /// Refuse a device whose compute capability is not the one the cubins were built for, with the
 /// message users see: "built for sm_90a (h200); device 0 is sm_80 (NVIDIA A100 ...)".
-pub fn check_arch(arch: &str, target: &str, ordinal: usize, device_cc: (i32, i32), device_name: &str) -> Result<(), String> {
-    let want = arch_capability(arch).ok_or_else(|| format!("kernel set {target}: unknown cubin arch {arch:?}"))?;
+pub fn check_arch(
+    arch: &str,
+    target: &str,
+    ordinal: usize,
+    device_cc: (i32, i32),
+    device_name: &str,
+) -> Result<(), String> {
+    let want = arch_capability(arch)
+        .ok_or_else(|| format!("kernel set {target}: unknown cubin arch {arch:?}"))?;
     if device_cc != want {
         let hw = target.split('/').next().unwrap_or("?");
         return Err(format!(
@@ -154,9 +169,19 @@ impl DevFormat {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RepackError {
     #[error("tensor {tensor}: the {format:?} device layout needs {expected} data, got {got}; build the target whose quant matches the checkpoint")]
-    WrongDtype { tensor: String, format: DevFormat, expected: &'static str, got: DType },
+    WrongDtype {
+        tensor: String,
+        format: DevFormat,
+        expected: &'static str,
+        got: DType,
+    },
     #[error("tensor {tensor}: {what}: expected {expected}, got {got}")]
-    Shape { tensor: String, what: &'static str, expected: usize, got: usize },
+    Shape {
+        tensor: String,
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
 }
 
 impl HostMat {
@@ -180,11 +205,21 @@ impl HostMat {
         data: &[u8],
     ) -> Result<HostMat, RepackError> {
         if k % QK != 0 {
-            return Err(RepackError::Shape { tensor: tensor.into(), what: "row length (multiple of 32)", expected: k.next_multiple_of(QK), got: k });
+            return Err(RepackError::Shape {
+                tensor: tensor.into(),
+                what: "row length (multiple of 32)",
+                expected: k.next_multiple_of(QK),
+                got: k,
+            });
         }
         let want = dtype.tensor_bytes(k, rows).unwrap_or(usize::MAX);
         if data.len() != want {
-            return Err(RepackError::Shape { tensor: tensor.into(), what: "bytes", expected: want, got: data.len() });
+            return Err(RepackError::Shape {
+                tensor: tensor.into(),
+                what: "bytes",
+                expected: want,
+                got: data.len(),
+            });
         }
         let nb = k / QK;
         let mut qs = Vec::with_capacity(rows * format.qs_row(k));
@@ -192,7 +227,12 @@ impl HostMat {
         match format {
             DevFormat::Q4_1 => {
                 if dtype != DType::Q4_1 {
-                    return Err(RepackError::WrongDtype { tensor: tensor.into(), format, expected: "q4_1", got: dtype });
+                    return Err(RepackError::WrongDtype {
+                        tensor: tensor.into(),
+                        format,
+                        expected: "q4_1",
+                        got: dtype,
+                    });
                 }
                 for b in data.chunks_exact(20).take(rows * nb) {
                     sc.extend_from_slice(&b[0..4]); // f16 d, f16 m == half2 (d, m)
@@ -201,7 +241,12 @@ impl HostMat {
             }
             DevFormat::Q8_0 => {
                 if dtype != DType::Q8_0 {
-                    return Err(RepackError::WrongDtype { tensor: tensor.into(), format, expected: "q8_0", got: dtype });
+                    return Err(RepackError::WrongDtype {
+                        tensor: tensor.into(),
+                        format,
+                        expected: "q8_0",
+                        got: dtype,
+                    });
                 }
                 for b in data.chunks_exact(34).take(rows * nb) {
                     sc.extend_from_slice(&b[0..2]);
@@ -215,8 +260,14 @@ impl HostMat {
                     let rb = data.len() / rows.max(1);
                     let mut row = vec![0f32; k];
                     for r in 0..rows {
-                        dequantize_row(dtype, &data[r * rb..(r + 1) * rb], &mut row)
-                            .map_err(|_| RepackError::Shape { tensor: tensor.into(), what: "row bytes", expected: rb, got: rb })?;
+                        dequantize_row(dtype, &data[r * rb..(r + 1) * rb], &mut row).map_err(
+                            |_| RepackError::Shape {
+                                tensor: tensor.into(),
+                                what: "row bytes",
+                                expected: rb,
+                                got: rb,
+                            },
+                        )?;
                         for v in &row {
                             qs.extend_from_slice(&bf16::from_f32(*v).to_le_bytes());
                         }
@@ -224,16 +275,33 @@ impl HostMat {
                 }
             }
         }
-        Ok(HostMat { format, rows, k, qs, sc })
+        Ok(HostMat {
+            format,
+            rows,
+            k,
+            qs,
+            sc,
+        })
     }
 
     /// Stack matrices of the same format and row length row-wise (q, k, v -> qkv).
     pub fn concat_rows(name: &str, parts: &[HostMat]) -> Result<HostMat, RepackError> {
         let first = &parts[0];
-        let mut out = HostMat { format: first.format, rows: 0, k: first.k, qs: Vec::new(), sc: Vec::new() };
+        let mut out = HostMat {
+            format: first.format,
+            rows: 0,
+            k: first.k,
+            qs: Vec::new(),
+            sc: Vec::new(),
+        };
         for p in parts {
             if p.k != first.k {
-                return Err(RepackError::Shape { tensor: name.into(), what: "row length of a stacked part", expected: first.k, got: p.k });
+                return Err(RepackError::Shape {
+                    tensor: name.into(),
+                    what: "row length of a stacked part",
+                    expected: first.k,
+                    got: p.k,
+                });
             }
             out.rows += p.rows;
             out.qs.extend_from_slice(&p.qs);
@@ -245,10 +313,21 @@ impl HostMat {
     /// Interleave two matrices row by row: row 2i = a's row i, row 2i+1 = b's row i (gate/up).
     pub fn interleave_rows(name: &str, a: &HostMat, b: &HostMat) -> Result<HostMat, RepackError> {
         if a.k != b.k || a.rows != b.rows {
-            return Err(RepackError::Shape { tensor: name.into(), what: "rows of the interleaved pair", expected: a.rows, got: b.rows });
+            return Err(RepackError::Shape {
+                tensor: name.into(),
+                what: "rows of the interleaved pair",
+                expected: a.rows,
+                got: b.rows,
+            });
         }
         let (qr, sr) = (a.qs_row(), a.sc_row());
-        let mut out = HostMat { format: a.format, rows: 2 * a.rows, k: a.k, qs: Vec::with_capacity(2 * a.qs.len()), sc: Vec::with_capacity(2 * a.sc.len()) };
+        let mut out = HostMat {
+            format: a.format,
+            rows: 2 * a.rows,
+            k: a.k,
+            qs: Vec::with_capacity(2 * a.qs.len()),
+            sc: Vec::with_capacity(2 * a.sc.len()),
+        };
         for r in 0..a.rows {
             out.qs.extend_from_slice(&a.qs[r * qr..(r + 1) * qr]);
             out.qs.extend_from_slice(&b.qs[r * qr..(r + 1) * qr]);
@@ -305,9 +384,15 @@ mod tests {
                 for ntok in [1usize, 2, 8, 64, 512] {
                     for sm in [108usize, 132, 142] {
                         let s = attention_splits(seq, kv, ntok, sm);
-                        assert!(s.is_power_of_two() && (1..=MAX_SPLITS).contains(&s), "{seq} {kv} {ntok} {sm} -> {s}");
+                        assert!(
+                            s.is_power_of_two() && (1..=MAX_SPLITS).contains(&s),
+                            "{seq} {kv} {ntok} {sm} -> {s}"
+                        );
                         // no split shorter than MIN_SPLIT_LEN unless there is only one
-                        assert!(s == 1 || seq.div_ceil(s) >= MIN_SPLIT_LEN / 2, "{seq} {kv} {ntok} {sm} -> {s}");
+                        assert!(
+                            s == 1 || seq.div_ceil(s) >= MIN_SPLIT_LEN / 2,
+                            "{seq} {kv} {ntok} {sm} -> {s}"
+                        );
                     }
                 }
             }
@@ -343,9 +428,21 @@ mod tests {
     #[test]
     fn arch_mismatch_is_refused_with_both_archs() {
         assert!(check_arch("sm_90a", "h200/smollm2-135m/q4_1", 0, (9, 0), "NVIDIA H200").is_ok());
-        let e = check_arch("sm_90a", "h200/smollm2-135m/q4_1", 0, (8, 0), "NVIDIA A100-SXM4-80GB").unwrap_err();
-        assert!(e.starts_with("built for sm_90a (h200); device 0 is sm_80 (NVIDIA A100-SXM4-80GB)"), "{e}");
-        assert!(check_arch("sm_89", "l40s/x/y", 1, (9, 0), "H100").unwrap_err().contains("device 1 is sm_90"));
+        let e = check_arch(
+            "sm_90a",
+            "h200/smollm2-135m/q4_1",
+            0,
+            (8, 0),
+            "NVIDIA A100-SXM4-80GB",
+        )
+        .unwrap_err();
+        assert!(
+            e.starts_with("built for sm_90a (h200); device 0 is sm_80 (NVIDIA A100-SXM4-80GB)"),
+            "{e}"
+        );
+        assert!(check_arch("sm_89", "l40s/x/y", 1, (9, 0), "H100")
+            .unwrap_err()
+            .contains("device 1 is sm_90"));
     }
 
     #[test]
@@ -358,7 +455,9 @@ mod tests {
     }
 
     fn lcg(seed: &mut u64) -> u8 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (*seed >> 33) as u8
     }
 
@@ -391,7 +490,11 @@ mod tests {
 
     #[test]
     fn repack_is_exact_against_core_dequant() {
-        for (dtype, fmt) in [(DType::Q4_1, DevFormat::Q4_1), (DType::Q8_0, DevFormat::Q8_0), (DType::Q4_1, DevFormat::Bf16)] {
+        for (dtype, fmt) in [
+            (DType::Q4_1, DevFormat::Q4_1),
+            (DType::Q8_0, DevFormat::Q8_0),
+            (DType::Q4_1, DevFormat::Bf16),
+        ] {
             let (rows, k) = (5, 96);
             let data = random_blocks(dtype, rows, k, 7);
             let m = HostMat::repack("t", fmt, dtype, rows, k, &data).unwrap();
@@ -403,7 +506,11 @@ mod tests {
                 dequantize_row(dtype, &data[r * rb..(r + 1) * rb], &mut want).unwrap();
                 let got = m.dequant_row(r);
                 for (g, w) in got.iter().zip(&want) {
-                    let tol = if fmt == DevFormat::Bf16 { w.abs() / 128.0 } else { 0.0 };
+                    let tol = if fmt == DevFormat::Bf16 {
+                        w.abs() / 128.0
+                    } else {
+                        0.0
+                    };
                     assert!((g - w).abs() <= tol, "{fmt:?} row {r}: {g} vs {w}");
                 }
             }
@@ -413,15 +520,40 @@ mod tests {
     #[test]
     fn repack_refuses_wrong_dtype_and_sizes() {
         let data = random_blocks(DType::Q8_0, 2, 64, 1);
-        assert!(matches!(HostMat::repack("x", DevFormat::Q4_1, DType::Q8_0, 2, 64, &data), Err(RepackError::WrongDtype { .. })));
-        assert!(matches!(HostMat::repack("x", DevFormat::Q8_0, DType::Q8_0, 3, 64, &data), Err(RepackError::Shape { .. })));
-        assert!(matches!(HostMat::repack("x", DevFormat::Q8_0, DType::Q8_0, 2, 48, &data), Err(RepackError::Shape { .. })));
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Q4_1, DType::Q8_0, 2, 64, &data),
+            Err(RepackError::WrongDtype { .. })
+        ));
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Q8_0, DType::Q8_0, 3, 64, &data),
+            Err(RepackError::Shape { .. })
+        ));
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Q8_0, DType::Q8_0, 2, 48, &data),
+            Err(RepackError::Shape { .. })
+        ));
     }
 
     #[test]
     fn interleave_and_concat_keep_rows() {
-        let a = HostMat::repack("a", DevFormat::Q4_1, DType::Q4_1, 3, 64, &random_blocks(DType::Q4_1, 3, 64, 1)).unwrap();
-        let b = HostMat::repack("b", DevFormat::Q4_1, DType::Q4_1, 3, 64, &random_blocks(DType::Q4_1, 3, 64, 2)).unwrap();
+        let a = HostMat::repack(
+            "a",
+            DevFormat::Q4_1,
+            DType::Q4_1,
+            3,
+            64,
+            &random_blocks(DType::Q4_1, 3, 64, 1),
+        )
+        .unwrap();
+        let b = HostMat::repack(
+            "b",
+            DevFormat::Q4_1,
+            DType::Q4_1,
+            3,
+            64,
+            &random_blocks(DType::Q4_1, 3, 64, 2),
+        )
+        .unwrap();
         let i = HostMat::interleave_rows("gu", &a, &b).unwrap();
         assert_eq!(i.rows, 6);
         for r in 0..3 {

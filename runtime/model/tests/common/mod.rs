@@ -47,7 +47,10 @@ impl Gguf {
     }
 
     pub fn tensor(&mut self, name: &str) -> &mut T {
-        self.tensors.iter_mut().find(|t| t.name == name).expect("tensor in the synthetic model")
+        self.tensors
+            .iter_mut()
+            .find(|t| t.name == name)
+            .expect("tensor in the synthetic model")
     }
 
     pub fn bytes(&self) -> Vec<u8> {
@@ -138,13 +141,15 @@ pub const LAYERS: usize = 2;
 /// GPT-2's byte -> printable char map.
 pub fn byte_char(b: u8) -> char {
     let b = b as u32;
-    let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let printable =
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
     if printable {
         return char::from_u32(b).unwrap();
     }
     let mut n = 0;
     for x in 0..b {
-        let p = (0x21..=0x7e).contains(&x) || (0xa1..=0xac).contains(&x) || (0xae..=0xff).contains(&x);
+        let p =
+            (0x21..=0x7e).contains(&x) || (0xa1..=0xac).contains(&x) || (0xae..=0xff).contains(&x);
         if !p {
             n += 1;
         }
@@ -154,13 +159,20 @@ pub fn byte_char(b: u8) -> char {
 
 /// Vocabulary: 3 control tokens, 256 byte tokens, then merged tokens.
 pub fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
-    let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
+    let mut tokens: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
     let mut types = vec![3, 3, 3];
     for b in 0..=255u8 {
         tokens.push(byte_char(b).to_string());
         types.push(1);
     }
-    let merges: Vec<String> = ["h e", "l l", "he ll", "hell o", "1 2", "12 3", "Ġ h"].iter().map(|s| s.to_string()).collect();
+    let merges: Vec<String> = ["h e", "l l", "he ll", "hell o", "1 2", "12 3", "Ġ h"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     for m in &merges {
         tokens.push(m.replace(' ', ""));
         types.push(1);
@@ -189,7 +201,12 @@ fn f32_ones(n: usize) -> Vec<u8> {
 pub fn tiny_llama() -> Gguf {
     let (tokens, types, merges) = vocab();
     let vocab = tokens.len();
-    let mut g = Gguf { version: 3, kvs: vec![], tensors: vec![], alignment: 32 };
+    let mut g = Gguf {
+        version: 3,
+        kvs: vec![],
+        tensors: vec![],
+        alignment: 32,
+    };
     g.kv("general.architecture", V::Str("llama".into()))
         .kv("general.name", V::Str("tiny".into()))
         .kv("llama.block_count", V::U32(LAYERS as u32))
@@ -217,18 +234,33 @@ pub fn tiny_llama() -> Gguf {
     let mut q = |name: &str, inp: usize, out: usize, ty: u32| {
         seed += 1;
         let block = if ty == 3 { 20 } else { 34 };
-        T { name: name.into(), dims: vec![inp as u64, out as u64], ggml_type: ty, data: det_bytes(inp / 32 * block * out, seed), offset: None }
+        T {
+            name: name.into(),
+            dims: vec![inp as u64, out as u64],
+            ggml_type: ty,
+            data: det_bytes(inp / 32 * block * out, seed),
+            offset: None,
+        }
     };
-    let norm = |name: &str| T { name: name.into(), dims: vec![HIDDEN as u64], ggml_type: 0, data: f32_ones(HIDDEN), offset: None };
+    let norm = |name: &str| T {
+        name: name.into(),
+        dims: vec![HIDDEN as u64],
+        ggml_type: 0,
+        data: f32_ones(HIDDEN),
+        offset: None,
+    };
     g.tensors.push(q("token_embd.weight", HIDDEN, vocab, 8));
     g.tensors.push(norm("output_norm.weight"));
     for l in 0..LAYERS {
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         g.tensors.push(norm(&n("attn_norm")));
         g.tensors.push(q(&n("attn_q"), HIDDEN, HEADS * HEAD_DIM, 3));
-        g.tensors.push(q(&n("attn_k"), HIDDEN, KV_HEADS * HEAD_DIM, 3));
-        g.tensors.push(q(&n("attn_v"), HIDDEN, KV_HEADS * HEAD_DIM, 3));
-        g.tensors.push(q(&n("attn_output"), HEADS * HEAD_DIM, HIDDEN, 3));
+        g.tensors
+            .push(q(&n("attn_k"), HIDDEN, KV_HEADS * HEAD_DIM, 3));
+        g.tensors
+            .push(q(&n("attn_v"), HIDDEN, KV_HEADS * HEAD_DIM, 3));
+        g.tensors
+            .push(q(&n("attn_output"), HEADS * HEAD_DIM, HIDDEN, 3));
         g.tensors.push(norm(&n("ffn_norm")));
         g.tensors.push(q(&n("ffn_gate"), HIDDEN, FFN, 3));
         g.tensors.push(q(&n("ffn_up"), HIDDEN, FFN, 3));
