@@ -6,7 +6,10 @@
 //! (pp512 by default) into a fresh slot, median of 5 after one warm-up. Batched decode: `--batch`
 //! sequences stepped together. Writes one JSON object to `--out` (and prints it).
 //!
-//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--out FILE]
+//! `--trace FILE` also writes the persistent decode kernel's per-stage globaltimer stamps at the last
+//! step (raw u64, layout `decode::trace_words`; FILE.json says the shape).
+//!
+//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--out FILE] [--trace FILE]
 
 #[cfg(feature = "cuda")]
 fn main() {
@@ -126,7 +129,27 @@ fn main() {
     } else {
         median(&mut replay).0
     };
-    eprintln!("decode b=1 graph replay alone: {replay_us:.1} us/token (median of 7 x 200 replays)");
+    let path = if b.decode1_info().is_some() {
+        "decode_1"
+    } else {
+        "graphs"
+    };
+    eprintln!("decode b=1 {path} replay alone: {replay_us:.1} us/token (median of 7 x 200 replays); persistent kernel (blocks, smem, (regs, local), flags): {:?}", b.decode1_info());
+    let trace_out = opt("--trace", "");
+    if !trace_out.is_empty() {
+        // the persistent kernel's per-stage stamps at the last step's position (raw u64 little-endian)
+        if let Some((blocks, t)) = b.trace_decode1().unwrap() {
+            let bytes: Vec<u8> = t.iter().flat_map(|v| v.to_le_bytes()).collect();
+            std::fs::write(&trace_out, bytes).expect("write --trace");
+            let meta = format!(
+                "{{\"blocks\": {blocks}, \"layers\": {}, \"nstamp\": {}, \"pos\": {}}}\n",
+                spec.model.layers,
+                metrale_backend::cuda::decode::NSTAMP,
+                hist.len() - 2
+            );
+            std::fs::write(format!("{trace_out}.json"), meta).expect("write --trace meta");
+        }
+    }
     let prof = b.profile_kernels(50, 20).unwrap();
     let layers = spec.model.layers as f64;
     let mut est = 0.0;
@@ -238,12 +261,13 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"gemm\": {}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"gemm\": {}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         info.weight_bytes as f64 / 4.2e12 * 1e6,
         nodes as f64 * 0.9,
         1e6 / med,
+        b.decode1_info(),
         prof_json.join(", "),
         b.gpu().pdl,
         warm.len(),

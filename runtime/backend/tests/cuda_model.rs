@@ -2,7 +2,9 @@
 //! reference). Greedy decoding must give identical tokens for 64 steps; the logits of the prompt's last
 //! position must agree to a relative L2 error below 1e-3 with the same top-1 token; a chunked prefill,
 //! two sequences decoded together (one graph of two tokens) and the graph path must all give the same
-//! tokens as the straightforward path.
+//! tokens as the straightforward path. The persistent decode kernel (`decode_1`, every one-sequence
+//! decode step) is checked step by step: its logits against the CPU's at every step (rel L2 < 1e-3),
+//! at short and long (multi-tile, 8-split attention) contexts, and its tokens against the graph path.
 //!
 //! Needs `METRALE_MODEL` (the SmolLM2-135M-Instruct Q4_1 GGUF), `METRALE_CUDA_KERNELS` (the
 //! target's kernel folder), a CUDA device; `METRALE_CUDA_TARGET` defaults to "h200/smollm2-135m/q4_1".
@@ -90,9 +92,25 @@ fn generate_with(
     steps: usize,
     greedy: &SamplingParams,
 ) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let (out, logits) = generate_logits(b, prompts, steps, greedy, false);
+    (
+        out,
+        logits.into_iter().map(|mut l| l.swap_remove(0)).collect(),
+    )
+}
+
+/// As `generate_with`, returning each prompt's logits of the first step only, or (`every_step`) of
+/// every step.
+fn generate_logits(
+    b: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    greedy: &SamplingParams,
+    every_step: bool,
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
     let mut hist: Vec<Vec<u32>> = prompts.to_vec();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    let mut first_logits = Vec::new();
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
     for step in 0..steps {
         let batch: Vec<SeqStep> = (0..prompts.len())
             .map(|i| {
@@ -108,21 +126,62 @@ fn generate_with(
                     history: &hist[i],
                     sampling: greedy,
                     draw: step as u64,
-                    want_logits: step == 0,
+                    want_logits: step == 0 || every_step,
                 }
             })
             .collect();
         let r = b.step(&batch).expect("step");
         drop(batch);
         for (i, o) in r.into_iter().enumerate() {
-            if step == 0 {
-                first_logits.push(o.logits.clone().expect("logits asked"));
+            if let Some(l) = o.logits {
+                logits[i].push(l);
             }
             out[i].push(o.token);
             hist[i].push(o.token);
         }
     }
-    (out, first_logits)
+    (out, logits)
+}
+
+/// Relative L2 error of `got` against `want`.
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// Greedy steps from `p` on the CPU's f32 path and on the GPU with logits at every step: the same
+/// tokens, and every step's logits within rel L2 1e-3 with the same top-1. Returns the worst error.
+fn check_every_step(s: &Setup, gpu: &mut CudaBackend, p: &[u32], steps: usize, what: &str) -> f64 {
+    let mut cpu = CpuBackend::load(&s.model, 1, 1024, 0).expect("cpu backend");
+    cpu.set_exact_activations(true);
+    let greedy = SamplingParams::default();
+    let (want, want_l) = generate_logits(&mut cpu, &[p.to_vec()], steps, &greedy, true);
+    let (got, got_l) = generate_logits(gpu, &[p.to_vec()], steps, &greedy, true);
+    let mut worst = 0f64;
+    for (k, (g, w)) in got_l[0].iter().zip(&want_l[0]).enumerate() {
+        let rel = rel_l2(g, w);
+        worst = worst.max(rel);
+        assert!(
+            rel < 1e-3,
+            "{what}: step {k} (position {}): logits rel L2 err {rel:.2e}",
+            p.len() + k - 1
+        );
+        assert_eq!(
+            metrale_backend::sampler::argmax(g),
+            metrale_backend::sampler::argmax(w),
+            "{what}: step {k}: top-1 differs"
+        );
+    }
+    assert_eq!(
+        got[0], want[0],
+        "{what}: greedy tokens differ from the CPU backend"
+    );
+    worst
 }
 
 #[test]
@@ -165,10 +224,33 @@ fn greedy_64_tokens_match_cpu_backend() {
         metrale_backend::sampler::argmax(w)
     );
     assert_eq!(got[0], want[0], "greedy tokens differ from the CPU backend");
-    eprintln!("graphs: {:?}", gpu.stats);
+    eprintln!(
+        "stats: {:?}; persistent decode kernel (blocks, smem, (regs, local), flags): {:?}",
+        gpu.stats,
+        gpu.decode1_info()
+    );
     assert!(
-        gpu.stats.graph_launches >= (STEPS - 1) as u64,
-        "decode steps did not replay graphs"
+        gpu.stats.graph_launches + gpu.stats.decode1_launches >= (STEPS - 1) as u64,
+        "decode steps ran neither graphs nor the persistent kernel"
+    );
+
+    // the per-stage kernels' graphs (the persistent kernel off) give the same tokens
+    let mut graphs = cuda(
+        &s,
+        CudaOptions {
+            slots: 2,
+            slot_capacity: 1024,
+            persistent_decode: false,
+            ..Default::default()
+        },
+    );
+    let (got_g, _) = generate(&mut graphs, std::slice::from_ref(&p), STEPS);
+    assert_eq!(
+        got_g[0], want[0],
+        "graph path (persistent kernel off) differs"
+    );
+    assert!(
+        graphs.stats.graph_launches >= (STEPS - 1) as u64 && graphs.stats.decode1_launches == 0
     );
 
     // the same generation without graphs, with a chunked prefill (5-token chunks)
@@ -214,6 +296,36 @@ fn greedy_64_tokens_match_cpu_backend() {
         got_s[0], want_s[0],
         "seeded sampling differs from the CPU backend"
     );
+}
+
+/// Every decode step's logits against the CPU backend: 40 steps after the 21-token chat prompt
+/// (1-2 attention splits) through the persistent kernel when the device runs it, else the graphs.
+#[test]
+fn decode_step_logits_match_cpu_backend() {
+    let Some(s) = setup("cuda_model decode logits") else {
+        return;
+    };
+    let p = prompt(&s, "What is the capital of France? Answer in one sentence.");
+    let mut gpu = cuda(
+        &s,
+        CudaOptions {
+            slots: 1,
+            slot_capacity: 1024,
+            ..Default::default()
+        },
+    );
+    let worst = check_every_step(&s, &mut gpu, &p, 40, "short context");
+    eprintln!(
+        "decode logits, 40 steps from {} positions: worst rel L2 err {worst:.2e}; stats {:?}",
+        p.len(),
+        gpu.stats
+    );
+    if gpu.decode1_info().is_some() {
+        assert!(
+            gpu.stats.decode1_launches >= 39,
+            "the persistent kernel did not run the decode steps"
+        );
+    }
 }
 
 /// A long prompt through the tensor-core prefill path (chunks of >= gemm::MIN_TOKENS tokens), in
@@ -267,5 +379,22 @@ fn long_prompt_gemm_prefill_matches_cpu_backend() {
     assert_eq!(
         got[0], want[0],
         "greedy tokens after a long GEMM-prefilled prompt differ from the CPU backend"
+    );
+
+    // decode steps at ~370 positions: 8 attention splits of > TILE positions each (two K/V tiles)
+    let mut gpu2 = cuda(
+        &s,
+        CudaOptions {
+            slots: 1,
+            slot_capacity: 1024,
+            max_step_tokens: 128,
+            ..Default::default()
+        },
+    );
+    let worst = check_every_step(&s, &mut gpu2, &p, 12, "long context");
+    eprintln!(
+        "decode logits, 12 steps from {} positions: worst rel L2 err {worst:.2e}; stats {:?}",
+        p.len(),
+        gpu2.stats
     );
 }

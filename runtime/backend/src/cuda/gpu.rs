@@ -24,8 +24,9 @@ use metrale_core::BackendError;
 use super::plan;
 
 /// The kernel templates a CUDA target compiles (kernels/cuda/README.md); `gemm` holds the
-/// tensor-core prefill kernels (launched by `super::gemm`).
-pub const TEMPLATES: [&str; 9] = [
+/// tensor-core prefill kernels (launched by `super::gemm`), `decode` the persistent batch-1 decode
+/// step (`super::decode`).
+pub const TEMPLATES: [&str; 10] = [
     "embed",
     "attn_in",
     "attention",
@@ -35,10 +36,11 @@ pub const TEMPLATES: [&str; 9] = [
     "lm_head",
     "sample",
     "gemm",
+    "decode",
 ];
 
 /// Every (template, entry point) pair the backend launches.
-pub const KERNELS: [(&str, &str); 10] = [
+pub const KERNELS: [(&str, &str); 11] = [
     ("embed", "embed"),
     ("attn_in", "attn_in"),
     ("attention", "attention"),
@@ -49,6 +51,7 @@ pub const KERNELS: [(&str, &str); 10] = [
     ("lm_head", "lm_head_1"),
     ("sample", "argmax_logprob"),
     ("sample", "sample_probs"),
+    ("decode", "decode_1"),
 ];
 
 /// Per-row parameters of `sample_probs` (`SampleParams` in sample.cu.hbs; 32 bytes, C layout).
@@ -186,6 +189,7 @@ struct Funcs {
     lm_head_1: CudaFunction,
     argmax: CudaFunction,
     sample: CudaFunction,
+    decode_1: CudaFunction,
     modules: BTreeMap<&'static str, Arc<CudaModule>>,
 }
 
@@ -322,6 +326,7 @@ impl Gpu {
             lm_head_1: take("lm_head_1"),
             argmax: take("argmax_logprob"),
             sample: take("sample_probs"),
+            decode_1: take("decode_1"),
             modules,
         };
         let pdl = cc.0 >= 9
@@ -762,6 +767,84 @@ impl Gpu {
             plan::SAMPLE_THREADS,
             &mut kargs!(logits, params, out_tok, out_lp, status, n),
         )
+    }
+
+    /// Get `decode_1` ready for `smem` bytes of dynamic shared memory per block of `threads`: its
+    /// resident blocks per SM and (registers, local bytes) per thread; `None` when the device cannot
+    /// give a block that much shared memory.
+    pub fn decode1_prepare(
+        &self,
+        threads: u32,
+        smem: usize,
+    ) -> Result<Option<(u32, (i32, i32))>, BackendError> {
+        use sys::CUfunction_attribute_enum as A;
+        let f = &self.f.decode_1;
+        if f.set_attribute(
+            A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .is_err()
+        {
+            return Ok(None);
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
+            .map_err(dev_err("decode_1 occupancy"))?;
+        let regs = f.get_attribute(A::CU_FUNC_ATTRIBUTE_NUM_REGS).unwrap_or(-1);
+        let local = f
+            .get_attribute(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+            .unwrap_or(-1);
+        Ok(Some((per_sm, (regs, local))))
+    }
+
+    /// Launch `decode_1` (kernels/cuda/decode.cu.hbs) as a cooperative grid of `blocks` blocks (all
+    /// co-resident, or the launch fails).
+    pub fn decode_1(
+        &self,
+        blocks: u32,
+        threads: u32,
+        smem: u32,
+        a: &super::decode::KArgs,
+    ) -> Result<(), BackendError> {
+        let mut args = kargs!(
+            a.layers, a.emb_qs, a.emb_sc, a.head_qs, a.head_sc, a.out_norm, a.rope, a.kc, a.vc,
+            a.token, a.pos, a.slot, a.ctx, a.epoch, a.flags, a.att_cfg, a.xch, a.logits, a.part,
+            a.counter, a.out_tok, a.out_lp, a.trace
+        );
+        // SAFETY: zeroed attributes are valid plain data; we set the id and its matching union field.
+        let mut attrs: [sys::CUlaunchAttribute; 1] = unsafe { std::mem::zeroed() };
+        attrs[0].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attrs[0].value.cooperative = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: blocks,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: 1,
+        };
+        self.ctx.bind_to_thread().map_err(dev_err("bind context"))?;
+        // SAFETY: `args` points to live values whose types match decode_1's parameters.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.f.decode_1.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(dev_err("launch decode_1"))
+    }
+
+    /// Zero `buf` in stream order.
+    pub fn zero_async(&self, buf: &DevBuf) -> Result<(), BackendError> {
+        unsafe { dres::memset_d8_async(buf.ptr, 0, buf.bytes, self.stream.cu_stream()) }
+            .map_err(dev_err("memset"))
     }
 
     /// Start capturing this stream's launches into a graph.

@@ -31,6 +31,7 @@
 //!   only ids and logprobs cross back. Penalties, logprob lists, logits requests and rows with more
 //!   than 2048 candidates copy their logits row back and use the host sampler itself.
 
+pub mod decode;
 pub mod gemm;
 pub mod gpu;
 pub mod plan;
@@ -59,6 +60,9 @@ pub struct CudaOptions {
     pub max_step_tokens: usize,
     /// Capture and replay CUDA graphs for decode steps.
     pub graphs: bool,
+    /// Run one sequence's decode steps with the persistent `decode_1` kernel (`decode.rs`); default
+    /// on unless `METRALE_CUDA_DECODE1=0`.
+    pub persistent_decode: bool,
 }
 
 impl Default for CudaOptions {
@@ -69,6 +73,7 @@ impl Default for CudaOptions {
             slot_capacity: 4096,
             max_step_tokens: 512,
             graphs: true,
+            persistent_decode: decode::enabled(),
         }
     }
 }
@@ -128,6 +133,11 @@ pub struct CudaBackend {
     graphs: HashMap<(usize, usize), CudaGraph>,
     /// Tensor-core prefill kernels (`None` when `METRALE_CUDA_GEMM=0`).
     prefill: Option<gemm::Prefill>,
+    /// The persistent batch-1 decode kernel (`None` when `METRALE_CUDA_DECODE1=0` or the device
+    /// cannot run it).
+    decode1: Option<decode::Decode1>,
+    /// Inputs of the last `decode_1` launch (benchmarks replay it).
+    last_decode1: Option<decode::Step>,
     /// (tokens, splits) of the last chunk run
     last_key: Option<(usize, usize)>,
     weight_bytes: u64,
@@ -142,6 +152,8 @@ pub struct Stats {
     pub graph_captures: u64,
     pub graph_launches: u64,
     pub direct_steps: u64,
+    /// Decode steps run by the persistent `decode_1` kernel.
+    pub decode1_launches: u64,
 }
 
 // SAFETY: the backend is used by one thread at a time (`&mut self`); cudarc binds the context to the
@@ -337,6 +349,24 @@ impl CudaBackend {
         } else {
             None
         };
+        let decode1 = if opts.persistent_decode {
+            let ptrs: Vec<decode::LayerPtrs> = layers
+                .iter()
+                .map(|w| {
+                    decode::LayerPtrs::new(
+                        &w.attn_norm,
+                        &w.wqkv,
+                        &w.wo,
+                        &w.ffn_norm,
+                        &w.wgu,
+                        &w.wdown,
+                    )
+                })
+                .collect();
+            decode::Decode1::new(&gpu, &ptrs)?
+        } else {
+            None
+        };
         Ok(CudaBackend {
             gpu,
             opts,
@@ -348,6 +378,8 @@ impl CudaBackend {
             b,
             graphs: HashMap::new(),
             prefill,
+            decode1,
+            last_decode1: None,
             last_key: None,
             weight_bytes,
             kv_bytes,
@@ -470,7 +502,59 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Run one chunk: write inputs, launch (graph for decode chunks), wait.
+    /// The persistent decode kernel's launch for one sequence's decode step.
+    fn launch_decode1(&mut self, s: decode::Step) -> Result<(), BackendError> {
+        let k = self.decode1.as_mut().expect("checked by the caller");
+        let b = &self.b;
+        let head = self.out.as_ref().unwrap_or(&self.emb);
+        k.launch(
+            &self.gpu,
+            &self.emb,
+            head,
+            self.out_norm.ptr,
+            self.rope.ptr,
+            b.kc.ptr,
+            b.vc.ptr,
+            self.opts.slot_capacity,
+            s,
+            b.logits.ptr,
+            b.lm_part.ptr,
+            b.lm_counter.ptr,
+            b.out_tok,
+            b.out_lp,
+        )?;
+        self.last_decode1 = Some(s);
+        self.stats.decode1_launches += 1;
+        Ok(())
+    }
+
+    /// Relaunch the last `decode_1` step with the trace on (flags bit 2) and return (blocks, the trace:
+    /// `decode::trace_words` globaltimer stamps). `None` when the last step was not a `decode_1` step.
+    pub fn trace_decode1(&mut self) -> Result<Option<(u32, Vec<u64>)>, BackendError> {
+        let (Some(s), Some(k)) = (self.last_decode1, self.decode1.as_mut()) else {
+            return Ok(None);
+        };
+        let flags = k.flags;
+        k.flags |= 4;
+        let r = (0..3).try_for_each(|_| self.launch_decode1(s));
+        let k = self.decode1.as_mut().expect("checked above");
+        k.flags = flags;
+        r?;
+        self.gpu.sync()?;
+        let k = self.decode1.as_ref().expect("checked above");
+        Ok(Some((k.blocks, k.read_trace(&self.gpu)?)))
+    }
+
+    /// The persistent decode kernel, when loaded: (blocks, dynamic shared bytes, registers and local
+    /// bytes per thread, flags).
+    pub fn decode1_info(&self) -> Option<(u32, u32, (i32, i32), i32)> {
+        self.decode1
+            .as_ref()
+            .map(|k| (k.blocks, k.smem_bytes, k.regs, k.flags))
+    }
+
+    /// Run one chunk: write inputs, launch (the persistent kernel for one sequence's decode step, a
+    /// graph for other decode chunks), without waiting.
     fn run_chunk(
         &mut self,
         tokens: &[i32],
@@ -481,6 +565,15 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let ntok = tokens.len();
         let nout = sel.len();
+        if decode && ntok == 1 && nout == 1 && self.decode1.is_some() {
+            self.last_key = None;
+            return self.launch_decode1(decode::Step {
+                token: tokens[0],
+                pos: pos[0],
+                slot: slot[0],
+            });
+        }
+        self.last_decode1 = None;
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
         let nsplit =
             plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
@@ -650,6 +743,16 @@ impl CudaBackend {
     /// per replay in microseconds (host clock around `n` launches and one wait): the GPU-side cost of
     /// a decode step without the host's input and output copies. Replays rewrite the same KV entries.
     pub fn time_graph_replay(&mut self, n: usize) -> Result<Option<f64>, BackendError> {
+        if let Some(s) = self.last_decode1 {
+            // the persistent kernel: the same step relaunched n times
+            self.gpu.sync()?;
+            let t = std::time::Instant::now();
+            for _ in 0..n {
+                self.launch_decode1(s)?;
+            }
+            self.gpu.sync()?;
+            return Ok(Some(t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64));
+        }
         let Some(key) = self.last_key else {
             return Ok(None);
         };
@@ -824,6 +927,11 @@ impl CudaBackend {
         let mut io = vec![0u32; 2 * nout];
         self.gpu.read(&self.b.io_out, 0, &mut io)?;
         let tok: Vec<i32> = io[..n].iter().map(|&v| v as i32).collect();
+        if tok[0] == -2 && self.last_decode1.is_some() {
+            return Err(BackendError::Device(
+                "decode_1 refused to run: its dynamic shared memory is smaller than the kernel's layout (runtime/backend/src/cuda/decode.rs disagrees with kernels/cuda/decode.cu.hbs)".into(),
+            ));
+        }
         let lp: Vec<f32> = io[nout..nout + n]
             .iter()
             .map(|&v| f32::from_bits(v))
