@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The second GPU call (see README.md here): assemble the model, run the whole-model tests, the decode
 # benchmark with the persistent kernel (plus its per-stage trace) and with the per-stage graphs, then
-# (argument `peer`) llama.cpp on the same file. Everything lands in $OUT/results.tgz (the device tool
+# (argument `peer`) llama.cpp on the same file, and (when .carry2/srv.tar.xz holds the built h200
+# server binary and xtask) the HTTP serving check and `xtask bench-record`. Everything lands in $OUT/results.tgz (the device tool
 # returns only a few files per call).
 # Usage (on the device, repo root, after the first call unpacked ~/b and ~/m): bash ci/gpu/second-call.sh [peer]
 set -uo pipefail
@@ -24,4 +25,11 @@ for sp in ${SPLITS:-}; do
 done
 grep -H "decode b=1\|decode batch 1:" $R/bench-*.log
 if [ "${1:-}" = peer ]; then (cd ~ && OUT=$R bash ~/peer/llamacpp-bench.sh ~/peer/llamacpp-src.tgz ~/m/model.gguf 1,8,32,64) > $R/llamacpp.txt 2>&1; tail -12 $R/llamacpp.txt; fi
+if [ -f .carry2/srv.tar.xz ]; then
+  # the built h200 binary (cargo xtask build-target ... --out) and xtask: serving check and bench-record
+  mkdir -p ~/srv && tar xJf .carry2/srv.tar.xz -C ~/srv
+  python3 ci/gpu/serve_check.py ~/srv/metrale-server ~/m/model.gguf 8090 > $R/serve-h200.txt 2>&1; tail -2 $R/serve-h200.txt
+  ~/srv/xtask bench-record ~/srv/metrale-server --model ~/m/model.gguf --out $R/records > $R/bench-record.log 2>&1; tail -3 $R/bench-record.log
+  ~/srv/metrale-server --attestation > $R/attestation-embedded.json 2>/dev/null; sha256sum ~/srv/metrale-server >> $R/model-sha256.txt
+fi
 tar czf $OUT/results.tgz -C $HOME results

@@ -188,12 +188,14 @@ async fn chat(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
         let role = match m.role.as_str() {
             "developer" => "system",
             "system" | "user" | "assistant" | "tool" => m.role.as_str(),
-            other => return Err(ApiError::invalid(
-                format!(
+            other => {
+                return Err(ApiError::invalid(
+                    format!(
                     "unknown role '{other}' (expected system, developer, user, assistant or tool)"
                 ),
-                Some(&format!("messages[{i}].role")),
-            )),
+                    Some(&format!("messages[{i}].role")),
+                ))
+            }
         };
         msgs.push(ChatMessage::new(role, api::message_text(m, i)?));
     }
