@@ -61,29 +61,8 @@ fn units(npairs: usize, blocks: usize, nb: usize) -> usize {
     npairs.div_ceil(blocks) * 2 * nb
 }
 
-/// LM-head batches per warp staged in shared memory during the last layer (`LM_SMEM`; Q8_0 heads only).
-pub const LM_SMEM: usize = 4;
-
-/// Bytes of one staged LM-head batch of a Q8_0 head (`LM_BATCH`: `mt::Lm1`'s R1 rows of HIDDEN int8
-/// and their HIDDEN / 32 half scales).
-pub fn lm_batch_bytes(hidden: usize) -> usize {
-    fn gcd(a: usize, b: usize) -> usize {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
-        }
-    }
-    let c1 = hidden / 16;
-    let r0 = 32 / gcd(c1, 32);
-    let j0 = r0 * c1 / 32;
-    let r1 = r0 * if j0 >= 8 { 1 } else { 8 / j0 };
-    r1 * c1 * 16 + r1 * (hidden / 32) * 2
-}
-
-/// Bytes of dynamic shared memory for a grid of `blocks` blocks (`cdiv(S_PART + part_floats(blocks),
-/// 4) * 16 + NW * LM_SMEM * LM_BATCH`); `q8_head`: the LM head is Q8_0 (its batches are staged).
-pub fn smem_bytes(d: &Dims, blocks: usize, q8_head: bool) -> usize {
+/// Bytes of dynamic shared memory for a grid of `blocks` blocks (`(S_PART + part_floats(blocks)) * 4`).
+pub fn smem_bytes(d: &Dims, blocks: usize) -> usize {
     let group = d.heads / d.kv_heads;
     let pw = group * (2 + d.head_dim);
     let ks = d.head_dim + 4;
@@ -97,12 +76,7 @@ pub fn smem_bytes(d: &Dims, blocks: usize, q8_head: bool) -> usize {
         .max(units(d.hidden / 2, blocks, d.qd() / 32))
         .max(units(d.ffn, blocks, d.hidden / 32))
         .max(units(d.hidden / 2, blocks, d.ffn / 32));
-    let lm = if q8_head {
-        (THREADS / 32) as usize * LM_SMEM * lm_batch_bytes(d.hidden)
-    } else {
-        0
-    };
-    (s_part + part).div_ceil(4) * 16 + lm
+    (s_part + part) * 4
 }
 
 /// Blocks of the grid on a device of `sm_count` SMs: one per SM, at most the row pairs of the
@@ -187,11 +161,7 @@ pub fn enabled() -> bool {
 impl Decode1 {
     /// Set up the kernel for `layers` on `gpu`; `None` when the device cannot run it (too few SMs for
     /// the attention blocks, or no room for one block per SM).
-    pub fn new(
-        gpu: &Gpu,
-        layers: &[LayerPtrs],
-        q8_head: bool,
-    ) -> Result<Option<Decode1>, BackendError> {
+    pub fn new(gpu: &Gpu, layers: &[LayerPtrs]) -> Result<Option<Decode1>, BackendError> {
         let d = gpu.dims;
         let split = std::env::var("METRALE_CUDA_DECODE1_SPLITS")
             .ok()
@@ -204,7 +174,7 @@ impl Decode1 {
         let Some(blocks) = blocks(&d, gpu.sm_count, split.1) else {
             return Ok(None);
         };
-        let smem = smem_bytes(&d, blocks as usize, q8_head);
+        let smem = smem_bytes(&d, blocks as usize);
         let Some((per_sm, regs)) = gpu.decode1_prepare(THREADS, smem)? else {
             return Ok(None);
         };
@@ -358,18 +328,12 @@ mod tests {
         // xr 576 + xbr 576 + vec padded(1536)=1728 + q 192 + cur 128 + rope 64 + split factors 9*16
         // + kv max(2*64*68, 3*16*198) + unit partials max(4*36, 3*36, 12*36, 3*96) at 132 blocks
         assert_eq!(
-            smem_bytes(&d, 132, false),
+            smem_bytes(&d, 132),
             (576 + 576 + 1728 + 192 + 128 + 64 + 144 + 9504 + 432) * 4
-        );
-        // a Q8_0 head: 8 warps x 4 staged batches of 8 rows x (576 int8 + 18 half scales)
-        assert_eq!(lm_batch_bytes(576), 8 * 576 + 8 * 18 * 2);
-        assert_eq!(
-            smem_bytes(&d, 132, true) - smem_bytes(&d, 132, false),
-            8 * 4 * 4896
         );
         // fewer blocks hold more units: gate/up's 1536 pairs over 24 blocks = 64 pairs of 2 x 18
         assert_eq!(
-            smem_bytes(&d, 24, false) - smem_bytes(&d, 132, false),
+            smem_bytes(&d, 24) - smem_bytes(&d, 132),
             (64 * 36 - 432) * 4
         );
     }

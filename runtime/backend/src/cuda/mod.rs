@@ -363,7 +363,7 @@ impl CudaBackend {
                     )
                 })
                 .collect();
-            decode::Decode1::new(&gpu, &ptrs, ef == DevFormat::Q8_0)?
+            decode::Decode1::new(&gpu, &ptrs)?
         } else {
             None
         };
