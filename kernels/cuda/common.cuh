@@ -154,6 +154,13 @@ MT_INLINE void stage_row(const float* __restrict__ x, const NormW<K>& nw, float 
     }
 }
 
+// ---- small integers to f32 without I2F (a quarter-rate conversion): the float with bits
+// 0x4B000000 | u is exactly 2^23 + u for u < 2^23, so subtracting 2^23 leaves u exactly. ----
+// byte i (0..3) of w as 2^23 + byte (one PRMT)
+MT_INLINE float magic_byte(unsigned int w, int i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | (unsigned int)i)); }
+constexpr float MAGIC = 8388608.f;           // 2^23: magic_byte(w, i) - MAGIC = byte i, unsigned
+constexpr float MAGIC_S8 = 8388608.f + 128.f; // for signed bytes stored as byte ^ 0x80
+
 // ---- weight formats: each loads one 32-element block of one row, dequantised to f32 ----
 struct WQ41 {
     const uint4* qs; const half2* sc;
@@ -170,11 +177,11 @@ struct WQ41 {
         const unsigned int wd[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
+            const unsigned int lo = wd[j] & 0x0f0f0f0fu, hi = (wd[j] >> 4) & 0x0f0f0f0fu;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const unsigned int byte = (wd[j] >> (8 * i)) & 0xffu;
-                w[4 * j + i] = (float)(byte & 0xfu) * dm.x + dm.y;
-                w[16 + 4 * j + i] = (float)(byte >> 4) * dm.x + dm.y;
+                w[4 * j + i] = (magic_byte(lo, i) - MAGIC) * dm.x + dm.y;
+                w[16 + 4 * j + i] = (magic_byte(hi, i) - MAGIC) * dm.x + dm.y;
             }
         }
     }
@@ -198,11 +205,9 @@ struct WQ80 {
         const unsigned int wd[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.c.x, r.c.y, r.c.z, r.c.w};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
+            const unsigned int u = wd[j] ^ 0x80808080u;  // signed -> unsigned + 128
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int v = (int)(signed char)((wd[j] >> (8 * i)) & 0xffu);
-                w[4 * j + i] = (float)v * d;
-            }
+            for (int i = 0; i < 4; ++i) w[4 * j + i] = (magic_byte(u, i) - MAGIC_S8) * d;
         }
     }
     template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
@@ -225,8 +230,9 @@ struct WQ80 {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float4 v = xv[j];
-            s += (float)(signed char)(wd[j] & 0xffu) * v.x + (float)(signed char)((wd[j] >> 8) & 0xffu) * v.y +
-                 (float)(signed char)((wd[j] >> 16) & 0xffu) * v.z + (float)(signed char)(wd[j] >> 24) * v.w;
+            const unsigned int u = wd[j] ^ 0x80808080u;  // signed -> unsigned + 128
+            s += (magic_byte(u, 0) - MAGIC_S8) * v.x + (magic_byte(u, 1) - MAGIC_S8) * v.y +
+                 (magic_byte(u, 2) - MAGIC_S8) * v.z + (magic_byte(u, 3) - MAGIC_S8) * v.w;
         }
         return s * __half2float(r.d);
     }
