@@ -20,7 +20,7 @@ use metrale_core::BackendError;
 use super::gpu::{DevBuf, DevMat, Dims, Gpu};
 
 /// Threads per block (`THREADS`).
-pub const THREADS: u32 = 256;
+pub const THREADS: u32 = 512;
 /// Most attention splits per KV head the kernel is compiled for (`MAXS`).
 pub const MAX_SPLITS: usize = 16;
 /// K/V positions staged in shared memory at a time (`TILE`).
