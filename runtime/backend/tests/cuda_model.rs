@@ -209,14 +209,12 @@ fn greedy_64_tokens_match_cpu_backend() {
     );
     // logits of the prompt's last position
     let (g, w) = (&got_logits[0], &want_logits[0]);
-    let num: f64 = g.iter().zip(w).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-    let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
     let maxd = g
         .iter()
         .zip(w)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    let rel = (num / den).sqrt();
+    let rel = rel_l2(g, w);
     eprintln!("prompt logits: rel L2 err {rel:.2e}, max abs diff {maxd:.3e}");
     assert!(rel < 1e-3, "logits differ: rel {rel}");
     assert_eq!(
@@ -359,9 +357,7 @@ fn long_prompt_gemm_prefill_matches_cpu_backend() {
     );
     let (got, got_logits) = generate(&mut gpu, std::slice::from_ref(&p), 16);
     let (g, w) = (&got_logits[0], &want_logits[0]);
-    let num: f64 = g.iter().zip(w).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-    let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
-    let rel = (num / den).sqrt();
+    let rel = rel_l2(g, w);
     eprintln!(
         "long prompt ({} tokens, chunks of 128): prompt logits rel L2 err {rel:.2e}",
         p.len()

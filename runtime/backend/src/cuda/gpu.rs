@@ -239,6 +239,16 @@ pub struct Gpu {
     pub cluster_max: usize,
 }
 
+/// How a kernel is launched besides its grid: programmatic dependent launch, a thread-block cluster
+/// along y, a cooperative grid (all blocks co-resident), dynamic shared memory bytes.
+#[derive(Debug, Clone, Copy)]
+struct LaunchHow {
+    pdl: bool,
+    cluster_y: u32,
+    cooperative: bool,
+    smem: u32,
+}
+
 /// Kernel argument list: pointers to the argument values (which must outlive the launch call).
 macro_rules! kargs {
     ($($a:expr),* $(,)?) => { [$( &$a as *const _ as *mut c_void ),*] };
@@ -492,21 +502,45 @@ impl Gpu {
         cluster_y: u32,
         args: &mut [*mut c_void],
     ) -> Result<(), BackendError> {
+        let how = LaunchHow {
+            pdl: self.pdl,
+            cluster_y,
+            cooperative: false,
+            smem: 0,
+        };
+        self.launch_how(f, what, grid, block, how, args)
+    }
+
+    /// The one call of `cuLaunchKernelEx`: `f` on the stream with the attributes `how` asks for.
+    fn launch_how(
+        &self,
+        f: &CudaFunction,
+        what: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        how: LaunchHow,
+        args: &mut [*mut c_void],
+    ) -> Result<(), BackendError> {
         // SAFETY: zeroed attributes are valid plain data; we set each id and its matching union field.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut attrs: [sys::CUlaunchAttribute; 3] = unsafe { std::mem::zeroed() };
         let mut n = 0usize;
-        if self.pdl {
+        if how.pdl {
             attrs[n].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
             n += 1;
         }
-        if cluster_y > 1 {
+        if how.cluster_y > 1 {
             attrs[n].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
             attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
                 x: 1,
-                y: cluster_y,
+                y: how.cluster_y,
                 z: 1,
             };
+            n += 1;
+        }
+        if how.cooperative {
+            attrs[n].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
             n += 1;
         }
         let cfg = sys::CUlaunchConfig {
@@ -516,7 +550,7 @@ impl Gpu {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: how.smem,
             hStream: self.stream.cu_stream(),
             attrs: if n > 0 {
                 attrs.as_mut_ptr()
@@ -811,34 +845,20 @@ impl Gpu {
             a.token, a.pos, a.slot, a.ctx, a.epoch, a.flags, a.att_cfg, a.xch, a.logits, a.part,
             a.counter, a.out_tok, a.out_lp, a.trace
         );
-        // SAFETY: zeroed attributes are valid plain data; we set the id and its matching union field.
-        let mut attrs: [sys::CUlaunchAttribute; 1] = unsafe { std::mem::zeroed() };
-        attrs[0].id = sys::CUlaunchAttributeID_enum::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-        attrs[0].value.cooperative = 1;
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: blocks,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: threads,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: 1,
+        let how = LaunchHow {
+            pdl: false,
+            cluster_y: 1,
+            cooperative: true,
+            smem,
         };
-        self.ctx.bind_to_thread().map_err(dev_err("bind context"))?;
-        // SAFETY: `args` points to live values whose types match decode_1's parameters.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &cfg,
-                self.f.decode_1.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(dev_err("launch decode_1"))
+        self.launch_how(
+            &self.f.decode_1,
+            "decode_1",
+            (blocks, 1, 1),
+            threads,
+            how,
+            &mut args,
+        )
     }
 
     /// Zero `buf` in stream order.
