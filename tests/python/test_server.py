@@ -112,6 +112,18 @@ def test_models(client):
     assert len(models) == 1 and models[0].id
 
 
+def test_model_retrieve(client):
+    # GET /v1/models/{id}: the served model by its id; any other id is a 404 naming both
+    name = client.models.list().data[0].id
+    m = client.models.retrieve(name)
+    assert m.id == name and m.object == "model" and m.owned_by == "metrale"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    body = e.value.body
+    assert body["code"] == "model_not_found" and body["param"] == "model", body
+    assert "no-such-model" in body["message"] and name in body["message"], body
+
+
 # ---------------------------------------------------------------- chat, streaming
 
 

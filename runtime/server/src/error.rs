@@ -76,11 +76,23 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!(
                 "no route {path}; this server has POST /v1/chat/completions, POST /v1/completions, \
-                 GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize"
+                 GET /v1/models, GET /v1/models/{{id}}, GET /health, GET /metrics, POST /tokenize, \
+                 POST /detokenize"
             ),
             kind: "not_found_error",
             param: None,
             code: None,
+        }
+    }
+
+    /// 404: a model id this server does not serve.
+    pub fn model_not_found(id: &str, served: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("the model '{id}' does not exist here; this server serves '{served}' (GET /v1/models)"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
         }
     }
 

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -31,6 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -126,18 +127,29 @@ async fn metrics(State(s): St) -> Result<Response, ApiError> {
         .into_response())
 }
 
+/// The one model this server serves, as OpenAI's model object.
+fn model_object(sv: &Served) -> serde_json::Value {
+    json!({
+        "id": sv.name,
+        "object": "model",
+        "created": sv.created,
+        "owned_by": "metrale",
+        "max_model_len": sv.ctx_size,
+    })
+}
+
 async fn models(State(s): St) -> Result<Json<serde_json::Value>, ApiError> {
     let sv = served(&s)?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": sv.name,
-            "object": "model",
-            "created": sv.created,
-            "owned_by": "metrale",
-            "max_model_len": sv.ctx_size,
-        }],
-    })))
+    Ok(Json(json!({"object": "list", "data": [model_object(&sv)]})))
+}
+
+/// GET /v1/models/{id}: the model object when `id` is the served name, else a 404 naming it.
+async fn model(State(s): St, Path(id): Path<String>) -> Result<Json<serde_json::Value>, ApiError> {
+    let sv = served(&s)?;
+    if id != sv.name {
+        return Err(ApiError::model_not_found(&id, &sv.name));
+    }
+    Ok(Json(model_object(&sv)))
 }
 
 async fn tokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::Value>, ApiError> {
