@@ -12,6 +12,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod sampler;
+pub mod shape;
 
 use metrale_core::BackendError;
 

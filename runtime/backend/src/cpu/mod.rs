@@ -102,27 +102,7 @@ struct Layer {
     w_down: QTensor,
 }
 
-/// Shape constants of the loaded model.
-#[derive(Debug, Clone)]
-pub struct Dims {
-    pub n_layers: usize,
-    pub hidden: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub ffn: usize,
-    pub vocab: usize,
-    pub norm_eps: f32,
-}
-
-impl Dims {
-    pub fn q_dim(&self) -> usize {
-        self.n_heads * self.head_dim
-    }
-    pub fn kv_dim(&self) -> usize {
-        self.n_kv_heads * self.head_dim
-    }
-}
+pub use crate::shape::Dims;
 
 /// One slot's KV cache: `[n_layers][capacity][kv_dim]` for K and for V.
 struct SlotCache {
@@ -144,6 +124,8 @@ fn mem_available() -> Option<u64> {
 /// The CPU backend (see the module docs).
 pub struct CpuBackend {
     dims: Dims,
+    /// RMSNorm epsilon of the checkpoint.
+    norm_eps: f32,
     embd: QTensor,
     lm_head: Option<QTensor>,
     out_norm: Vec<f32>,
@@ -227,17 +209,8 @@ impl CpuBackend {
                 c.n_heads, c.head_dim, c.n_kv_heads
             )));
         }
-        let dims = Dims {
-            n_layers: c.n_layers,
-            hidden: c.hidden,
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-            ffn: c.ffn,
-            vocab: c.vocab,
-            norm_eps: c.norm_eps,
-        };
-        let (h, q, kv, f) = (dims.hidden, dims.q_dim(), dims.kv_dim(), dims.ffn);
+        let dims = Dims::from_config(c);
+        let (h, q, kv, f) = (dims.hidden, dims.qd(), dims.kd(), dims.ffn);
         let embd = load_matrix(model, "token_embd.weight", dims.vocab, h)?;
         let lm_head = if model.weights.contains("output.weight") {
             Some(load_matrix(model, "output.weight", dims.vocab, h)?)
@@ -249,8 +222,8 @@ impl CpuBackend {
             ));
         };
         let out_norm = load_vector(model, "output_norm.weight", h)?;
-        let mut layers = Vec::with_capacity(dims.n_layers);
-        for i in 0..dims.n_layers {
+        let mut layers = Vec::with_capacity(dims.layers);
+        for i in 0..dims.layers {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: load_vector(model, &n("attn_norm"), h)?,
@@ -269,6 +242,7 @@ impl CpuBackend {
         })?;
         Self::from_parts(
             dims,
+            c.norm_eps,
             embd,
             lm_head,
             out_norm,
@@ -283,6 +257,7 @@ impl CpuBackend {
     #[allow(clippy::too_many_arguments)]
     fn from_parts(
         dims: Dims,
+        norm_eps: f32,
         embd: QTensor,
         lm_head: Option<QTensor>,
         out_norm: Vec<f32>,
@@ -298,9 +273,9 @@ impl CpuBackend {
             threads
         };
         let per_slot = dims
-            .n_layers
+            .layers
             .checked_mul(slot_capacity)
-            .and_then(|x| x.checked_mul(dims.kv_dim()))
+            .and_then(|x| x.checked_mul(dims.kd()))
             .ok_or_else(|| {
                 BackendError::Invalid(format!("KV cache of {slot_capacity} tokens overflows"))
             })?;
@@ -336,6 +311,7 @@ impl CpuBackend {
             })?;
         Ok(CpuBackend {
             dims,
+            norm_eps,
             embd,
             lm_head,
             out_norm,
@@ -424,7 +400,7 @@ impl CpuBackend {
     /// each entry (`[batch.len()][hidden]`). Writes the entries' K/V into their slots.
     fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
         let d = self.dims.clone();
-        let (h, qd, kvd, hd) = (d.hidden, d.q_dim(), d.kv_dim(), d.head_dim);
+        let (h, qd, kvd, hd) = (d.hidden, d.qd(), d.kd(), d.head_dim);
         let cap = self.slot_capacity;
         // (slot, position) of every token, in batch order.
         let mut tok_meta: Vec<(usize, usize)> = Vec::new();
@@ -480,7 +456,7 @@ impl CpuBackend {
         pool.install(|| {
             for (li, l) in layers.iter().enumerate() {
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                    ops::rmsnorm(xr, &l.attn_norm, d.norm_eps, xnr);
+                    ops::rmsnorm(xr, &l.attn_norm, self.norm_eps, xnr);
                 }
                 mm(
                     &[l.wq.mat(), l.wk.mat(), l.wv.mat()],
@@ -499,17 +475,13 @@ impl CpuBackend {
                 // reads that KV head's cache rows once for the block and writes the group's heads.
                 let kv_ro: &Vec<SlotCache> = kv;
                 let qr = &q;
-                let gw = (d.n_heads / d.n_kv_heads) * hd;
+                let gw = (d.heads / d.kv_heads) * hd;
                 let mut pieces: Vec<Option<&mut [f32]>> = att.chunks_mut(gw).map(Some).collect();
                 let mut tasks = Vec::new();
                 for &(b0, b1) in &blocks {
-                    for g in 0..d.n_kv_heads {
+                    for g in 0..d.kv_heads {
                         let outs: Vec<&mut [f32]> = (b0..b1)
-                            .map(|ti| {
-                                pieces[ti * d.n_kv_heads + g]
-                                    .take()
-                                    .expect("each piece once")
-                            })
+                            .map(|ti| pieces[ti * d.kv_heads + g].take().expect("each piece once"))
                             .collect();
                         tasks.push((b0, b1, g, outs));
                     }
@@ -530,8 +502,8 @@ impl CpuBackend {
                             &c.k[base..base + n_pos * kvd],
                             &c.v[base..base + n_pos * kvd],
                             g,
-                            d.n_heads,
-                            d.n_kv_heads,
+                            d.heads,
+                            d.kv_heads,
                             hd,
                             scale,
                             scores,
@@ -541,7 +513,7 @@ impl CpuBackend {
                 mm(&[l.wo.mat()], &att, n, &mut [&mut o]);
                 ops::add_inplace(&mut x, &o);
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                    ops::rmsnorm(xr, &l.ffn_norm, d.norm_eps, xnr);
+                    ops::rmsnorm(xr, &l.ffn_norm, self.norm_eps, xnr);
                 }
                 mm(
                     &[l.w_gate.mat(), l.w_up.mat()],
@@ -558,7 +530,7 @@ impl CpuBackend {
         });
         let mut out = vec![0f32; batch.len() * h];
         for (dst, &r) in out.chunks_exact_mut(h).zip(&last_rows) {
-            ops::rmsnorm(&x[r * h..(r + 1) * h], &self.out_norm, d.norm_eps, dst);
+            ops::rmsnorm(&x[r * h..(r + 1) * h], &self.out_norm, self.norm_eps, dst);
         }
         out
     }

@@ -67,14 +67,13 @@ pub fn tiny_backend(
     threads: usize,
 ) -> CpuBackend {
     let dims = Dims {
-        n_layers: 2,
+        layers: 2,
         hidden: 64,
-        n_heads: 4,
-        n_kv_heads: 2,
+        heads: 4,
+        kv_heads: 2,
         head_dim: 16,
         ffn: 96,
         vocab: 50,
-        norm_eps: 1e-5,
     };
     let mut s = seed.wrapping_mul(1000);
     let mut m = |rows: usize, cols: usize, dt: DType| {
@@ -87,7 +86,7 @@ pub fn tiny_backend(
         }
     };
     let embd = m(dims.vocab, dims.hidden, DType::Q8_0);
-    let layers = (0..dims.n_layers as u64)
+    let layers = (0..dims.layers as u64)
         .map(|i| Layer {
             attn_norm: rand_vec(64, seed + 900 + i)
                 .iter()
@@ -109,6 +108,7 @@ pub fn tiny_backend(
     let inv = super::ops::rope_inv_freq(16, 10000.0, None, None);
     CpuBackend::from_parts(
         dims,
+        1e-5,
         embd,
         None,
         vec![1.0; 64],

@@ -116,15 +116,15 @@ fn invalid_steps_are_refused() {
 fn a_kv_cache_larger_than_memory_is_refused() {
     let b = CpuBackend::from_parts(
         Dims {
-            n_layers: 1,
+            layers: 1,
             hidden: 64,
-            n_heads: 4,
-            n_kv_heads: 2,
+            heads: 4,
+            kv_heads: 2,
             head_dim: 16,
             ffn: 96,
             vocab: 50,
-            norm_eps: 1e-5,
         },
+        1e-5,
         QTensor {
             dtype: DType::F32,
             rows: 50,

@@ -194,29 +194,7 @@ struct Funcs {
 }
 
 /// Shape constants the kernels were compiled with (from the target's MODEL.toml).
-#[derive(Debug, Clone, Copy)]
-pub struct Dims {
-    pub layers: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub ffn: usize,
-    pub vocab: usize,
-}
-
-impl Dims {
-    pub fn qd(&self) -> usize {
-        self.heads * self.head_dim
-    }
-    pub fn kd(&self) -> usize {
-        self.kv_heads * self.head_dim
-    }
-    /// f32 elements of one slot's KV cache for K (or V) per token.
-    pub fn kv_per_token(&self) -> usize {
-        self.layers * self.kv_heads * self.head_dim
-    }
-}
+pub use crate::shape::Dims;
 
 /// The CUDA context, stream and kernels of one target.
 pub struct Gpu {

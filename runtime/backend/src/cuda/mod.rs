@@ -164,21 +164,6 @@ fn model_err(e: impl std::fmt::Display) -> BackendError {
     BackendError::Model(e.to_string())
 }
 
-impl Dims {
-    /// The kernel constants of a target's model shape.
-    pub fn from_shape(s: &metrale_core::target::ModelShape) -> Dims {
-        Dims {
-            layers: s.layers as usize,
-            hidden: s.hidden as usize,
-            heads: s.heads as usize,
-            kv_heads: s.kv_heads as usize,
-            head_dim: s.head_dim as usize,
-            ffn: s.ffn as usize,
-            vocab: s.vocab as usize,
-        }
-    }
-}
-
 /// Refuse a checkpoint whose shape is not the one the kernels were compiled for.
 fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendError> {
     let pairs = [
