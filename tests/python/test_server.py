@@ -6,6 +6,8 @@ token ids vs text), never against hard-coded text, except REFERENCE.md's "Paris"
 """
 
 import json
+import math
+import re
 import subprocess
 import threading
 import time
@@ -261,6 +263,86 @@ def test_seed_determinism(client):
     assert a == b
     others = {complete(client, seed=s, **kw).choices[0].text for s in (1, 2, 3)}
     assert len(others | {a}) > 1, "different seeds should not all give the same sample"
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def single_token(http, text):
+    ids = tokenize(http, text)
+    assert len(ids) == 1, f"{text!r} is {len(ids)} tokens: {ids}"
+    assert http.post("/detokenize", json={"tokens": ids}).json()["content"] == text
+    return ids[0]
+
+
+def served_vocab(server):
+    m = re.search(r"vocab (\d+)", server.log())
+    assert m, server.log()
+    return int(m.group(1))
+
+
+def test_logit_bias_plus_100_forces_the_token(client, http):
+    banana = single_token(http, " banana")
+    messages = [{"role": "user", "content": QUESTION}]
+    plain = ask(client, messages=messages, max_tokens=1, logprobs=True)
+    assert plain.choices[0].logprobs.content[0].token != " banana"
+    bias = {str(banana): 100}
+    # chat, greedy, whole answer: every token is " banana", with the logprob of the biased logits (~0)
+    r = ask(client, messages=messages, max_tokens=3, logprobs=True, top_logprobs=2, logit_bias=bias)
+    first = r.choices[0].logprobs.content[0]
+    assert first.token == " banana", r.choices[0].message.content
+    assert first.top_logprobs[0].token == " banana"
+    assert -1e-3 < first.logprob <= 0, first.logprob
+    assert r.choices[0].message.content == " banana" * 3
+    # completions, seeded sampling at temperature 1, streamed
+    stream = complete(client, prompt=PROMPT, max_tokens=2, temperature=1.0, seed=9, logit_bias=bias, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == " banana" * 2
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token(client, http):
+    kw = dict(messages=[{"role": "user", "content": QUESTION}], max_tokens=1, logprobs=True, top_logprobs=5)
+    plain = ask(client, **kw).choices[0].logprobs.content[0]
+    banned = single_token(http, plain.token)
+    r = ask(client, logit_bias={str(banned): -100}, **kw)
+    got = r.choices[0].logprobs.content[0]
+    assert got.token != plain.token
+    assert plain.token not in [t.token for t in got.top_logprobs]
+    # greedy on the biased logits: the unbiased runner-up, its logprob renormalised without the banned
+    # token (log p2 - log(1 - p1), up to e^-100)
+    second = plain.top_logprobs[1]
+    assert got.token == second.token
+    want = second.logprob - math.log1p(-math.exp(plain.top_logprobs[0].logprob))
+    assert abs(got.logprob - want) < 1e-3, (got.logprob, want)
+    # the same ban, streamed
+    kw.pop("logprobs"), kw.pop("top_logprobs")
+    stream = ask(client, logit_bias={str(banned): -100}, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == second.token
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("bias, says", [
+    ({"abc": 1}, "'abc'"), ("VOCAB", "outside the vocabulary"), ({"1": 1000}, "1000"),
+    ({"1": -100.5}, "-100.5"),
+])
+def test_bad_logit_bias_is_400_naming_it(server, client, endpoint, bias, says):
+    if bias == "VOCAB":
+        bias = {str(served_vocab(server)): 1}
+    with pytest.raises(openai.BadRequestError) as e:
+        if endpoint == "chat":
+            ask(client, messages=[{"role": "user", "content": "hi"}], max_tokens=1, logit_bias=bias)
+        else:
+            complete(client, prompt="hi", max_tokens=1, logit_bias=bias)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["param"] == "logit_bias" and err["type"] == "invalid_request_error"
+    assert "logit_bias" in err["message"] and says in err["message"], err["message"]
+
+
+def test_logit_bias_null_or_empty_is_no_bias(client):
+    kw = dict(prompt=PROMPT, max_tokens=4)
+    want = complete(client, **kw).choices[0].text
+    assert complete(client, logit_bias={}, **kw).choices[0].text == want
+    assert complete(client, logit_bias=None, **kw).choices[0].text == want
 
 
 # ---------------------------------------------------------------- errors

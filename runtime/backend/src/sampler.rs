@@ -1,8 +1,10 @@
 //! Sampling: the parameters of one request and the host reference sampler every backend must match.
 //!
 //! The pipeline, in order, on a copy of one logits row (`sample`):
-//! 1. **logprobs** of the sampled token and `top_logprobs` are taken from the *unmodified* logits
-//!    (log-softmax of the raw row), as OpenAI and vLLM report them.
+//! 0. **logit bias** (OpenAI `logit_bias`): `l += bias` for each (id, bias) of the request, before
+//!    everything else (vLLM applies it as the first logits processor).
+//! 1. **logprobs** of the sampled token and `top_logprobs` are taken from the biased logits before
+//!    any penalty (log-softmax of the raw row when there is no bias), as OpenAI and vLLM report them.
 //! 2. **repetition penalty** (llama.cpp / HF semantics): every distinct token of `history` (prompt and
 //!    generated) gets `l / p` when `l > 0`, else `l * p`.
 //! 3. **presence / frequency penalties** (OpenAI semantics), over the *generated* tokens only:
@@ -37,6 +39,9 @@ pub struct SamplingParams {
     pub seed: u64,
     /// How many top logprobs to return per token (0 = none).
     pub top_logprobs: usize,
+    /// (token id, bias) added to the logits before anything else; sorted by id, ids unique, empty =
+    /// off. Ids outside the row are ignored.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -51,6 +56,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: 0,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -66,9 +72,9 @@ impl SamplingParams {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
     pub token: u32,
-    /// log-softmax of `token` under the unmodified logits.
+    /// log-softmax of `token` under the logits plus the logit bias (no penalties).
     pub logprob: f32,
-    /// The `top_logprobs` most likely tokens under the unmodified logits, best first.
+    /// The `top_logprobs` most likely tokens under the logits plus the logit bias, best first.
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
@@ -133,6 +139,15 @@ pub fn top_n(row: &[f32], n: usize) -> Vec<(u32, f32)> {
     }
     idx.sort_unstable_by(cmp);
     idx.into_iter().map(|i| (i, row[i as usize])).collect()
+}
+
+/// Add each (id, bias) of `bias` to `logits[id]`, in place. Ids outside the row are ignored.
+pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(id, b) in bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += b;
+        }
+    }
 }
 
 /// Apply the repetition penalty over `history` and presence/frequency penalties over its last
@@ -228,6 +243,14 @@ pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u6
             top_logprobs: Vec::new(),
         };
     }
+    let mut biased;
+    let logits: &[f32] = if params.logit_bias.is_empty() {
+        logits
+    } else {
+        biased = logits.to_vec();
+        apply_logit_bias(&mut biased, &params.logit_bias);
+        &biased
+    };
     let lse = log_sum_exp(logits);
     let top_logprobs = top_n(logits, params.top_logprobs)
         .into_iter()
@@ -447,6 +470,103 @@ mod tests {
         // history: prompt [3, 3] then generated [1, 1, 2]
         apply_penalties(&mut l, &p, &[3, 3, 1, 1, 2], 3);
         assert_eq!(l, vec![0.0, -1.0, -0.75, 0.0]);
+    }
+
+    #[test]
+    fn logit_bias_moves_the_argmax_and_the_logprobs() {
+        // raw row: token 2 is the arg-max; +3 on token 0 and -2 on token 2 make token 0 the arg-max
+        // of the biased row [4, 1, 0.5, -1].
+        let logits = [1.0f32, 1.0, 2.5, -1.0];
+        let p = SamplingParams {
+            top_logprobs: 4,
+            logit_bias: vec![(0, 3.0), (2, -2.0), (99, 50.0)], // id 99 is outside the row: ignored
+            ..Default::default()
+        };
+        assert_eq!(sample(&logits, &SamplingParams::default(), &[], 0).token, 2);
+        let s = sample(&logits, &p, &[], 0);
+        assert_eq!(s.token, 0);
+        // hand computation: log(e^4 + e^1 + e^0.5 + e^-1) = 4.0 + log(1 + e^-3 + e^-3.5 + e^-5)
+        //                                                 = 4.0 + log(1.0867224...) = 4.083166
+        let lse = 4.083_166_f32;
+        let tol = 1e-5;
+        assert!((s.logprob - (4.0 - lse)).abs() < tol, "{}", s.logprob);
+        let want = [(0u32, 4.0f32), (1, 1.0), (2, 0.5), (3, -1.0)];
+        assert_eq!(s.top_logprobs.len(), 4);
+        for (&(id, lp), &(wid, wl)) in s.top_logprobs.iter().zip(&want) {
+            assert_eq!(id, wid);
+            assert!((lp - (wl - lse)).abs() < tol, "token {id}: {lp}");
+        }
+    }
+
+    #[test]
+    fn logit_bias_comes_before_penalties() {
+        // repetition penalty 2 on token 0 (seen in history): biased 1 + 3 = 4, penalised to 2 < 2.5;
+        // penalising first (1 / 2 + 3 = 3.5) would keep token 0 ahead.
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            logit_bias: vec![(0, 3.0)],
+            ..Default::default()
+        };
+        let s = sample(&[1.0, 2.5], &p, &[0], 0);
+        assert_eq!(s.token, 1);
+        // the logprob is from the biased row, before the penalty
+        assert!((s.logprob - (2.5 - log_sum_exp(&[4.0, 2.5]))).abs() < 1e-6);
+    }
+
+    #[test]
+    fn empty_logit_bias_changes_nothing() {
+        let logits: Vec<f32> = (0..64).map(|i| ((i * 29) % 13) as f32 * 0.4).collect();
+        for temperature in [0.0, 0.9] {
+            let p = SamplingParams {
+                temperature,
+                top_logprobs: 5,
+                seed: 3,
+                ..Default::default()
+            };
+            let zero = SamplingParams {
+                logit_bias: vec![(5, 0.0)],
+                ..p.clone()
+            };
+            for d in 0..200 {
+                let want = sample(&logits, &p, &[], d);
+                assert_eq!(sample(&logits, &p, &[], d), want);
+                assert_eq!(sample(&logits, &zero, &[], d), want);
+            }
+        }
+    }
+
+    #[test]
+    fn seeded_draws_with_a_bias_are_reproducible() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let p = SamplingParams {
+            temperature: 0.8,
+            seed: 7,
+            logit_bias: vec![(3, 2.0), (40, -100.0), (41, 1.5)],
+            ..Default::default()
+        };
+        let a: Vec<u32> = (0..100)
+            .map(|d| sample(&logits, &p, &[], d).token)
+            .collect();
+        let b: Vec<u32> = (0..100)
+            .map(|d| sample(&logits, &p, &[], d).token)
+            .collect();
+        assert_eq!(a, b);
+        assert!(!a.contains(&40));
+        let unbiased: Vec<u32> = (0..100)
+            .map(|d| {
+                sample(
+                    &logits,
+                    &SamplingParams {
+                        logit_bias: Vec::new(),
+                        ..p.clone()
+                    },
+                    &[],
+                    d,
+                )
+                .token
+            })
+            .collect();
+        assert_ne!(a, unbiased);
     }
 
     #[test]

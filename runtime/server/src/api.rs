@@ -18,6 +18,10 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_N: usize = 16;
 /// Most stop strings per request.
 pub const MAX_STOPS: usize = 16;
+/// Most `logit_bias` entries per request.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// `logit_bias` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
+pub const LOGIT_BIAS_LIMIT: f64 = 100.0;
 
 /// Parse a JSON body; a syntax error or a wrongly typed field is a 400 naming the field.
 pub fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -94,7 +98,7 @@ pub struct CommonParams {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
-    /// Refused when present and not null (we do not do constrained decoding or tool calls).
+    /// Token id (a decimal string) -> bias in [-100, 100]; checked by `parse_logit_bias`.
     pub logit_bias: Option<serde_json::Value>,
 }
 
@@ -217,14 +221,75 @@ fn check_range(v: Option<f32>, name: &str, lo: f32, hi: f32) -> Result<Option<f3
     }
 }
 
+/// `logit_bias` (null or an object of token id strings to numbers) as (id, bias) sorted by id; `vocab`
+/// is the logits row length. A 400 naming `logit_bias` and the bad key or value otherwise.
+pub fn parse_logit_bias(
+    v: Option<&serde_json::Value>,
+    vocab: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |msg: String| ApiError::invalid(msg, Some("logit_bias"));
+    let map = match v {
+        None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+        Some(serde_json::Value::Object(m)) => m,
+        Some(other) => {
+            return Err(bad(format!(
+                "'logit_bias' must be an object mapping token ids (strings such as \"1234\") to \
+                 biases between -100 and 100, got {other}"
+            )))
+        }
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!(
+            "'logit_bias' may have at most {MAX_LOGIT_BIAS} entries, got {}",
+            map.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad(format!(
+                "'logit_bias' key '{key}' is not a token id (a non-negative integer such as \"1234\")"
+            )));
+        }
+        let id = match key.parse::<u64>() {
+            Ok(id) if id < vocab as u64 => id as u32,
+            _ => {
+                return Err(bad(format!(
+                    "'logit_bias' key '{key}' is outside the vocabulary (token ids 0..{vocab})"
+                )))
+            }
+        };
+        let bias = match value.as_f64() {
+            Some(b) if b.is_finite() && (-LOGIT_BIAS_LIMIT..=LOGIT_BIAS_LIMIT).contains(&b) => b,
+            _ => {
+                return Err(bad(format!(
+                    "'logit_bias' value for token id '{key}' must be a number between -100 and \
+                     100, got {value}"
+                )))
+            }
+        };
+        out.push((id, bias as f32));
+    }
+    out.sort_unstable_by_key(|e| e.0);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(bad(format!(
+            "'logit_bias' names token id {} more than once",
+            w[0].0
+        )));
+    }
+    Ok(out)
+}
+
 /// Validate the shared fields into `GenParams`. `max_tokens` is the effective max (already picked
-/// from max_tokens / max_completion_tokens); `logprobs` is what the endpoint-specific fields asked.
+/// from max_tokens / max_completion_tokens); `logprobs` is what the endpoint-specific fields asked;
+/// `vocab` bounds the token ids of `logit_bias`.
 pub fn validate_common(
     c: &CommonParams,
     max_tokens: Option<i64>,
     max_tokens_name: &str,
     logprobs: Option<LogprobsSpec>,
     preset: &SamplingPreset,
+    vocab: usize,
 ) -> Result<GenParams, ApiError> {
     let max_tokens = match max_tokens {
         None => None,
@@ -297,12 +362,7 @@ pub fn validate_common(
             Some("stop"),
         ));
     }
-    if c.logit_bias.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::invalid(
-            "'logit_bias' is not supported by this server",
-            Some("logit_bias"),
-        ));
-    }
+    let logit_bias = parse_logit_bias(c.logit_bias.as_ref(), vocab)?;
     let include_usage = c
         .stream_options
         .as_ref()
@@ -331,6 +391,7 @@ pub fn validate_common(
         frequency_penalty: frequency.unwrap_or(0.0),
         seed,
         top_logprobs: logprobs.map_or(0, |l| l.top),
+        logit_bias,
     };
     Ok(GenParams {
         max_tokens,
@@ -344,8 +405,12 @@ pub fn validate_common(
     })
 }
 
-/// Validate a chat request's own fields and the shared ones.
-pub fn validate_chat(r: &ChatRequest, preset: &SamplingPreset) -> Result<GenParams, ApiError> {
+/// Validate a chat request's own fields and the shared ones (`vocab`: the logits row length).
+pub fn validate_chat(
+    r: &ChatRequest,
+    preset: &SamplingPreset,
+    vocab: usize,
+) -> Result<GenParams, ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::invalid(
             "'messages' must not be empty",
@@ -392,13 +457,14 @@ pub fn validate_chat(r: &ChatRequest, preset: &SamplingPreset) -> Result<GenPara
         (Some(m), _) => (Some(m), "max_completion_tokens"),
         (None, m) => (m, "max_tokens"),
     };
-    validate_common(&r.common, max, name, logprobs, preset)
+    validate_common(&r.common, max, name, logprobs, preset, vocab)
 }
 
-/// Validate a completion request's own fields and the shared ones.
+/// Validate a completion request's own fields and the shared ones (`vocab`: the logits row length).
 pub fn validate_completion(
     r: &CompletionRequest,
     preset: &SamplingPreset,
+    vocab: usize,
 ) -> Result<GenParams, ApiError> {
     if r.echo.unwrap_or(false) {
         return Err(ApiError::invalid(
@@ -436,6 +502,7 @@ pub fn validate_completion(
         "max_tokens",
         logprobs,
         preset,
+        vocab,
     )
 }
 
@@ -482,9 +549,12 @@ pub fn message_text(m: &ChatMessageIn, index: usize) -> Result<String, ApiError>
 mod tests {
     use super::*;
 
+    /// Vocabulary size the tests validate against.
+    const VOCAB: usize = 1000;
+
     fn chat(json: &str) -> Result<GenParams, ApiError> {
         let r: ChatRequest = parse_request(json.as_bytes())?;
-        validate_chat(&r, &SamplingPreset::default())
+        validate_chat(&r, &SamplingPreset::default(), VOCAB)
     }
 
     #[test]
@@ -552,7 +622,7 @@ mod tests {
             br#"{"messages":[{"role":"user","content":"x"}],"temperature":0.7,"seed":5}"#,
         )
         .unwrap();
-        let p = validate_chat(&r, &preset).unwrap();
+        let p = validate_chat(&r, &preset, VOCAB).unwrap();
         assert_eq!(p.sampling.temperature, 0.7);
         assert_eq!(p.sampling.top_p, 0.9);
         assert_eq!(p.sampling.top_k, 40);
@@ -561,7 +631,7 @@ mod tests {
         assert_eq!(p.sampling.seed, 5);
         let r: ChatRequest =
             parse_request(br#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
-        let p = validate_chat(&r, &SamplingPreset::default()).unwrap();
+        let p = validate_chat(&r, &SamplingPreset::default(), VOCAB).unwrap();
         assert_eq!(
             p.sampling.temperature, 1.0,
             "OpenAI default without a preset"
@@ -590,7 +660,7 @@ mod tests {
         assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#).is_err());
         let r: CompletionRequest = parse_request(br#"{"prompt":"x","logprobs":2}"#).unwrap();
         assert_eq!(
-            validate_completion(&r, &SamplingPreset::default())
+            validate_completion(&r, &SamplingPreset::default(), VOCAB)
                 .unwrap()
                 .logprobs,
             Some(LogprobsSpec { top: 2 })
@@ -615,6 +685,58 @@ mod tests {
             check_token_ids(&[-1], 10, "prompt").unwrap_err().status,
             400
         );
+    }
+
+    #[test]
+    fn logit_bias_is_parsed_sorted_and_checked() {
+        let p = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"17":-100,"3":2.5,"999":100}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            p.sampling.logit_bias,
+            vec![(3, 2.5), (17, -100.0), (999, 100.0)]
+        );
+        for none in [r#""#, r#","logit_bias":null"#, r#","logit_bias":{}"#] {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{none}}}"#);
+            assert!(
+                chat(&body).unwrap().sampling.logit_bias.is_empty(),
+                "{body}"
+            );
+        }
+        let r: CompletionRequest =
+            parse_request(br#"{"prompt":"x","logit_bias":{"5":-1}}"#).unwrap();
+        let p = validate_completion(&r, &SamplingPreset::default(), VOCAB).unwrap();
+        assert_eq!(p.sampling.logit_bias, vec![(5, -1.0)]);
+
+        let many: Vec<String> = (0..=MAX_LOGIT_BIAS)
+            .map(|i| format!(r#""{i}":1"#))
+            .collect();
+        let many = format!("{{{}}}", many.join(","));
+        for (bias, says) in [
+            (r#"{"abc":1}"#, "'abc'"),
+            (r#"{"-1":1}"#, "'-1'"),
+            (r#"{"1.5":1}"#, "'1.5'"),
+            (r#"{"":1}"#, "''"),
+            (r#"{"1000":1}"#, "'1000'"),
+            (r#"{"99999999999999999999999":1}"#, "vocabulary"),
+            (r#"{"1":1000}"#, "1000"),
+            (r#"{"1":-100.5}"#, "-100.5"),
+            (r#"{"1":"5"}"#, "\"5\""),
+            (r#"{"1":null}"#, "null"),
+            (r#"{"1":2,"01":3}"#, "token id 1 more than once"),
+            (r#"[1,2]"#, "object"),
+            (r#""5""#, "object"),
+            (many.as_str(), "at most 1024"),
+        ] {
+            let body =
+                format!(r#"{{"messages":[{{"role":"user","content":"x"}}],"logit_bias":{bias}}}"#);
+            let e = chat(&body).unwrap_err();
+            assert_eq!(e.status, 400, "{bias}");
+            assert_eq!(e.param.as_deref(), Some("logit_bias"), "{bias}");
+            assert!(e.message.contains("logit_bias"), "{}", e.message);
+            assert!(e.message.contains(says), "{bias}: {}", e.message);
+        }
     }
 
     #[test]

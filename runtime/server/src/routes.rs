@@ -187,7 +187,7 @@ fn encode_prompt(sv: &Served, text: &str, param: &str) -> Result<Vec<u32>, ApiEr
 async fn chat(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
     let sv = served(&s)?;
     let r: ChatRequest = api::parse_request(&body)?;
-    let params = api::validate_chat(&r, &sv.chat_preset)?;
+    let params = api::validate_chat(&r, &sv.chat_preset, sv.vocab)?;
     let template = sv.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; use /v1/completions, or restart the server with \
@@ -232,7 +232,7 @@ async fn chat(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
 async fn completions(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
     let sv = served(&s)?;
     let r: CompletionRequest = api::parse_request(&body)?;
-    let params = api::validate_completion(&r, &sv.completion_preset)?;
+    let params = api::validate_completion(&r, &sv.completion_preset, sv.vocab)?;
     let prompts = match &r.prompt {
         PromptSpec::Text(t) => vec![encode_prompt(&sv, t, "prompt")?],
         PromptSpec::Texts(ts) => ts

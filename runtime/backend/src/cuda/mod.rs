@@ -800,10 +800,12 @@ impl CudaBackend {
     }
 }
 
-/// Whether a request needs nothing the device does not do: no penalties, no logprob list, no logits.
+/// Whether a request needs nothing the device does not do: no logit bias, no penalties, no logprob
+/// list, no logits. The others copy their logits row back and use the host sampler.
 fn device_only(s: &SeqStep<'_>) -> bool {
     let p = s.sampling;
-    p.repetition_penalty == 1.0
+    p.logit_bias.is_empty()
+        && p.repetition_penalty == 1.0
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
         && p.top_logprobs == 0
