@@ -176,6 +176,36 @@ fn main() {
     eprintln!("decode b=1: median {med:.1} us/token ({:.0} tok/s), p10 {p10:.1}, p90 {p90:.1}; first step (prefill {} tokens) {ttft_ms:.2} ms", 1e6 / med, prompt.len());
     eprintln!("text: {text:?}");
 
+    // tg128 as llama-bench defines it: 128 single-token steps at positions 0..127 from a one-token
+    // context, timed as a whole (every step's host work included); median of 5 runs after a warm-up.
+    // The slot is one no other measurement here uses.
+    let tg_slot = maxb;
+    let mut tg = Vec::new();
+    for rep in 0..6 {
+        let mut h: Vec<u32> = vec![prompt[0]];
+        let t = Instant::now();
+        for s in 0..128usize {
+            let tok = [h[s]];
+            let r = b
+                .step(&[SeqStep {
+                    slot: tg_slot,
+                    start_pos: s,
+                    tokens: &tok,
+                    history: &h,
+                    sampling: &greedy,
+                    draw: s as u64,
+                    want_logits: false,
+                }])
+                .unwrap();
+            h.push(r[0].token);
+        }
+        if rep > 0 {
+            tg.push(128.0 / t.elapsed().as_secs_f64());
+        }
+    }
+    let (tg128, _, _) = median(&mut tg);
+    eprintln!("tg128 (llama-bench's definition): median {tg128:.1} tok/s ({:.1} us/token)", 1e6 / tg128);
+
     // prefill pp tokens
     let ids: Vec<u32> = (0..pp).map(|i| prompt[i % prompt.len()]).collect();
     let mut pt = Vec::new();
@@ -261,7 +291,7 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"gemm\": {}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"gemm\": {}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         info.weight_bytes as f64 / 4.2e12 * 1e6,
