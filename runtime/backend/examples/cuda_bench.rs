@@ -204,7 +204,10 @@ fn main() {
         }
     }
     let (tg128, _, _) = median(&mut tg);
-    eprintln!("tg128 (llama-bench's definition): median {tg128:.1} tok/s ({:.1} us/token)", 1e6 / tg128);
+    eprintln!(
+        "tg128 (llama-bench's definition): median {tg128:.1} tok/s ({:.1} us/token)",
+        1e6 / tg128
+    );
 
     // prefill pp tokens
     let ids: Vec<u32> = (0..pp).map(|i| prompt[i % prompt.len()]).collect();
