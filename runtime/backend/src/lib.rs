@@ -45,7 +45,7 @@ pub struct SeqStep<'a> {
 pub struct SeqOutput {
     /// The sampled next token.
     pub token: u32,
-    /// log-softmax of the sampled token under the unmodified logits.
+    /// log-softmax of the sampled token under the logits plus the request's logit bias (no penalties).
     pub logprob: f32,
     /// The `sampling.top_logprobs` most likely tokens with their logprobs, best first.
     pub top_logprobs: Vec<(u32, f32)>,

@@ -25,10 +25,11 @@
 //!   `max_step_tokens` runs as several chunks in order.
 //! - A pure decode step (every sequence one token) of `n` sequences replays a graph captured for
 //!   (n, attention splits); inputs reach the graph only through the fixed token/pos/slot/sel buffers.
-//! - Requests without penalties or logprob lists are sampled on the device: greedy inside `lm_head`,
+//! - Requests without penalties, logit bias or logprob lists are sampled on the device: greedy inside
+//!   `lm_head` (or `decode_1`),
 //!   temperature / top-k / top-p / min-p with the seed by `sample_probs`, which reproduces
 //!   `crate::sampler::sample` exactly (same candidate order, same f64 walk, same SplitMix64 draw);
-//!   only ids and logprobs cross back. Penalties, logprob lists, logits requests and rows with more
+//!   only ids and logprobs cross back. Penalties, logit bias, logprob lists, logits requests and rows with more
 //!   than 2048 candidates copy their logits row back and use the host sampler itself.
 
 pub mod decode;
