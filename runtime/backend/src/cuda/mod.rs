@@ -18,13 +18,15 @@
 //! kernels) and [`CudaBackend::new`] (any [`KernelSet`], e.g. a dist/ folder, for tests and tools).
 //! RoPE scaling (llama3, linear, GGUF `rope_freqs`) is applied through the host cos/sin table, built
 //! from the CPU backend's inverse frequencies (`cpu::model_inv_freq`), so both backends rotate alike.
-//! Not here: a tensor-core prefill attention, a persistent decode kernel (bench/cuda/NOTES.md).
+//! Not here: a tensor-core prefill attention, a persistent kernel for batched decode (bench/cuda/NOTES.md).
 //!
 //! Invariants:
 //! - Nothing is allocated on the device after `CudaBackend::new`; a step larger than
 //!   `max_step_tokens` runs as several chunks in order.
-//! - A pure decode step (every sequence one token) of `n` sequences replays a graph captured for
-//!   (n, attention splits); inputs reach the graph only through the fixed token/pos/slot/sel buffers.
+//! - A pure decode step of one sequence is one launch of the persistent `decode_1` kernel
+//!   (`decode.rs`; its inputs are kernel arguments) unless `CudaOptions::persistent_decode` is off.
+//! - A pure decode step (every sequence one token) of `n` sequences otherwise replays a graph captured
+//!   for (n, attention splits); inputs reach the graph only through the fixed token/pos/slot/sel buffers.
 //! - Requests without penalties, logit bias or logprob lists are sampled on the device: greedy inside
 //!   `lm_head` (or `decode_1`),
 //!   temperature / top-k / top-p / min-p with the seed by `sample_probs`, which reproduces
