@@ -26,4 +26,10 @@ if [ -f .peer/llamacpp-src.tgz ] && [ -f /work/shared/gpu/llamacpp-bench.sh ]; t
 rm -rf .carry1 .carry2 && mkdir -p .carry1 .carry2
 head -c 40000000 "$model" > .carry1/part.aa
 tail -c +40000001 "$model" > .carry2/part.ab
+# the h200 server binary as `cargo xtask build-target` emits it (not stripped: bench-record hashes it) and a
+# stripped xtask, for second-call.sh's serving check and bench-record
+rm -rf .gpu/srv && cargo xtask build-target --hw h200 --model smollm2-135m --quant q4_1 --out .gpu/srv | tail -1
+mkdir -p .gpu/srvpack && cp .gpu/srv/metrale-server .gpu/srv/attestation.json .gpu/srvpack/
+cp "$(cargo build --release -p xtask --message-format=json 2>/dev/null | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1)" .gpu/srvpack/xtask
+strip .gpu/srvpack/xtask && tar cJf .carry2/srv.tar.xz -C .gpu/srvpack . && rm -rf .gpu/srv .gpu/srvpack
 du -sh .gpu .carry1 .carry2 .peer 2>/dev/null || true
