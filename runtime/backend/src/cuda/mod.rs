@@ -167,6 +167,33 @@ fn model_err(e: impl std::fmt::Display) -> BackendError {
     BackendError::Model(e.to_string())
 }
 
+/// The launches of a chunk's forward pass: the embedding, five per layer, the LM head.
+#[derive(Debug, Clone, Copy)]
+enum Stage {
+    Embed,
+    /// RMSNorm + QKV + RoPE + KV write
+    Qkv,
+    Attention,
+    /// O projection + residual
+    Out,
+    /// RMSNorm + gate/up + SiLU
+    GateUp,
+    /// down projection + residual
+    Down,
+    LmHead,
+}
+
+impl Stage {
+    /// A layer's stages in order.
+    const LAYER: [Stage; 5] = [
+        Stage::Qkv,
+        Stage::Attention,
+        Stage::Out,
+        Stage::GateUp,
+        Stage::Down,
+    ];
+}
+
 /// Refuse a checkpoint whose shape is not the one the kernels were compiled for.
 fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendError> {
     let pairs = [
@@ -398,53 +425,54 @@ impl CudaBackend {
         &self.gpu
     }
 
-    /// Enqueue the whole forward pass of one chunk (inputs already in the token/pos/slot/sel buffers).
-    /// `gemm`: run the layer products as tensor-core GEMMs (`gemm::Prefill`) instead of matvecs.
-    fn enqueue(
+    /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and
+    /// `LmHead`), on the tensor-core GEMM path when `pf` is given (the four layer products only).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_stage(
         &self,
+        stage: Stage,
+        l: usize,
+        pf: Option<&gemm::Prefill>,
         ntok: usize,
         nout: usize,
         nsplit: usize,
-        gemm: bool,
     ) -> Result<(), BackendError> {
         let g = &self.gpu;
         let b = &self.b;
         let cap = self.opts.slot_capacity;
-        let pf = if gemm { self.prefill.as_ref() } else { None };
-        g.embed(&self.emb, b.tokens, b.x.ptr, ntok)?;
-        for (l, w) in self.layers.iter().enumerate() {
-            match pf {
-                Some(p) => p.norm_qkv(
-                    g,
-                    b.x.ptr,
-                    w.attn_norm.ptr,
-                    &w.wqkv,
-                    self.rope.ptr,
-                    b.q.ptr,
-                    b.kc.ptr,
-                    b.vc.ptr,
-                    b.pos,
-                    b.slot,
-                    l,
-                    cap,
-                    ntok,
-                )?,
-                None => g.attn_in(
-                    b.x.ptr,
-                    w.attn_norm.ptr,
-                    &w.wqkv,
-                    self.rope.ptr,
-                    b.q.ptr,
-                    b.kc.ptr,
-                    b.vc.ptr,
-                    b.pos,
-                    b.slot,
-                    l,
-                    cap,
-                    ntok,
-                )?,
-            }
-            g.attention(
+        let w = &self.layers[l];
+        match (stage, pf) {
+            (Stage::Embed, _) => g.embed(&self.emb, b.tokens, b.x.ptr, ntok),
+            (Stage::Qkv, Some(p)) => p.norm_qkv(
+                g,
+                b.x.ptr,
+                w.attn_norm.ptr,
+                &w.wqkv,
+                self.rope.ptr,
+                b.q.ptr,
+                b.kc.ptr,
+                b.vc.ptr,
+                b.pos,
+                b.slot,
+                l,
+                cap,
+                ntok,
+            ),
+            (Stage::Qkv, None) => g.attn_in(
+                b.x.ptr,
+                w.attn_norm.ptr,
+                &w.wqkv,
+                self.rope.ptr,
+                b.q.ptr,
+                b.kc.ptr,
+                b.vc.ptr,
+                b.pos,
+                b.slot,
+                l,
+                cap,
+                ntok,
+            ),
+            (Stage::Attention, _) => g.attention(
                 b.q.ptr,
                 b.kc.ptr,
                 b.vc.ptr,
@@ -458,34 +486,48 @@ impl CudaBackend {
                 b.att_counter.ptr,
                 b.att.ptr,
                 ntok,
-            )?;
-            match pf {
-                Some(p) => {
-                    p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok)?;
-                    p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
-                    p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
-                }
-                None => {
-                    g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok)?;
-                    g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)?;
-                    g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok)?;
-                }
+            ),
+            (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok),
+            (Stage::Out, None) => g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok),
+            (Stage::GateUp, Some(p)) => {
+                p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)
             }
-        }
-        if nout > 0 {
-            let head = self.out.as_ref().unwrap_or(&self.emb);
-            g.lm_head(
+            (Stage::GateUp, None) => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
+            (Stage::Down, Some(p)) => p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok),
+            (Stage::Down, None) => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
+            (Stage::LmHead, _) => g.lm_head(
                 b.x.ptr,
                 b.sel,
                 self.out_norm.ptr,
-                head,
+                self.out.as_ref().unwrap_or(&self.emb),
                 b.logits.ptr,
                 nout,
                 b.lm_part.ptr,
                 b.lm_counter.ptr,
                 b.out_tok,
                 b.out_lp,
-            )?;
+            ),
+        }
+    }
+
+    /// Enqueue the whole forward pass of one chunk (inputs already in the token/pos/slot/sel buffers).
+    /// `gemm`: run the layer products as tensor-core GEMMs (`gemm::Prefill`) instead of matvecs.
+    fn enqueue(
+        &self,
+        ntok: usize,
+        nout: usize,
+        nsplit: usize,
+        gemm: bool,
+    ) -> Result<(), BackendError> {
+        let pf = if gemm { self.prefill.as_ref() } else { None };
+        self.launch_stage(Stage::Embed, 0, None, ntok, nout, nsplit)?;
+        for l in 0..self.layers.len() {
+            for stage in Stage::LAYER {
+                self.launch_stage(stage, l, pf, ntok, nout, nsplit)?;
+            }
+        }
+        if nout > 0 {
+            self.launch_stage(Stage::LmHead, 0, None, ntok, nout, nsplit)?;
         }
         Ok(())
     }
@@ -608,102 +650,31 @@ impl CudaBackend {
             return Ok(Vec::new());
         };
         let nout = ntok.min(self.opts.slots);
-        let cap = self.opts.slot_capacity;
         let mut out = Vec::new();
-        let mut names = vec![
-            "embed",
-            "attn_in",
-            "attention",
-            "attn_out",
-            "ffn_in",
-            "ffn_out",
-            "lm_head",
+        let mut stages = vec![
+            ("embed", Stage::Embed, false),
+            ("attn_in", Stage::Qkv, false),
+            ("attention", Stage::Attention, false),
+            ("attn_out", Stage::Out, false),
+            ("ffn_in", Stage::GateUp, false),
+            ("ffn_out", Stage::Down, false),
+            ("lm_head", Stage::LmHead, false),
         ];
         if self.prefill.is_some() {
-            names.extend(["gemm_norm_qkv", "gemm_o", "gemm_norm_gu", "gemm_down"]);
+            stages.extend([
+                ("gemm_norm_qkv", Stage::Qkv, true),
+                ("gemm_o", Stage::Out, true),
+                ("gemm_norm_gu", Stage::GateUp, true),
+                ("gemm_down", Stage::Down, true),
+            ]);
         }
-        for name in names {
+        for (name, stage, gemm) in stages {
             let g = &self.gpu;
-            let b = &self.b;
-            let w = &self.layers[0];
+            let pf = if gemm { self.prefill.as_ref() } else { None };
             g.begin_capture()?;
             let mut r = Ok(());
             for _ in 0..reps {
-                r = r.and_then(|_| match name {
-                    "embed" => g.embed(&self.emb, b.tokens, b.x.ptr, ntok),
-                    "attn_in" => g.attn_in(
-                        b.x.ptr,
-                        w.attn_norm.ptr,
-                        &w.wqkv,
-                        self.rope.ptr,
-                        b.q.ptr,
-                        b.kc.ptr,
-                        b.vc.ptr,
-                        b.pos,
-                        b.slot,
-                        0,
-                        cap,
-                        ntok,
-                    ),
-                    "attention" => g.attention(
-                        b.q.ptr,
-                        b.kc.ptr,
-                        b.vc.ptr,
-                        b.pos,
-                        b.slot,
-                        0,
-                        cap,
-                        nsplit,
-                        b.part_ml.ptr,
-                        b.part_acc.ptr,
-                        b.att_counter.ptr,
-                        b.att.ptr,
-                        ntok,
-                    ),
-                    "attn_out" => g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok),
-                    "ffn_in" => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
-                    "ffn_out" => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
-                    "gemm_norm_qkv" | "gemm_o" | "gemm_norm_gu" | "gemm_down" => {
-                        let p = self
-                            .prefill
-                            .as_ref()
-                            .expect("listed only with the prefill kernels");
-                        match name {
-                            "gemm_norm_qkv" => p.norm_qkv(
-                                g,
-                                b.x.ptr,
-                                w.attn_norm.ptr,
-                                &w.wqkv,
-                                self.rope.ptr,
-                                b.q.ptr,
-                                b.kc.ptr,
-                                b.vc.ptr,
-                                b.pos,
-                                b.slot,
-                                0,
-                                cap,
-                                ntok,
-                            ),
-                            "gemm_o" => p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok),
-                            "gemm_norm_gu" => {
-                                p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)
-                            }
-                            _ => p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok),
-                        }
-                    }
-                    _ => g.lm_head(
-                        b.x.ptr,
-                        b.sel,
-                        self.out_norm.ptr,
-                        self.out.as_ref().unwrap_or(&self.emb),
-                        b.logits.ptr,
-                        nout,
-                        b.lm_part.ptr,
-                        b.lm_counter.ptr,
-                        b.out_tok,
-                        b.out_lp,
-                    ),
-                });
+                r = r.and_then(|_| self.launch_stage(stage, 0, pf, ntok, nout, nsplit));
             }
             let graph = g.end_capture();
             r?;
