@@ -13,7 +13,7 @@
 
 #[cfg(feature = "cuda")]
 fn main() {
-    use metrale_backend::cuda::{CudaBackend, CudaOptions, Dims, KernelSet};
+    use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
     use metrale_backend::sampler::SamplingParams;
     use metrale_backend::{Backend, SeqStep};
     use metrale_core::target::{TargetId, TargetSpec};
@@ -55,13 +55,10 @@ fn main() {
     let t0 = Instant::now();
     let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
-    let mut b = CudaBackend::new(
+    let mut b = CudaBackend::for_target(
         &set,
-        Dims::from_shape(&spec.model),
-        &spec.quant.weights,
-        &spec.quant.embedding,
-        &model.config,
-        &model.weights,
+        &spec,
+        &model,
         CudaOptions {
             slots: maxb + 1,
             slot_capacity: 2048,

@@ -15,11 +15,10 @@
 mod common;
 
 use metrale_backend::cpu::ops;
-use metrale_backend::cuda::gpu::{device_count, DevBuf, DevMat, Dims, Gpu, KernelSet};
+use metrale_backend::cuda::gpu::{device_count, DevBuf, DevMat, Dims, Gpu};
 use metrale_backend::cuda::plan::{self, DevFormat, HostMat};
 use metrale_backend::sampler;
 use metrale_core::dtype::{dequantize_row, DType};
-use metrale_core::target::{TargetId, TargetSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -44,20 +43,7 @@ fn env(test: &str) -> Option<Env> {
         eprintln!("{test}: skipped: no CUDA device");
         return None;
     }
-    let target =
-        std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
-    let parts: Vec<&str> = target.split('/').collect();
-    let spec = TargetSpec::load(
-        &common::targets_root(),
-        &TargetId::new(parts[0], parts[1], parts[2]),
-    )
-    .expect("target spec");
-    let arch = spec
-        .hardware
-        .cubin_arch
-        .clone()
-        .expect("cuda target has a cubin arch");
-    let set = KernelSet::from_dir(std::path::Path::new(&dir), &target, &arch).expect("kernel set");
+    let (target, spec, set) = common::target_kernels(&dir);
     let d = Dims::from_shape(&spec.model);
     let gpu = Gpu::open(0, &set, d).expect("open GPU and load kernels");
     let seed: u64 = std::env::var("METRALE_TEST_SEED")

@@ -14,10 +14,10 @@
 mod common;
 
 use metrale_backend::cpu::CpuBackend;
-use metrale_backend::cuda::{device_count, CudaBackend, CudaOptions, Dims, KernelSet};
+use metrale_backend::cuda::{device_count, CudaBackend, CudaOptions, KernelSet};
 use metrale_backend::sampler::SamplingParams;
 use metrale_backend::{Backend, SeqStep};
-use metrale_core::target::{TargetId, TargetSpec};
+use metrale_core::target::TargetSpec;
 use metrale_model::Model;
 
 const STEPS: usize = 64;
@@ -40,32 +40,13 @@ fn setup(test: &str) -> Option<Setup> {
         eprintln!("{test}: skipped: no CUDA device");
         return None;
     }
-    let target =
-        std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
-    let p: Vec<&str> = target.split('/').collect();
-    let spec = TargetSpec::load(&common::targets_root(), &TargetId::new(p[0], p[1], p[2]))
-        .expect("target");
-    let set = KernelSet::from_dir(
-        std::path::Path::new(&kdir),
-        &target,
-        spec.hardware.cubin_arch.as_deref().unwrap(),
-    )
-    .expect("kernels");
+    let (_, spec, set) = common::target_kernels(&kdir);
     let model = Model::load(std::path::Path::new(&mpath)).expect("model");
     Some(Setup { model, set, spec })
 }
 
 fn cuda(s: &Setup, opts: CudaOptions) -> CudaBackend {
-    CudaBackend::new(
-        &s.set,
-        Dims::from_shape(&s.spec.model),
-        &s.spec.quant.weights,
-        &s.spec.quant.embedding,
-        &s.model.config,
-        &s.model.weights,
-        opts,
-    )
-    .expect("cuda backend")
+    CudaBackend::for_target(&s.set, &s.spec, &s.model, opts).expect("cuda backend")
 }
 
 fn prompt(s: &Setup, text: &str) -> Vec<u32> {

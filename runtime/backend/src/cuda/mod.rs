@@ -409,8 +409,18 @@ impl CudaBackend {
         opts: CudaOptions,
     ) -> Result<CudaBackend, BackendError> {
         let (set, spec) = KernelSet::from_registry(metrale_kernels::registry())?;
+        CudaBackend::for_target(&set, &spec, model, opts)
+    }
+
+    /// The backend of `set`, the kernels of target `spec` (its shape and quant), and `model`'s weights.
+    pub fn for_target(
+        set: &KernelSet,
+        spec: &metrale_core::target::TargetSpec,
+        model: &metrale_model::Model,
+        opts: CudaOptions,
+    ) -> Result<CudaBackend, BackendError> {
         CudaBackend::new(
-            &set,
+            set,
             Dims::from_shape(&spec.model),
             &spec.quant.weights,
             &spec.quant.embedding,

@@ -16,3 +16,33 @@ pub fn targets_root() -> std::path::PathBuf {
         }
     }
 }
+
+/// The target named by `METRALE_CUDA_TARGET` ("h200/smollm2-135m/q4_1" by default), its spec, and
+/// its compiled kernels from the folder `kernel_dir`.
+#[cfg(feature = "cuda")]
+pub fn target_kernels(
+    kernel_dir: &str,
+) -> (
+    String,
+    metrale_core::target::TargetSpec,
+    metrale_backend::cuda::KernelSet,
+) {
+    use metrale_core::target::{TargetId, TargetSpec};
+    let target =
+        std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
+    let p: Vec<&str> = target.split('/').collect();
+    let spec =
+        TargetSpec::load(&targets_root(), &TargetId::new(p[0], p[1], p[2])).expect("target spec");
+    let arch = spec
+        .hardware
+        .cubin_arch
+        .clone()
+        .expect("cuda target has a cubin arch");
+    let set = metrale_backend::cuda::KernelSet::from_dir(
+        std::path::Path::new(kernel_dir),
+        &target,
+        &arch,
+    )
+    .expect("kernel set");
+    (target, spec, set)
+}
