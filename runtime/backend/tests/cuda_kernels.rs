@@ -173,6 +173,58 @@ fn check(what: &str, got: &[f32], want: &[f32]) {
     assert!(e < TOL, "{what}: relative error {e:.3e} >= {TOL:e}");
 }
 
+/// The host reference of a QKV launch: inputs, norm weights, the three matrices, RoPE frequencies.
+struct QkvRef<'a> {
+    x: &'a [f32],
+    norm: &'a [f32],
+    wq: &'a Mat,
+    wk: &'a Mat,
+    wv: &'a Mat,
+    inv: &'a [f32],
+}
+
+/// Check a QKV launch (RMSNorm + products + RoPE on q and k + K/V cache write) of the tokens at
+/// `(pos, slot)` of `layer` against `r`: q as returned, each token's K and V rows read from the
+/// caches (`ctx` positions per slot), and nothing else in the K cache written (it was filled with
+/// 1e30). `what` prefixes the check names.
+fn check_qkv(
+    what: &str,
+    d: Dims,
+    eps: f32,
+    r: QkvRef<'_>,
+    (pos, slot, layer, ctx): (&[i32], &[i32], usize, usize),
+    (q, kcache, vcache): (&[f32], &[f32], &[f32]),
+) {
+    let hd = d.head_dim;
+    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for t in 0..pos.len() {
+        let mut xn = vec![0f32; d.hidden];
+        ops::rmsnorm(&r.x[t * d.hidden..(t + 1) * d.hidden], r.norm, eps, &mut xn);
+        let (mut qr, mut kr, vr) = (r.wq.matvec(&xn), r.wk.matvec(&xn), r.wv.matvec(&xn));
+        ops::rope_inplace(&mut qr, hd, pos[t] as usize, r.inv);
+        ops::rope_inplace(&mut kr, hd, pos[t] as usize, r.inv);
+        wq_all.extend(qr);
+        wk_all.extend(kr);
+        wv_all.extend(vr);
+        for h in 0..d.kv_heads {
+            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx
+                + pos[t] as usize)
+                * hd;
+            gk.extend_from_slice(&kcache[off..off + hd]);
+            gv.extend_from_slice(&vcache[off..off + hd]);
+        }
+    }
+    check(&format!("{what}q (norm+proj+rope)"), q, &wq_all);
+    check(&format!("{what}k cache (norm+proj+rope)"), &gk, &wk_all);
+    check(&format!("{what}v cache (norm+proj)"), &gv, &wv_all);
+    assert_eq!(
+        kcache.iter().filter(|v| **v != 1e30).count(),
+        pos.len() * d.kd(),
+        "K cache entries written outside the tokens' positions"
+    );
+}
+
 fn read_f32(g: &Gpu, b: &DevBuf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
     g.read(b, 0, &mut v).unwrap();
@@ -252,36 +304,20 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     let q = read_f32(g, &qb, n * qd);
     let kcache = read_f32(g, &kc, cache_n);
     let vcache = read_f32(g, &vc, cache_n);
-    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) =
-        (vec![], vec![], vec![], vec![], vec![]);
-    for t in 0..n {
-        let mut xn = vec![0f32; d.hidden];
-        ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
-        let mut qr = wq.matvec(&xn);
-        let mut kr = wk.matvec(&xn);
-        let vr = wv.matvec(&xn);
-        ops::rope_inplace(&mut qr, hd, pos[t] as usize, &inv);
-        ops::rope_inplace(&mut kr, hd, pos[t] as usize, &inv);
-        wq_all.extend(qr);
-        wk_all.extend(kr);
-        wv_all.extend(vr);
-        for h in 0..d.kv_heads {
-            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx
-                + pos[t] as usize)
-                * hd;
-            gk.extend_from_slice(&kcache[off..off + hd]);
-            gv.extend_from_slice(&vcache[off..off + hd]);
-        }
-    }
-    check("q (norm+proj+rope)", &q, &wq_all);
-    check("k cache (norm+proj+rope)", &gk, &wk_all);
-    check("v cache (norm+proj)", &gv, &wv_all);
-    // nothing else in the cache was touched
-    let written = kcache.iter().filter(|v| **v != 1e30).count();
-    assert_eq!(
-        written,
-        n * kd,
-        "K cache entries written outside the tokens' positions"
+    check_qkv(
+        "",
+        d,
+        e.eps,
+        QkvRef {
+            x: &x,
+            norm: &norm,
+            wq: &wq,
+            wk: &wk,
+            wv: &wv,
+            inv: &inv,
+        },
+        (&pos, &slot, layer, ctx),
+        (&q, &kcache, &vcache),
     );
 }
 
@@ -359,22 +395,25 @@ fn attention_splits_combine_and_out_projection() {
     for nsplit in [1usize, 2, 3, 4, 8, 32, auto] {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
-        g.attention(
-            qb.ptr,
-            kb.ptr,
-            vb.ptr,
-            pb.ptr,
-            sb.ptr,
-            layer,
-            ctx,
-            nsplit,
-            ml.ptr,
-            acc.ptr,
-            counter.ptr,
-            att.ptr,
-            n,
-        )
-        .unwrap();
+        let launch = || {
+            g.attention(
+                qb.ptr,
+                kb.ptr,
+                vb.ptr,
+                pb.ptr,
+                sb.ptr,
+                layer,
+                ctx,
+                nsplit,
+                ml.ptr,
+                acc.ptr,
+                counter.ptr,
+                att.ptr,
+                n,
+            )
+            .unwrap()
+        };
+        launch();
         check(
             &format!("attention, {nsplit} splits"),
             &read_f32(g, &att, n * qd),
@@ -382,22 +421,7 @@ fn attention_splits_combine_and_out_projection() {
         );
         // run twice: the second launch checks that the combine tickets were re-armed
         g.write(&att, 0, &vec![f32::NAN; n * qd]).unwrap();
-        g.attention(
-            qb.ptr,
-            kb.ptr,
-            vb.ptr,
-            pb.ptr,
-            sb.ptr,
-            layer,
-            ctx,
-            nsplit,
-            ml.ptr,
-            acc.ptr,
-            counter.ptr,
-            att.ptr,
-            n,
-        )
-        .unwrap();
+        launch();
         g.attn_out(att.ptr, &wb, xb.ptr, n).unwrap();
         let got = read_f32(g, &xb, n * d.hidden);
         check(&format!("x + Wo*attention, {nsplit} splits"), &got, &want_x);
@@ -728,36 +752,29 @@ fn gemm_prefill_products_match_cpu_ops() {
         read_f32(g, &kc, cache_n),
         read_f32(g, &vc, cache_n),
     );
-    let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv, mut want_h) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    check_qkv(
+        "gemm ",
+        d,
+        e.eps,
+        QkvRef {
+            x: &x,
+            norm: &norm,
+            wq: &wq,
+            wk: &wk,
+            wv: &wv,
+            inv: &inv,
+        },
+        (&pos, &slot, layer, ctx),
+        (&q, &kcache, &vcache),
+    );
+    let mut want_h = Vec::new();
     for t in 0..n {
         let mut xn = vec![0f32; d.hidden];
         ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
-        let (mut qr, mut kr, vr) = (wq.matvec(&xn), wk.matvec(&xn), wv.matvec(&xn));
-        ops::rope_inplace(&mut qr, hd, pos[t] as usize, &inv);
-        ops::rope_inplace(&mut kr, hd, pos[t] as usize, &inv);
-        wq_all.extend(qr);
-        wk_all.extend(kr);
-        wv_all.extend(vr);
-        for h in 0..d.kv_heads {
-            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx
-                + pos[t] as usize)
-                * hd;
-            gk.extend_from_slice(&kcache[off..off + hd]);
-            gv.extend_from_slice(&vcache[off..off + hd]);
-        }
         let mut hrow = vec![0f32; d.ffn];
         ops::swiglu(&wg.matvec(&xn), &wu.matvec(&xn), &mut hrow);
         want_h.extend(hrow);
     }
-    check("gemm q (norm+proj+rope)", &q, &wq_all);
-    check("gemm k cache (norm+proj+rope)", &gk, &wk_all);
-    check("gemm v cache (norm+proj)", &gv, &wv_all);
-    assert_eq!(
-        kcache.iter().filter(|v| **v != 1e30).count(),
-        n * kd,
-        "K cache entries written outside the tokens' positions"
-    );
 
     // RMSNorm + gate/up + SiLU
     let hb = poisoned(g, n * d.ffn);
