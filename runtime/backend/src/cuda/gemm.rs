@@ -151,6 +151,36 @@ impl Prefill {
         )
     }
 
+    /// One of the GEMMs with the signature (hi, lo, sx, w_qs, w_sc, out, ntok) over the activations
+    /// `split` last wrote: `cols` output columns of `w` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        g: &Gpu,
+        f: &CudaFunction,
+        what: &str,
+        cols: usize,
+        w: &DevMat,
+        out: u64,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
+        let (hi, lo, sx, qs, sc, n) = (
+            self.hi.ptr,
+            self.lo.ptr,
+            self.sx.ptr,
+            w.qs.ptr,
+            w.sc_ptr(),
+            ntok as i32,
+        );
+        g.launch(
+            f,
+            what,
+            grid(cols, ntok),
+            THREADS,
+            &mut kargs!(hi, lo, sx, qs, sc, out, n),
+        )
+    }
+
     /// x += att * Wo^T (what `attn_out` does).
     pub fn out_proj(
         &self,
@@ -162,21 +192,7 @@ impl Prefill {
     ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.split_qd, "split_qd", att, None, ntok)?;
-        let (hi, lo, sx, qs, sc, n) = (
-            self.hi.ptr,
-            self.lo.ptr,
-            self.sx.ptr,
-            w.qs.ptr,
-            w.sc_ptr(),
-            ntok as i32,
-        );
-        g.launch(
-            &self.o,
-            "gemm_o",
-            grid(g.dims.hidden, ntok),
-            THREADS,
-            &mut kargs!(hi, lo, sx, qs, sc, x, n),
-        )
+        self.product(g, &self.o, "gemm_o", g.dims.hidden, w, x, ntok)
     }
 
     /// h = SiLU(gate) * up of RMSNorm(x) (what `ffn_in` does).
@@ -191,21 +207,7 @@ impl Prefill {
     ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.norm_split, "norm_split", x, Some(norm), ntok)?;
-        let (hi, lo, sx, qs, sc, n) = (
-            self.hi.ptr,
-            self.lo.ptr,
-            self.sx.ptr,
-            w.qs.ptr,
-            w.sc_ptr(),
-            ntok as i32,
-        );
-        g.launch(
-            &self.gu,
-            "gemm_gu",
-            grid(2 * g.dims.ffn, ntok),
-            THREADS,
-            &mut kargs!(hi, lo, sx, qs, sc, h, n),
-        )
+        self.product(g, &self.gu, "gemm_gu", 2 * g.dims.ffn, w, h, ntok)
     }
 
     /// x += h * Wdown^T (what `ffn_out` does).
@@ -219,21 +221,7 @@ impl Prefill {
     ) -> Result<(), BackendError> {
         self.check(ntok)?;
         self.split(g, &self.split_ffn, "split_ffn", h, None, ntok)?;
-        let (hi, lo, sx, qs, sc, n) = (
-            self.hi.ptr,
-            self.lo.ptr,
-            self.sx.ptr,
-            w.qs.ptr,
-            w.sc_ptr(),
-            ntok as i32,
-        );
-        g.launch(
-            &self.down,
-            "gemm_down",
-            grid(g.dims.hidden, ntok),
-            THREADS,
-            &mut kargs!(hi, lo, sx, qs, sc, x, n),
-        )
+        self.product(g, &self.down, "gemm_down", g.dims.hidden, w, x, ntok)
     }
 }
 
