@@ -450,14 +450,14 @@ impl CudaBackend {
         let g = &self.gpu;
         let b = &self.b;
         let cap = self.opts.slot_capacity;
-        let w = &self.layers[l];
+        let w = || &self.layers[l]; // layer stages only
         match (stage, pf) {
             (Stage::Embed, _) => g.embed(&self.emb, b.tokens, b.x.ptr, ntok),
             (Stage::Qkv, Some(p)) => p.norm_qkv(
                 g,
                 b.x.ptr,
-                w.attn_norm.ptr,
-                &w.wqkv,
+                w().attn_norm.ptr,
+                &w().wqkv,
                 self.rope.ptr,
                 b.q.ptr,
                 b.kc.ptr,
@@ -470,8 +470,8 @@ impl CudaBackend {
             ),
             (Stage::Qkv, None) => g.attn_in(
                 b.x.ptr,
-                w.attn_norm.ptr,
-                &w.wqkv,
+                w().attn_norm.ptr,
+                &w().wqkv,
                 self.rope.ptr,
                 b.q.ptr,
                 b.kc.ptr,
@@ -497,14 +497,14 @@ impl CudaBackend {
                 b.att.ptr,
                 ntok,
             ),
-            (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w.wo, b.x.ptr, ntok),
-            (Stage::Out, None) => g.attn_out(b.att.ptr, &w.wo, b.x.ptr, ntok),
+            (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok),
+            (Stage::Out, None) => g.attn_out(b.att.ptr, &w().wo, b.x.ptr, ntok),
             (Stage::GateUp, Some(p)) => {
-                p.norm_gate_up(g, b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok)
+                p.norm_gate_up(g, b.x.ptr, w().ffn_norm.ptr, &w().wgu, b.h.ptr, ntok)
             }
-            (Stage::GateUp, None) => g.ffn_in(b.x.ptr, w.ffn_norm.ptr, &w.wgu, b.h.ptr, ntok),
-            (Stage::Down, Some(p)) => p.down(g, b.h.ptr, &w.wdown, b.x.ptr, ntok),
-            (Stage::Down, None) => g.ffn_out(b.h.ptr, &w.wdown, b.x.ptr, ntok),
+            (Stage::GateUp, None) => g.ffn_in(b.x.ptr, w().ffn_norm.ptr, &w().wgu, b.h.ptr, ntok),
+            (Stage::Down, Some(p)) => p.down(g, b.h.ptr, &w().wdown, b.x.ptr, ntok),
+            (Stage::Down, None) => g.ffn_out(b.h.ptr, &w().wdown, b.x.ptr, ntok),
             (Stage::LmHead, _) => g.lm_head(
                 b.x.ptr,
                 b.sel,
