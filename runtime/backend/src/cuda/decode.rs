@@ -51,41 +51,51 @@ fn padded(k: usize) -> usize {
     (k / 32) * 36
 }
 
+/// Words of one split's attention partial (`PW`: max and sum per query head of the group, then
+/// the group's unnormalised outputs).
+fn partial_words(d: &Dims) -> usize {
+    (d.heads / d.kv_heads) * (2 + d.head_dim)
+}
+
+/// The four layer products as (row pairs, 32-element quant blocks per row): QKV, O, gate/up
+/// (interleaved, one pair per FFN row), down.
+fn products(d: &Dims) -> [(usize, usize); 4] {
+    [
+        ((d.qd() + 2 * d.kd()) / 2, d.hidden / 32),
+        (d.hidden / 2, d.qd() / 32),
+        (d.ffn, d.hidden / 32),
+        (d.hidden / 2, d.ffn / 32),
+    ]
+}
+
 /// u64 words of the exchange buffer (`X_H + FFN`).
 pub fn exchange_words(d: &Dims) -> usize {
-    let group = d.heads / d.kv_heads;
-    let pw = group * (2 + d.head_dim);
-    d.hidden + (d.qd() + 2 * d.kd()) + d.kv_heads * MAX_SPLITS * pw + d.hidden + d.ffn
+    d.hidden + (d.qd() + 2 * d.kd()) + d.kv_heads * MAX_SPLITS * partial_words(d) + d.hidden + d.ffn
 }
 
-/// Unit partials a block of a `blocks`-block grid holds for a product of `npairs` row pairs of `nb`
-/// quant blocks (`units`).
-fn units(npairs: usize, blocks: usize, nb: usize) -> usize {
-    npairs.div_ceil(blocks) * 2 * nb
-}
-
-/// Bytes of dynamic shared memory for a grid of `blocks` blocks (`(S_PART + part_floats(blocks)) * 4`).
+/// Bytes of dynamic shared memory for a grid of `blocks` blocks (`(S_PART + part_floats(blocks)) * 4`):
+/// the fixed regions, then the unit partials of the largest product share (`units`).
 pub fn smem_bytes(d: &Dims, blocks: usize) -> usize {
     let group = d.heads / d.kv_heads;
-    let pw = group * (2 + d.head_dim);
     let ks = d.head_dim + 4;
     let vecn = padded(d.hidden).max(padded(d.qd())).max(padded(d.ffn));
     let facn = (d.heads * MAX_SPLITS).div_ceil(4) * 4;
-    let kvn = (2 * TILE * ks).max(d.kv_heads * MAX_SPLITS * pw);
+    let kvn = (2 * TILE * ks).max(d.kv_heads * MAX_SPLITS * partial_words(d));
     let s_part =
         2 * d.hidden + vecn + group * d.head_dim + 2 * d.head_dim + d.head_dim + facn + kvn;
-    let qkv = d.qd() + 2 * d.kd();
-    let part = units(qkv / 2, blocks, d.hidden / 32)
-        .max(units(d.hidden / 2, blocks, d.qd() / 32))
-        .max(units(d.ffn, blocks, d.hidden / 32))
-        .max(units(d.hidden / 2, blocks, d.ffn / 32));
+    let part = products(d)
+        .iter()
+        .map(|&(pairs, nb)| pairs.div_ceil(blocks) * 2 * nb)
+        .max()
+        .unwrap_or(0);
     (s_part + part) * 4
 }
 
 /// Blocks of the grid on a device of `sm_count` SMs: one per SM, at most the row pairs of the
-/// smallest product; `None` when the grid could not hold one attention block per KV head.
+/// smallest product (every block must produce in every product); `None` when the grid could not
+/// hold one attention block per KV head.
 pub fn blocks(d: &Dims, sm_count: usize) -> Option<u32> {
-    let min_pairs = ((d.qd() + 2 * d.kd()) / 2).min(d.hidden / 2).min(d.ffn);
+    let min_pairs = products(d).iter().map(|p| p.0).min().unwrap_or(0);
     let n = sm_count.min(min_pairs);
     (n >= d.kv_heads).then_some(n as u32)
 }
@@ -117,26 +127,19 @@ pub struct LayerPtrs {
     pub down_sc: u64,
 }
 
-impl LayerPtrs {
-    pub fn new(
-        attn_norm: &DevBuf,
-        wqkv: &DevMat,
-        wo: &DevMat,
-        ffn_norm: &DevBuf,
-        wgu: &DevMat,
-        wdown: &DevMat,
-    ) -> LayerPtrs {
+impl From<&super::LayerW> for LayerPtrs {
+    fn from(w: &super::LayerW) -> LayerPtrs {
         LayerPtrs {
-            attn_norm: attn_norm.ptr,
-            qkv_qs: wqkv.qs.ptr,
-            qkv_sc: wqkv.sc_ptr(),
-            o_qs: wo.qs.ptr,
-            o_sc: wo.sc_ptr(),
-            ffn_norm: ffn_norm.ptr,
-            gu_qs: wgu.qs.ptr,
-            gu_sc: wgu.sc_ptr(),
-            down_qs: wdown.qs.ptr,
-            down_sc: wdown.sc_ptr(),
+            attn_norm: w.attn_norm.ptr,
+            qkv_qs: w.wqkv.qs.ptr,
+            qkv_sc: w.wqkv.sc_ptr(),
+            o_qs: w.wo.qs.ptr,
+            o_sc: w.wo.sc_ptr(),
+            ffn_norm: w.ffn_norm.ptr,
+            gu_qs: w.wgu.qs.ptr,
+            gu_sc: w.wgu.sc_ptr(),
+            down_qs: w.wdown.qs.ptr,
+            down_sc: w.wdown.sc_ptr(),
         }
     }
 }

@@ -365,19 +365,7 @@ impl CudaBackend {
             None
         };
         let decode1 = if opts.persistent_decode {
-            let ptrs: Vec<decode::LayerPtrs> = layers
-                .iter()
-                .map(|w| {
-                    decode::LayerPtrs::new(
-                        &w.attn_norm,
-                        &w.wqkv,
-                        &w.wo,
-                        &w.ffn_norm,
-                        &w.wgu,
-                        &w.wdown,
-                    )
-                })
-                .collect();
+            let ptrs: Vec<decode::LayerPtrs> = layers.iter().map(decode::LayerPtrs::from).collect();
             decode::Decode1::new(&gpu, &ptrs)?
         } else {
             None
