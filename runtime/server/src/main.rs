@@ -32,7 +32,11 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = rt.block_on(metrale_server::serve::run(cli)) {
+    let result = rt.block_on(metrale_server::serve::run(cli));
+    // Don't wait for a loader thread still reading the model (a signal during loading): the
+    // HTTP side has already shut down gracefully inside run().
+    rt.shutdown_background();
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
