@@ -16,6 +16,7 @@ grep -E "test result|rel L2|panicked" $R/model-test.txt
 for run in ${RUNS:-1 2}; do
   bench --out $R/bench-decode1-$run.json --trace $R/trace-$run.bin > $R/bench-decode1-$run.log 2>&1
   [ -n "${GRAPHS:-1}" ] && METRALE_CUDA_DECODE1=0 bench --batch 1 --out $R/bench-graphs-$run.json > $R/bench-graphs-$run.log 2>&1
+  [ -n "${NOAHEAD:-1}" ] && METRALE_CUDA_RUN_AHEAD=0 bench --batch 1 --pp 64 --out $R/bench-noahead-$run.json > $R/bench-noahead-$run.log 2>&1
 done
 for fl in ${FLAGS:-}; do
   METRALE_CUDA_DECODE1_FLAGS=$fl bench --batch 1 --pp 64 --out $R/bench-flags$fl.json --trace $R/trace-flags$fl.bin > $R/bench-flags$fl.log 2>&1
@@ -23,7 +24,7 @@ done
 for sp in ${SPLITS:-}; do
   METRALE_CUDA_DECODE1_SPLITS=$sp bench --batch 1 --pp 64 --out $R/bench-split$sp.json --trace $R/trace-split$sp.bin > $R/bench-split$sp.log 2>&1
 done
-grep -H "decode b=1\|decode batch 1:" $R/bench-*.log
+grep -H "decode b=1\|decode batch 1:\|tg128" $R/bench-*.log
 if [ "${1:-}" = peer ]; then (cd ~ && OUT=$R bash ~/peer/llamacpp-bench.sh ~/peer/llamacpp-src.tgz ~/m/model.gguf 1,8,32,64) > $R/llamacpp.txt 2>&1; tail -12 $R/llamacpp.txt; fi
 if [ -f .carry2/srv.tar.xz ]; then
   # the built h200 binary (cargo xtask build-target ... --out) and xtask: serving check and bench-record

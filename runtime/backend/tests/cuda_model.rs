@@ -212,6 +212,15 @@ fn greedy_64_tokens_match_cpu_backend() {
         gpu.stats.graph_launches + gpu.stats.decode1_launches >= (STEPS - 1) as u64,
         "decode steps ran neither graphs nor the persistent kernel"
     );
+    if gpu.decode1_info().is_some() {
+        // run-ahead: every greedy decode step after the first was already in the stream when the
+        // engine asked for it, with its token read on the device (and the tokens above are the CPU's)
+        assert!(
+            gpu.stats.run_ahead_hits >= (STEPS - 2) as u64,
+            "run-ahead launches were not used: {:?}",
+            gpu.stats
+        );
+    }
 
     // the per-stage kernels' graphs (the persistent kernel off) give the same tokens
     let mut graphs = cuda(

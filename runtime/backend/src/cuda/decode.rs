@@ -144,9 +144,14 @@ impl From<&super::LayerW> for LayerPtrs {
     }
 }
 
+/// `Step::token` that makes the kernel read its token from `out_tok`: the greedy pick of the launch
+/// before it in the stream (run-ahead, `super` module docs).
+pub const TOKEN_FROM_DEVICE: i32 = -1;
+
 /// Inputs of one launch besides the backend's buffers.
 #[derive(Debug, Clone, Copy)]
 pub struct Step {
+    /// The input token, or `TOKEN_FROM_DEVICE`.
     pub token: i32,
     pub pos: i32,
     pub slot: i32,

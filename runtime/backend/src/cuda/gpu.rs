@@ -217,6 +217,24 @@ pub struct Gpu {
     pub cluster_max: usize,
 }
 
+/// Page-locked host words filled by `Gpu::read_staged`, and the event that marks the copy's end.
+pub struct HostStage {
+    buf: cudarc::driver::PinnedHostSlice<u32>,
+    ev: cudarc::driver::CudaEvent,
+}
+
+impl HostStage {
+    /// Wait for the last `Gpu::read_staged` into this area (not for anything enqueued after it).
+    pub fn wait(&self) -> Result<&[u32], BackendError> {
+        self.ev
+            .synchronize()
+            .map_err(dev_err("wait for a copy from the device (a kernel failed)"))?;
+        self.buf
+            .as_slice()
+            .map_err(dev_err("page-locked host memory"))
+    }
+}
+
 /// How a kernel is launched besides its grid: programmatic dependent launch, a thread-block cluster
 /// along y, a cooperative grid (all blocks co-resident), dynamic shared memory bytes.
 #[derive(Debug, Clone, Copy)]
@@ -837,6 +855,30 @@ impl Gpu {
             how,
             &mut args,
         )
+    }
+
+    /// A page-locked host area of `words` u32 words for `read_staged` (copies into pageable memory
+    /// would make the host wait for the stream).
+    pub fn host_stage(&self, words: usize) -> Result<HostStage, BackendError> {
+        // flags 0: cached host memory (write-combined memory is slow for the host to read)
+        let buf = unsafe { self.ctx.alloc_pinned_with_flags::<u32>(words.max(1), 0) }
+            .map_err(dev_err("allocate page-locked host memory"))?;
+        let ev = self.ctx.new_event(None).map_err(dev_err("create event"))?;
+        Ok(HostStage { buf, ev })
+    }
+
+    /// Enqueue a copy of `stage`'s words from the start of `src` into `stage` and mark its end,
+    /// without waiting: later launches may follow at once, and `HostStage::wait` returns the words
+    /// as they were at this point of the stream.
+    pub fn read_staged(&self, src: &DevBuf, stage: &mut HostStage) -> Result<(), BackendError> {
+        let n = stage.buf.len().min(src.bytes / 4);
+        let host = stage
+            .buf
+            .as_mut_slice()
+            .map_err(dev_err("page-locked host memory"))?;
+        unsafe { dres::memcpy_dtoh_async(&mut host[..n], src.ptr, self.stream.cu_stream()) }
+            .map_err(dev_err("copy from device"))?;
+        stage.ev.record(&self.stream).map_err(dev_err("record event"))
     }
 
     /// Zero `buf` in stream order.

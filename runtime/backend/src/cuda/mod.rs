@@ -25,6 +25,12 @@
 //!   `max_step_tokens` runs as several chunks in order.
 //! - A pure decode step of one sequence is one launch of the persistent `decode_1` kernel
 //!   (`decode.rs`; its inputs are kernel arguments) unless `CudaOptions::persistent_decode` is off.
+//! - Run-ahead (`CudaOptions::run_ahead`): when such a step's token is the device's greedy pick, the
+//!   next step (position + 1, its token read on the device from this step's pick) is enqueued
+//!   before the host waits for this one, so the host's and the engine's work between tokens overlap
+//!   the GPU's. When the engine's next call is exactly that step, it only collects it; otherwise the
+//!   run-ahead launch was spare work whose only writes are the scratch outputs and the KV entry at
+//!   that position, which every later step writes before it reads it.
 //! - A pure decode step (every sequence one token) of `n` sequences otherwise replays a graph captured
 //!   for (n, attention splits); inputs reach the graph only through the fixed token/pos/slot/sel buffers.
 //! - Requests without penalties, logit bias or logprob lists are sampled on the device: greedy inside
@@ -66,6 +72,9 @@ pub struct CudaOptions {
     /// Run one sequence's decode steps with the persistent `decode_1` kernel (`decode.rs`); default
     /// on unless `METRALE_CUDA_DECODE1=0`.
     pub persistent_decode: bool,
+    /// Enqueue the next greedy `decode_1` step before waiting for this one (module docs); default on
+    /// unless `METRALE_CUDA_RUN_AHEAD=0`.
+    pub run_ahead: bool,
 }
 
 impl Default for CudaOptions {
@@ -77,6 +86,9 @@ impl Default for CudaOptions {
             max_step_tokens: 512,
             graphs: true,
             persistent_decode: decode::enabled(),
+            run_ahead: std::env::var("METRALE_CUDA_RUN_AHEAD")
+                .map(|v| v != "0")
+                .unwrap_or(true),
         }
     }
 }
@@ -141,6 +153,11 @@ pub struct CudaBackend {
     decode1: Option<decode::Decode1>,
     /// Inputs of the last `decode_1` launch (benchmarks replay it).
     last_decode1: Option<decode::Step>,
+    /// The run-ahead `decode_1` launch in the stream, if any: its (slot, position) and the token it
+    /// reads on the device (the pick of the step before it).
+    ahead: Option<(i32, i32, u32)>,
+    /// Page-locked copy of `io_out` for steps that do not wait for the whole stream.
+    out_stage: gpu::HostStage,
     /// (tokens, splits) of the last chunk run
     last_key: Option<(usize, usize)>,
     weight_bytes: u64,
@@ -157,11 +174,17 @@ pub struct Stats {
     pub direct_steps: u64,
     /// Decode steps run by the persistent `decode_1` kernel.
     pub decode1_launches: u64,
+    /// `decode_1` steps enqueued ahead of the engine's call, and how many of them the engine then
+    /// asked for (the rest were spare work).
+    pub run_ahead_launches: u64,
+    pub run_ahead_hits: u64,
 }
 
 // SAFETY: the backend is used by one thread at a time (`&mut self`); cudarc binds the context to the
 // calling thread before every driver call, and the graphs are only touched through `&mut self`.
 unsafe impl Send for CudaBackend {}
+
+const DECODE1_REFUSED: &str = "decode_1 refused to run: its dynamic shared memory is smaller than the kernel's layout (runtime/backend/src/cuda/decode.rs disagrees with kernels/cuda/decode.cu.hbs)";
 
 fn model_err(e: impl std::fmt::Display) -> BackendError {
     BackendError::Model(e.to_string())
@@ -364,6 +387,7 @@ impl CudaBackend {
         } else {
             None
         };
+        let out_stage = gpu.host_stage(2 * opts.slots)?;
         let decode1 = if opts.persistent_decode {
             let ptrs: Vec<decode::LayerPtrs> = layers.iter().map(decode::LayerPtrs::from).collect();
             decode::Decode1::new(&gpu, &ptrs)?
@@ -383,6 +407,8 @@ impl CudaBackend {
             prefill,
             decode1,
             last_decode1: None,
+            ahead: None,
+            out_stage,
             last_key: None,
             weight_bytes,
             kv_bytes,
@@ -820,6 +846,12 @@ impl Backend for CudaBackend {
 
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError> {
         self.validate(batch)?;
+        let ahead = self.ahead.take();
+        if let [s] = batch {
+            if s.tokens.len() == 1 && device_greedy(s) && self.decode1.is_some() {
+                return Ok(vec![self.greedy_decode1(s, ahead)?]);
+            }
+        }
         let decode = batch.iter().all(|s| s.tokens.len() == 1);
         let maxt = self.opts.max_step_tokens;
         let mut outputs: Vec<Option<SeqOutput>> = vec![None; batch.len()];
@@ -863,13 +895,61 @@ impl Backend for CudaBackend {
             .collect())
     }
 
-    fn release(&mut self, _slot: SlotId) {
+    fn release(&mut self, slot: SlotId) {
+        if self.ahead.is_some_and(|a| a.0 == slot as i32) {
+            self.ahead = None; // its launch is spare work now (module docs)
+        }
         // Attention reads only positions < start_pos + len of the slot's next step, which that step
         // writes first: nothing to clear.
     }
 }
 
 impl CudaBackend {
+    /// One sequence's greedy decode step by `decode_1`, with run-ahead (module docs): launch it unless
+    /// `ahead` already did, copy its pick back in stream order, enqueue the next step, then wait
+    /// for the copy only.
+    fn greedy_decode1(
+        &mut self,
+        s: &SeqStep<'_>,
+        ahead: Option<(i32, i32, u32)>,
+    ) -> Result<SeqOutput, BackendError> {
+        let (token, pos, slot) = (s.tokens[0], s.start_pos as i32, s.slot as i32);
+        if ahead == Some((slot, pos, token)) {
+            self.stats.run_ahead_hits += 1;
+        } else {
+            self.launch_decode1(decode::Step {
+                token: token as i32,
+                pos,
+                slot,
+            })?;
+        }
+        self.gpu.read_staged(&self.b.io_out, &mut self.out_stage)?;
+        self.last_key = None;
+        let run_ahead = self.opts.run_ahead && s.start_pos + 2 <= self.opts.slot_capacity;
+        if run_ahead {
+            self.launch_decode1(decode::Step {
+                token: decode::TOKEN_FROM_DEVICE,
+                pos: pos + 1,
+                slot,
+            })?;
+            self.stats.run_ahead_launches += 1;
+        }
+        let out = self.out_stage.wait()?;
+        let (tok, lp) = (out[0] as i32, f32::from_bits(out[self.opts.slots]));
+        if tok == -2 {
+            return Err(BackendError::Device(DECODE1_REFUSED.into()));
+        }
+        if run_ahead {
+            self.ahead = Some((slot, pos + 1, tok as u32));
+        }
+        Ok(SeqOutput {
+            token: tok as u32,
+            logprob: lp,
+            top_logprobs: Vec::new(),
+            logits: None,
+        })
+    }
+
     /// Turn the device outputs of a chunk into `SeqOutput`s for the sequences it finished.
     fn collect(
         &self,
@@ -887,9 +967,7 @@ impl CudaBackend {
         self.gpu.read(&self.b.io_out, 0, &mut io)?;
         let tok: Vec<i32> = io[..n].iter().map(|&v| v as i32).collect();
         if tok[0] == -2 && self.last_decode1.is_some() {
-            return Err(BackendError::Device(
-                "decode_1 refused to run: its dynamic shared memory is smaller than the kernel's layout (runtime/backend/src/cuda/decode.rs disagrees with kernels/cuda/decode.cu.hbs)".into(),
-            ));
+            return Err(BackendError::Device(DECODE1_REFUSED.into()));
         }
         let lp: Vec<f32> = io[nout..nout + n]
             .iter()
