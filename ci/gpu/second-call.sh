@@ -16,7 +16,7 @@ grep -E "test result|rel L2|panicked" $R/model-test.txt
 for run in ${RUNS:-1 2}; do
   bench --out $R/bench-decode1-$run.json --trace $R/trace-$run.bin > $R/bench-decode1-$run.log 2>&1
   [ -n "${GRAPHS:-1}" ] && METRALE_CUDA_DECODE1=0 bench --batch 1 --out $R/bench-graphs-$run.json > $R/bench-graphs-$run.log 2>&1
-  [ -n "${NOAHEAD:-1}" ] && METRALE_CUDA_RUN_AHEAD=0 bench --batch 1 --pp 64 --out $R/bench-noahead-$run.json > $R/bench-noahead-$run.log 2>&1
+  [ -n "${AHEAD:-1}" ] && METRALE_CUDA_RUN_AHEAD=1 bench --batch 1 --pp 64 --out $R/bench-ahead-$run.json > $R/bench-ahead-$run.log 2>&1
 done
 for fl in ${FLAGS:-}; do
   METRALE_CUDA_DECODE1_FLAGS=$fl bench --batch 1 --pp 64 --out $R/bench-flags$fl.json --trace $R/trace-flags$fl.bin > $R/bench-flags$fl.log 2>&1
@@ -31,6 +31,7 @@ if [ -f .carry2/srv.tar.xz ]; then
   mkdir -p ~/srv && tar xJf .carry2/srv.tar.xz -C ~/srv
   python3 ci/gpu/serve_check.py ~/srv/metrale-server ~/m/model.gguf 8090 > $R/serve-h200.txt 2>&1; tail -2 $R/serve-h200.txt
   ~/srv/xtask bench-record ~/srv/metrale-server --model ~/m/model.gguf --out $R/records > $R/bench-record.log 2>&1; tail -3 $R/bench-record.log
+  [ -n "${AHEAD:-1}" ] && { METRALE_CUDA_RUN_AHEAD=1 ~/srv/xtask bench-record ~/srv/metrale-server --model ~/m/model.gguf --out $R/records-ahead > $R/bench-record-ahead.log 2>&1; tail -3 $R/bench-record-ahead.log; }
   ~/srv/metrale-server --attestation > $R/attestation-embedded.json 2>/dev/null; sha256sum ~/srv/metrale-server >> $R/model-sha256.txt
 fi
 tar czf $OUT/results.tgz -C $HOME results

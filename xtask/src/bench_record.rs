@@ -12,7 +12,9 @@
 //! - `concurrent`: for each `--concurrency` value c, c simultaneous streams of `--gen-tokens` tokens:
 //!   total generated tokens over wall time, and the median per-stream inter-token latency.
 //!
-//! Everything goes over loopback HTTP to the real binary: the numbers are what a client sees.
+//! Everything goes over loopback HTTP to the real binary: the numbers are what a client sees. The
+//! server inherits this process's environment, so the record lists the variables that steer it
+//! (`METRALE_*`, `CUDA_*`: the backend's A/B knobs) under `settings.server_env`.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -162,7 +164,7 @@ pub fn run(args: Args) -> Result<()> {
         "model": {"path": args.model.display().to_string(), "sha256": file_sha256(&args.model).ok()},
         "machine": machine(),
         "settings": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "reps": args.reps,
-                     "server_args": server_args},
+                     "server_args": server_args, "server_env": server_env(std::env::vars())},
         "metrics": {
             "cold_start_s": cold_start_s,
             "health_s": health_s,
@@ -183,6 +185,14 @@ pub fn run(args: Args) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(&record["metrics"])?);
     println!("{}", file.display());
     Ok(())
+}
+
+/// The environment variables that change what the server runs (its backend's knobs), sorted.
+fn server_env(
+    vars: impl Iterator<Item = (String, String)>,
+) -> std::collections::BTreeMap<String, String> {
+    vars.filter(|(k, _)| k.starts_with("METRALE_") || k.starts_with("CUDA_"))
+        .collect()
 }
 
 /// Kills the server when the benchmark ends, on every path.
@@ -363,4 +373,25 @@ fn median(v: &mut [f64]) -> f64 {
     }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn server_env_keeps_only_the_knobs() {
+        let vars = [
+            ("PATH", "/bin"),
+            ("METRALE_CUDA_RUN_AHEAD", "1"),
+            ("CUDA_VISIBLE_DEVICES", "0"),
+            ("HOME", "/r"),
+        ];
+        let env = super::server_env(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        assert_eq!(
+            env.into_iter().collect::<Vec<_>>(),
+            [
+                ("CUDA_VISIBLE_DEVICES".into(), "0".into()),
+                ("METRALE_CUDA_RUN_AHEAD".into(), "1".into())
+            ]
+        );
+    }
 }

@@ -212,14 +212,33 @@ fn greedy_64_tokens_match_cpu_backend() {
         gpu.stats.graph_launches + gpu.stats.decode1_launches >= (STEPS - 1) as u64,
         "decode steps ran neither graphs nor the persistent kernel"
     );
-    if gpu.decode1_info().is_some() {
-        // run-ahead: every greedy decode step after the first was already in the stream when the
-        // engine asked for it, with its token read on the device (and the tokens above are the CPU's)
-        assert!(
-            gpu.stats.run_ahead_hits >= (STEPS - 2) as u64,
-            "run-ahead launches were not used: {:?}",
-            gpu.stats
+
+    // run-ahead: every greedy decode step after the first is already in the stream when it is asked
+    // for (its token read on the device); the tokens are the CPU's all the same. Then a spare
+    // run-ahead launch (the sequence released) must not disturb the next sequence in that slot.
+    let mut ahead = cuda(
+        &s,
+        CudaOptions {
+            slots: 2,
+            slot_capacity: 1024,
+            run_ahead: true,
+            ..Default::default()
+        },
+    );
+    if ahead.decode1_info().is_some() {
+        let (got_a, _) = generate(&mut ahead, std::slice::from_ref(&p), STEPS);
+        assert_eq!(
+            got_a[0], want[0],
+            "run-ahead tokens differ from the CPU backend"
         );
+        assert!(
+            ahead.stats.run_ahead_hits >= (STEPS - 2) as u64,
+            "run-ahead launches were not used: {:?}",
+            ahead.stats
+        );
+        ahead.release(0);
+        let (again, _) = generate(&mut ahead, std::slice::from_ref(&p), 16);
+        assert_eq!(again[0], want[0][..16], "after a spare run-ahead launch");
     }
 
     // the per-stage kernels' graphs (the persistent kernel off) give the same tokens

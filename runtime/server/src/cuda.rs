@@ -27,5 +27,6 @@ pub fn load(
             target.id
         )
     })?;
+    eprintln!("  {}", b.decode_summary());
     Ok(Box::new(b))
 }

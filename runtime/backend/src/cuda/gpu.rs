@@ -878,7 +878,10 @@ impl Gpu {
             .map_err(dev_err("page-locked host memory"))?;
         unsafe { dres::memcpy_dtoh_async(&mut host[..n], src.ptr, self.stream.cu_stream()) }
             .map_err(dev_err("copy from device"))?;
-        stage.ev.record(&self.stream).map_err(dev_err("record event"))
+        stage
+            .ev
+            .record(&self.stream)
+            .map_err(dev_err("record event"))
     }
 
     /// Zero `buf` in stream order.

@@ -25,7 +25,7 @@
 //!   `max_step_tokens` runs as several chunks in order.
 //! - A pure decode step of one sequence is one launch of the persistent `decode_1` kernel
 //!   (`decode.rs`; its inputs are kernel arguments) unless `CudaOptions::persistent_decode` is off.
-//! - Run-ahead (`CudaOptions::run_ahead`): when such a step's token is the device's greedy pick, the
+//! - Run-ahead (`CudaOptions::run_ahead`, off by default until measured): when such a step's token is the device's greedy pick, the
 //!   next step (position + 1, its token read on the device from this step's pick) is enqueued
 //!   before the host waits for this one, so the host's and the engine's work between tokens overlap
 //!   the GPU's. When the engine's next call is exactly that step, it only collects it; otherwise the
@@ -72,8 +72,9 @@ pub struct CudaOptions {
     /// Run one sequence's decode steps with the persistent `decode_1` kernel (`decode.rs`); default
     /// on unless `METRALE_CUDA_DECODE1=0`.
     pub persistent_decode: bool,
-    /// Enqueue the next greedy `decode_1` step before waiting for this one (module docs); default on
-    /// unless `METRALE_CUDA_RUN_AHEAD=0`.
+    /// Enqueue the next greedy `decode_1` step before waiting for this one (module docs). Off by
+    /// default until it has been measured on a GPU (bench/cuda/NOTES.md, session 3);
+    /// `METRALE_CUDA_RUN_AHEAD=1` turns it on.
     pub run_ahead: bool,
 }
 
@@ -86,9 +87,7 @@ impl Default for CudaOptions {
             max_step_tokens: 512,
             graphs: true,
             persistent_decode: decode::enabled(),
-            run_ahead: std::env::var("METRALE_CUDA_RUN_AHEAD")
-                .map(|v| v != "0")
-                .unwrap_or(true),
+            run_ahead: std::env::var("METRALE_CUDA_RUN_AHEAD").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -597,6 +596,26 @@ impl CudaBackend {
         self.gpu.sync()?;
         let k = self.decode1.as_ref().expect("checked above");
         Ok(Some((k.blocks, k.read_trace(&self.gpu)?)))
+    }
+
+    /// One line for the server's start-up log: which decode paths run, with their knobs.
+    pub fn decode_summary(&self) -> String {
+        let one = match &self.decode1 {
+            Some(k) => format!(
+                "one sequence: persistent decode_1 ({} blocks, splits {:?}, flags {}), run-ahead {}",
+                k.blocks,
+                k.split,
+                k.flags,
+                if self.opts.run_ahead { "on" } else { "off" }
+            ),
+            None => "one sequence: per-stage kernels".into(),
+        };
+        let many = if self.opts.graphs {
+            "CUDA graphs"
+        } else {
+            "direct launches"
+        };
+        format!("decode: {one}; several sequences: per-stage kernels, {many}")
     }
 
     /// The persistent decode kernel, when loaded: (blocks, dynamic shared bytes, registers and local
