@@ -155,8 +155,9 @@ pub struct CudaBackend {
     /// The run-ahead `decode_1` launch in the stream, if any: its (slot, position) and the token it
     /// reads on the device (the pick of the step before it).
     ahead: Option<(i32, i32, u32)>,
-    /// Page-locked copy of `io_out` for steps that do not wait for the whole stream.
-    out_stage: gpu::HostStage,
+    /// Page-locked copy of `io_out` for run-ahead steps, which do not wait for the whole stream
+    /// (`Some` when `opts.run_ahead`).
+    out_stage: Option<gpu::HostStage>,
     /// (tokens, splits) of the last chunk run
     last_key: Option<(usize, usize)>,
     weight_bytes: u64,
@@ -386,7 +387,11 @@ impl CudaBackend {
         } else {
             None
         };
-        let out_stage = gpu.host_stage(2 * opts.slots)?;
+        let out_stage = if opts.run_ahead {
+            Some(gpu.host_stage(2 * opts.slots)?)
+        } else {
+            None
+        };
         let decode1 = if opts.persistent_decode {
             let ptrs: Vec<decode::LayerPtrs> = layers.iter().map(decode::LayerPtrs::from).collect();
             decode::Decode1::new(&gpu, &ptrs)?
@@ -867,7 +872,11 @@ impl Backend for CudaBackend {
         self.validate(batch)?;
         let ahead = self.ahead.take();
         if let [s] = batch {
-            if s.tokens.len() == 1 && device_greedy(s) && self.decode1.is_some() {
+            if s.tokens.len() == 1
+                && device_greedy(s)
+                && self.decode1.is_some()
+                && self.out_stage.is_some()
+            {
                 return Ok(vec![self.greedy_decode1(s, ahead)?]);
             }
         }
@@ -924,7 +933,7 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// One sequence's greedy decode step by `decode_1`, with run-ahead (module docs): launch it unless
+    /// One sequence's greedy decode step by `decode_1` with run-ahead (module docs): launch it unless
     /// `ahead` already did, copy its pick back in stream order, enqueue the next step, then wait
     /// for the copy only.
     fn greedy_decode1(
@@ -942,9 +951,10 @@ impl CudaBackend {
                 slot,
             })?;
         }
-        self.gpu.read_staged(&self.b.io_out, &mut self.out_stage)?;
+        let stage = self.out_stage.as_mut().expect("checked by the caller");
+        self.gpu.read_staged(&self.b.io_out, stage)?;
         self.last_key = None;
-        let run_ahead = self.opts.run_ahead && s.start_pos + 2 <= self.opts.slot_capacity;
+        let run_ahead = s.start_pos + 2 <= self.opts.slot_capacity;
         if run_ahead {
             self.launch_decode1(decode::Step {
                 token: decode::TOKEN_FROM_DEVICE,
@@ -953,7 +963,11 @@ impl CudaBackend {
             })?;
             self.stats.run_ahead_launches += 1;
         }
-        let out = self.out_stage.wait()?;
+        let out = self
+            .out_stage
+            .as_ref()
+            .expect("checked by the caller")
+            .wait()?;
         let (tok, lp) = (out[0] as i32, f32::from_bits(out[self.opts.slots]));
         if tok == -2 {
             return Err(BackendError::Device(DECODE1_REFUSED.into()));
