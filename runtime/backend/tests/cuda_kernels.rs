@@ -140,6 +140,7 @@ impl Mat {
             rows: self.rows,
             cols: self.k,
             data: &self.data,
+            packed: false,
         }
     }
     fn host(&self, f: DevFormat) -> HostMat {

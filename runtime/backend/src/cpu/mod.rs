@@ -76,6 +76,8 @@ pub struct QTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<u8>,
+    /// Q4_1 rows packed for the AVX2 kernels (`qact::pack_q4_1`).
+    pub packed: bool,
 }
 
 impl QTensor {
@@ -85,7 +87,18 @@ impl QTensor {
             rows: self.rows,
             cols: self.cols,
             data: &self.data,
+            packed: self.packed,
         }
+    }
+
+    /// Pack a Q4_1 matrix's rows for the AVX2 kernels when this CPU runs them (layer matrices
+    /// only: the embedding is read by rows in GGUF order).
+    fn packed_for_this_cpu(mut self) -> QTensor {
+        if self.dtype == DType::Q4_1 && !self.packed && qact::packs_q4_1() {
+            qact::pack_q4_1(&mut self.data, self.cols);
+            self.packed = true;
+        }
+        self
     }
 }
 
@@ -170,6 +183,7 @@ fn load_matrix(
         rows,
         cols,
         data: t.data.to_vec(),
+        packed: false,
     })
 }
 
@@ -227,14 +241,14 @@ impl CpuBackend {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: load_vector(model, &n("attn_norm"), h)?,
-                wq: load_matrix(model, &n("attn_q"), q, h)?,
-                wk: load_matrix(model, &n("attn_k"), kv, h)?,
-                wv: load_matrix(model, &n("attn_v"), kv, h)?,
-                wo: load_matrix(model, &n("attn_output"), h, q)?,
+                wq: load_matrix(model, &n("attn_q"), q, h)?.packed_for_this_cpu(),
+                wk: load_matrix(model, &n("attn_k"), kv, h)?.packed_for_this_cpu(),
+                wv: load_matrix(model, &n("attn_v"), kv, h)?.packed_for_this_cpu(),
+                wo: load_matrix(model, &n("attn_output"), h, q)?.packed_for_this_cpu(),
                 ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
-                w_gate: load_matrix(model, &n("ffn_gate"), f, h)?,
-                w_up: load_matrix(model, &n("ffn_up"), f, h)?,
-                w_down: load_matrix(model, &n("ffn_down"), h, f)?,
+                w_gate: load_matrix(model, &n("ffn_gate"), f, h)?.packed_for_this_cpu(),
+                w_up: load_matrix(model, &n("ffn_up"), f, h)?.packed_for_this_cpu(),
+                w_down: load_matrix(model, &n("ffn_down"), h, f)?.packed_for_this_cpu(),
             });
         }
         let inv_freq = model_inv_freq(c, dims.head_dim, || {

@@ -551,6 +551,9 @@ pub struct MatRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// Q4_1 rows in the packed order of [`super::qact::pack_q4_1_row`] (the CPU backend's layer
+    /// matrices on AVX2 CPUs), not GGUF's.
+    pub packed: bool,
 }
 
 impl MatRef<'_> {
@@ -633,6 +636,10 @@ pub fn matmul_rows(
     n_tok: usize,
     out_t: &mut [f32],
 ) {
+    assert!(
+        !w.packed,
+        "matmul_rows reads GGUF order (unpack packed rows first)"
+    );
     #[cfg(target_arch = "x86_64")]
     {
         if simd_level() == "avx2" {
@@ -760,7 +767,24 @@ pub fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut 
     };
     let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
     par_rows_many(&rows, n_tok, outs, |i, r0, o| {
-        matmul_rows(ws[i], r0, x, &xs, n_tok, o)
+        let w = ws[i];
+        if !w.packed {
+            return matmul_rows(w, r0, x, &xs, n_tok, o);
+        }
+        // the f32 reference reads GGUF order: unpack this chunk's rows first
+        let rb = w.row_bytes();
+        let n = o.len() / n_tok;
+        let mut rows = vec![0u8; n * rb];
+        for (k, dst) in rows.chunks_exact_mut(rb).enumerate() {
+            super::qact::unpack_q4_1_row(&w.data[(r0 + k) * rb..(r0 + k + 1) * rb], dst);
+        }
+        let plain = MatRef {
+            rows: n,
+            data: &rows,
+            packed: false,
+            ..w
+        };
+        matmul_rows(plain, 0, x, &xs, n_tok, o)
     });
 }
 
@@ -822,6 +846,7 @@ mod tests {
                 rows,
                 cols,
                 data: &w,
+                packed: false,
             };
             let mut got = vec![0f32; rows * 3];
             let pool = rayon::ThreadPoolBuilder::new()

@@ -9,18 +9,106 @@
 //! (the f32 path: 5e-5), the same top-1 everywhere (see the golden test). The cost is widening the
 //! weights to i16 (`vpmaddwd` instead of `vpmaddubsw`), done once per block for up to 4 tokens.
 //!
+//! Q4_1 weights are repacked once at load when the CPU has AVX2 ([`pack_q4_1`], `MatRef::packed`):
+//! per row, groups of 8 blocks store their 8 scales, their 8 minimums and then their nibbles
+//! interleaved so that one 16-byte load, widened to 16-bit lanes, holds 2 + 2 elements of each of
+//! the 8 blocks. One `vpmaddwd` then works on 8 blocks at once and its 8 lanes are the 8 blocks' sums:
+//! no horizontal sum, scale broadcast or scalar offset per block (1.3 instead of 2.3 ns per block on
+//! one Zen 3 core). The activations are permuted to match once per product
+//! ([`QuantizedActs::qp`]). A row's last group may hold fewer than 8 blocks (576 columns: 8 + 8 + 2);
+//! it is laid out alike and its missing lanes are masked.
+//!
 //! Invariants: integer block sums are exact (|w| <= 128, |q| <= 32767: a 32-element block sum stays
 //! below 2^27); AVX2 and generic code give the same block sums; only the f32 summation order of the
-//! blocks differs.
+//! blocks differs. Packed rows have the GGUF row's size and `unpack_q4_1_row` restores it bit for bit.
 
 use super::ops::{f16_to_f32, MatRef};
 use metrale_core::dtype::{DType, QK};
+
+/// Blocks per group of a packed Q4_1 row.
+pub const GROUP: usize = 8;
+const Q41_BYTES: usize = 20;
+/// Bytes a packed matrix keeps after its last row: the last group's 16-byte nibble loads may reach
+/// past the row when it has fewer than 8 blocks (those lanes are multiplied by zero activations).
+pub const PACK_PAD: usize = 16;
+
+/// Byte offsets of a group of `n` blocks (8, or fewer for the last one): its scales, its minimums,
+/// and load `l`'s nibble bytes (2 per block).
+fn group_offsets(n: usize) -> (usize, usize, impl Fn(usize) -> usize) {
+    (0, 2 * n, move |l| 4 * n + 2 * n * l)
+}
+
+/// Pack one GGUF Q4_1 row (`src`, blocks of 20 bytes) into `dst` (same size; module docs): groups
+/// of 8 blocks (the last one may be shorter, `n` blocks), each `[n x f16 d][n x f16 m]` then 8 loads
+/// of `2n` bytes, where byte `2i + e` of load `l` is byte `2l + e` of block `i`'s nibbles.
+pub fn pack_q4_1_row(src: &[u8], dst: &mut [u8]) {
+    assert_eq!(src.len(), dst.len());
+    assert_eq!(src.len() % Q41_BYTES, 0);
+    let nb = src.len() / Q41_BYTES;
+    for g0 in (0..nb).step_by(GROUP) {
+        let n = GROUP.min(nb - g0);
+        let blk = |i: usize| &src[(g0 + i) * Q41_BYTES..(g0 + i + 1) * Q41_BYTES];
+        let out = &mut dst[g0 * Q41_BYTES..(g0 + n) * Q41_BYTES];
+        let (od, om, ol) = group_offsets(n);
+        for i in 0..n {
+            out[od + 2 * i..od + 2 * i + 2].copy_from_slice(&blk(i)[0..2]);
+            out[om + 2 * i..om + 2 * i + 2].copy_from_slice(&blk(i)[2..4]);
+            for l in 0..8 {
+                out[ol(l) + 2 * i..ol(l) + 2 * i + 2]
+                    .copy_from_slice(&blk(i)[4 + 2 * l..6 + 2 * l]);
+            }
+        }
+    }
+}
+
+/// The inverse of [`pack_q4_1_row`].
+pub fn unpack_q4_1_row(src: &[u8], dst: &mut [u8]) {
+    assert_eq!(src.len(), dst.len());
+    assert_eq!(src.len() % Q41_BYTES, 0);
+    let nb = src.len() / Q41_BYTES;
+    for g0 in (0..nb).step_by(GROUP) {
+        let n = GROUP.min(nb - g0);
+        let inp = &src[g0 * Q41_BYTES..(g0 + n) * Q41_BYTES];
+        let (od, om, ol) = group_offsets(n);
+        for i in 0..n {
+            let blk = &mut dst[(g0 + i) * Q41_BYTES..(g0 + i + 1) * Q41_BYTES];
+            blk[0..2].copy_from_slice(&inp[od + 2 * i..od + 2 * i + 2]);
+            blk[2..4].copy_from_slice(&inp[om + 2 * i..om + 2 * i + 2]);
+            for l in 0..8 {
+                blk[4 + 2 * l..6 + 2 * l].copy_from_slice(&inp[ol(l) + 2 * i..ol(l) + 2 * i + 2]);
+            }
+        }
+    }
+}
+
+/// Pack every row of a Q4_1 matrix of `cols` columns in place (see [`pack_q4_1_row`]) and append
+/// [`PACK_PAD`] zero bytes.
+pub fn pack_q4_1(data: &mut Vec<u8>, cols: usize) {
+    let rb = cols / QK * Q41_BYTES;
+    let mut row = vec![0u8; rb];
+    for r in data.chunks_exact_mut(rb) {
+        row.copy_from_slice(r);
+        pack_q4_1_row(&row, r);
+    }
+    data.extend_from_slice(&[0; PACK_PAD]);
+}
+
+/// Whether this CPU runs packed Q4_1 rows faster (AVX2); the CPU backend packs its Q4_1 matrices
+/// only then.
+pub fn packs_q4_1() -> bool {
+    super::ops::simd_level() == "avx2"
+}
 
 /// One or more activation rows quantized per 32-element block.
 pub struct QuantizedActs {
     pub cols: usize,
     /// `[n_tok][cols]` 16-bit values.
     pub q: Vec<i16>,
+    /// `q` in the order packed Q4_1 rows need, `qp_stride` values per token: per group of 8 blocks
+    /// (256 values; the last group zero-padded to 256), for load `l`, 16 values for the low nibbles
+    /// (`2i + e` = block `i`, element `2l + e`) then 16 for the high ones (element `2l + e + 16`).
+    pub qp: Vec<i16>,
+    pub qp_stride: usize,
     /// `[n_tok][cols / 32]` block scales.
     pub d: Vec<f32>,
     /// `[n_tok][cols / 32]` exact f32 sums of each block of `x` (for the Q4_0/Q4_1 offsets).
@@ -51,7 +139,29 @@ impl QuantizedActs {
             *db = scale;
             *sb = xb.iter().sum();
         }
-        QuantizedActs { cols, q, d, s }
+        let nbr = cols / QK;
+        let qp_stride = nbr.div_ceil(GROUP) * GROUP * QK;
+        let mut qp = vec![0i16; qp_stride * (x.len() / cols.max(1))];
+        for (src, dst) in q.chunks_exact(cols).zip(qp.chunks_exact_mut(qp_stride)) {
+            for b in 0..nbr {
+                let (g, i) = (b / GROUP, b % GROUP);
+                let dg = &mut dst[g * GROUP * QK..];
+                for l in 0..8 {
+                    for e in 0..2 {
+                        dg[32 * l + 2 * i + e] = src[QK * b + 2 * l + e];
+                        dg[32 * l + 16 + 2 * i + e] = src[QK * b + 16 + 2 * l + e];
+                    }
+                }
+            }
+        }
+        QuantizedActs {
+            cols,
+            q,
+            qp,
+            qp_stride,
+            d,
+            s,
+        }
     }
 }
 
@@ -194,6 +304,91 @@ mod avx2 {
         out
     }
 
+    /// Dots of one packed Q4_1 row of `nb` blocks (module docs) with `N` activation rows in packed
+    /// order (`qp`, with their block scales `d` and sums `s`): per load, the weight bytes are
+    /// widened once and split into nibbles for all tokens; each `vpmaddwd` lane is one block's
+    /// running sum, so scales and minimums apply to 8 blocks at once. The last group may hold fewer
+    /// blocks: its loads reach into the bytes after it (the next row or [`PACK_PAD`]), whose lanes
+    /// meet zero activations, and its scales, minimums, `d` and `s` are masked to its blocks.
+    #[inline(always)]
+    unsafe fn dot_packed<const N: usize>(
+        row: *const u8,
+        nb: usize,
+        qp: [*const i16; N],
+        d: [*const f32; N],
+        s: [*const f32; N],
+    ) -> [f32; N] {
+        let mask = _mm256_set1_epi16(0x0f);
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut off = [_mm256_setzero_ps(); N];
+        for g0 in (0..nb).step_by(GROUP) {
+            let n = GROUP.min(nb - g0);
+            let base = row.add(g0 * Q41_BYTES);
+            let mut isum = [_mm256_setzero_si256(); N];
+            for l in 0..8 {
+                let w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                    base.add(4 * n + 2 * n * l) as *const __m128i
+                ));
+                let (lo, hi) = (_mm256_and_si256(w16, mask), _mm256_srli_epi16(w16, 4));
+                for t in 0..N {
+                    let x = qp[t].add(g0 * QK + 32 * l);
+                    let p = _mm256_add_epi32(
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256(x as *const __m256i)),
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256(x.add(16) as *const __m256i)),
+                    );
+                    isum[t] = _mm256_add_epi32(isum[t], p);
+                }
+            }
+            let mut wd = _mm256_cvtph_ps(_mm_loadu_si128(base as *const __m128i));
+            let mut wm = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * n) as *const __m128i));
+            if n == GROUP {
+                for t in 0..N {
+                    let sc = _mm256_mul_ps(wd, _mm256_loadu_ps(d[t].add(g0)));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
+                    off[t] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(s[t].add(g0)), off[t]);
+                }
+            } else {
+                // lanes >= n hold other bytes (possibly NaN as f16): zero them before any product
+                let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane);
+                wd = _mm256_and_ps(wd, _mm256_castsi256_ps(valid));
+                wm = _mm256_and_ps(wm, _mm256_castsi256_ps(valid));
+                for t in 0..N {
+                    let dt = _mm256_maskload_ps(d[t].add(g0), valid);
+                    let st = _mm256_maskload_ps(s[t].add(g0), valid);
+                    let sc = _mm256_mul_ps(wd, dt);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
+                    off[t] = _mm256_fmadd_ps(wm, st, off[t]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum(_mm256_add_ps(acc[t], off[t]));
+        }
+        out
+    }
+
+    /// Dots of one row with `N` activation rows (tokens `t0..t0 + N`).
+    #[inline(always)]
+    unsafe fn dot_row<const K: u8, const N: usize>(
+        row: *const u8,
+        nb: usize,
+        packed: bool,
+        a: &QuantizedActs,
+        t0: usize,
+    ) -> [f32; N] {
+        let d: [*const f32; N] = std::array::from_fn(|t| a.d.as_ptr().add((t0 + t) * nb));
+        let s: [*const f32; N] = std::array::from_fn(|t| a.s.as_ptr().add((t0 + t) * nb));
+        if packed && K == Q4_1 {
+            let qp: [*const i16; N] =
+                std::array::from_fn(|t| a.qp.as_ptr().add((t0 + t) * a.qp_stride));
+            return dot_packed::<N>(row, nb, qp, d, s);
+        }
+        let q: [*const i16; N] = std::array::from_fn(|t| a.q.as_ptr().add((t0 + t) * a.cols));
+        dot_rn::<K, 1, N>(row, 0, nb, q, d, s)[0]
+    }
+
     #[inline(always)]
     unsafe fn rows_k<const K: u8>(
         w: MatRef<'_>,
@@ -205,26 +400,16 @@ mod avx2 {
         let rb = w.row_bytes();
         let nb = w.cols / QK;
         let nrows = out_t.len() / n_tok;
-        let ptrs = |t: usize| {
-            (
-                a.q.as_ptr().add(t * w.cols),
-                a.d.as_ptr().add(t * nb),
-                a.s.as_ptr().add(t * nb),
-            )
-        };
         for rr in 0..nrows {
             let row = w.data.as_ptr().add((r0 + rr) * rb);
+            let out = &mut out_t[rr * n_tok..(rr + 1) * n_tok];
             let mut t = 0;
             while t + 4 <= n_tok {
-                let p = [ptrs(t), ptrs(t + 1), ptrs(t + 2), ptrs(t + 3)];
-                let r =
-                    dot_rn::<K, 1, 4>(row, rb, nb, p.map(|x| x.0), p.map(|x| x.1), p.map(|x| x.2));
-                out_t[rr * n_tok + t..rr * n_tok + t + 4].copy_from_slice(&r[0]);
+                out[t..t + 4].copy_from_slice(&dot_row::<K, 4>(row, nb, w.packed, a, t));
                 t += 4;
             }
             while t < n_tok {
-                let p = ptrs(t);
-                out_t[rr * n_tok + t] = dot_rn::<K, 1, 1>(row, rb, nb, [p.0], [p.1], [p.2])[0][0];
+                out[t] = dot_row::<K, 1>(row, nb, w.packed, a, t)[0];
                 t += 1;
             }
         }
@@ -288,7 +473,15 @@ pub fn matmul_rows_qact(
     let nb = w.cols / QK;
     let nrows = out_t.len() / n_tok;
     assert!(
-        (r0 + nrows) * rb <= w.data.len() && a.q.len() >= n_tok * w.cols && a.d.len() >= n_tok * nb
+        a.cols == w.cols
+            && (r0 + nrows) * rb <= w.data.len()
+            && a.q.len() >= n_tok * w.cols
+            && a.qp.len() >= n_tok * a.qp_stride
+            && a.d.len() >= n_tok * nb
+    );
+    assert!(
+        !w.packed || (w.dtype == DType::Q4_1 && w.data.len() >= w.rows * rb + PACK_PAD),
+        "only Q4_1 rows are packed, padded by PACK_PAD bytes"
     );
     #[cfg(target_arch = "x86_64")]
     if super::ops::simd_level() == "avx2" {
@@ -296,9 +489,14 @@ pub fn matmul_rows_qact(
         unsafe { avx2::rows(w, r0, a, n_tok, out_t) };
         return;
     }
+    let mut unpacked = vec![0u8; if w.packed { rb } else { 0 }];
     for rr in 0..nrows {
+        let mut row = &w.data[(r0 + rr) * rb..(r0 + rr + 1) * rb];
+        if w.packed {
+            unpack_q4_1_row(row, &mut unpacked);
+            row = &unpacked;
+        }
         for t in 0..n_tok {
-            let row = &w.data[(r0 + rr) * rb..(r0 + rr + 1) * rb];
             out_t[rr * n_tok + t] = dot_generic(
                 w.dtype,
                 row,
@@ -316,8 +514,38 @@ mod tests {
     use crate::cpu::synthetic::{rand_vec, rand_weights};
 
     #[test]
+    fn packing_round_trips_and_moves_whole_bytes() {
+        for nb in [1usize, 8, 10, 18, 48] {
+            let row = rand_weights(DType::Q4_1, 1, nb * QK, nb as u64);
+            let mut packed = vec![0u8; row.len()];
+            pack_q4_1_row(&row, &mut packed);
+            let mut back = vec![0u8; row.len()];
+            unpack_q4_1_row(&packed, &mut back);
+            assert_eq!(back, row, "{nb} blocks");
+            if nb >= 8 {
+                // group 0: block 3's scale and min, and its nibble bytes 4 and 5 (load 2)
+                assert_eq!(packed[6..8], row[3 * 20..3 * 20 + 2]);
+                assert_eq!(packed[16 + 6..16 + 8], row[3 * 20 + 2..3 * 20 + 4]);
+                assert_eq!(
+                    packed[32 + 16 * 2 + 6..32 + 16 * 2 + 8],
+                    row[3 * 20 + 8..3 * 20 + 10]
+                );
+            }
+        }
+    }
+
+    #[test]
     fn qact_dots_match_generic_and_f32_reference() {
-        let (rows, cols) = (19, 128);
+        // 128 columns: 4 blocks, no packed group; 320: one group of 8 and 2 blocks in GGUF order;
+        // 512: two groups
+        for cols in [128usize, 320, 512] {
+            qact_dots_match(cols);
+        }
+    }
+
+    fn qact_dots_match(cols: usize) {
+        let rows = 19;
+        let nb = cols / QK;
         for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             let w = rand_weights(dt, rows, cols, 3);
             // 5 tokens: one 4-token tile and one single token; an outlier in one block.
@@ -328,19 +556,34 @@ mod tests {
                 rows,
                 cols,
                 data: &w,
+                packed: false,
             };
             let mut exact = vec![0f32; rows * 5];
             let mut fast = vec![0f32; rows * 5];
             crate::cpu::ops::matmul(m, &x, 5, &mut exact);
             crate::cpu::ops::matmul_qact(m, &x, 5, &mut fast);
+            // the same products from packed Q4_1 rows, on both paths
+            let mut wp = w.clone();
+            let (mut fast_p, mut exact_p) = (vec![0f32; rows * 5], vec![0f32; rows * 5]);
+            if dt == DType::Q4_1 {
+                pack_q4_1(&mut wp, cols);
+                let mp = MatRef {
+                    data: &wp,
+                    packed: true,
+                    ..m
+                };
+                crate::cpu::ops::matmul_qact(mp, &x, 5, &mut fast_p);
+                crate::cpu::ops::matmul(mp, &x, 5, &mut exact_p);
+                assert_eq!(exact_p, exact, "{dt} {cols}: the f32 path on packed rows");
+            }
             let a = QuantizedActs::new(&x, cols);
             let rb = dt.row_bytes(cols).unwrap();
             for t in 0..5 {
                 for r in 0..rows {
                     let (q, d, s) = (
                         &a.q[t * cols..(t + 1) * cols],
-                        &a.d[t * 4..t * 4 + 4],
-                        &a.s[t * 4..t * 4 + 4],
+                        &a.d[t * nb..(t + 1) * nb],
+                        &a.s[t * nb..(t + 1) * nb],
                     );
                     let g = dot_generic(dt, &w[r * rb..(r + 1) * rb], q, d, s);
                     let f = fast[t * rows + r];
@@ -348,6 +591,13 @@ mod tests {
                         (g - f).abs() <= 1e-5 * (1.0 + g.abs()),
                         "{dt}: generic {g} vs simd {f}"
                     );
+                    if dt == DType::Q4_1 {
+                        let fp = fast_p[t * rows + r];
+                        assert!(
+                            (g - fp).abs() <= 1e-5 * (1.0 + g.abs()),
+                            "{dt} {cols}: generic {g} vs packed simd {fp} (token {t}, row {r})"
+                        );
+                    }
                     assert_eq!(
                         dot_row_qact(dt, &w[r * rb..(r + 1) * rb], q, d, s).to_bits(),
                         f.to_bits()

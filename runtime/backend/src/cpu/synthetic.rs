@@ -83,6 +83,7 @@ pub fn tiny_backend(
             rows,
             cols,
             data: rand_weights(dt, rows, cols, s),
+            packed: false,
         }
     };
     let embd = m(dims.vocab, dims.hidden, DType::Q8_0);
@@ -92,17 +93,17 @@ pub fn tiny_backend(
                 .iter()
                 .map(|v| 1.0 + 0.2 * v)
                 .collect(),
-            wq: m(64, 64, dtype),
-            wk: m(32, 64, dtype),
-            wv: m(32, 64, dtype),
-            wo: m(64, 64, dtype),
+            wq: m(64, 64, dtype).packed_for_this_cpu(),
+            wk: m(32, 64, dtype).packed_for_this_cpu(),
+            wv: m(32, 64, dtype).packed_for_this_cpu(),
+            wo: m(64, 64, dtype).packed_for_this_cpu(),
             ffn_norm: rand_vec(64, seed + 950 + i)
                 .iter()
                 .map(|v| 1.0 + 0.2 * v)
                 .collect(),
-            w_gate: m(96, 64, dtype),
-            w_up: m(96, 64, dtype),
-            w_down: m(64, 96, dtype),
+            w_gate: m(96, 64, dtype).packed_for_this_cpu(),
+            w_up: m(96, 64, dtype).packed_for_this_cpu(),
+            w_down: m(64, 96, dtype).packed_for_this_cpu(),
         })
         .collect();
     let inv = super::ops::rope_inv_freq(16, 10000.0, None, None);

@@ -130,6 +130,7 @@ fn a_kv_cache_larger_than_memory_is_refused() {
             rows: 50,
             cols: 64,
             data: vec![0; 50 * 64 * 4],
+            packed: false,
         },
         None,
         vec![1.0; 64],
