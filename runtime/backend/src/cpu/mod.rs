@@ -465,7 +465,11 @@ impl CpuBackend {
         let mm = self.mm();
         let pool = &self.pool;
         let layers = &self.layers;
-        let inv_freq = &self.inv_freq;
+        // RoPE factors once per token, for every layer
+        let rope: Vec<Vec<(f32, f32)>> = tok_meta
+            .iter()
+            .map(|&(_, pos)| ops::rope_factors(hd, pos, &self.inv_freq))
+            .collect();
         let kv = &mut self.kv;
         pool.install(|| {
             for (li, l) in layers.iter().enumerate() {
@@ -479,8 +483,8 @@ impl CpuBackend {
                     &mut [&mut q, &mut k, &mut v],
                 );
                 for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
-                    ops::rope_inplace(&mut q[i * qd..(i + 1) * qd], hd, pos, inv_freq);
-                    ops::rope_inplace(&mut k[i * kvd..(i + 1) * kvd], hd, pos, inv_freq);
+                    ops::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
+                    ops::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);
                     let at = (li * cap + pos) * kvd;
                     kv[slot].k[at..at + kvd].copy_from_slice(&k[i * kvd..(i + 1) * kvd]);
                     kv[slot].v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);

@@ -164,13 +164,22 @@ pub fn rope_inv_freq(
 /// Rotate each of the `x.len() / head_dim` heads of `x` in place for position `pos`: adjacent pairs
 /// `(x[2i], x[2i+1])` by the angle `pos * inv_freq[i]` (angles computed in f64).
 pub fn rope_inplace(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32]) {
-    let half = head_dim / 2;
-    let mut cs = [(0f32, 0f32); 256];
-    let cs = &mut cs[..half.min(256)];
-    for (i, c) in cs.iter_mut().enumerate() {
-        let a = pos as f64 * inv_freq[i] as f64;
-        *c = (a.cos() as f32, a.sin() as f32);
-    }
+    rope_apply(x, head_dim, &rope_factors(head_dim, pos, inv_freq));
+}
+
+/// The (cos, sin) pairs of position `pos` that [`rope_apply`] rotates by: angle `pos * inv_freq[i]`
+/// in f64, rounded to f32. A forward pass computes them once per token for all layers.
+pub fn rope_factors(head_dim: usize, pos: usize, inv_freq: &[f32]) -> Vec<(f32, f32)> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let a = pos as f64 * inv_freq[i] as f64;
+            (a.cos() as f32, a.sin() as f32)
+        })
+        .collect()
+}
+
+/// Rotate every head of `x` (`[heads * head_dim]`, pairs (2i, 2i + 1)) by the factors `cs`.
+pub fn rope_apply(x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
     for head in x.chunks_exact_mut(head_dim) {
         for (i, &(c, s)) in cs.iter().enumerate() {
             let (x0, x1) = (head[2 * i], head[2 * i + 1]);

@@ -86,17 +86,13 @@ pub fn arch_capability(arch: &str) -> Option<(i32, i32)> {
 }
 
 /// The RoPE table the `attn_in` kernel reads: `(cos, sin)` of `pos * inv_freq[i]` for
-/// `pos < n_pos`, `i < inv_freq.len()`, row-major by position; angles in f64 exactly as
-/// `cpu::ops::rope_inplace` computes them, so both backends rotate by identical factors.
+/// `pos < n_pos`, `i < inv_freq.len()`, row-major by position: the CPU backend's
+/// `cpu::ops::rope_factors`, so both backends rotate by identical factors.
 pub fn rope_table(inv_freq: &[f32], n_pos: usize) -> Vec<[f32; 2]> {
-    let mut t = Vec::with_capacity(n_pos * inv_freq.len());
-    for p in 0..n_pos {
-        for &f in inv_freq {
-            let a = p as f64 * f as f64;
-            t.push([a.cos() as f32, a.sin() as f32]);
-        }
-    }
-    t
+    (0..n_pos)
+        .flat_map(|p| crate::cpu::ops::rope_factors(2 * inv_freq.len(), p, inv_freq))
+        .map(|(c, s)| [c, s])
+        .collect()
 }
 
 /// Refuse a device whose compute capability is not the one the cubins were built for, with the
