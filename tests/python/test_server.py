@@ -123,6 +123,7 @@ def test_metrics_vllm_names_via_curl(server, client):
     text = subprocess.run(["curl", "-s", server.base + "/metrics"], capture_output=True, text=True, check=True).stdout
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket"]:
         assert name in text, f"{name} missing from /metrics"
@@ -459,6 +460,18 @@ def metric(http, name):
     text = http.get("/metrics").text
     line = [l for l in text.splitlines() if l.startswith(name)][0]
     return float(line.split()[-1])
+
+
+def test_prefix_cache_reuses_the_prompt_and_answers_alike(client, http):
+    # The same greedy chat request twice: the second one finds its whole prompt but the last token
+    # in a free slot's KV entries (prefix caching, on by default) and answers word for word alike.
+    msgs = [{"role": "user", "content": "Describe the water cycle in two sentences. " * 3}]
+    first = client.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=12)
+    hits = metric(http, "vllm:prefix_cache_hits_total")
+    second = client.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=12)
+    assert metric(http, "vllm:prefix_cache_hits_total") - hits == first.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
 
 
 def running(http):

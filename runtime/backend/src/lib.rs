@@ -75,6 +75,8 @@ pub trait Backend: Send {
     fn info(&self) -> BackendInfo;
     /// Run the batch and sample one token per entry. Entries use distinct slots.
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError>;
-    /// Forget a slot's KV cache (the slot is then free for a new sequence).
+    /// The slot's sequence has ended: the slot is free for a new one. Its KV entries stay as they
+    /// are until a later step overwrites them (the engine's prefix caching resumes a new sequence
+    /// after the positions it shares with them).
     fn release(&mut self, slot: SlotId);
 }

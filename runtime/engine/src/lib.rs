@@ -11,6 +11,13 @@
 //! sequence, then prefill chunks (at most `prefill_chunk` tokens each, at most `max_step_tokens` in
 //! all, but always at least one chunk so prefill progresses), run it, stream the sampled tokens.
 //! When nothing runs or waits, the loop blocks on the channel; when every handle is dropped, it ends.
+//!
+//! Prefix caching (`EngineConfig::prefix_caching`, on by default, as in vLLM and llama-server): a
+//! released slot keeps its KV entries and the engine remembers which tokens they hold. A new request
+//! takes the free slot whose remembered tokens share the longest prefix with its prompt and starts
+//! its prefill after that prefix (always recomputing at least the prompt's last token, whose logits
+//! it needs). The KV entries of a position depend only on the tokens up to it, so the answer is the
+//! same as without the cache up to the numerics of the path that computed them (prefill or decode).
 //! A step the backend refuses is re-run entry by entry so that only the offending request gets an
 //! `Error`; a backend panic ends every request and the engine (submit then answers `Stopped`).
 //!
@@ -67,6 +74,8 @@ pub enum Event {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens whose KV entries came from the prefix cache (not computed again).
+        cached_tokens: usize,
     },
     Error(String),
 }
@@ -89,6 +98,8 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Most tokens (decode + prefill) per step, unless one decode token per running sequence needs more.
     pub max_step_tokens: usize,
+    /// Reuse a free slot's KV entries for a prompt that starts with the tokens they hold (module docs).
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -96,6 +107,7 @@ impl Default for EngineConfig {
         EngineConfig {
             prefill_chunk: 256,
             max_step_tokens: 512,
+            prefix_caching: true,
         }
     }
 }
@@ -229,6 +241,8 @@ struct Seq {
     history: Vec<u32>,
     /// Tokens of `history` already in the slot's KV cache.
     cached: usize,
+    /// Prompt tokens taken from the prefix cache at admission.
+    reused: usize,
     generated: usize,
     submitted: Instant,
     last_token_at: Option<Instant>,
@@ -248,6 +262,11 @@ struct Loop {
     waiting: VecDeque<Submitted>,
     running: Vec<Seq>,
     free: Vec<usize>,
+    /// Per slot: the tokens whose KV entries the slot holds while it is free (prefix caching), and
+    /// when it was freed (the least recently freed is reused first when no prefix matches).
+    kept: Vec<Vec<u32>>,
+    freed_at: Vec<u64>,
+    frees: u64,
     slots: usize,
     capacity: usize,
     m: MetricsSnapshot,
@@ -276,12 +295,16 @@ impl Loop {
             cfg: EngineConfig {
                 prefill_chunk: cfg.prefill_chunk.max(1),
                 max_step_tokens: cfg.max_step_tokens.max(1),
+                ..cfg
             },
             rx,
             shared,
             waiting: VecDeque::new(),
             running: Vec::new(),
             free: (0..info.slots).rev().collect(),
+            kept: vec![Vec::new(); info.slots],
+            freed_at: vec![0; info.slots],
+            frees: 0,
             slots: info.slots,
             capacity: info.slot_capacity,
             m: MetricsSnapshot::default(),
@@ -339,19 +362,24 @@ impl Loop {
                         reason: FinishReason::Length,
                         prompt_tokens: s.req.prompt.len(),
                         completion_tokens: 0,
+                        cached_tokens: 0,
                     };
                     self.outbox.push((s.tx, ev));
                     self.m.request_success_total[1].1 += 1;
                     continue;
                 }
-                let slot = self.free.pop().unwrap();
+                let (slot, reused) = self.take_slot(&s.req.prompt);
+                self.m.prompt_tokens_total += reused as u64;
+                self.m.prefix_cache_queries_total += s.req.prompt.len() as u64;
+                self.m.prefix_cache_hits_total += reused as u64;
                 let history = s.req.prompt.clone();
                 self.running.push(Seq {
                     req: s.req,
                     tx: s.tx,
                     slot,
                     history,
-                    cached: 0,
+                    cached: reused,
+                    reused,
                     generated: 0,
                     submitted: s.at,
                     last_token_at: None,
@@ -372,6 +400,29 @@ impl Loop {
             self.publish();
             self.flush();
         }
+    }
+
+    /// Take a free slot for `prompt`: the one whose kept tokens share the longest prefix with it
+    /// (prefix caching), else the least recently freed. Returns the slot and how many prompt tokens
+    /// its KV entries already hold (at most all but the last: its logits are needed).
+    fn take_slot(&mut self, prompt: &[u32]) -> (usize, usize) {
+        let lcp = |slot: usize| {
+            self.kept[slot]
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        let (i, _) = self
+            .free
+            .iter()
+            .enumerate()
+            .max_by_key(|&(_, &slot)| (lcp(slot), std::cmp::Reverse(self.freed_at[slot])))
+            .expect("called with a free slot");
+        let slot = self.free.swap_remove(i);
+        let reused = lcp(slot).min(prompt.len() - 1);
+        self.kept[slot].clear();
+        (slot, reused)
     }
 
     /// Build and run one backend step, then stream its tokens.
@@ -537,6 +588,12 @@ impl Loop {
         let s = self.running.swap_remove(i);
         self.backend.release(s.slot);
         self.free.push(s.slot);
+        self.frees += 1;
+        self.freed_at[s.slot] = self.frees;
+        if self.cfg.prefix_caching && !matches!(end, End::Error(_)) {
+            // the slot's KV entries hold exactly the first `cached` tokens of the history
+            self.kept[s.slot] = s.history[..s.cached].to_vec();
+        }
         let (prompt_tokens, completion_tokens) = (s.req.prompt.len(), s.generated);
         let (k, ev) = match end {
             End::Stop => (
@@ -545,6 +602,7 @@ impl Loop {
                     reason: FinishReason::Stop,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens: s.reused,
                 }),
             ),
             End::Length => (
@@ -553,6 +611,7 @@ impl Loop {
                     reason: FinishReason::Length,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens: s.reused,
                 }),
             ),
             End::Abort => (2, None),

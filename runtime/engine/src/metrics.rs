@@ -83,6 +83,9 @@ pub struct MetricsSnapshot {
     pub kv_cache_usage_perc: f64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
+    /// Prompt tokens looked up in the prefix cache, and those found (their KV entries reused).
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
     /// Requests finished, by reason: stop, length, abort (cancelled), error.
     pub request_success_total: [(&'static str, u64); 4],
     pub time_to_first_token_seconds: Histogram,
@@ -98,6 +101,8 @@ impl Default for MetricsSnapshot {
             kv_cache_usage_perc: 0.0,
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
+            prefix_cache_queries_total: 0,
+            prefix_cache_hits_total: 0,
             request_success_total: [("stop", 0), ("length", 0), ("abort", 0), ("error", 0)],
             time_to_first_token_seconds: Histogram::new(TTFT_BUCKETS),
             inter_token_latency_seconds: Histogram::new(ITL_BUCKETS),
@@ -169,6 +174,20 @@ impl MetricsSnapshot {
             "counter",
             "Number of generation tokens processed.",
             self.generation_tokens_total.to_string(),
+        );
+        scalar(
+            &mut s,
+            "prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            self.prefix_cache_queries_total.to_string(),
+        );
+        scalar(
+            &mut s,
+            "prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            self.prefix_cache_hits_total.to_string(),
         );
         let _ = writeln!(
             s,

@@ -4,11 +4,16 @@ use metrale_backend::cpu::synthetic::tiny_backend;
 use metrale_core::dtype::DType;
 
 fn engine(slots: usize, capacity: usize) -> EngineHandle {
+    engine_with(slots, capacity, true)
+}
+
+fn engine_with(slots: usize, capacity: usize, prefix_caching: bool) -> EngineHandle {
     Engine::spawn(
         Box::new(tiny_backend(DType::Q4_1, 3, slots, capacity, 2)),
         EngineConfig {
             prefill_chunk: 4,
             max_step_tokens: 6,
+            prefix_caching,
         },
     )
 }
@@ -68,6 +73,7 @@ fn concurrent_requests_all_answered_and_equal_to_running_alone() {
                 reason: FinishReason::Length,
                 prompt_tokens,
                 completion_tokens: 7,
+                ..
             } => {
                 assert_eq!(prompt_tokens, prompts()[i].len())
             }
@@ -231,4 +237,47 @@ fn a_bad_request_fails_alone_and_its_batch_mates_finish() {
     assert_eq!(e.metrics().request_success_total[3], ("error", 1));
     // The engine keeps serving.
     assert_eq!(collect(e.submit(req(vec![7], 2)).unwrap()).0.len(), 2);
+}
+
+/// Prefix caching: the same prompt again, and a follow-up turn that extends prompt + answer, reuse
+/// the slot's KV entries (counted in `cached_tokens` and the metrics) and answer exactly as an engine
+/// without the cache; a different prompt takes the other slot and keeps the first one's entries.
+#[test]
+fn prefix_cache_reuses_a_free_slots_entries_with_identical_answers() {
+    let p: Vec<u32> = (0..10u32).map(|j| (j * 11 + 3) % 50).collect();
+    let other: Vec<u32> = (0..6u32).map(|j| (j * 5 + 1) % 50).collect();
+    let run = |e: &EngineHandle, prompt: &[u32]| match collect(
+        e.submit(req(prompt.to_vec(), 5)).unwrap(),
+    ) {
+        (ids, Event::Done { cached_tokens, .. }) => (ids, cached_tokens),
+        (_, other) => panic!("{other:?}"),
+    };
+    let cold = engine_with(2, 64, false);
+    let warm = engine(2, 64);
+    let (a, c0) = run(&warm, &p);
+    assert_eq!((a.clone(), 0), (run(&cold, &p).0, c0));
+    // another prompt in between: it takes the other free slot
+    assert_eq!(run(&warm, &other).1, 0);
+    // the same prompt: everything but its last token comes from the cache
+    let (again, c1) = run(&warm, &p);
+    assert_eq!((again, c1), (a.clone(), p.len() - 1));
+    // a follow-up: prompt + answer + 2 new tokens; the slot holds the prompt and the 4 answer
+    // tokens that were fed back (the 5th was sampled last and never fed)
+    let mut follow = p.clone();
+    follow.extend(&a);
+    follow.extend([7, 9]);
+    let (f, c2) = run(&warm, &follow);
+    assert_eq!(c2, p.len() + a.len() - 1);
+    assert_eq!(f, run(&cold, &follow).0, "answer with the cache differs");
+    let m = warm.metrics();
+    assert_eq!(m.prefix_cache_hits_total, (c1 + c2) as u64);
+    assert_eq!(
+        m.prefix_cache_queries_total,
+        (2 * p.len() + other.len() + follow.len()) as u64
+    );
+    assert_eq!(
+        m.prompt_tokens_total,
+        (2 * p.len() + other.len() + follow.len()) as u64,
+        "prompt tokens count cached ones too, as vLLM does"
+    );
 }

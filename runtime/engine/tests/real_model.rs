@@ -60,6 +60,7 @@ fn concurrent_chats_on_the_real_model() {
         EngineConfig {
             prefill_chunk: 16,
             max_step_tokens: 32,
+            ..EngineConfig::default()
         },
     );
     let rxs: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();

@@ -50,6 +50,11 @@ pub struct Cli {
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
 
+    /// Do not reuse a finished sequence's KV entries for a new prompt that starts with the same
+    /// tokens (prefix caching is on by default; /metrics counts its hits).
+    #[arg(long, alias = "no-enable-prefix-caching")]
+    pub no_prefix_caching: bool,
+
     /// Print the embedded attestation (in-toto statement, JSON) and exit.
     #[arg(long)]
     pub attestation: bool,

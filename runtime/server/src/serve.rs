@@ -304,7 +304,13 @@ fn load(
     let name = cli.alias.clone().unwrap_or_else(|| file_stem(path));
     let stop_tokens = c.eos.clone();
     let vocab = c.vocab;
-    let engine = Engine::spawn(backend, EngineConfig::default());
+    let engine = Engine::spawn(
+        backend,
+        EngineConfig {
+            prefix_caching: !cli.no_prefix_caching,
+            ..EngineConfig::default()
+        },
+    );
     let (chat_preset, completion_preset) = match &target {
         Some(t) => (preset(&t.sampling.chat), preset(&t.sampling.completion)),
         None => (SamplingPreset::default(), SamplingPreset::default()),
