@@ -8,7 +8,9 @@
 //! - `decode_tok_s` (batch 1): one streamed completion of `--gen-tokens` tokens with `ignore_eos`,
 //!   (tokens - 1) / (last token time - first token time), i.e. pure decode, prefill excluded;
 //! - `prefill_tok_s`: a prompt of exactly `--prompt-tokens` token ids and `max_tokens = 1`, prompt tokens
-//!   over the request's wall time (HTTP overhead included, so a lower bound);
+//!   over the request's wall time (HTTP overhead included, so a lower bound). Each repetition
+//!   rotates the prompt so that the server's prefix cache cannot serve it, and any token the cache
+//!   did serve (`vllm:prefix_cache_hits_total`) is left out of the count;
 //! - `concurrent`: for each `--concurrency` value c, c simultaneous streams of `--gen-tokens` tokens:
 //!   total generated tokens over wall time, and the median per-stream inter-token latency.
 //!
@@ -115,19 +117,25 @@ pub fn run(args: Args) -> Result<()> {
         decode.push(r.decode_tok_s());
     }
     let mut prefill = Vec::new();
-    for _ in 0..args.reps {
+    let mut prefill_cached = Vec::new();
+    for rep in 0..args.reps {
+        let mut p = prompt.clone();
+        p.rotate_left(rep + 1);
+        let hits = metric(&base, "vllm:prefix_cache_hits_total").unwrap_or(0.0);
         let t = Instant::now();
         let v = post(
             &base,
             "/v1/completions",
-            &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}),
+            &json!({"prompt": p, "max_tokens": 1, "temperature": 0}),
         )?;
         let secs = t.elapsed().as_secs_f64();
         let n = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
         if n != prompt.len() {
             bail!("server counted {n} prompt tokens, sent {}", prompt.len());
         }
-        prefill.push(n as f64 / secs);
+        let cached = (metric(&base, "vllm:prefix_cache_hits_total").unwrap_or(0.0) - hits) as usize;
+        prefill.push((n - cached.min(n)) as f64 / secs);
+        prefill_cached.push(cached);
     }
     let mut concurrent = Vec::new();
     for &c in args.concurrency.iter().filter(|&&c| c > 0) {
@@ -173,7 +181,7 @@ pub fn run(args: Args) -> Result<()> {
             "prefill_tok_s": median(&mut prefill.clone()),
             "concurrent": concurrent,
         },
-        "raw": {"decode_tok_s": decode, "prefill_tok_s": prefill},
+        "raw": {"decode_tok_s": decode, "prefill_tok_s": prefill, "prefill_cached_tokens": prefill_cached},
         "target_info": target_info,
         "attestation": attestation,
     });
@@ -287,6 +295,22 @@ fn post(base: &str, path: &str, body: &Value) -> Result<Value> {
         .send_json(body)
         .with_context(|| format!("POST {path}"))?;
     Ok(resp.body_mut().read_json()?)
+}
+
+/// One sample of the server's /metrics (the first line starting with `name`); `None` when absent.
+fn metric(base: &str, name: &str) -> Option<f64> {
+    let text = ureq::get(format!("{base}/metrics"))
+        .call()
+        .ok()?
+        .body_mut()
+        .read_to_string()
+        .ok()?;
+    text.lines()
+        .find(|l| l.starts_with(name))?
+        .rsplit(' ')
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn wait_healthy(base: &str, timeout: Duration) -> Result<()> {
