@@ -7,7 +7,8 @@
 //! every weight byte once per token.
 //!
 //! cargo run --release -p metrale-backend --example bench_cpu -- MODEL.gguf [--prompt 128] [--gen 64]
-//!     [--runs 5] [--threads 2] [--membw] [--exact]
+//!     [--runs 5] [--threads 2] [--depth 0] [--membw] [--exact]
+//! `--depth D` decodes after D cached positions (llama-bench's `-d D`, reported as `tg64@d1024`).
 
 use metrale_backend::cpu::CpuBackend;
 use metrale_backend::sampler::SamplingParams;
@@ -28,6 +29,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mut model = None;
     let (mut prompt, mut gen, mut runs, mut threads) = (128usize, 64usize, 5usize, 2usize);
+    let mut depth = 0usize;
     let (mut membw, mut exact) = (false, false);
     let mut i = 1;
     while i < args.len() {
@@ -52,6 +54,10 @@ fn main() {
             "--threads" => {
                 threads = val(i);
                 i += 1
+            }
+            "--depth" => {
+                depth = val(i);
+                i += 1;
             }
             "--membw" => membw = true,
             "--exact" => exact = true,
@@ -89,8 +95,8 @@ fn main() {
     let model =
         model.expect("usage: bench_cpu MODEL.gguf [--prompt N] [--gen N] [--runs N] [--threads N]");
     let m = metrale_model::Model::load(std::path::Path::new(&model)).expect("loading the model");
-    let mut b =
-        CpuBackend::load(&m, 1, prompt.max(gen) + 1, threads).expect("loading the CPU backend");
+    let mut b = CpuBackend::load(&m, 1, prompt.max(depth + gen) + 1, threads)
+        .expect("loading the CPU backend");
     b.set_exact_activations(exact);
     eprintln!("{:?}", b.info());
     println!(
@@ -99,7 +105,7 @@ fn main() {
         b.info().device
     );
     let vocab = m.config.vocab as u64;
-    let toks: Vec<u32> = (0..prompt.max(gen) as u64)
+    let toks: Vec<u32> = (0..prompt.max(depth + gen) as u64)
         .map(|i| (metrale_backend::sampler::uniform(1, i) * vocab as f64) as u32)
         .collect();
     let p = SamplingParams::default();
@@ -128,10 +134,15 @@ fn main() {
         pp.push(prompt as f64 / t0.elapsed().as_secs_f64());
     }
     let mut tg = Vec::new();
+    if depth > 0 {
+        // the context every decode run starts from (its KV entries stay; each run rewrites depth..)
+        for c in (0..depth).step_by(512) {
+            step(&mut b, c, &toks[c..(c + 512).min(depth)]);
+        }
+    }
     for _ in 0..runs {
-        b.release(0);
         let t0 = Instant::now();
-        for j in 0..gen {
+        for j in depth..depth + gen {
             step(&mut b, j, &toks[j..j + 1]);
         }
         tg.push(gen as f64 / t0.elapsed().as_secs_f64());
@@ -143,7 +154,12 @@ fn main() {
         fmt(&pp)
     );
     println!(
-        "{{\"test\": \"tg{gen}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {tm:.2}}}",
+        "{{\"test\": \"tg{gen}{}\", \"threads\": {threads}, \"runs\": [{}], \"median\": {tm:.2}}}",
+        if depth > 0 {
+            format!("@d{depth}")
+        } else {
+            String::new()
+        },
         fmt(&tg)
     );
 }

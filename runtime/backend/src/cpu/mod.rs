@@ -462,6 +462,7 @@ impl CpuBackend {
         let mut g = vec![0f32; n * d.ffn];
         let mut u = vec![0f32; n * d.ffn];
         let scale = 1.0 / (hd as f32).sqrt();
+        let split_parts = &mut Vec::new();
         let mm = self.mm();
         let pool = &self.pool;
         let layers = &self.layers;
@@ -489,45 +490,17 @@ impl CpuBackend {
                     kv[slot].k[at..at + kvd].copy_from_slice(&k[i * kvd..(i + 1) * kvd]);
                     kv[slot].v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);
                 }
-                // Attention: tasks of (block of consecutive tokens of one sequence, KV head); each
-                // reads that KV head's cache rows once for the block and writes the group's heads.
                 let kv_ro: &Vec<SlotCache> = kv;
-                let qr = &q;
-                let gw = (d.heads / d.kv_heads) * hd;
-                let mut pieces: Vec<Option<&mut [f32]>> = att.chunks_mut(gw).map(Some).collect();
-                let mut tasks = Vec::new();
-                for &(b0, b1) in &blocks {
-                    for g in 0..d.kv_heads {
-                        let outs: Vec<&mut [f32]> = (b0..b1)
-                            .map(|ti| pieces[ti * d.kv_heads + g].take().expect("each piece once"))
-                            .collect();
-                        tasks.push((b0, b1, g, outs));
-                    }
-                }
-                tasks
-                    .into_par_iter()
-                    .for_each_init(Vec::new, |scores, (b0, b1, g, mut outs)| {
-                        let slot = tok_meta[b0].0;
-                        let qs: Vec<&[f32]> =
-                            (b0..b1).map(|ti| &qr[ti * qd..(ti + 1) * qd]).collect();
-                        let pos: Vec<usize> = (b0..b1).map(|ti| tok_meta[ti].1).collect();
-                        let n_pos = pos.iter().max().map_or(0, |p| p + 1);
-                        let base = li * cap * kvd;
-                        let c = &kv_ro[slot];
-                        ops::attention_block(
-                            &qs,
-                            &pos,
-                            &c.k[base..base + n_pos * kvd],
-                            &c.v[base..base + n_pos * kvd],
-                            g,
-                            d.heads,
-                            d.kv_heads,
-                            hd,
-                            scale,
-                            scores,
-                            &mut outs,
-                        );
-                    });
+                attention_layer(
+                    &d,
+                    &q,
+                    kv_ro,
+                    &tok_meta,
+                    &blocks,
+                    (li * cap * kvd, scale),
+                    &mut att,
+                    split_parts,
+                );
                 mm(&[l.wo.mat()], &att, n, &mut [&mut o]);
                 ops::add_inplace(&mut x, &o);
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
@@ -561,6 +534,128 @@ impl CpuBackend {
         self.pool
             .install(|| mm(&[w.mat()], hidden, rows, &mut [&mut logits]));
         logits
+    }
+}
+
+/// One layer's attention for every token of the step (queries `q`, `[n][qd]`; outputs `att`,
+/// `[n][qd]`), in parallel over tasks of (block of consecutive tokens of one sequence, KV head):
+/// each reads that KV head's cache rows once for the block and writes the group's heads. A block of
+/// one token (a decode) whose context spans several [`ops::ATT_CHUNK`]s is also split by chunk
+/// ranges, so that at long contexts every thread shares its attention; those partials are combined
+/// after the parallel region, into the same bits the unsplit computation gives (`ops::attention_block`).
+#[allow(clippy::too_many_arguments)]
+fn attention_layer(
+    d: &Dims,
+    q: &[f32],
+    kv: &[SlotCache],
+    tok_meta: &[(usize, usize)],
+    blocks: &[(usize, usize)],
+    (base, scale): (usize, f32),
+    att: &mut [f32],
+    parts: &mut Vec<f32>,
+) {
+    let (hd, qd, kvd) = (d.head_dim, d.qd(), d.kd());
+    let gs = d.heads / d.kv_heads;
+    let pl = ops::partial_len(hd);
+    let chunks = |ti: usize| (tok_meta[ti].1 + 1).div_ceil(ops::ATT_CHUNK);
+    // decode tokens split by chunk ranges: (token, chunks, pieces per KV head)
+    let split: Vec<(usize, usize)> = blocks
+        .iter()
+        .filter(|&&(b0, b1)| b1 - b0 == 1 && chunks(b0) > 1)
+        .map(|&(b0, _)| (b0, chunks(b0)))
+        .collect();
+    let want_tasks = 4 * rayon::current_num_threads();
+    let pieces = if split.is_empty() {
+        1
+    } else {
+        want_tasks.div_ceil(split.len() * d.kv_heads).max(1)
+    };
+    parts.resize(
+        split.iter().map(|&(_, nc)| nc).sum::<usize>() * d.kv_heads * gs * pl,
+        0.0,
+    );
+
+    enum Task<'a> {
+        Whole(usize, usize, usize, Vec<&'a mut [f32]>),
+        Part(usize, usize, (usize, usize), &'a mut [f32]),
+    }
+    let mut outs: Vec<Option<&mut [f32]>> = att.chunks_mut(gs * hd).map(Some).collect();
+    let mut tasks = Vec::new();
+    let mut rest: &mut [f32] = parts;
+    for &(b0, b1) in blocks {
+        if let Some(&(_, nc)) = split.iter().find(|s| s.0 == b0) {
+            for g in 0..d.kv_heads {
+                let per = nc.div_ceil(pieces.min(nc));
+                for c0 in (0..nc).step_by(per) {
+                    let c1 = (c0 + per).min(nc);
+                    let (mine, more) = std::mem::take(&mut rest).split_at_mut((c1 - c0) * gs * pl);
+                    rest = more;
+                    tasks.push(Task::Part(b0, g, (c0, c1), mine));
+                }
+            }
+            continue;
+        }
+        for g in 0..d.kv_heads {
+            let o: Vec<&mut [f32]> = (b0..b1)
+                .map(|ti| outs[ti * d.kv_heads + g].take().expect("each piece once"))
+                .collect();
+            tasks.push(Task::Whole(b0, b1, g, o));
+        }
+    }
+    let kv_of = |ti: usize, g: usize, n_pos: usize| {
+        let c = &kv[tok_meta[ti].0];
+        ops::KvHead {
+            k: &c.k[base..base + n_pos * kvd],
+            v: &c.v[base..base + n_pos * kvd],
+            kv_dim: kvd,
+            g,
+            head_dim: hd,
+        }
+    };
+    tasks.into_par_iter().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |scratch, task| match task {
+            Task::Whole(b0, b1, g, mut o) => {
+                let qs: Vec<&[f32]> = (b0..b1).map(|ti| &q[ti * qd..(ti + 1) * qd]).collect();
+                let pos: Vec<usize> = (b0..b1).map(|ti| tok_meta[ti].1).collect();
+                let n_pos = pos.iter().max().map_or(0, |p| p + 1);
+                let kvh = kv_of(b0, g, n_pos);
+                ops::attention_block(
+                    &qs, &pos, kvh.k, kvh.v, g, d.heads, d.kv_heads, hd, scale, scratch, &mut o,
+                );
+            }
+            Task::Part(ti, g, c, part) => {
+                let pos = tok_meta[ti].1;
+                let qs = [&q[ti * qd..(ti + 1) * qd]];
+                ops::attention_partials(
+                    &qs,
+                    &[pos],
+                    kv_of(ti, g, pos + 1),
+                    gs,
+                    scale,
+                    c,
+                    &mut scratch.0,
+                    part,
+                );
+            }
+        },
+    );
+    drop(outs);
+    // combine the split tokens' partials (laid out [token][KV head][chunk][head] in `parts`)
+    let mut at = 0;
+    for &(ti, nc) in &split {
+        for g in 0..d.kv_heads {
+            for hh in 0..gs {
+                let h = g * gs + hh;
+                ops::attention_combine(
+                    &parts[at + hh * pl..],
+                    gs * pl,
+                    nc,
+                    &mut att[ti * qd + h * hd..ti * qd + (h + 1) * hd],
+                );
+            }
+            at += nc * gs * pl;
+        }
     }
 }
 

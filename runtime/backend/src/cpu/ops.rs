@@ -311,13 +311,274 @@ fn attention_head_body(
     }
 }
 
+/// Positions per attention chunk. Every query token's attention is computed chunk by chunk over its
+/// positions (0..128, 128..256, ...) and the chunks are combined in order, whichever task computed
+/// them: the result of a token is the same bits in a prefill block, alone, or with its chunks spread
+/// over threads (how one decode token's attention uses every core at long contexts).
+pub const ATT_CHUNK: usize = 128;
+
+/// `exp(x)` for `x <= 0` without a libm call, so that loops over it vectorize: Cephes' degree-6
+/// polynomial after a Cody-Waite reduction (within 2 ulp of `f32::exp` on [-87, 0]; below -87, 0).
+#[inline(always)]
+pub fn exp_approx(x: f32) -> f32 {
+    let x = x.max(-87.0);
+    let k = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - k * 0.693_359_4 - k * -2.121_944_4e-4;
+    let mut p = 1.987_569_1e-4f32;
+    for c in [
+        1.398_2e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        5.000_000_1e-1,
+    ] {
+        p = p * r + c;
+    }
+    let e = p * r * r + r + 1.0;
+    e * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// One KV head's rows of one layer of one sequence: `k`, `v` are `[n_pos][kv_dim]`, the head's
+/// columns start at `g * head_dim`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvHead<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub kv_dim: usize,
+    pub g: usize,
+    pub head_dim: usize,
+}
+
+/// Floats of one chunk partial: max score, sum of exponentials, unnormalised output.
+pub fn partial_len(head_dim: usize) -> usize {
+    head_dim + 2
+}
+
+/// One query head over positions `p0..p1` (at most [`ATT_CHUNK`]): `part` = [max score m,
+/// sum of exp(score - m), sum of exp(score - m) * v]. `scores`: scratch of `ATT_CHUNK`.
+#[inline(always)]
+fn chunk_partial(
+    qh: &[f32],
+    kv: KvHead<'_>,
+    (p0, p1): (usize, usize),
+    scale: f32,
+    scores: &mut [f32],
+    part: &mut [f32],
+) {
+    let (hd, off) = (kv.head_dim, kv.g * kv.head_dim);
+    let s = &mut scores[..p1 - p0];
+    for (j, sj) in s.iter_mut().enumerate() {
+        *sj = dot_f32(qh, &kv.k[(p0 + j) * kv.kv_dim + off..][..hd]) * scale;
+    }
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [0f32; 8];
+    let mut it = s.chunks_exact_mut(8);
+    for c in &mut it {
+        for (l, e) in lanes.iter_mut().zip(c.iter_mut()) {
+            *e = exp_approx(*e - m);
+            *l += *e;
+        }
+    }
+    for (l, e) in lanes.iter_mut().zip(it.into_remainder()) {
+        *e = exp_approx(*e - m);
+        *l += *e;
+    }
+    let (ml, o) = part.split_at_mut(2);
+    ml[0] = m;
+    ml[1] = lanes.iter().sum();
+    o.fill(0.0);
+    for (j, &e) in s.iter().enumerate() {
+        let vp = &kv.v[(p0 + j) * kv.kv_dim + off..][..hd];
+        for (a, &x) in o.iter_mut().zip(vp) {
+            *a += e * x;
+        }
+    }
+}
+
+/// The partials of chunks `c0..c1` for a block of query tokens (positions `pos[i]`, attending to
+/// `0..=pos[i]`) and the query heads of KV head `kv.g` (`gs` of them, of `n_heads`): `parts` is
+/// `[token][chunk - c0][head]` x [`partial_len`]; chunks past a token's last position are left alone.
+/// Every K/V chunk is read once for the whole block. `scores`: scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_partials(
+    q: &[&[f32]],
+    pos: &[usize],
+    kv: KvHead<'_>,
+    gs: usize,
+    scale: f32,
+    (c0, c1): (usize, usize),
+    scores: &mut Vec<f32>,
+    parts: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == "avx2" {
+        // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
+        return unsafe { attention_partials_avx2(q, pos, kv, gs, scale, (c0, c1), scores, parts) };
+    }
+    attention_partials_body(q, pos, kv, gs, scale, (c0, c1), scores, parts)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attention_partials_avx2(
+    q: &[&[f32]],
+    pos: &[usize],
+    kv: KvHead<'_>,
+    gs: usize,
+    scale: f32,
+    c: (usize, usize),
+    scores: &mut Vec<f32>,
+    parts: &mut [f32],
+) {
+    attention_partials_body(q, pos, kv, gs, scale, c, scores, parts)
+}
+
+/// [`chunk_partial`] for 64-dimensional heads with AVX2: the query in 8 registers, 4 positions'
+/// dots at a time reduced together, the output accumulated in 8 registers. The same operations in
+/// the same order on every call, so its bits do not depend on how a context is split.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn chunk_partial_64(
+    qh: &[f32],
+    kv: KvHead<'_>,
+    (p0, p1): (usize, usize),
+    scale: f32,
+    scores: &mut [f32],
+    part: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let off = kv.g * 64;
+    assert!(kv.head_dim == 64 && qh.len() == 64 && part.len() >= 66 && scores.len() >= p1 - p0);
+    assert!((p1 - 1) * kv.kv_dim + off + 64 <= kv.k.len().min(kv.v.len()));
+    let krow = |p: usize| kv.k.as_ptr().add(p * kv.kv_dim + off);
+    let vrow = |p: usize| kv.v.as_ptr().add(p * kv.kv_dim + off);
+    let qv: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(qh.as_ptr().add(8 * i)));
+    let dot8 = |p: usize| {
+        let r = krow(p);
+        let mut a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(r));
+        for (i, qi) in qv.iter().enumerate().skip(1) {
+            a = _mm256_fmadd_ps(*qi, _mm256_loadu_ps(r.add(8 * i)), a);
+        }
+        a
+    };
+    let n = p1 - p0;
+    let vs = _mm_set1_ps(scale);
+    let mut j = 0;
+    while j + 4 <= n {
+        let (a0, a1, a2, a3) = (
+            dot8(p0 + j),
+            dot8(p0 + j + 1),
+            dot8(p0 + j + 2),
+            dot8(p0 + j + 3),
+        );
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        let sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        _mm_storeu_ps(scores.as_mut_ptr().add(j), _mm_mul_ps(sum, vs));
+        j += 4;
+    }
+    while j < n {
+        let a = dot8(p0 + j);
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(a, a), _mm256_hadd_ps(a, a));
+        let sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        scores[j] = _mm_cvtss_f32(_mm_mul_ps(sum, vs));
+        j += 1;
+    }
+    let s = &mut scores[..n];
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [0f32; 8];
+    let mut it = s.chunks_exact_mut(8);
+    for c in &mut it {
+        for (l, e) in lanes.iter_mut().zip(c.iter_mut()) {
+            *e = exp_approx(*e - m);
+            *l += *e;
+        }
+    }
+    for (l, e) in lanes.iter_mut().zip(it.into_remainder()) {
+        *e = exp_approx(*e - m);
+        *l += *e;
+    }
+    let mut o = [_mm256_setzero_ps(); 8];
+    for (j, &e) in s.iter().enumerate() {
+        let (r, w) = (vrow(p0 + j), _mm256_set1_ps(e));
+        for (i, oi) in o.iter_mut().enumerate() {
+            *oi = _mm256_fmadd_ps(w, _mm256_loadu_ps(r.add(8 * i)), *oi);
+        }
+    }
+    part[0] = m;
+    part[1] = lanes.iter().sum();
+    for (i, oi) in o.iter().enumerate() {
+        _mm256_storeu_ps(part.as_mut_ptr().add(2 + 8 * i), *oi);
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attention_partials_body(
+    q: &[&[f32]],
+    pos: &[usize],
+    kv: KvHead<'_>,
+    gs: usize,
+    scale: f32,
+    (c0, c1): (usize, usize),
+    scores: &mut Vec<f32>,
+    parts: &mut [f32],
+) {
+    let (hd, pl) = (kv.head_dim, partial_len(kv.head_dim));
+    scores.resize(ATT_CHUNK, 0.0);
+    let per_token = (c1 - c0) * gs * pl;
+    for c in c0..c1 {
+        for (i, qi) in q.iter().enumerate() {
+            let p1 = (pos[i] + 1).min((c + 1) * ATT_CHUNK);
+            if c * ATT_CHUNK >= p1 {
+                continue;
+            }
+            for hh in 0..gs {
+                let h = kv.g * gs + hh;
+                let at = i * per_token + ((c - c0) * gs + hh) * pl;
+                let (qh, part) = (&qi[h * hd..(h + 1) * hd], &mut parts[at..at + pl]);
+                #[cfg(target_arch = "x86_64")]
+                if hd == 64 && simd_level() == "avx2" {
+                    // SAFETY: the CPU has avx2 and fma (checked); the rows are bounds-checked inside.
+                    unsafe { chunk_partial_64(qh, kv, (c * ATT_CHUNK, p1), scale, scores, part) };
+                    continue;
+                }
+                chunk_partial(qh, kv, (c * ATT_CHUNK, p1), scale, scores, part);
+            }
+        }
+    }
+}
+
+/// Combine the partials of chunks 0.. of one query head (each [`partial_len`] floats, `stride`
+/// apart, `n` of them, in chunk order) into its normalised output.
+pub fn attention_combine(parts: &[f32], stride: usize, n: usize, out: &mut [f32]) {
+    let m = (0..n)
+        .map(|c| parts[c * stride])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut l = 0.0f32;
+    out.fill(0.0);
+    for c in 0..n {
+        let p = &parts[c * stride..];
+        let w = exp_approx(p[0] - m);
+        l += w * p[1];
+        let hd = out.len();
+        for (a, &x) in out.iter_mut().zip(&p[2..2 + hd]) {
+            *a += w * x;
+        }
+    }
+    let inv = 1.0 / l;
+    for a in out.iter_mut() {
+        *a *= inv;
+    }
+}
+
 /// Causal grouped-query attention of a block of query tokens of one sequence, for the query heads of
-/// KV head `g` (the same numbers as [`attention_head`] for each of them, computed so that every K and
-/// V row is read once for the whole block: the decode/prefill kernel of the CPU backend).
+/// KV head `g` (the numbers of [`attention_head`] up to rounding), chunk by chunk ([`ATT_CHUNK`]):
+/// the partials of every chunk, then their combination, as one decode token split over threads gets.
 /// `q[i]`: query token i's full query vector (`[n_heads * head_dim]`); it attends to positions
 /// `0..=pos[i]`. `k`, `v`: `[n_pos][n_kv_heads * head_dim]` with `n_pos > max(pos)`.
 /// `out[i]`: token i's outputs for the group's heads (`[group_size * head_dim]`, group_size =
-/// n_heads / n_kv_heads). `scores`: scratch.
+/// n_heads / n_kv_heads). `scratch`: reused buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_block(
     q: &[&[f32]],
@@ -329,106 +590,35 @@ pub fn attention_block(
     n_kv_heads: usize,
     head_dim: usize,
     scale: f32,
-    scores: &mut Vec<f32>,
+    scratch: &mut (Vec<f32>, Vec<f32>),
     out: &mut [&mut [f32]],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if simd_level() == "avx2" {
-            // SAFETY: the CPU supports avx2, fma and f16c (checked just above).
-            unsafe {
-                attention_block_avx2(
-                    q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out,
-                )
-            };
-            return;
-        }
-    }
-    attention_block_body(
-        q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out,
-    )
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attention_block_avx2(
-    q: &[&[f32]],
-    pos: &[usize],
-    k: &[f32],
-    v: &[f32],
-    g: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [&mut [f32]],
-) {
-    attention_block_body(
-        q, pos, k, v, g, n_heads, n_kv_heads, head_dim, scale, scores, out,
-    )
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attention_block_body(
-    q: &[&[f32]],
-    pos: &[usize],
-    k: &[f32],
-    v: &[f32],
-    g: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [&mut [f32]],
-) {
-    let kv_dim = n_kv_heads * head_dim;
-    let gs = n_heads / n_kv_heads;
     let Some(&max_pos) = pos.iter().max() else {
         return;
     };
-    let n_ctx = max_pos + 1;
-    let nq = q.len() * gs;
-    scores.clear();
-    scores.resize(nq * n_ctx, 0.0);
-    // Pass 1: scores, one K row for every query of the block.
-    for p in 0..n_ctx {
-        let kp = &k[p * kv_dim + g * head_dim..][..head_dim];
-        for (i, qi) in q.iter().enumerate() {
-            if p > pos[i] {
-                continue;
-            }
-            for hh in 0..gs {
-                let h = g * gs + hh;
-                scores[(i * gs + hh) * n_ctx + p] =
-                    dot_f32(&qi[h * head_dim..(h + 1) * head_dim], kp) * scale;
-            }
-        }
-    }
-    for (i, &pi) in pos.iter().enumerate() {
+    let gs = n_heads / n_kv_heads;
+    let nc = (max_pos + 1).div_ceil(ATT_CHUNK);
+    let pl = partial_len(head_dim);
+    let kv = KvHead {
+        k,
+        v,
+        kv_dim: n_kv_heads * head_dim,
+        g,
+        head_dim,
+    };
+    let (scores, parts) = scratch;
+    parts.resize(q.len() * nc * gs * pl, 0.0);
+    attention_partials(q, pos, kv, gs, scale, (0, nc), scores, parts);
+    for (i, o) in out.iter_mut().enumerate() {
+        let n = (pos[i] + 1).div_ceil(ATT_CHUNK);
         for hh in 0..gs {
-            softmax_inplace(&mut scores[(i * gs + hh) * n_ctx..][..pi + 1]);
-        }
-    }
-    // Pass 2: weighted sum, one V row for every query of the block.
-    for o in out.iter_mut() {
-        o.fill(0.0);
-    }
-    for p in 0..n_ctx {
-        let vp = &v[p * kv_dim + g * head_dim..][..head_dim];
-        for (i, o) in out.iter_mut().enumerate() {
-            if p > pos[i] {
-                continue;
-            }
-            for hh in 0..gs {
-                let w = scores[(i * gs + hh) * n_ctx + p];
-                for (a, &x) in o[hh * head_dim..(hh + 1) * head_dim].iter_mut().zip(vp) {
-                    *a += w * x;
-                }
-            }
+            let at = (i * nc * gs + hh) * pl;
+            attention_combine(
+                &parts[at..],
+                gs * pl,
+                n,
+                &mut o[hh * head_dim..(hh + 1) * head_dim],
+            );
         }
     }
 }
@@ -929,47 +1119,146 @@ mod tests {
         assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);
     }
 
+    /// The chunked block attention against the plain per-head one, for contexts of one chunk and
+    /// of several (the last one partial), tokens of one block at different positions.
     #[test]
     fn attention_block_matches_attention_head() {
-        let (n_heads, n_kv, hd) = (6, 2, 16);
-        let n_pos = 9;
-        let k = rand_vec(n_pos * n_kv * hd, 12);
-        let v = rand_vec(n_pos * n_kv * hd, 13);
-        let qv: Vec<Vec<f32>> = (0..3).map(|i| rand_vec(n_heads * hd, 20 + i)).collect();
-        let pos = [8usize, 2, 5];
-        let qs: Vec<&[f32]> = qv.iter().map(|x| x.as_slice()).collect();
-        for g in 0..n_kv {
-            let mut bufs = vec![vec![0f32; 3 * hd]; 3];
-            let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-            let mut sc = Vec::new();
-            attention_block(
-                &qs, &pos, &k, &v, g, n_heads, n_kv, hd, 0.25, &mut sc, &mut outs,
-            );
-            for (i, &p) in pos.iter().enumerate() {
-                for hh in 0..3 {
-                    let mut want = vec![0f32; hd];
-                    attention_head(
-                        &qv[i],
-                        &k,
-                        &v,
-                        p + 1,
-                        g * 3 + hh,
-                        n_heads,
-                        n_kv,
-                        hd,
-                        0.25,
-                        &mut sc,
-                        &mut want,
-                    );
-                    for j in 0..hd {
-                        assert!(
-                            (bufs[i][hh * hd + j] - want[j]).abs() < 1e-6,
-                            "g{g} token{i} head{hh}"
+        // 16-dimensional heads take the portable kernel, 64-dimensional ones the AVX2 one
+        for hd in [16, 64] {
+            attention_block_matches_attention_head_at(hd);
+        }
+    }
+
+    fn attention_block_matches_attention_head_at(hd: usize) {
+        let (n_heads, n_kv) = (6, 2);
+        for (n_pos, pos) in [
+            (9usize, vec![8usize, 2, 5]),
+            (300, vec![299, 130, 5, 127, 128]),
+        ] {
+            let k = rand_vec(n_pos * n_kv * hd, 12);
+            let v = rand_vec(n_pos * n_kv * hd, 13);
+            let qv: Vec<Vec<f32>> = (0..pos.len())
+                .map(|i| rand_vec(n_heads * hd, 20 + i as u64))
+                .collect();
+            let qs: Vec<&[f32]> = qv.iter().map(|x| x.as_slice()).collect();
+            let mut scratch = (Vec::new(), Vec::new());
+            for g in 0..n_kv {
+                let mut bufs = vec![vec![0f32; 3 * hd]; pos.len()];
+                let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                attention_block(
+                    &qs,
+                    &pos,
+                    &k,
+                    &v,
+                    g,
+                    n_heads,
+                    n_kv,
+                    hd,
+                    0.25,
+                    &mut scratch,
+                    &mut outs,
+                );
+                for (i, &p) in pos.iter().enumerate() {
+                    for hh in 0..3 {
+                        let mut want = vec![0f32; hd];
+                        let mut sc = Vec::new();
+                        attention_head(
+                            &qv[i],
+                            &k,
+                            &v,
+                            p + 1,
+                            g * 3 + hh,
+                            n_heads,
+                            n_kv,
+                            hd,
+                            0.25,
+                            &mut sc,
+                            &mut want,
                         );
+                        for j in 0..hd {
+                            let got = bufs[i][hh * hd + j];
+                            assert!(
+                                (got - want[j]).abs() < 2e-6 * (1.0 + want[j].abs()),
+                                "{n_pos} positions, g{g} token{i} head{hh}: {got} vs {}",
+                                want[j]
+                            );
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// A token's attention is the same bits whether its chunks are computed in one call, split
+    /// into ranges (as a decode is over threads), or as part of a block with other tokens.
+    #[test]
+    fn attention_chunks_split_or_not_give_the_same_bits() {
+        for hd in [16, 64] {
+            attention_chunks_split_or_not_at(hd);
+        }
+    }
+
+    fn attention_chunks_split_or_not_at(hd: usize) {
+        let (n_heads, n_kv, n_pos) = (6, 2, 700);
+        let k = rand_vec(n_pos * n_kv * hd, 31);
+        let v = rand_vec(n_pos * n_kv * hd, 32);
+        let qv = rand_vec(n_heads * hd, 33);
+        let other = rand_vec(n_heads * hd, 34);
+        let pos = 650usize;
+        let nc = (pos + 1).div_ceil(ATT_CHUNK);
+        let pl = partial_len(hd);
+        let kv = KvHead {
+            k: &k,
+            v: &v,
+            kv_dim: n_kv * hd,
+            g: 1,
+            head_dim: hd,
+        };
+        let mut whole = vec![0f32; nc * 3 * pl];
+        let mut sc = Vec::new();
+        attention_partials(&[&qv], &[pos], kv, 3, 0.25, (0, nc), &mut sc, &mut whole);
+        let mut pieces = vec![0f32; nc * 3 * pl];
+        let (a, b) = pieces.split_at_mut(2 * 3 * pl);
+        attention_partials(&[&qv], &[pos], kv, 3, 0.25, (0, 2), &mut sc, a);
+        attention_partials(&[&qv], &[pos], kv, 3, 0.25, (2, nc), &mut sc, b);
+        assert_eq!(whole, pieces);
+        // in a block after another token, through attention_block's own combination
+        let mut scratch = (Vec::new(), Vec::new());
+        let mut bufs = vec![vec![0f32; 3 * hd]; 2];
+        let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        attention_block(
+            &[&other, &qv],
+            &[100, pos],
+            &k,
+            &v,
+            1,
+            n_heads,
+            n_kv,
+            hd,
+            0.25,
+            &mut scratch,
+            &mut outs,
+        );
+        for hh in 0..3 {
+            let mut alone = vec![0f32; hd];
+            attention_combine(&pieces[hh * pl..], 3 * pl, nc, &mut alone);
+            assert_eq!(alone, bufs[1][hh * hd..(hh + 1) * hd]);
+        }
+    }
+
+    #[test]
+    fn exp_approx_is_within_2_ulp_of_libm() {
+        let mut worst = 0i64;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let d = (exp_approx(x).to_bits() as i64 - x.exp().to_bits() as i64).abs();
+            worst = worst.max(d);
+            x += 0.000_37;
+        }
+        assert!(worst <= 2, "worst {worst} ulp");
+        assert_eq!(exp_approx(0.0), 1.0);
+        assert_eq!(exp_approx(-1000.0), exp_approx(-87.0));
+        assert!(exp_approx(f32::NEG_INFINITY) < 1e-37);
     }
 
     #[test]
