@@ -3,8 +3,9 @@
 #
 #   METRALE_MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf LLAMA_BENCH=/path/llama-bench bench/cpu/run.sh
 #
-# Both sides: 2 threads, pp128 (one 128-token prompt from an empty cache) and tg64 (64 single-token
-# decode steps from an empty cache), ROUNDS alternating rounds of RUNS repetitions each (alternating
+# Both sides: 2 threads, pp128 (one 128-token prompt from an empty cache), tg64 (64 single-token
+# decode steps from an empty cache) and tg32@dDEPTH (32 decode steps after DEPTH cached positions,
+# llama-bench's -d; default 1024), ROUNDS alternating rounds of RUNS repetitions each (alternating
 # spreads the load of a shared machine over both), medians over all repetitions. Also measures the
 # machine's read bandwidth (the decode floor: every weight byte is read once per token).
 # Writes bench/cpu/results.json and bench/cpu/results.md. Speed is never asserted.
@@ -14,7 +15,7 @@ root="$(cd "$here/../.." && pwd)"
 model="${METRALE_MODEL:?set METRALE_MODEL to the SmolLM2-135M-Instruct Q4_1 GGUF (cargo xtask fetch-model smollm2-135m prints it)}"
 llama_bench="${LLAMA_BENCH:-/work/cache/llamacpp/build-cpu/bin/llama-bench}"
 [ -x "$llama_bench" ] || { echo "llama-bench not found at $llama_bench: build llama.cpp for CPU and set LLAMA_BENCH" >&2; exit 1; }
-threads="${THREADS:-2}"; runs="${RUNS:-5}"; rounds="${ROUNDS:-3}"
+threads="${THREADS:-2}"; runs="${RUNS:-5}"; rounds="${ROUNDS:-3}"; depth="${DEPTH:-1024}"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 
 (cd "$root" && cargo build --release --quiet -p metrale-backend --example bench_cpu)
@@ -24,24 +25,29 @@ load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
 for r in $(seq "$rounds"); do
   echo "round $r/$rounds: metrale" >&2
   "$ours" "$model" --prompt 128 --gen 64 --runs "$runs" --threads "$threads" 2>/dev/null > "$tmp/ours-$r.jsonl"
+  "$ours" "$model" --prompt 8 --gen 32 --depth "$depth" --runs "$runs" --threads "$threads" 2>/dev/null | grep '"tg32@' >> "$tmp/ours-$r.jsonl"
   echo "round $r/$rounds: llama.cpp" >&2
   "$llama_bench" -m "$model" -t "$threads" -p 128 -n 64 -r "$runs" -o json 2>/dev/null > "$tmp/llama-$r.json"
+  "$llama_bench" -m "$model" -t "$threads" -p 0 -n 32 -d "$depth" -r "$runs" -o json 2>/dev/null > "$tmp/llama-d-$r.json"
 done
 load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
 
-python3 - "$tmp" "$rounds" "$here" "$model" "$threads" "$load_before" "$load_after" "$(cd "$root" && git rev-parse --short HEAD 2>/dev/null || echo unknown)" <<'PY'
+python3 - "$tmp" "$rounds" "$here" "$model" "$threads" "$load_before" "$load_after" "$depth" "$(cd "$root" && git rev-parse --short HEAD 2>/dev/null || echo unknown)" <<'PY'
 import json, sys, statistics, datetime, platform, os
-tmp, rounds, here, model, threads, lb, la, commit = sys.argv[1:]
-rounds = int(rounds)
-ours = {"pp128": [], "tg64": []}; info = {}
-llama = {"pp128": [], "tg64": []}; llama_meta = {}
+tmp, rounds, here, model, threads, lb, la, depth, commit = sys.argv[1:]
+rounds = int(rounds); depth = int(depth)
+td = f"tg32@d{depth}"
+ours = {"pp128": [], "tg64": [], td: []}; info = {}
+llama = {"pp128": [], "tg64": [], td: []}; llama_meta = {}
 for r in range(1, rounds + 1):
     for line in open(f"{tmp}/ours-{r}.jsonl"):
         o = json.loads(line)
         if o["test"] in ours: ours[o["test"]] += o["runs"]
         elif o["test"] == "info": info = o
-    for o in json.load(open(f"{tmp}/llama-{r}.json")):
+    for o in json.load(open(f"{tmp}/llama-{r}.json")) + json.load(open(f"{tmp}/llama-d-{r}.json")):
         key = f"pp{o['n_prompt']}" if o["n_gen"] == 0 else f"tg{o['n_gen']}"
+        if o.get("n_depth", 0):
+            key += f"@d{o['n_depth']}"
         llama[key] += o["samples_ts"]
         llama_meta = {k: o[k] for k in ("build_commit", "build_number", "cpu_info", "model_type", "model_size", "n_threads", "type_k", "type_v", "repack") if k in o}
 bw = json.loads(open(f"{tmp}/membw.jsonl").read())
@@ -54,10 +60,12 @@ res = {
                 "read_bandwidth_gbs_median": bw["median"], "read_bandwidth_gbs_runs": bw["runs"]},
     "model": os.path.basename(model),
     "metrale": {"commit": commit, "device": info.get("device"), "weight_bytes": wb,
-                "pp128_tok_s": med(ours["pp128"]), "tg64_tok_s": med(ours["tg64"]), "pp128_runs": ours["pp128"], "tg64_runs": ours["tg64"]},
-    "llama_cpp": dict(llama_meta, pp128_tok_s=med(llama["pp128"]), tg64_tok_s=med(llama["tg64"]), pp128_runs=llama["pp128"], tg64_runs=llama["tg64"]),
+                "pp128_tok_s": med(ours["pp128"]), "tg64_tok_s": med(ours["tg64"]), f"{td}_tok_s": med(ours[td]),
+                "pp128_runs": ours["pp128"], "tg64_runs": ours["tg64"], f"{td}_runs": ours[td]},
+    "llama_cpp": dict(llama_meta, pp128_tok_s=med(llama["pp128"]), tg64_tok_s=med(llama["tg64"]), **{f"{td}_tok_s": med(llama[td])},
+                      pp128_runs=llama["pp128"], tg64_runs=llama["tg64"], **{f"{td}_runs": llama[td]}),
 }
-res["ratio_metrale_over_llama_cpp"] = {k: round(res["metrale"][k] / res["llama_cpp"][k], 3) for k in ("pp128_tok_s", "tg64_tok_s")}
+res["ratio_metrale_over_llama_cpp"] = {k: round(res["metrale"][k] / res["llama_cpp"][k], 3) for k in ("pp128_tok_s", "tg64_tok_s", f"{td}_tok_s")}
 gbs = lambda tps: round(tps * wb / 1e9, 2)
 res["decode_bandwidth"] = {"bytes_per_token": wb, "metrale_gbs": gbs(res["metrale"]["tg64_tok_s"]), "llama_cpp_gbs": gbs(res["llama_cpp"]["tg64_tok_s"]),
                            "floor_tok_s_at_read_bandwidth": round(bw["median"] * 1e9 / wb, 1) if wb else None}
@@ -74,20 +82,21 @@ in {rounds} alternating rounds.
 | --- | ---: | ---: | ---: |
 | pp128 | {m['pp128_tok_s']} | {l['pp128_tok_s']} | {res['ratio_metrale_over_llama_cpp']['pp128_tok_s']} |
 | tg64 | {m['tg64_tok_s']} | {l['tg64_tok_s']} | {res['ratio_metrale_over_llama_cpp']['tg64_tok_s']} |
+| tg32 after {depth} cached positions | {m[td + '_tok_s']} | {l[td + '_tok_s']} | {res['ratio_metrale_over_llama_cpp'][td + '_tok_s']} |
 
 Decode floor: measured read bandwidth {bw['median']} GB/s ({threads} threads summing a 512 MiB buffer) over
 {wb/1e6:.1f} MB per token = {d['floor_tok_s_at_read_bandwidth']} tok/s. metrale decodes at {d['metrale_gbs']} GB/s of weights,
 llama.cpp at {d['llama_cpp_gbs']} GB/s.
 
-metrale side: {m['device']}; weights stay Q4_1 (LM head Q8_0) and are widened per block inside the dot;
-activations are 16-bit integer blocks (llama.cpp uses 8-bit blocks; see runtime/backend/src/cpu/qact.rs).
+metrale side: {m['device']}. Q4_1 layer matrices are repacked at load so that one `vpmaddwd` lane holds one
+block's sum (8 blocks per instruction; runtime/backend/src/cpu/qact.rs); activations are 16-bit integer blocks
+(llama.cpp uses 8-bit blocks, which on SmolLM2 move logits by up to 2.0). Attention runs in chunks of 128
+positions whose partials combine in order, so one decode token's long context splits over both threads
+(runtime/backend/src/cpu/ops.rs); the KV cache is f32 (llama.cpp: f16, half the bytes).
 
-What limits decode: metrale reaches {round(100 * d['metrale_gbs'] / bw['median'])}% of the read-bandwidth floor (llama.cpp
-{round(100 * d['llama_cpp_gbs'] / bw['median'])}%). The rest is instruction throughput, not bytes: per 32-weight block and token
-the dot widens 16 nibbles to 2 x 16 i16 and issues 2 `vpmaddwd` + convert + FMA (llama.cpp: 1 `vpmaddubsw` on
-8-bit activations, which on SmolLM2 moves logits by up to 2.0, see qact.rs), plus one thread join per
-matrix group (4 per layer, 120 per token) on a shared 2-core machine. Prefill reuses each unpacked weight
-block for 4 tokens, so it is bound by the same integer pipeline ({m['pp128_tok_s']} vs {l['pp128_tok_s']} tok/s).
+What limits decode at depth 0: metrale reaches {round(100 * d['metrale_gbs'] / bw['median'])}% of the read-bandwidth floor (llama.cpp
+{round(100 * d['llama_cpp_gbs'] / bw['median'])}%); bench/cpu/NOTES.md has the breakdown of a decode step. After {depth} positions
+the f32 KV cache adds {depth} x 30 layers x 2 x 192 x 4 bytes = {depth * 30 * 2 * 192 * 4 / 1e6:.0f} MB per token to the weights' {wb/1e6:.1f} MB.
 """
 open(f"{here}/results.md", "w").write(md)
 print(md)
