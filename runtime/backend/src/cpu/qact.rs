@@ -16,7 +16,8 @@
 //! no horizontal sum, scale broadcast or scalar offset per block (1.3 instead of 2.3 ns per block on
 //! one Zen 3 core). The activations are permuted to match once per product
 //! ([`QuantizedActs::qp`]). A row's last group may hold fewer than 8 blocks (576 columns: 8 + 8 + 2);
-//! it is laid out alike and its missing lanes are masked.
+//! its blocks then spread over several lanes each ([`group_shape`]: 2 blocks take 4 lanes each), so
+//! it costs 2 loads instead of 8.
 //!
 //! Invariants: integer block sums are exact (|w| <= 128, |q| <= 32767: a 32-element block sum stays
 //! below 2^27); AVX2 and generic code give the same block sums; only the f32 summation order of the
@@ -32,30 +33,50 @@ const Q41_BYTES: usize = 20;
 /// past the row when it has fewer than 8 blocks (those lanes are multiplied by zero activations).
 pub const PACK_PAD: usize = 16;
 
-/// Byte offsets of a group of `n` blocks (8, or fewer for the last one): its scales, its minimums,
-/// and load `l`'s nibble bytes (2 per block).
-fn group_offsets(n: usize) -> (usize, usize, impl Fn(usize) -> usize) {
-    (0, 2 * n, move |l| 4 * n + 2 * n * l)
+/// The lanes of a group of `n` blocks (8, or fewer for a row's last group): each block spreads over
+/// `per` = 8 / n (rounded down to a power of two) of the 8 lanes, each lane summing 32 / `per` of its
+/// elements, so that short last groups waste few lanes (576 columns: 8 + 8 + 2 blocks, the last
+/// group 4 lanes per block). Returns (`per`, loads): every load gives each lane 2 bytes (4 elements).
+fn group_shape(n: usize) -> (usize, usize) {
+    let per = match n {
+        1 => 8,
+        2 => 4,
+        3 | 4 => 2,
+        _ => 1,
+    };
+    (per, 8 / per)
+}
+
+/// For lane `lane` of load `t` of a group of `n` blocks: (block, byte of that block's 16 nibble
+/// bytes) of its first byte (the second follows it), or `None` for an unused lane.
+fn lane_byte(n: usize, lane: usize, t: usize) -> Option<(usize, usize)> {
+    let (per, _) = group_shape(n);
+    let (i, r) = (lane / per, lane % per);
+    (i < n).then_some((i, r * (16 / per) + 2 * t))
 }
 
 /// Pack one GGUF Q4_1 row (`src`, blocks of 20 bytes) into `dst` (same size; module docs): groups
-/// of 8 blocks (the last one may be shorter, `n` blocks), each `[n x f16 d][n x f16 m]` then 8 loads
-/// of `2n` bytes, where byte `2i + e` of load `l` is byte `2l + e` of block `i`'s nibbles.
+/// of 8 blocks (the last one may be shorter, `n` blocks), each `[n x f16 d][n x f16 m]` then the
+/// loads of [`group_shape`], `2 n per` bytes each: bytes `2 lane`, `2 lane + 1` of load `t` are the
+/// bytes [`lane_byte`] names.
 pub fn pack_q4_1_row(src: &[u8], dst: &mut [u8]) {
     assert_eq!(src.len(), dst.len());
     assert_eq!(src.len() % Q41_BYTES, 0);
     let nb = src.len() / Q41_BYTES;
     for g0 in (0..nb).step_by(GROUP) {
         let n = GROUP.min(nb - g0);
+        let (per, loads) = group_shape(n);
         let blk = |i: usize| &src[(g0 + i) * Q41_BYTES..(g0 + i + 1) * Q41_BYTES];
         let out = &mut dst[g0 * Q41_BYTES..(g0 + n) * Q41_BYTES];
-        let (od, om, ol) = group_offsets(n);
         for i in 0..n {
-            out[od + 2 * i..od + 2 * i + 2].copy_from_slice(&blk(i)[0..2]);
-            out[om + 2 * i..om + 2 * i + 2].copy_from_slice(&blk(i)[2..4]);
-            for l in 0..8 {
-                out[ol(l) + 2 * i..ol(l) + 2 * i + 2]
-                    .copy_from_slice(&blk(i)[4 + 2 * l..6 + 2 * l]);
+            out[2 * i..2 * i + 2].copy_from_slice(&blk(i)[0..2]);
+            out[2 * n + 2 * i..2 * n + 2 * i + 2].copy_from_slice(&blk(i)[2..4]);
+        }
+        for t in 0..loads {
+            for lane in 0..n * per {
+                let (i, b) = lane_byte(n, lane, t).expect("a used lane");
+                let at = 4 * n + 2 * n * per * t + 2 * lane;
+                out[at..at + 2].copy_from_slice(&blk(i)[4 + b..6 + b]);
             }
         }
     }
@@ -68,14 +89,19 @@ pub fn unpack_q4_1_row(src: &[u8], dst: &mut [u8]) {
     let nb = src.len() / Q41_BYTES;
     for g0 in (0..nb).step_by(GROUP) {
         let n = GROUP.min(nb - g0);
+        let (per, loads) = group_shape(n);
         let inp = &src[g0 * Q41_BYTES..(g0 + n) * Q41_BYTES];
-        let (od, om, ol) = group_offsets(n);
         for i in 0..n {
             let blk = &mut dst[(g0 + i) * Q41_BYTES..(g0 + i + 1) * Q41_BYTES];
-            blk[0..2].copy_from_slice(&inp[od + 2 * i..od + 2 * i + 2]);
-            blk[2..4].copy_from_slice(&inp[om + 2 * i..om + 2 * i + 2]);
-            for l in 0..8 {
-                blk[4 + 2 * l..6 + 2 * l].copy_from_slice(&inp[ol(l) + 2 * i..ol(l) + 2 * i + 2]);
+            blk[0..2].copy_from_slice(&inp[2 * i..2 * i + 2]);
+            blk[2..4].copy_from_slice(&inp[2 * n + 2 * i..2 * n + 2 * i + 2]);
+        }
+        for t in 0..loads {
+            for lane in 0..n * per {
+                let (i, b) = lane_byte(n, lane, t).expect("a used lane");
+                let at = 4 * n + 2 * n * per * t + 2 * lane;
+                dst[(g0 + i) * Q41_BYTES + 4 + b..(g0 + i) * Q41_BYTES + 6 + b]
+                    .copy_from_slice(&inp[at..at + 2]);
             }
         }
     }
@@ -105,8 +131,9 @@ pub struct QuantizedActs {
     /// `[n_tok][cols]` 16-bit values.
     pub q: Vec<i16>,
     /// `q` in the order packed Q4_1 rows need, `qp_stride` values per token: per group of 8 blocks
-    /// (256 values; the last group zero-padded to 256), for load `l`, 16 values for the low nibbles
-    /// (`2i + e` = block `i`, element `2l + e`) then 16 for the high ones (element `2l + e + 16`).
+    /// (256 values; the last group zero-padded to 256), for load `t`, 16 values for the low nibbles
+    /// (slots `2 lane + e`: element `b + e` of the block and byte `b` that [`lane_byte`] names) then
+    /// 16 for the high ones (element `16 + b + e`).
     pub qp: Vec<i16>,
     pub qp_stride: usize,
     /// `[n_tok][cols / 32]` block scales.
@@ -143,13 +170,18 @@ impl QuantizedActs {
         let qp_stride = nbr.div_ceil(GROUP) * GROUP * QK;
         let mut qp = vec![0i16; qp_stride * (x.len() / cols.max(1))];
         for (src, dst) in q.chunks_exact(cols).zip(qp.chunks_exact_mut(qp_stride)) {
-            for b in 0..nbr {
-                let (g, i) = (b / GROUP, b % GROUP);
-                let dg = &mut dst[g * GROUP * QK..];
-                for l in 0..8 {
-                    for e in 0..2 {
-                        dg[32 * l + 2 * i + e] = src[QK * b + 2 * l + e];
-                        dg[32 * l + 16 + 2 * i + e] = src[QK * b + 16 + 2 * l + e];
+            for g0 in (0..nbr).step_by(GROUP) {
+                let n = GROUP.min(nbr - g0);
+                let (per, loads) = group_shape(n);
+                let dg = &mut dst[g0 * QK..];
+                for t in 0..loads {
+                    for lane in 0..n * per {
+                        let (i, b) = lane_byte(n, lane, t).expect("a used lane");
+                        let x = &src[(g0 + i) * QK..];
+                        for e in 0..2 {
+                            dg[32 * t + 2 * lane + e] = x[b + e];
+                            dg[32 * t + 16 + 2 * lane + e] = x[16 + b + e];
+                        }
                     }
                 }
             }
@@ -324,11 +356,12 @@ mod avx2 {
         let mut off = [_mm256_setzero_ps(); N];
         for g0 in (0..nb).step_by(GROUP) {
             let n = GROUP.min(nb - g0);
+            let (per, loads) = group_shape(n);
             let base = row.add(g0 * Q41_BYTES);
             let mut isum = [_mm256_setzero_si256(); N];
-            for l in 0..8 {
+            for l in 0..loads {
                 let w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                    base.add(4 * n + 2 * n * l) as *const __m128i
+                    base.add(4 * n + 2 * n * per * l) as *const __m128i
                 ));
                 let (lo, hi) = (_mm256_and_si256(w16, mask), _mm256_srli_epi16(w16, 4));
                 for t in 0..N {
@@ -340,8 +373,8 @@ mod avx2 {
                     isum[t] = _mm256_add_epi32(isum[t], p);
                 }
             }
-            let mut wd = _mm256_cvtph_ps(_mm_loadu_si128(base as *const __m128i));
-            let mut wm = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * n) as *const __m128i));
+            let wd = _mm256_cvtph_ps(_mm_loadu_si128(base as *const __m128i));
+            let wm = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * n) as *const __m128i));
             if n == GROUP {
                 for t in 0..N {
                     let sc = _mm256_mul_ps(wd, _mm256_loadu_ps(d[t].add(g0)));
@@ -349,13 +382,28 @@ mod avx2 {
                     off[t] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(s[t].add(g0)), off[t]);
                 }
             } else {
-                // lanes >= n hold other bytes (possibly NaN as f16): zero them before any product
-                let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane);
-                wd = _mm256_and_ps(wd, _mm256_castsi256_ps(valid));
-                wm = _mm256_and_ps(wm, _mm256_castsi256_ps(valid));
+                // lane -> block lane / per; lanes past the blocks hold other bytes (possibly NaN as
+                // f16) and meet zero activations: zero their scales; the minimum counts once per
+                // block (its first lane)
+                let idx = _mm256_srlv_epi32(lane, _mm256_set1_epi32(per.trailing_zeros() as i32));
+                let blocks = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane);
+                let used = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                    _mm256_set1_epi32((n * per) as i32),
+                    lane,
+                ));
+                let first = _mm256_and_ps(
+                    used,
+                    _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                        _mm256_and_si256(lane, _mm256_set1_epi32(per as i32 - 1)),
+                        _mm256_setzero_si256(),
+                    )),
+                );
+                let spread = |v: __m256| _mm256_permutevar8x32_ps(v, idx);
+                let wd = _mm256_and_ps(spread(wd), used);
+                let wm = _mm256_and_ps(spread(wm), first);
                 for t in 0..N {
-                    let dt = _mm256_maskload_ps(d[t].add(g0), valid);
-                    let st = _mm256_maskload_ps(s[t].add(g0), valid);
+                    let dt = spread(_mm256_maskload_ps(d[t].add(g0), blocks));
+                    let st = spread(_mm256_maskload_ps(s[t].add(g0), blocks));
                     let sc = _mm256_mul_ps(wd, dt);
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
                     off[t] = _mm256_fmadd_ps(wm, st, off[t]);
@@ -515,7 +563,7 @@ mod tests {
 
     #[test]
     fn packing_round_trips_and_moves_whole_bytes() {
-        for nb in [1usize, 8, 10, 18, 48] {
+        for nb in [1usize, 2, 3, 4, 5, 8, 9, 10, 11, 13, 18, 48] {
             let row = rand_weights(DType::Q4_1, 1, nb * QK, nb as u64);
             let mut packed = vec![0u8; row.len()];
             pack_q4_1_row(&row, &mut packed);
@@ -536,9 +584,9 @@ mod tests {
 
     #[test]
     fn qact_dots_match_generic_and_f32_reference() {
-        // 128 columns: 4 blocks, no packed group; 320: one group of 8 and 2 blocks in GGUF order;
-        // 512: two groups
-        for cols in [128usize, 320, 512] {
+        // the last group's lanes per block: 128 columns (4 blocks): 2; 288 (8 + 1): 8; 320 (8 + 2): 4;
+        // 352 (8 + 3): 2; 416 (8 + 5): 1 (masked); 512: no short group
+        for cols in [128usize, 288, 320, 352, 416, 512] {
             qact_dots_match(cols);
         }
     }
