@@ -119,6 +119,11 @@ pub fn pack_q4_1(data: &mut Vec<u8>, cols: usize) {
     data.extend_from_slice(&[0; PACK_PAD]);
 }
 
+/// Rows of at most this many blocks are computed two at a time for one token. Measured on one Zen 3
+/// core (ns per block, weights from memory / from cache): 576 columns 2.15 / 1.93 -> 1.90 / 1.65;
+/// 1536 columns 1.87 / 1.44 -> 3.5 / 1.41 (two interleaved row streams defeat the prefetcher).
+const PAIR_MAX_BLOCKS: usize = 24;
+
 /// Whether this CPU runs packed Q4_1 rows faster (AVX2); the CPU backend packs its Q4_1 matrices
 /// only then.
 pub fn packs_q4_1() -> bool {
@@ -343,76 +348,90 @@ mod avx2 {
     /// blocks: its loads reach into the bytes after it (the next row or [`PACK_PAD`]), whose lanes
     /// meet zero activations, and its scales, minimums, `d` and `s` are masked to its blocks.
     #[inline(always)]
-    unsafe fn dot_packed<const N: usize>(
-        row: *const u8,
+    unsafe fn dot_packed<const R: usize, const N: usize>(
+        rows: [*const u8; R],
         nb: usize,
         qp: [*const i16; N],
         d: [*const f32; N],
         s: [*const f32; N],
-    ) -> [f32; N] {
+    ) -> [[f32; N]; R] {
         let mask = _mm256_set1_epi16(0x0f);
         let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut off = [_mm256_setzero_ps(); N];
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut off = [[_mm256_setzero_ps(); N]; R];
         for g0 in (0..nb).step_by(GROUP) {
             let n = GROUP.min(nb - g0);
             let (per, loads) = group_shape(n);
-            let base = row.add(g0 * Q41_BYTES);
-            let mut isum = [_mm256_setzero_si256(); N];
+            let base: [*const u8; R] = std::array::from_fn(|r| rows[r].add(g0 * Q41_BYTES));
+            let mut isum = [[_mm256_setzero_si256(); N]; R];
             for l in 0..loads {
-                let w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                    base.add(4 * n + 2 * n * per * l) as *const __m128i
-                ));
-                let (lo, hi) = (_mm256_and_si256(w16, mask), _mm256_srli_epi16(w16, 4));
-                for t in 0..N {
+                let x: [(__m256i, __m256i); N] = std::array::from_fn(|t| {
                     let x = qp[t].add(g0 * QK + 32 * l);
-                    let p = _mm256_add_epi32(
-                        _mm256_madd_epi16(lo, _mm256_loadu_si256(x as *const __m256i)),
-                        _mm256_madd_epi16(hi, _mm256_loadu_si256(x.add(16) as *const __m256i)),
-                    );
-                    isum[t] = _mm256_add_epi32(isum[t], p);
+                    (
+                        _mm256_loadu_si256(x as *const __m256i),
+                        _mm256_loadu_si256(x.add(16) as *const __m256i),
+                    )
+                });
+                for r in 0..R {
+                    let w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                        base[r].add(4 * n + 2 * n * per * l) as *const __m128i,
+                    ));
+                    let (lo, hi) = (_mm256_and_si256(w16, mask), _mm256_srli_epi16(w16, 4));
+                    for t in 0..N {
+                        let p = _mm256_add_epi32(
+                            _mm256_madd_epi16(lo, x[t].0),
+                            _mm256_madd_epi16(hi, x[t].1),
+                        );
+                        isum[r][t] = _mm256_add_epi32(isum[r][t], p);
+                    }
                 }
             }
-            let wd = _mm256_cvtph_ps(_mm_loadu_si128(base as *const __m128i));
-            let wm = _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * n) as *const __m128i));
-            if n == GROUP {
-                for t in 0..N {
-                    let sc = _mm256_mul_ps(wd, _mm256_loadu_ps(d[t].add(g0)));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
-                    off[t] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(s[t].add(g0)), off[t]);
-                }
-            } else {
-                // lane -> block lane / per; lanes past the blocks hold other bytes (possibly NaN as
-                // f16) and meet zero activations: zero their scales; the minimum counts once per
-                // block (its first lane)
-                let idx = _mm256_srlv_epi32(lane, _mm256_set1_epi32(per.trailing_zeros() as i32));
-                let blocks = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane);
-                let used = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                    _mm256_set1_epi32((n * per) as i32),
-                    lane,
-                ));
-                let first = _mm256_and_ps(
-                    used,
-                    _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-                        _mm256_and_si256(lane, _mm256_set1_epi32(per as i32 - 1)),
-                        _mm256_setzero_si256(),
-                    )),
-                );
-                let spread = |v: __m256| _mm256_permutevar8x32_ps(v, idx);
-                let wd = _mm256_and_ps(spread(wd), used);
-                let wm = _mm256_and_ps(spread(wm), first);
-                for t in 0..N {
-                    let dt = spread(_mm256_maskload_ps(d[t].add(g0), blocks));
-                    let st = spread(_mm256_maskload_ps(s[t].add(g0), blocks));
-                    let sc = _mm256_mul_ps(wd, dt);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
-                    off[t] = _mm256_fmadd_ps(wm, st, off[t]);
+            for r in 0..R {
+                let wd = _mm256_cvtph_ps(_mm_loadu_si128(base[r] as *const __m128i));
+                let wm = _mm256_cvtph_ps(_mm_loadu_si128(base[r].add(2 * n) as *const __m128i));
+                let (acc, off, isum) = (&mut acc[r], &mut off[r], &isum[r]);
+                if n == GROUP {
+                    for t in 0..N {
+                        let sc = _mm256_mul_ps(wd, _mm256_loadu_ps(d[t].add(g0)));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
+                        off[t] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(s[t].add(g0)), off[t]);
+                    }
+                } else {
+                    // lane -> block lane / per; lanes past the blocks hold other bytes (possibly NaN as
+                    // f16) and meet zero activations: zero their scales; the minimum counts once per
+                    // block (its first lane)
+                    let idx =
+                        _mm256_srlv_epi32(lane, _mm256_set1_epi32(per.trailing_zeros() as i32));
+                    let blocks = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane);
+                    let used = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                        _mm256_set1_epi32((n * per) as i32),
+                        lane,
+                    ));
+                    let first = _mm256_and_ps(
+                        used,
+                        _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                            _mm256_and_si256(lane, _mm256_set1_epi32(per as i32 - 1)),
+                            _mm256_setzero_si256(),
+                        )),
+                    );
+                    let spread = |v: __m256| _mm256_permutevar8x32_ps(v, idx);
+                    let wd = _mm256_and_ps(spread(wd), used);
+                    let wm = _mm256_and_ps(spread(wm), first);
+                    for t in 0..N {
+                        let dt = spread(_mm256_maskload_ps(d[t].add(g0), blocks));
+                        let st = spread(_mm256_maskload_ps(s[t].add(g0), blocks));
+                        let sc = _mm256_mul_ps(wd, dt);
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), sc, acc[t]);
+                        off[t] = _mm256_fmadd_ps(wm, st, off[t]);
+                    }
                 }
             }
         }
-        let mut out = [0f32; N];
-        for t in 0..N {
-            out[t] = hsum(_mm256_add_ps(acc[t], off[t]));
+        let mut out = [[0f32; N]; R];
+        for r in 0..R {
+            for t in 0..N {
+                out[r][t] = hsum(_mm256_add_ps(acc[r][t], off[r][t]));
+            }
         }
         out
     }
@@ -431,7 +450,7 @@ mod avx2 {
         if packed && K == Q4_1 {
             let qp: [*const i16; N] =
                 std::array::from_fn(|t| a.qp.as_ptr().add((t0 + t) * a.qp_stride));
-            return dot_packed::<N>(row, nb, qp, d, s);
+            return dot_packed::<1, N>([row], nb, qp, d, s)[0];
         }
         let q: [*const i16; N] = std::array::from_fn(|t| a.q.as_ptr().add((t0 + t) * a.cols));
         dot_rn::<K, 1, N>(row, 0, nb, q, d, s)[0]
@@ -448,7 +467,20 @@ mod avx2 {
         let rb = w.row_bytes();
         let nb = w.cols / QK;
         let nrows = out_t.len() / n_tok;
-        for rr in 0..nrows {
+        let mut rr0 = 0;
+        if w.packed && K == Q4_1 && n_tok == 1 && nb <= PAIR_MAX_BLOCKS {
+            // one token, short rows: two rows at a time share the activation loads and the per-row
+            // work (each row's arithmetic is the same as alone)
+            let (qp, d, s) = ([a.qp.as_ptr()], [a.d.as_ptr()], [a.s.as_ptr()]);
+            while rr0 + 2 <= nrows {
+                let row = w.data.as_ptr().add((r0 + rr0) * rb);
+                let r = dot_packed::<2, 1>([row, row.add(rb)], nb, qp, d, s);
+                out_t[rr0] = r[0][0];
+                out_t[rr0 + 1] = r[1][0];
+                rr0 += 2;
+            }
+        }
+        for rr in rr0..nrows {
             let row = w.data.as_ptr().add((r0 + rr) * rb);
             let out = &mut out_t[rr * n_tok..(rr + 1) * n_tok];
             let mut t = 0;
@@ -623,6 +655,10 @@ mod tests {
                 crate::cpu::ops::matmul_qact(mp, &x, 5, &mut fast_p);
                 crate::cpu::ops::matmul(mp, &x, 5, &mut exact_p);
                 assert_eq!(exact_p, exact, "{dt} {cols}: the f32 path on packed rows");
+                // one token alone (rows in pairs) gives the same bits as inside a 4-token tile
+                let mut one = vec![0f32; rows];
+                crate::cpu::ops::matmul_qact(mp, &x[..cols], 1, &mut one);
+                assert_eq!(one, fast_p[..rows], "{dt} {cols}: one token vs a tile");
             }
             let a = QuantizedActs::new(&x, cols);
             let rb = dt.row_bytes(cols).unwrap();
