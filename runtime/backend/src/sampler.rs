@@ -202,7 +202,7 @@ unsafe fn exp_sum_avx2(row: &[f32], max: f32, lanes: &mut [f64; 8]) -> usize {
         8.333_452e-3,
         4.166_579_6e-2,
         1.666_666_5e-1,
-        5.000_000_1e-1,
+        0.5,
     ];
     let one = _mm256_set1_ps(1.0);
     let (mut acc_lo, mut acc_hi) = (

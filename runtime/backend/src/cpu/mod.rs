@@ -413,7 +413,7 @@ impl CpuBackend {
     /// Run the layers over the batch and return the final-normed hidden state of the last position of
     /// each entry (`[batch.len()][hidden]`). Writes the entries' K/V into their slots.
     fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
-        let d = self.dims.clone();
+        let d = self.dims;
         let (h, qd, kvd, hd) = (d.hidden, d.qd(), d.kd(), d.head_dim);
         let cap = self.slot_capacity;
         // (slot, position) of every token, in batch order.

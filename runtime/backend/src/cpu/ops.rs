@@ -330,12 +330,31 @@ pub fn exp_approx(x: f32) -> f32 {
         8.333_452e-3,
         4.166_579_6e-2,
         1.666_666_5e-1,
-        5.000_000_1e-1,
+        0.5,
     ] {
         p = p * r + c;
     }
     let e = p * r * r + r + 1.0;
     e * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// Replace the scores `s` by `exp(s - max)` and return (max, their sum in 8 fixed lanes).
+#[inline(always)]
+fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [0f32; 8];
+    let mut it = s.chunks_exact_mut(8);
+    for c in &mut it {
+        for (l, e) in lanes.iter_mut().zip(c.iter_mut()) {
+            *e = exp_approx(*e - m);
+            *l += *e;
+        }
+    }
+    for (l, e) in lanes.iter_mut().zip(it.into_remainder()) {
+        *e = exp_approx(*e - m);
+        *l += *e;
+    }
+    (m, lanes.iter().sum())
 }
 
 /// One KV head's rows of one layer of one sequence: `k`, `v` are `[n_pos][kv_dim]`, the head's
@@ -370,22 +389,10 @@ fn chunk_partial(
     for (j, sj) in s.iter_mut().enumerate() {
         *sj = dot_f32(qh, &kv.k[(p0 + j) * kv.kv_dim + off..][..hd]) * scale;
     }
-    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut lanes = [0f32; 8];
-    let mut it = s.chunks_exact_mut(8);
-    for c in &mut it {
-        for (l, e) in lanes.iter_mut().zip(c.iter_mut()) {
-            *e = exp_approx(*e - m);
-            *l += *e;
-        }
-    }
-    for (l, e) in lanes.iter_mut().zip(it.into_remainder()) {
-        *e = exp_approx(*e - m);
-        *l += *e;
-    }
+    let (m, l) = exp_shifted(s);
     let (ml, o) = part.split_at_mut(2);
     ml[0] = m;
-    ml[1] = lanes.iter().sum();
+    ml[1] = l;
     o.fill(0.0);
     for (j, &e) in s.iter().enumerate() {
         let vp = &kv.v[(p0 + j) * kv.kv_dim + off..][..hd];
@@ -485,19 +492,7 @@ unsafe fn chunk_partial_64(
         j += 1;
     }
     let s = &mut scores[..n];
-    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut lanes = [0f32; 8];
-    let mut it = s.chunks_exact_mut(8);
-    for c in &mut it {
-        for (l, e) in lanes.iter_mut().zip(c.iter_mut()) {
-            *e = exp_approx(*e - m);
-            *l += *e;
-        }
-    }
-    for (l, e) in lanes.iter_mut().zip(it.into_remainder()) {
-        *e = exp_approx(*e - m);
-        *l += *e;
-    }
+    let (m, l) = exp_shifted(s);
     let mut o = [_mm256_setzero_ps(); 8];
     for (j, &e) in s.iter().enumerate() {
         let (r, w) = (vrow(p0 + j), _mm256_set1_ps(e));
@@ -506,7 +501,7 @@ unsafe fn chunk_partial_64(
         }
     }
     part[0] = m;
-    part[1] = lanes.iter().sum();
+    part[1] = l;
     for (i, oi) in o.iter().enumerate() {
         _mm256_storeu_ps(part.as_mut_ptr().add(2 + 8 * i), *oi);
     }
