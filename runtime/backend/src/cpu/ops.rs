@@ -317,8 +317,11 @@ fn attention_head_body(
 /// over threads (how one decode token's attention uses every core at long contexts).
 pub const ATT_CHUNK: usize = 128;
 
-/// `exp(x)` for `x <= 0` without a libm call, so that loops over it vectorize: Cephes' degree-6
-/// polynomial after a Cody-Waite reduction (within 2 ulp of `f32::exp` on [-87, 0]; below -87, 0).
+/// `exp(x)` for `x <= 0` without a libm call: Cephes' degree-6 polynomial after a Cody-Waite
+/// reduction, inlined (within 2 ulp of `f32::exp` on [-87, 0]; below -87, `exp(-87)`). The same
+/// bits on every CPU, so a token's attention does not depend on which kernel ran it. Loops over it
+/// stay scalar (the float-to-int cast saturates); the sampler's AVX2 log-sum-exp has its own
+/// vector form of the same polynomial, 2x faster than letting the compiler widen this one.
 #[inline(always)]
 pub fn exp_approx(x: f32) -> f32 {
     let x = x.max(-87.0);
@@ -745,7 +748,7 @@ pub struct MatRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
-    /// Q4_1 rows in the packed order of [`super::qact::pack_q4_1_row`] (the CPU backend's layer
+    /// Q4_1 rows in the packed order of [`super::qact::pack_q4_1_rows`] (the CPU backend's layer
     /// matrices on AVX2 CPUs), not GGUF's.
     pub packed: bool,
 }
@@ -969,9 +972,7 @@ pub fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut 
         let rb = w.row_bytes();
         let n = o.len() / n_tok;
         let mut rows = vec![0u8; n * rb];
-        for (k, dst) in rows.chunks_exact_mut(rb).enumerate() {
-            super::qact::unpack_q4_1_row(&w.data[(r0 + k) * rb..(r0 + k + 1) * rb], dst);
-        }
+        super::qact::unpack_q4_1_rows(&w.data[r0 * rb..(r0 + n) * rb], &mut rows, w.cols);
         let plain = MatRef {
             rows: n,
             data: &rows,

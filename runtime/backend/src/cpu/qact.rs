@@ -21,7 +21,7 @@
 //!
 //! Invariants: integer block sums are exact (|w| <= 128, |q| <= 32767: a 32-element block sum stays
 //! below 2^27); AVX2 and generic code give the same block sums; only the f32 summation order of the
-//! blocks differs. Packed rows have the GGUF row's size and `unpack_q4_1_row` restores it bit for bit.
+//! blocks differs. Packed rows have the GGUF row's size and `unpack_q4_1_rows` restores them bit for bit.
 
 use super::ops::{f16_to_f32, MatRef};
 use metrale_core::dtype::{DType, QK};
@@ -55,67 +55,64 @@ fn lane_byte(n: usize, lane: usize, t: usize) -> Option<(usize, usize)> {
     (i < n).then_some((i, r * (16 / per) + 2 * t))
 }
 
-/// Pack one GGUF Q4_1 row (`src`, blocks of 20 bytes) into `dst` (same size; module docs): groups
-/// of 8 blocks (the last one may be shorter, `n` blocks), each `[n x f16 d][n x f16 m]` then the
-/// loads of [`group_shape`], `2 n per` bytes each: bytes `2 lane`, `2 lane + 1` of load `t` are the
-/// bytes [`lane_byte`] names.
-pub fn pack_q4_1_row(src: &[u8], dst: &mut [u8]) {
-    assert_eq!(src.len(), dst.len());
-    assert_eq!(src.len() % Q41_BYTES, 0);
-    let nb = src.len() / Q41_BYTES;
-    for g0 in (0..nb).step_by(GROUP) {
+/// The packed layout of a row of `nb` Q4_1 blocks as (GGUF byte offset, packed byte offset) of
+/// every 2-byte unit: groups of 8 blocks (the last one may be shorter, `n` blocks), each
+/// `[n x f16 d][n x f16 m]` then the loads of [`group_shape`], `2 n per` bytes each: bytes
+/// `2 lane`, `2 lane + 1` of load `t` are the bytes [`lane_byte`] names.
+fn packed_units(nb: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..nb).step_by(GROUP).flat_map(move |g0| {
         let n = GROUP.min(nb - g0);
         let (per, loads) = group_shape(n);
-        let blk = |i: usize| &src[(g0 + i) * Q41_BYTES..(g0 + i + 1) * Q41_BYTES];
-        let out = &mut dst[g0 * Q41_BYTES..(g0 + n) * Q41_BYTES];
-        for i in 0..n {
-            out[2 * i..2 * i + 2].copy_from_slice(&blk(i)[0..2]);
-            out[2 * n + 2 * i..2 * n + 2 * i + 2].copy_from_slice(&blk(i)[2..4]);
-        }
-        for t in 0..loads {
-            for lane in 0..n * per {
+        let (blk, base) = (move |i: usize| (g0 + i) * Q41_BYTES, g0 * Q41_BYTES);
+        let scales =
+            (0..n).flat_map(move |i| [(blk(i), base + 2 * i), (blk(i) + 2, base + 2 * n + 2 * i)]);
+        let nibbles = (0..loads).flat_map(move |t| {
+            (0..n * per).map(move |lane| {
                 let (i, b) = lane_byte(n, lane, t).expect("a used lane");
-                let at = 4 * n + 2 * n * per * t + 2 * lane;
-                out[at..at + 2].copy_from_slice(&blk(i)[4 + b..6 + b]);
-            }
+                (blk(i) + 4 + b, base + 4 * n + 2 * n * per * t + 2 * lane)
+            })
+        });
+        scales.chain(nibbles)
+    })
+}
+
+/// Pack GGUF Q4_1 rows of `cols` columns (`src`) into `dst` (the same size; module docs and
+/// [`packed_units`], computed once for all rows).
+pub fn pack_q4_1_rows(src: &[u8], dst: &mut [u8], cols: usize) {
+    move_units(src, dst, cols, |(g, p)| (g, p));
+}
+
+/// The inverse of [`pack_q4_1_rows`].
+pub fn unpack_q4_1_rows(src: &[u8], dst: &mut [u8], cols: usize) {
+    move_units(src, dst, cols, |(g, p)| (p, g));
+}
+
+/// Copy every 2-byte unit of every row from `src` to `dst`, at the (from, to) offsets `dir` makes of
+/// its (GGUF, packed) offsets.
+fn move_units(
+    src: &[u8],
+    dst: &mut [u8],
+    cols: usize,
+    dir: impl Fn((usize, usize)) -> (usize, usize),
+) {
+    let rb = cols / QK * Q41_BYTES;
+    assert!(
+        src.len() == dst.len() && src.len() % rb == 0,
+        "whole Q4_1 rows of {cols} columns"
+    );
+    let units: Vec<(usize, usize)> = packed_units(cols / QK).map(dir).collect();
+    for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
+        for &(from, to) in &units {
+            d[to..to + 2].copy_from_slice(&s[from..from + 2]);
         }
     }
 }
 
-/// The inverse of [`pack_q4_1_row`].
-pub fn unpack_q4_1_row(src: &[u8], dst: &mut [u8]) {
-    assert_eq!(src.len(), dst.len());
-    assert_eq!(src.len() % Q41_BYTES, 0);
-    let nb = src.len() / Q41_BYTES;
-    for g0 in (0..nb).step_by(GROUP) {
-        let n = GROUP.min(nb - g0);
-        let (per, loads) = group_shape(n);
-        let inp = &src[g0 * Q41_BYTES..(g0 + n) * Q41_BYTES];
-        for i in 0..n {
-            let blk = &mut dst[(g0 + i) * Q41_BYTES..(g0 + i + 1) * Q41_BYTES];
-            blk[0..2].copy_from_slice(&inp[2 * i..2 * i + 2]);
-            blk[2..4].copy_from_slice(&inp[2 * n + 2 * i..2 * n + 2 * i + 2]);
-        }
-        for t in 0..loads {
-            for lane in 0..n * per {
-                let (i, b) = lane_byte(n, lane, t).expect("a used lane");
-                let at = 4 * n + 2 * n * per * t + 2 * lane;
-                dst[(g0 + i) * Q41_BYTES + 4 + b..(g0 + i) * Q41_BYTES + 6 + b]
-                    .copy_from_slice(&inp[at..at + 2]);
-            }
-        }
-    }
-}
-
-/// Pack every row of a Q4_1 matrix of `cols` columns in place (see [`pack_q4_1_row`]) and append
+/// Pack every row of a Q4_1 matrix of `cols` columns in place (see [`pack_q4_1_rows`]) and append
 /// [`PACK_PAD`] zero bytes.
 pub fn pack_q4_1(data: &mut Vec<u8>, cols: usize) {
-    let rb = cols / QK * Q41_BYTES;
-    let mut row = vec![0u8; rb];
-    for r in data.chunks_exact_mut(rb) {
-        row.copy_from_slice(r);
-        pack_q4_1_row(&row, r);
-    }
+    let gguf = data.clone();
+    pack_q4_1_rows(&gguf, data, cols);
     data.extend_from_slice(&[0; PACK_PAD]);
 }
 
@@ -569,13 +566,16 @@ pub fn matmul_rows_qact(
         unsafe { avx2::rows(w, r0, a, n_tok, out_t) };
         return;
     }
-    let mut unpacked = vec![0u8; if w.packed { rb } else { 0 }];
+    let mut unpacked = Vec::new();
+    let rows = if w.packed {
+        unpacked.resize(nrows * rb, 0);
+        unpack_q4_1_rows(&w.data[r0 * rb..(r0 + nrows) * rb], &mut unpacked, w.cols);
+        &unpacked[..]
+    } else {
+        &w.data[r0 * rb..(r0 + nrows) * rb]
+    };
     for rr in 0..nrows {
-        let mut row = &w.data[(r0 + rr) * rb..(r0 + rr + 1) * rb];
-        if w.packed {
-            unpack_q4_1_row(row, &mut unpacked);
-            row = &unpacked;
-        }
+        let row = &rows[rr * rb..(rr + 1) * rb];
         for t in 0..n_tok {
             out_t[rr * n_tok + t] = dot_generic(
                 w.dtype,
@@ -598,9 +598,9 @@ mod tests {
         for nb in [1usize, 2, 3, 4, 5, 8, 9, 10, 11, 13, 18, 48] {
             let row = rand_weights(DType::Q4_1, 1, nb * QK, nb as u64);
             let mut packed = vec![0u8; row.len()];
-            pack_q4_1_row(&row, &mut packed);
+            pack_q4_1_rows(&row, &mut packed, nb * QK);
             let mut back = vec![0u8; row.len()];
-            unpack_q4_1_row(&packed, &mut back);
+            unpack_q4_1_rows(&packed, &mut back, nb * QK);
             assert_eq!(back, row, "{nb} blocks");
             if nb >= 8 {
                 // group 0: block 3's scale and min, and its nibble bytes 4 and 5 (load 2)
