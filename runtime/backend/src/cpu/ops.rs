@@ -1000,7 +1000,7 @@ pub fn matmul_qact_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [
     let Some(cols) = ws.first().map(|w| w.cols) else {
         return;
     };
-    let acts = super::qact::QuantizedActs::new(x, cols);
+    let acts = super::qact::QuantizedActs::new(x, cols, ws.iter().any(|w| w.packed));
     let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
     par_rows_many(&rows, n_tok, outs, |i, r0, o| {
         super::qact::matmul_rows_qact(ws[i], r0, &acts, n_tok, o)

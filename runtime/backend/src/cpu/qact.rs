@@ -132,7 +132,8 @@ pub struct QuantizedActs {
     pub cols: usize,
     /// `[n_tok][cols]` 16-bit values.
     pub q: Vec<i16>,
-    /// `q` in the order packed Q4_1 rows need, `qp_stride` values per token: per group of 8 blocks
+    /// `q` in the order packed Q4_1 rows need (empty unless asked for), `qp_stride` values per
+    /// token: per group of 8 blocks
     /// (256 values; the last group zero-padded to 256), for load `t`, 16 values for the low nibbles
     /// (slots `2 lane + e`: element `b + e` of the block and byte `b` that [`lane_byte`] names) then
     /// 16 for the high ones (element `16 + b + e`).
@@ -145,8 +146,9 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantize `x` = `[n][cols]` (`cols` a multiple of 32).
-    pub fn new(x: &[f32], cols: usize) -> QuantizedActs {
+    /// Quantize `x` = `[n][cols]` (`cols` a multiple of 32); `packed`: also lay the values out for
+    /// packed Q4_1 rows (`qp`; empty otherwise).
+    pub fn new(x: &[f32], cols: usize, packed: bool) -> QuantizedActs {
         let nb = x.len() / QK;
         let mut q = vec![0i16; x.len()];
         let mut d = vec![0f32; nb];
@@ -170,7 +172,14 @@ impl QuantizedActs {
         }
         let nbr = cols / QK;
         let qp_stride = nbr.div_ceil(GROUP) * GROUP * QK;
-        let mut qp = vec![0i16; qp_stride * (x.len() / cols.max(1))];
+        let mut qp = vec![
+            0i16;
+            if packed {
+                qp_stride * (x.len() / cols.max(1))
+            } else {
+                0
+            }
+        ];
         for (src, dst) in q.chunks_exact(cols).zip(qp.chunks_exact_mut(qp_stride)) {
             for g0 in (0..nbr).step_by(GROUP) {
                 let n = GROUP.min(nbr - g0);
@@ -553,7 +562,7 @@ pub fn matmul_rows_qact(
         a.cols == w.cols
             && (r0 + nrows) * rb <= w.data.len()
             && a.q.len() >= n_tok * w.cols
-            && a.qp.len() >= n_tok * a.qp_stride
+            && (!w.packed || a.qp.len() >= n_tok * a.qp_stride)
             && a.d.len() >= n_tok * nb
     );
     assert!(
@@ -660,7 +669,7 @@ mod tests {
                 crate::cpu::ops::matmul_qact(mp, &x[..cols], 1, &mut one);
                 assert_eq!(one, fast_p[..rows], "{dt} {cols}: one token vs a tile");
             }
-            let a = QuantizedActs::new(&x, cols);
+            let a = QuantizedActs::new(&x, cols, false);
             let rb = dt.row_bytes(cols).unwrap();
             for t in 0..5 {
                 for r in 0..rows {
