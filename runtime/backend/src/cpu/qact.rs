@@ -133,10 +133,9 @@ pub struct QuantizedActs {
     /// `[n_tok][cols]` 16-bit values.
     pub q: Vec<i16>,
     /// `q` in the order packed Q4_1 rows need (empty unless asked for), `qp_stride` values per
-    /// token: per group of 8 blocks
-    /// (256 values; the last group zero-padded to 256), for load `t`, 16 values for the low nibbles
-    /// (slots `2 lane + e`: element `b + e` of the block and byte `b` that [`lane_byte`] names) then
-    /// 16 for the high ones (element `16 + b + e`).
+    /// token: per group of 8 blocks (256 values; the last group zero-padded to 256), for load `t`,
+    /// 16 values for the low nibbles (slots `2 lane + e`: element `b + e` of the block and byte `b`
+    /// that [`lane_byte`] names) then 16 for the high ones (element `16 + b + e`).
     pub qp: Vec<i16>,
     pub qp_stride: usize,
     /// `[n_tok][cols / 32]` block scales.
