@@ -413,14 +413,15 @@ impl Loop {
                 .take_while(|(a, b)| a == b)
                 .count()
         };
-        let (i, _) = self
+        let ((shared, _), i) = self
             .free
             .iter()
             .enumerate()
-            .max_by_key(|&(_, &slot)| (lcp(slot), std::cmp::Reverse(self.freed_at[slot])))
+            .map(|(i, &slot)| ((lcp(slot), std::cmp::Reverse(self.freed_at[slot])), i))
+            .max()
             .expect("called with a free slot");
         let slot = self.free.swap_remove(i);
-        let reused = lcp(slot).min(prompt.len() - 1);
+        let reused = shared.min(prompt.len() - 1);
         self.kept[slot].clear();
         (slot, reused)
     }
