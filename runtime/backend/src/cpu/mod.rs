@@ -708,8 +708,8 @@ impl Backend for CpuBackend {
     }
 
     fn release(&mut self, _slot: SlotId) {
-        // Nothing to do: a slot's cache rows are overwritten before they are read again (attention
-        // only reads positions below the new sequence's own `start_pos + len`).
+        // Nothing to do: the slot's cache rows stay (the engine's prefix caching resumes from the
+        // ones it shares with the next prompt; every other row is written before it is read).
     }
 }
 

@@ -927,8 +927,8 @@ impl Backend for CudaBackend {
         if self.ahead.is_some_and(|a| a.0 == slot as i32) {
             self.ahead = None; // its launch is spare work now (module docs)
         }
-        // Attention reads only positions < start_pos + len of the slot's next step, which that step
-        // writes first: nothing to clear.
+        // The slot's KV entries stay (the engine's prefix caching resumes from the ones it shares
+        // with the next prompt; every other entry is written before it is read): nothing to clear.
     }
 }
 
