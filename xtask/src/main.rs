@@ -9,6 +9,7 @@ mod bench_record;
 mod build_target;
 mod fetch_model;
 mod list_targets;
+mod lock;
 mod quickstart;
 mod toolchain;
 
@@ -34,6 +35,8 @@ enum Cmd {
     Audit(audit::Args),
     /// Run a benchmark with a built server binary and write a record carrying its attestation.
     BenchRecord(bench_record::Args),
+    /// Write targets/kernels.lock (the sha256 of every kernel blob of every target), or --check it.
+    Lock(lock::Args),
     /// Download a known model (checked by sha256) and print its path.
     FetchModel(fetch_model::Args),
     /// A new user's first command: model + toolchain + build + serve + one answer.
@@ -50,6 +53,7 @@ fn main() {
         Cmd::BuildTarget(a) => build_target::run(a),
         Cmd::Audit(a) => audit::run(a),
         Cmd::BenchRecord(a) => bench_record::run(a),
+        Cmd::Lock(a) => lock::run(a),
         Cmd::FetchModel(a) => fetch_model::run(a),
         Cmd::Quickstart(a) => quickstart::run(a),
     };
