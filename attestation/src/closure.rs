@@ -14,8 +14,10 @@ use serde::{Deserialize, Serialize};
 
 /// Stands for the toolchain's absolute folder in flags that enter hashes and attestations.
 pub const TOOLCHAIN_PLACEHOLDER: &str = "${METRALE_TOOLCHAIN}";
-/// Version tag of the manifest schema (part of the hash).
-pub const SCHEMA: &str = "metrale-closure-v1";
+/// Version tag of the manifest schema and of how a closure is compiled (part of the hash): v2 runs
+/// NVRTC in its own thread of the worker process (blobs independent of the worker executable;
+/// `metrale_codegen::worker`), so no cache entry of v1 is reused.
+pub const SCHEMA: &str = "metrale-closure-v2";
 
 /// A file in a closure: repo-relative path (always `/`-separated) and sha256.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

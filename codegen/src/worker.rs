@@ -7,7 +7,10 @@
 //! - with one fresh process per compile, as long as address-space randomisation was on;
 //!
 //! while one fresh process per compile with randomisation off (`personality(ADDR_NO_RANDOMIZE)`)
-//! gave byte-identical blobs in every run. A blob that depends on chance breaks the attestation's
+//! gave byte-identical blobs in every run of one worker executable. A worker executable of another
+//! size (any change to xtask's code) still moved the main thread's heap and changed some PTX and
+//! even cubins (measured 2026-12-01: 6 of 322 blobs after padding xtask by 3 MB), so NVRTC runs in a
+//! thread of its own, whose malloc arena glibc maps at an address independent of the executable. A blob that depends on chance breaks the attestation's
 //! promise and `audit --rebuild`, so every compile runs in such a child: a fresh process, no
 //! randomisation, working directory = the toolchain folder, and a request that holds no absolute
 //! path (the include path is `./include`, the libraries `lib/...`), so that neither the clone's nor
@@ -59,7 +62,15 @@ pub fn serve_if_worker() {
     if std::env::var_os(ENV).is_none() {
         return;
     }
-    let response = serve();
+    // NVRTC runs in a thread of its own: glibc gives a new thread a new malloc arena, in memory
+    // mapped where the address-space layout puts it, so every allocation NVRTC sees (its static
+    // initialisers at load included) lies at addresses that do not depend on the size of this
+    // executable, which the main thread's heap (right after the executable's data) does.
+    let response = std::thread::spawn(serve)
+        .join()
+        .unwrap_or_else(|_| Response::Failed {
+            message: "the NVRTC worker thread panicked".into(),
+        });
     let text = serde_json::to_string(&response).expect("a response always serialises");
     let mut out = std::io::stdout().lock();
     let ok = out
