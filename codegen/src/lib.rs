@@ -4,7 +4,9 @@
 //! Pipeline per kernel of a [`TargetSpec`]: [`render::render`] (handlebars, strict) -> include
 //! closure -> [`ClosureManifest`] and its hash -> cache lookup in `<cache>/<closure hash>/` -> on a
 //! miss, compile (CUDA: NVRTC from the pinned [`toolchain`], a cubin for `hw.cubin_arch` and PTX for
-//! `hw.ptx_arch`; Metal: `xcrun metal` + `metallib` where present) -> store in the cache.
+//! `hw.ptx_arch`; Metal: `xcrun metal` + `metallib` where present) -> the ABI check of every CUDA
+//! entry point's PTX signature against its declaration (`metrale_abi::check_ptx`) -> store in the
+//! cache.
 //!
 //! Invariants: the closure hash covers everything that can change the blobs and nothing that cannot
 //! (no absolute path: flags carry [`TOOLCHAIN_PLACEHOLDER`]; no timestamps; no `-lineinfo`/`-G`);
@@ -62,6 +64,12 @@ pub enum CodegenError {
         kernel: String,
         arch: String,
         log: String,
+    },
+    #[error("target {target}: kernel `{kernel}` does not match the host's ABI (abi/src/entries.rs): {detail}")]
+    Abi {
+        target: String,
+        kernel: String,
+        detail: String,
     },
     #[error("NVRTC {call} failed: {message} (code {code})")]
     Nvrtc {
@@ -268,7 +276,11 @@ pub fn build_kernels(
                 });
                 let t = Instant::now();
                 let out = match hit {
-                    Some(b) => Ok(b.clone()),
+                    // a cached entry passed the check when it was stored; checked again because the
+                    // check is cheap and the cache is only a folder
+                    Some(b) => {
+                        check_abi(&spec.id.to_string(), &b.name, &b.blobs).map(|_| b.clone())
+                    }
                     None => build_one(req, r, m, nvrtc.as_ref().map(|(n, tc)| (*n, tc))),
                 };
                 if let Ok(b) = &out {
@@ -296,6 +308,18 @@ pub fn build_kernels(
         out.push(r?);
     }
     Ok(out)
+}
+
+/// Compare a CUDA kernel's PTX entry points with their ABI declarations (`metrale_abi::check_ptx`).
+fn check_abi(target: &str, kernel: &str, blobs: &[(String, Vec<u8>)]) -> Result<(), CodegenError> {
+    let Some((_, ptx)) = blobs.iter().find(|(k, _)| k == "ptx") else {
+        return Ok(());
+    };
+    metrale_abi::check_ptx(kernel, &String::from_utf8_lossy(ptx)).map_err(|e| CodegenError::Abi {
+        target: target.into(),
+        kernel: kernel.into(),
+        detail: e.to_string(),
+    })
 }
 
 fn cache_dir_of(cache: &Path, hash: &str) -> PathBuf {
@@ -352,10 +376,14 @@ fn build_one(
                     &step.arch,
                 )?;
                 if output == nvrtc::Output::Ptx {
-                    functions = nvrtc::ptx_entries(&String::from_utf8_lossy(&bytes));
+                    functions = metrale_abi::ptx_entries(&String::from_utf8_lossy(&bytes))
+                        .into_iter()
+                        .map(|e| e.name)
+                        .collect();
                 }
                 blobs.push((step.output.clone(), bytes));
             }
+            check_abi(&target, &r.name, &blobs)?;
             if functions.is_empty() {
                 return Err(CodegenError::Compile {
                     target,

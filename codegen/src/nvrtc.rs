@@ -256,33 +256,3 @@ impl Nvrtc {
         }
     }
 }
-
-/// Kernel function names declared in a PTX text (`.entry <name>(`), in order.
-pub fn ptx_entries(ptx: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    for line in ptx.lines() {
-        let code = line.split("//").next().unwrap_or("");
-        let mut toks = code.split_whitespace();
-        while let Some(t) = toks.next() {
-            if t == ".entry" {
-                if let Some(n) = toks.next() {
-                    let n = n.split('(').next().unwrap_or(n).trim();
-                    if !n.is_empty() {
-                        out.push(n.to_string());
-                    }
-                }
-                break;
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn entries() {
-        let ptx = ".version 9.0\n.visible .entry rmsnorm_576(\n\t.param .u64 a\n)\n.entry  k2 (\n// .entry not_this\n";
-        assert_eq!(super::ptx_entries(ptx), vec!["rmsnorm_576", "k2"]);
-    }
-}

@@ -2,8 +2,11 @@
 //!
 //! Templates are handlebars in strict mode with HTML escaping off. The context is exactly
 //! `{ target: "hw/model/quant", hw: {HARDWARE.toml fields}, model: {[model] fields}, quant: {[quant]
-//! fields}, kernel: {name} }`; a parameter a template uses but the target lacks is an error naming the
-//! target, the template and the parameter.
+//! fields}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
+//! parameter a template uses but the target lacks is an error naming the target, the template and
+//! the parameter. The partial `{{> abi}}` renders the ABI's `abi` namespace (constants, device
+//! structs); a CUDA template's rendered source ends with the ABI's layout `static_assert`s for the
+//! target (`metrale_abi::layout::asserts`).
 //!
 //! Includes: every quoted `#include "x"` of the rendered source and, transitively, of the headers is
 //! resolved relative to the including file, must stay inside `kernels/`, and is read from the source
@@ -41,15 +44,38 @@ pub fn template_rel_path(backend: BackendKind, name: &str) -> Option<String> {
     }
 }
 
-/// The handlebars context of `kernel` for `spec`.
+/// The handlebars context of `kernel` for `spec`. CUDA kernels also get `abi`: the ABI's constants
+/// (`abi.consts`, also rendered by the `{{> abi}}` partial) and the C parameter list of each of this
+/// template's entry points (`abi.params.<entry>`), from `metrale_abi`.
 pub fn context(spec: &TargetSpec, kernel: &str) -> serde_json::Value {
-    serde_json::json!({
+    let mut c = serde_json::json!({
         "target": spec.id.to_string(),
         "hw": serde_json::to_value(&spec.hardware).expect("hardware serializes"),
         "model": serde_json::to_value(&spec.model).expect("model serializes"),
         "quant": serde_json::to_value(&spec.quant).expect("quant serializes"),
         "kernel": {"name": kernel},
-    })
+    });
+    if spec.hardware.backend == BackendKind::Cuda {
+        let consts: serde_json::Map<String, serde_json::Value> = metrale_abi::CONSTS
+            .iter()
+            .map(|(n, v)| (n.to_string(), (*v).into()))
+            .collect();
+        let params: serde_json::Map<String, serde_json::Value> = metrale_abi::entries_of(kernel)
+            .map(|e| (e.entry.to_string(), e.c_params().into()))
+            .collect();
+        c["abi"] = serde_json::json!({"consts": consts, "params": params});
+    }
+    c
+}
+
+/// What codegen appends to a rendered CUDA template: the `static_assert`s that tie the kernel's
+/// layout formulas to the host's for this target (`metrale_abi::layout::asserts`).
+fn layout_asserts(spec: &TargetSpec, kernel: &str) -> String {
+    if spec.hardware.backend != BackendKind::Cuda {
+        return String::new();
+    }
+    let d = metrale_core::shape::Dims::from_shape(&spec.model);
+    metrale_abi::layout::asserts(kernel, &d, spec.hardware.sm_count.unwrap_or(0) as usize)
 }
 
 fn rel(repo: &Path, p: &Path) -> String {
@@ -88,7 +114,9 @@ pub fn render(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<Rendered, 
     let mut hb = handlebars::Handlebars::new();
     hb.set_strict_mode(true);
     hb.register_escape_fn(handlebars::no_escape);
-    let source = hb.render_template(&text, &params).map_err(|e| {
+    hb.register_partial("abi", metrale_abi::prelude())
+        .expect("the ABI prelude is a valid partial");
+    let mut source = hb.render_template(&text, &params).map_err(|e| {
         let (parameter, message) = match e.reason() {
             handlebars::RenderErrorReason::MissingVariable(p) => (
                 p.clone(),
@@ -107,6 +135,7 @@ pub fn render(repo: &Path, spec: &TargetSpec, kernel: &str) -> Result<Rendered, 
             message,
         }
     })?;
+    source.push_str(&layout_asserts(spec, kernel));
     let kernels_root = repo.join("kernels");
     let mut headers: BTreeMap<String, (String, Vec<u8>)> = BTreeMap::new();
     let mut by_name: BTreeMap<String, String> = BTreeMap::new();

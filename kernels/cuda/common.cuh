@@ -18,6 +18,10 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#ifndef METRALE_ABI
+#error "render {{> abi}} (the host<->kernel ABI: constants and device structs) before including common.cuh"
+#endif
+
 #define MT_INLINE __device__ __forceinline__
 
 #ifndef INFINITY
@@ -94,12 +98,12 @@ MT_INLINE float ld_cluster(const float* p, unsigned int rank) {
     return v;
 }
 
-// Activation rows in shared memory: each 32-element block is padded to 36 floats, so that lane L
-// reading block L with 16-byte loads is free of bank conflicts.
-MT_INLINE int pad_idx(int e) { return (e >> 5) * 36 + (e & 31); }
+// Activation rows in shared memory: each 32-element block is padded to abi::PADDED_BLOCK (36)
+// floats, so that lane L reading block L with 16-byte loads is free of bank conflicts.
+MT_INLINE int pad_idx(int e) { return (e >> 5) * abi::PADDED_BLOCK + (e & 31); }
 template <int K> struct Padded {
     static_assert(K % 32 == 0, "row length must be a multiple of 32");
-    static constexpr int FLOATS = (K / 32) * 36;
+    static constexpr int FLOATS = (K / 32) * abi::PADDED_BLOCK;
 };
 
 // Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024). `red` holds 32 floats.
@@ -113,15 +117,15 @@ MT_INLINE float block_sum(float v, float* red) {
     return warp_sum(r);
 }
 
-// Norm weights of one row, held in registers by the MV_THREADS threads of a block: loaded before the
-// dependency wait (they are weights), consumed by stage_row.
+// Norm weights of one row, held in registers by the abi::MV_THREADS threads of a block: loaded before
+// the dependency wait (they are weights), consumed by stage_row.
 template <int K> struct NormW {
-    static constexpr int IT = (K + 255) / 256;
+    static constexpr int IT = (K + abi::MV_THREADS - 1) / abi::MV_THREADS;
     float v[IT];
     MT_INLINE void load(const float* __restrict__ w) {
 #pragma unroll
         for (int i = 0; i < IT; ++i) {
-            const int e = threadIdx.x + i * 256;
+            const int e = threadIdx.x + i * abi::MV_THREADS;
             v[i] = e < K ? w[e] : 0.f;
         }
     }
@@ -129,14 +133,14 @@ template <int K> struct NormW {
 
 // Stage row x[K] into padded shared memory xs, optionally RMS-normalised and scaled by the norm
 // weights nw. Every load of x is issued before the first use (one memory round trip). Needs
-// blockDim.x == 256.
+// blockDim.x == abi::MV_THREADS.
 template <int K, bool NORM>
 MT_INLINE void stage_row(const float* __restrict__ x, const NormW<K>& nw, float eps, float* xs, float* red) {
     constexpr int IT = NormW<K>::IT;
     float v[IT];
 #pragma unroll
     for (int i = 0; i < IT; ++i) {
-        const int e = threadIdx.x + i * 256;
+        const int e = threadIdx.x + i * abi::MV_THREADS;
         v[i] = e < K ? x[e] : 0.f;
     }
     float scale = 1.f;
@@ -149,7 +153,7 @@ MT_INLINE void stage_row(const float* __restrict__ x, const NormW<K>& nw, float 
     }
 #pragma unroll
     for (int i = 0; i < IT; ++i) {
-        const int e = threadIdx.x + i * 256;
+        const int e = threadIdx.x + i * abi::MV_THREADS;
         if (e < K) xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
     }
 }
@@ -303,11 +307,12 @@ template <class W> MT_INLINE W make_w(const void* qs, const void* sc) {
     return w;
 }
 
-// How many tokens a block stages in shared memory for a row length K (static smem stays < 40 KiB).
+// How many tokens a block stages in shared memory for a row length K (static smem stays within
+// abi::TOK_TILE_BYTES; the host's mirror is metrale-abi's layout::tok_tile, asserted per template).
 template <int K> struct TokTile {
     static constexpr int BYTES = Padded<K>::FLOATS * 4;
-    static constexpr int RAW = 40960 / BYTES;
-    static constexpr int N = RAW < 1 ? 1 : (RAW > 8 ? 8 : RAW);
+    static constexpr int RAW = abi::TOK_TILE_BYTES / BYTES;
+    static constexpr int N = RAW < 1 ? 1 : (RAW > abi::TOK_TILE_MAX ? abi::TOK_TILE_MAX : RAW);
 };
 
 // One warp computes rows r0 and r0+1 of W (K columns) against the nt (<= TB) staged activation rows
@@ -347,7 +352,7 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
 #pragma unroll
         for (int t = 0; t < TB; ++t) {
             if (t < nt) {
-                const float4* xv = reinterpret_cast<const float4*>(xs + t * XS + b * 36);
+                const float4* xv = reinterpret_cast<const float4*>(xs + t * XS + b * abi::PADDED_BLOCK);
                 float a0 = 0.f, a1 = 0.f;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
@@ -371,6 +376,7 @@ struct Acc {
     float m, s;
     int i;
 };
+static_assert(sizeof(Acc) == abi::ACC_BYTES, "the host sizes the partials buffers by abi::ACC_BYTES");
 
 MT_INLINE void acc_push(Acc& a, float v, int i) {
     if (isnan(v)) return;
@@ -405,7 +411,7 @@ MT_INLINE Acc acc_shfl(const Acc& a, int o) {
 }
 
 // Matrix-vector kernels: blockDim.x = MV_THREADS, grid = (row-pair groups, token tiles).
-constexpr int MV_THREADS = 256;
+constexpr int MV_THREADS = abi::MV_THREADS;
 constexpr int MV_WARPS = MV_THREADS / 32;
 
 }  // namespace mt

@@ -7,13 +7,16 @@
 //! sequences stepped together. Writes one JSON object to `--out` (and prints it).
 //!
 //! `--trace FILE` also writes the persistent decode kernel's per-stage globaltimer stamps at the last
-//! step (raw u64, layout `decode::trace_words`; FILE.json says the shape).
+//! step (raw u64, layout `metrale_abi::layout::decode_trace_words`; FILE.json says the shape).
+//!
+//! Reads `METRALE_TARGETS` (the targets/ folder, default `targets`) and `METRALE_CUDA_TUNING`
+//! (`Tuning::parse`: the runtime choices to compare, e.g. `run_ahead=off`).
 //!
 //! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--out FILE] [--trace FILE]
 
 #[cfg(feature = "cuda")]
 fn main() {
-    use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
+    use metrale_backend::cuda::{abi, CudaBackend, CudaOptions, KernelSet, Tuning};
     use metrale_backend::sampler::SamplingParams;
     use metrale_backend::{Backend, SeqStep};
     use metrale_core::target::{TargetId, TargetSpec};
@@ -46,23 +49,25 @@ fn main() {
         &TargetId::new(p[0], p[1], p[2]),
     )
     .expect("target");
-    let set = KernelSet::from_dir(
-        std::path::Path::new(&args[2]),
-        target,
-        spec.hardware.cubin_arch.as_deref().unwrap(),
-    )
-    .expect("kernels");
+    let set = KernelSet::from_dir(std::path::Path::new(&args[2]), &spec).expect("kernels");
+    let tuning = Tuning::default()
+        .parse(&std::env::var(Tuning::ENV).unwrap_or_default())
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            std::process::exit(2)
+        });
     let t0 = Instant::now();
     let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
-    let mut b = CudaBackend::for_target(
+    let mut b = CudaBackend::new(
         &set,
-        &spec,
-        &model,
+        &model.config,
+        &model.weights,
         CudaOptions {
             slots: maxb + 1,
             slot_capacity: 2048,
             max_step_tokens: pp.max(512),
+            tuning,
             ..Default::default()
         },
     )
@@ -131,7 +136,7 @@ fn main() {
     } else {
         "graphs"
     };
-    eprintln!("decode b=1 {path} replay alone: {replay_us:.1} us/token (median of 7 x 200 replays); persistent kernel (blocks, smem, (regs, local), flags): {:?}", b.decode1_info());
+    eprintln!("decode b=1 {path} replay alone: {replay_us:.1} us/token (median of 7 x 200 replays); persistent kernel (blocks, smem, (regs, local), split): {:?}", b.decode1_info());
     let trace_out = opt("--trace", "");
     if !trace_out.is_empty() {
         // the persistent kernel's per-stage stamps at the last step's position (raw u64 little-endian)
@@ -141,7 +146,7 @@ fn main() {
             let meta = format!(
                 "{{\"blocks\": {blocks}, \"layers\": {}, \"nstamp\": {}, \"pos\": {}}}\n",
                 spec.model.layers,
-                metrale_backend::cuda::decode::NSTAMP,
+                abi::DECODE_NSTAMP,
                 hist.len() - 2
             );
             std::fs::write(format!("{trace_out}.json"), meta).expect("write --trace meta");
@@ -230,7 +235,7 @@ fn main() {
         "prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s)",
         pp as f64 / pp_ms * 1e3
     );
-    // each kernel alone at the prefill shape (both paths' kernels; METRALE_CUDA_GEMM=0 leaves the GEMMs out)
+    // each kernel alone at the prefill shape (both paths' kernels)
     let prof_pp = b.profile_kernels(3, 5).unwrap();
     for (name, us) in &prof_pp {
         eprintln!("  prefill {pp}: kernel {name:15} {us:9.2} us/launch");
@@ -291,7 +296,7 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"gemm\": {}, \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         info.weight_bytes as f64 / 4.2e12 * 1e6,
@@ -303,7 +308,7 @@ fn main() {
         warm.len(),
         pp as f64 / pp_ms * 1e3,
         prof_pp_json.join(", "),
-        metrale_backend::cuda::gemm::enabled(),
+        tuning,
         batch_res.join(", "),
         b.stats
     );

@@ -1,4 +1,4 @@
-//! Load check of compiled kernel sets on a real GPU (issue 2 item 11): for every `<name>.cubin` in each
+//! Load check of compiled kernel sets on a real GPU: for every `<name>.cubin` in each
 //! directory given, load it with cuModuleLoadData, read its entry points from the sibling
 //! `<name>.ptx` (`.entry NAME(`), and find each function in the cubin module; then load the PTX itself
 //! (the fallback path, JIT by the driver) and find each function there too. Prints one line per kernel
@@ -6,16 +6,12 @@
 //!
 //! Usage: cargo run --release -p metrale-backend --features cuda --example cuda_load_check -- DIR...
 
+/// The entry points a PTX declares (the ABI's parser, which `build-target` checks them with).
 #[cfg(feature = "cuda")]
 fn entries(ptx: &str) -> Vec<String> {
-    ptx.lines()
-        .filter_map(|l| {
-            let l = l.trim_start();
-            let rest = l
-                .strip_prefix(".visible .entry ")
-                .or_else(|| l.strip_prefix(".entry "))?;
-            Some(rest.split(['(', ' ']).next()?.trim().to_string())
-        })
+    metrale_backend::cuda::abi::ptx_entries(ptx)
+        .into_iter()
+        .map(|e| e.name)
         .collect()
 }
 

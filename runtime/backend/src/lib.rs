@@ -6,15 +6,23 @@
 //! device, so that only token ids (and requested logprobs) cross back. The `cpu` backend is the
 //! numerical reference every other backend is tested against: its ops are public in `cpu::ops`.
 //!
+//! What both backends share sits here, at the seam: the step types and [`validate_batch`] (one
+//! message set for a bad batch), [`rope`] (the rotation both apply), [`numerics`] (the exponential
+//! of attention and sampling) and the host [`sampler`] (the reference of the device sampler).
+//! Layers run one way: `cuda` and `cpu` use the seam; neither imports the other.
+//!
 //! Invariants: only this crate's `cuda` module links the CUDA driver; nothing here knows HTTP.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod numerics;
+pub mod rope;
 pub mod sampler;
-pub mod shape;
 
 use metrale_core::BackendError;
+
+pub use metrale_core::shape::Dims;
 
 /// Index of a KV-cache slot: one running sequence owns one slot until it is released.
 pub type SlotId = usize;
@@ -79,4 +87,51 @@ pub trait Backend: Send {
     /// are until a later step overwrites them (the engine's prefix caching resumes a new sequence
     /// after the positions it shares with them).
     fn release(&mut self, slot: SlotId);
+}
+
+/// Refuse a batch no backend can run, before any work: entry `i` names a slot outside `0..slots` or
+/// one used twice, has no tokens, reaches past `capacity` positions, or holds a token id outside
+/// `0..vocab`. Every backend calls this first, so a bad batch gets the same message on every one.
+pub fn validate_batch(
+    batch: &[SeqStep<'_>],
+    slots: usize,
+    capacity: usize,
+    vocab: usize,
+) -> Result<(), BackendError> {
+    let bad = |i: usize, what: String| Err(BackendError::Invalid(format!("entry {i}: {what}")));
+    let mut used = vec![false; slots];
+    for (i, s) in batch.iter().enumerate() {
+        if s.slot >= slots {
+            return bad(
+                i,
+                format!("slot {} does not exist (the backend has {slots})", s.slot),
+            );
+        }
+        if std::mem::replace(&mut used[s.slot], true) {
+            return bad(i, format!("slot {} appears twice in one step", s.slot));
+        }
+        if s.tokens.is_empty() {
+            return bad(i, "no tokens (a step needs at least one)".into());
+        }
+        if s.start_pos
+            .checked_add(s.tokens.len())
+            .is_none_or(|e| e > capacity)
+        {
+            return bad(
+                i,
+                format!(
+                    "positions {}..{} exceed the slot capacity of {capacity} tokens",
+                    s.start_pos,
+                    s.start_pos.saturating_add(s.tokens.len())
+                ),
+            );
+        }
+        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return bad(
+                i,
+                format!("token id {t} is outside the vocabulary ({vocab} tokens)"),
+            );
+        }
+    }
+    Ok(())
 }

@@ -15,9 +15,12 @@
 mod common;
 
 use metrale_backend::cpu::ops;
-use metrale_backend::cuda::gpu::{device_count, DevBuf, DevMat, Dims, Gpu};
-use metrale_backend::cuda::plan::{self, DevFormat, HostMat};
-use metrale_backend::sampler;
+use metrale_backend::cuda::abi;
+use metrale_backend::cuda::plan;
+use metrale_backend::cuda::weights::{DevFormat, DevMat, HostMat};
+use metrale_backend::cuda::{device_count, DevBuf, Gpu};
+use metrale_backend::rope::{rope_inplace, rope_inv_freq, rope_table};
+use metrale_backend::{sampler, Dims};
 use metrale_core::dtype::{dequantize_row, DType};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -45,7 +48,7 @@ fn env(test: &str) -> Option<Env> {
     }
     let (target, spec, set) = common::target_kernels(&dir);
     let d = Dims::from_shape(&spec.model);
-    let gpu = Gpu::open(0, &set, d).expect("open GPU and load kernels");
+    let gpu = Gpu::open(0, &set).expect("open GPU and load kernels");
     let seed: u64 = std::env::var("METRALE_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -203,8 +206,8 @@ fn check_qkv(
         let mut xn = vec![0f32; d.hidden];
         ops::rmsnorm(&r.x[t * d.hidden..(t + 1) * d.hidden], r.norm, eps, &mut xn);
         let (mut qr, mut kr, vr) = (r.wq.matvec(&xn), r.wk.matvec(&xn), r.wv.matvec(&xn));
-        ops::rope_inplace(&mut qr, hd, pos[t] as usize, r.inv);
-        ops::rope_inplace(&mut kr, hd, pos[t] as usize, r.inv);
+        rope_inplace(&mut qr, hd, pos[t] as usize, r.inv);
+        rope_inplace(&mut kr, hd, pos[t] as usize, r.inv);
         wq_all.extend(qr);
         wk_all.extend(kr);
         wv_all.extend(vr);
@@ -248,7 +251,15 @@ fn embed_rows_are_exact() {
         .collect();
     let tb = e.gpu.upload(&toks).unwrap();
     let x = poisoned(&e.gpu, toks.len() * d.hidden);
-    e.gpu.embed(&dm, tb.ptr, x.ptr, toks.len()).unwrap();
+    e.gpu
+        .embed(abi::Embed {
+            qs: dm.qs.ptr,
+            sc: dm.sc_ptr(),
+            tokens: tb.ptr,
+            x: x.ptr,
+            ntok: toks.len() as i32,
+        })
+        .unwrap();
     let got = read_f32(&e.gpu, &x, toks.len() * d.hidden);
     let rb = table.dtype.row_bytes(d.hidden).unwrap();
     for (i, &t) in toks.iter().enumerate() {
@@ -296,11 +307,23 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
     let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
-    let inv = ops::rope_inv_freq(hd, e.theta, None, None);
-    let rope = g.upload(&plan::rope_table(&inv, ctx)).unwrap();
-    g.attn_in(
-        xb.ptr, nb.ptr, &wb, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n,
-    )
+    let inv = rope_inv_freq(hd, e.theta, None, None);
+    let rope = g.upload(&rope_table(&inv, ctx)).unwrap();
+    g.attn_in(abi::AttnIn {
+        x: xb.ptr,
+        norm_w: nb.ptr,
+        wqs: wb.qs.ptr,
+        wsc: wb.sc_ptr(),
+        rope: rope.ptr,
+        q: qb.ptr,
+        kc: kc.ptr,
+        vc: vc.ptr,
+        pos: pb.ptr,
+        slot: sb.ptr,
+        layer: layer as i32,
+        ctx: ctx as i32,
+        ntok: n as i32,
+    })
     .unwrap();
     let q = read_f32(g, &qb, n * qd);
     let kcache = read_f32(g, &kc, cache_n);
@@ -391,25 +414,27 @@ fn attention_splits_combine_and_out_projection() {
     let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
     let counter = g.alloc(n * d.kv_heads * 4).unwrap();
     let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
-    // on sm_90, 2..=4 splits (METRALE_CUDA_CLUSTER=N: 2..=N, N <= 8; 0: none) run as one thread-block
+    // on sm_90, 2..=attention_cluster splits (the target's HARDWARE.toml) run as one thread-block
     // cluster combined through distributed shared memory; more use the ticket combine
     for nsplit in [1usize, 2, 3, 4, 8, 32, auto] {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
         let launch = || {
             g.attention(
-                qb.ptr,
-                kb.ptr,
-                vb.ptr,
-                pb.ptr,
-                sb.ptr,
-                layer,
-                ctx,
-                nsplit,
-                ml.ptr,
-                acc.ptr,
-                counter.ptr,
-                att.ptr,
+                abi::Attention {
+                    q: qb.ptr,
+                    kc: kb.ptr,
+                    vc: vb.ptr,
+                    pos: pb.ptr,
+                    slot: sb.ptr,
+                    layer: layer as i32,
+                    ctx: ctx as i32,
+                    nsplit: nsplit as i32,
+                    part_ml: ml.ptr,
+                    part_acc: acc.ptr,
+                    counter: counter.ptr,
+                    out: att.ptr,
+                },
                 n,
             )
             .unwrap()
@@ -423,7 +448,14 @@ fn attention_splits_combine_and_out_projection() {
         // run twice: the second launch checks that the combine tickets were re-armed
         g.write(&att, 0, &vec![f32::NAN; n * qd]).unwrap();
         launch();
-        g.attn_out(att.ptr, &wb, xb.ptr, n).unwrap();
+        g.attn_out(abi::AttnOut {
+            att: att.ptr,
+            wqs: wb.qs.ptr,
+            wsc: wb.sc_ptr(),
+            x: xb.ptr,
+            ntok: n as i32,
+        })
+        .unwrap();
         let got = read_f32(g, &xb, n * d.hidden);
         check(&format!("x + Wo*attention, {nsplit} splits"), &got, &want_x);
     }
@@ -457,11 +489,26 @@ fn ffn_norm_gate_up_silu_down_residual() {
         DevMat::upload(g, &wd.host(e.wf)).unwrap(),
     );
     let hb = poisoned(g, n * d.ffn);
-    g.ffn_in(xb.ptr, nb.ptr, &gub, hb.ptr, n).unwrap();
+    g.ffn_in(abi::FfnIn {
+        x: xb.ptr,
+        norm_w: nb.ptr,
+        wqs: gub.qs.ptr,
+        wsc: gub.sc_ptr(),
+        h: hb.ptr,
+        ntok: n as i32,
+    })
+    .unwrap();
     check("h = silu(gate)*up", &read_f32(g, &hb, n * d.ffn), &want_h);
     // down + residual, fed with the reference h so the two kernels are checked separately
     let hb2 = g.upload(&want_h).unwrap();
-    g.ffn_out(hb2.ptr, &db, xb.ptr, n).unwrap();
+    g.ffn_out(abi::FfnOut {
+        h: hb2.ptr,
+        wqs: db.qs.ptr,
+        wsc: db.sc_ptr(),
+        x: xb.ptr,
+        ntok: n as i32,
+    })
+    .unwrap();
     let mut want_x = Vec::new();
     for t in 0..n {
         let o = wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn]);
@@ -499,37 +546,26 @@ fn lm_head_and_device_argmax() {
     for sel in [vec![2i32], vec![3, 0, 2]] {
         let sb = g.upload(&sel).unwrap();
         let lb = poisoned(g, sel.len() * d.vocab);
-        g.lm_head(
-            xb.ptr,
-            sb.ptr,
-            nb.ptr,
-            &hb,
-            lb.ptr,
-            sel.len(),
-            part.ptr,
-            counter.ptr,
-            ftok.ptr,
-            flp.ptr,
-        )
-        .unwrap();
+        let lm = abi::LmHead {
+            x: xb.ptr,
+            sel: sb.ptr,
+            norm_w: nb.ptr,
+            wqs: hb.qs.ptr,
+            wsc: hb.sc_ptr(),
+            logits: lb.ptr,
+            ntok: sel.len() as i32,
+            part: part.ptr,
+            counter: counter.ptr,
+            out_tok: ftok.ptr,
+            out_logprob: flp.ptr,
+        };
+        g.lm_head(lm).unwrap();
         logits = read_f32(g, &lb, sel.len() * d.vocab);
         // the fused greedy choice, twice (the second launch checks that the tickets were re-armed)
         for round in 0..2 {
             if round == 1 {
                 g.write(&ftok, 0, &[-7i32; 8]).unwrap();
-                g.lm_head(
-                    xb.ptr,
-                    sb.ptr,
-                    nb.ptr,
-                    &hb,
-                    lb.ptr,
-                    sel.len(),
-                    part.ptr,
-                    counter.ptr,
-                    ftok.ptr,
-                    flp.ptr,
-                )
-                .unwrap();
+                g.lm_head(lm).unwrap();
             }
             let mut ft = vec![0i32; sel.len()];
             let mut fl = vec![0f32; sel.len()];
@@ -571,7 +607,13 @@ fn lm_head_and_device_argmax() {
     let lb = g.upload(&logits).unwrap();
     // argmax + logprob on the GPU's own logits must equal the host sampler's exactly / to 1e-5
     let (tb, pb) = (g.alloc(16).unwrap(), g.alloc(16).unwrap());
-    g.argmax(lb.ptr, tb.ptr, pb.ptr, sel.len()).unwrap();
+    g.argmax(abi::ArgmaxLogprob {
+        logits: lb.ptr,
+        out_tok: tb.ptr,
+        out_logprob: pb.ptr,
+        ntok: sel.len() as i32,
+    })
+    .unwrap();
     let mut tok = vec![0i32; sel.len()];
     let mut lp = vec![0f32; sel.len()];
     g.read(&tb, 0, &mut tok).unwrap();
@@ -594,14 +636,20 @@ fn lm_head_and_device_argmax() {
     row[d.vocab - 1] = 3.0;
     row[7] = f32::NAN;
     let rb = g.upload(&row).unwrap();
-    g.argmax(rb.ptr, tb.ptr, pb.ptr, 1).unwrap();
+    g.argmax(abi::ArgmaxLogprob {
+        logits: rb.ptr,
+        out_tok: tb.ptr,
+        out_logprob: pb.ptr,
+        ntok: 1,
+    })
+    .unwrap();
     g.read(&tb, 0, &mut tok[..1]).unwrap();
     assert_eq!(tok[0], 100);
 }
 
 #[test]
 fn device_sampling_matches_host_sampler() {
-    use metrale_backend::cuda::SampleParams;
+    use abi::device::SampleParams;
     use metrale_backend::sampler::SamplingParams;
     let Some(mut e) = env("sample_probs") else {
         return;
@@ -654,8 +702,15 @@ fn device_sampling_matches_host_sampler() {
         g.alloc(rows * 4).unwrap(),
         g.upload(&vec![-1i32; rows]).unwrap(),
     );
-    g.sample_probs(lb.ptr, pb.ptr, tb.ptr, lpb.ptr, sb.ptr, rows)
-        .unwrap();
+    g.sample_probs(abi::SampleProbs {
+        logits: lb.ptr,
+        params: pb.ptr,
+        out_tok: tb.ptr,
+        out_logprob: lpb.ptr,
+        status: sb.ptr,
+        nout: rows as i32,
+    })
+    .unwrap();
     let (mut tok, mut lp, mut st) = (vec![0i32; rows], vec![0f32; rows], vec![0i32; rows]);
     g.read(&tb, 0, &mut tok).unwrap();
     g.read(&lpb, 0, &mut lp).unwrap();
@@ -698,7 +753,7 @@ fn device_sampling_matches_host_sampler() {
 /// accumulation order, not f16 rounding.
 #[test]
 fn gemm_prefill_products_match_cpu_ops() {
-    use metrale_backend::cuda::gemm::Prefill;
+    use metrale_backend::cuda::prefill::{Prefill, QkvOut};
     let Some(mut e) = env("gemm") else { return };
     let d = e.d;
     let (qd, kd, hd) = (d.qd(), d.kd(), d.head_dim);
@@ -722,8 +777,8 @@ fn gemm_prefill_products_match_cpu_ops() {
     let att = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
     let g = &e.gpu;
     let p = Prefill::new(g, 128).expect("gemm kernels");
-    let inv = ops::rope_inv_freq(hd, e.theta, None, None);
-    let rope = g.upload(&plan::rope_table(&inv, ctx)).unwrap();
+    let inv = rope_inv_freq(hd, e.theta, None, None);
+    let rope = g.upload(&rope_table(&inv, ctx)).unwrap();
     let wqkv = HostMat::concat_rows("qkv", &[wq.host(e.wf), wk.host(e.wf), wv.host(e.wf)]).unwrap();
     let wgu = HostMat::interleave_rows("gu", &wg.host(e.wf), &wu.host(e.wf)).unwrap();
     let (wqkv_b, wo_b, wgu_b, wd_b) = (
@@ -744,10 +799,17 @@ fn gemm_prefill_products_match_cpu_ops() {
     let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
     let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
     let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
-    p.norm_qkv(
-        g, xb.ptr, nb.ptr, &wqkv_b, rope.ptr, qb.ptr, kc.ptr, vc.ptr, pb.ptr, sb.ptr, layer, ctx, n,
-    )
-    .unwrap();
+    let o = QkvOut {
+        rope: rope.ptr,
+        q: qb.ptr,
+        kc: kc.ptr,
+        vc: vc.ptr,
+        pos: pb.ptr,
+        slot: sb.ptr,
+        layer: layer as i32,
+        ctx: ctx as i32,
+    };
+    p.norm_qkv(g, xb.ptr, nb.ptr, &wqkv_b, o, n).unwrap();
     let (q, kcache, vcache) = (
         read_f32(g, &qb, n * qd),
         read_f32(g, &kc, cache_n),

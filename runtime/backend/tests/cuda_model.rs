@@ -14,10 +14,9 @@
 mod common;
 
 use metrale_backend::cpu::CpuBackend;
-use metrale_backend::cuda::{device_count, CudaBackend, CudaOptions, KernelSet};
+use metrale_backend::cuda::{device_count, CudaBackend, CudaOptions, KernelSet, Tuning};
 use metrale_backend::sampler::SamplingParams;
 use metrale_backend::{Backend, SeqStep};
-use metrale_core::target::TargetSpec;
 use metrale_model::Model;
 
 const STEPS: usize = 64;
@@ -25,7 +24,6 @@ const STEPS: usize = 64;
 struct Setup {
     model: Model,
     set: KernelSet,
-    spec: TargetSpec,
 }
 
 fn setup(test: &str) -> Option<Setup> {
@@ -40,13 +38,13 @@ fn setup(test: &str) -> Option<Setup> {
         eprintln!("{test}: skipped: no CUDA device");
         return None;
     }
-    let (_, spec, set) = common::target_kernels(&kdir);
+    let (_, _, set) = common::target_kernels(&kdir);
     let model = Model::load(std::path::Path::new(&mpath)).expect("model");
-    Some(Setup { model, set, spec })
+    Some(Setup { model, set })
 }
 
 fn cuda(s: &Setup, opts: CudaOptions) -> CudaBackend {
-    CudaBackend::for_target(&s.set, &s.spec, &s.model, opts).expect("cuda backend")
+    CudaBackend::new(&s.set, &s.model.config, &s.model.weights, opts).expect("cuda backend")
 }
 
 fn prompt(s: &Setup, text: &str) -> Vec<u32> {
@@ -204,7 +202,7 @@ fn greedy_64_tokens_match_cpu_backend() {
     );
     assert_eq!(got[0], want[0], "greedy tokens differ from the CPU backend");
     eprintln!(
-        "stats: {:?}; persistent decode kernel (blocks, smem, (regs, local), flags): {:?}",
+        "stats: {:?}; persistent decode kernel (blocks, smem, (regs, local), split): {:?}",
         gpu.stats,
         gpu.decode1_info()
     );
@@ -213,33 +211,36 @@ fn greedy_64_tokens_match_cpu_backend() {
         "decode steps ran neither graphs nor the persistent kernel"
     );
 
-    // run-ahead: every greedy decode step after the first is already in the stream when it is asked
-    // for (its token read on the device); the tokens are the CPU's all the same. Then a spare
-    // run-ahead launch (the sequence released) must not disturb the next sequence in that slot.
-    let mut ahead = cuda(
+    // run-ahead (the default): every greedy decode step after the first was already in the stream
+    // when it was asked for (its token read on the device), with the CPU's tokens all the same.
+    // Then a spare run-ahead launch (the sequence released) must not disturb the next sequence in
+    // that slot; and with run-ahead off the tokens are the same too.
+    if gpu.decode1_info().is_some() {
+        assert!(
+            gpu.stats.run_ahead_hits >= (STEPS - 2) as u64,
+            "run-ahead launches were not used: {:?}",
+            gpu.stats
+        );
+        gpu.release(0);
+        let (again, _) = generate(&mut gpu, std::slice::from_ref(&p), 16);
+        assert_eq!(again[0], want[0][..16], "after a spare run-ahead launch");
+        gpu.release(0);
+    }
+    let mut no_ahead = cuda(
         &s,
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
-            run_ahead: true,
+            tuning: Tuning {
+                run_ahead: false,
+                ..Tuning::default()
+            },
             ..Default::default()
         },
     );
-    if ahead.decode1_info().is_some() {
-        let (got_a, _) = generate(&mut ahead, std::slice::from_ref(&p), STEPS);
-        assert_eq!(
-            got_a[0], want[0],
-            "run-ahead tokens differ from the CPU backend"
-        );
-        assert!(
-            ahead.stats.run_ahead_hits >= (STEPS - 2) as u64,
-            "run-ahead launches were not used: {:?}",
-            ahead.stats
-        );
-        ahead.release(0);
-        let (again, _) = generate(&mut ahead, std::slice::from_ref(&p), 16);
-        assert_eq!(again[0], want[0][..16], "after a spare run-ahead launch");
-    }
+    let (got_na, _) = generate(&mut no_ahead, std::slice::from_ref(&p), STEPS);
+    assert_eq!(got_na[0], want[0], "run-ahead off: tokens differ");
+    assert_eq!(no_ahead.stats.run_ahead_launches, 0);
 
     // the per-stage kernels' graphs (the persistent kernel off) give the same tokens
     let mut graphs = cuda(
@@ -247,7 +248,10 @@ fn greedy_64_tokens_match_cpu_backend() {
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
-            persistent_decode: false,
+            tuning: Tuning {
+                persistent_decode: false,
+                ..Tuning::default()
+            },
             ..Default::default()
         },
     );
@@ -267,7 +271,10 @@ fn greedy_64_tokens_match_cpu_backend() {
             slots: 2,
             slot_capacity: 1024,
             max_step_tokens: 5,
-            graphs: false,
+            tuning: Tuning {
+                graphs: false,
+                ..Tuning::default()
+            },
             ..Default::default()
         },
     );

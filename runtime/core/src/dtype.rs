@@ -15,8 +15,6 @@
 //!   `Q8_0` = f16 d, 32 i8, w = q * d.
 //!   In the 4-bit types the low nibble of byte j is element j and the high nibble is element j + 16.
 
-use half::{bf16, f16};
-
 /// Element type of a tensor, as stored in a GGUF or safetensors file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[allow(non_camel_case_types)]
@@ -174,9 +172,38 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// f16 bits -> f32 (exact for every value, subnormals, infinities and NaN included): the one
+/// conversion every host path uses (the `half` crate's is checked against it in the tests).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = if exp == 0 {
+        if man == 0 {
+            0
+        } else {
+            // subnormal: man * 2^-24
+            let mag = man as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -mag } else { mag };
+        }
+    } else if exp == 0x1f {
+        0x7f80_0000 | (man << 13)
+    } else {
+        ((exp + 112) << 23) | (man << 13)
+    };
+    f32::from_bits(sign | bits)
+}
+
+/// bf16 bits -> f32 (exact: the upper half of an f32).
+#[inline(always)]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
 #[inline]
 fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+    f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
 /// Dequantize (or widen) one row: `bytes` must hold exactly `out.len()` elements of `dtype`
@@ -191,12 +218,12 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
         }
         DType::F16 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
             }
         }
         DType::BF16 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
             }
         }
         DType::Q4_0 => {
@@ -244,6 +271,29 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[allow(unused_imports)]
+    use half::{bf16, f16};
+
+    #[test]
+    fn f16_conversion_matches_half_for_every_value() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            let got = f16_to_f32(h);
+            assert!(
+                want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()),
+                "{h:#x}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_conversion_matches_half() {
+        for h in (0..=u16::MAX).step_by(7) {
+            let want = half::bf16::from_bits(h).to_f32();
+            let got = bf16_to_f32(h);
+            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()));
+        }
+    }
 
     fn h(x: f32) -> [u8; 2] {
         f16::from_f32(x).to_le_bytes()

@@ -1,8 +1,9 @@
 //! metrale-core: the vocabulary every other crate shares and nothing else: element types and their host
 //! numerics (f16/bf16/quantized blocks), target specifications (`targets/` TOML parsed into typed
-//! structs), and the error types crossing crate seams. No I/O beyond reading a target's TOML, no GPU.
+//! structs), the model shape (`shape::Dims`), and the error types crossing crate seams. No I/O beyond reading a target's TOML, no GPU.
 
 pub mod dtype;
+pub mod shape;
 pub mod target;
 
 /// Error of a backend (CPU or CUDA) while loading or running a model.

@@ -23,8 +23,9 @@
 //!
 //! ## Invariants
 //! - `hardware.name == id.hw`, `model.name == id.model`, `quant.name == id.quant`.
-//! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count` and `smem_per_block_kib`; metal hardware
-//!   has `metal_std`. Shapes are consistent (`heads * head_dim == hidden`, `heads % kv_heads == 0`).
+//! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count`, `smem_per_block_kib`,
+//!   `compute_capability` and its launch choices (`attention_cluster`, `decode_split`); metal
+//!   hardware has `metal_std`. Shapes are consistent (`heads * head_dim == hidden`, `heads % kv_heads == 0`).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -155,6 +156,15 @@ pub struct Hardware {
     pub max_threads_per_sm: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warp_size: Option<u32>,
+    /// CUDA launch choice measured on this GPU: the most attention splits of one (KV head, token)
+    /// launched as one thread-block cluster and combined through distributed shared memory (sm_90+;
+    /// 0: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_cluster: Option<u32>,
+    /// CUDA launch choice measured on this GPU: the persistent batch-1 decode kernel's attention
+    /// split, [positions per split before another is added, most splits per KV head].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_split: Option<[u32; 2]>,
     /// Metal: the language standard passed to `xcrun metal -std=...`, e.g. "metal3.1".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metal_std: Option<String>,
@@ -525,6 +535,8 @@ impl TargetSpec {
                     ("sm_count", h.sm_count.is_some()),
                     ("smem_per_block_kib", h.smem_per_block_kib.is_some()),
                     ("compute_capability", h.compute_capability.is_some()),
+                    ("attention_cluster", h.attention_cluster.is_some()),
+                    ("decode_split", h.decode_split.is_some()),
                 ] {
                     if !present {
                         return Err(inv(

@@ -481,6 +481,19 @@ impl ModelConfig {
         Ok(c)
     }
 
+    /// The model's shape as backends and kernels see it.
+    pub fn dims(&self) -> metrale_core::shape::Dims {
+        metrale_core::shape::Dims {
+            layers: self.n_layers,
+            hidden: self.hidden,
+            heads: self.n_heads,
+            kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            ffn: self.ffn,
+            vocab: self.vocab,
+        }
+    }
+
     /// Size of one token's K and V over all layers, in elements (for KV cache sizing).
     pub fn kv_elems_per_token(&self) -> usize {
         2usize

@@ -1,10 +1,10 @@
 //! Loading the CUDA backend for a CUDA target (feature `cuda`): the one place the server builds a
-//! `metrale_backend::cuda::CudaBackend`. `CudaBackend::from_registry` takes the kernels from this
+//! `metrale_backend::cuda::CudaBackend`, and reads `METRALE_CUDA_TUNING` (`Tuning::parse`). `CudaBackend::from_registry` takes the kernels from this
 //! binary's embedded pack and checks them against the embedded attestation's digests
 //! (`Registry::verify`) before anything is loaded.
 
 use anyhow::{Context, Result};
-use metrale_backend::cuda::{CudaBackend, CudaOptions};
+use metrale_backend::cuda::{CudaBackend, CudaOptions, Tuning};
 use metrale_backend::Backend;
 use metrale_core::target::TargetSpec;
 use metrale_model::Model;
@@ -15,10 +15,16 @@ pub fn load(
     slots: usize,
     ctx: usize,
 ) -> Result<Box<dyn Backend>> {
+    // the runtime choices: the measured defaults, with METRALE_CUDA_TUNING on top (start-up is the
+    // one place the server reads it)
+    let tuning = Tuning::default()
+        .parse(&std::env::var(Tuning::ENV).unwrap_or_default())
+        .map_err(anyhow::Error::msg)?;
     let opts = CudaOptions {
         device: 0,
         slots,
         slot_capacity: ctx,
+        tuning,
         ..CudaOptions::default()
     };
     let b = CudaBackend::from_registry(model, opts).with_context(|| {

@@ -20,6 +20,7 @@
 //! engine keeps `start_pos` honest; `release` forgets them); every input is validated and refused
 //! with `BackendError::Invalid` instead of panicking.
 
+pub mod mat;
 pub mod ops;
 pub mod qact;
 pub mod synthetic;
@@ -28,46 +29,9 @@ use crate::sampler;
 use crate::{Backend, BackendInfo, SeqOutput, SeqStep, SlotId};
 use metrale_core::dtype::{dequantize_row, DType};
 use metrale_core::BackendError;
-use metrale_model::{Model, RopeScaling};
+use metrale_model::Model;
 use ops::MatRef;
 use rayon::prelude::*;
-
-/// The RoPE inverse frequencies of a model (the one place every backend takes them from):
-/// [`ops::rope_inv_freq`] with the config's scaling applied (linear: divided by the factor; llama3:
-/// by wavelength; GGUF `rope_freqs.weight`: divided per dimension, loaded by `rope_freqs` only then).
-pub fn model_inv_freq(
-    c: &metrale_model::ModelConfig,
-    head_dim: usize,
-    rope_freqs: impl FnOnce() -> Result<Vec<f32>, BackendError>,
-) -> Result<Vec<f32>, BackendError> {
-    Ok(match &c.rope_scaling {
-        None => ops::rope_inv_freq(head_dim, c.rope_theta, None, None),
-        Some(RopeScaling::Linear { factor }) => {
-            ops::rope_inv_freq(head_dim, c.rope_theta, None, None)
-                .into_iter()
-                .map(|f| f / factor)
-                .collect()
-        }
-        Some(RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position,
-        }) => {
-            let s = ops::Llama3RopeScaling {
-                factor: *factor,
-                low_freq_factor: *low_freq_factor,
-                high_freq_factor: *high_freq_factor,
-                original_max_position_embeddings: *original_max_position as f32,
-            };
-            ops::rope_inv_freq(head_dim, c.rope_theta, Some(&s), None)
-        }
-        Some(RopeScaling::FreqFactors) => {
-            let ff = rope_freqs()?;
-            ops::rope_inv_freq(head_dim, c.rope_theta, None, Some(&ff))
-        }
-    })
-}
 
 /// One weight matrix, owned, in its stored dtype: `rows` rows of `cols` elements.
 #[derive(Debug)]
@@ -115,7 +79,7 @@ struct Layer {
     w_down: QTensor,
 }
 
-pub use crate::shape::Dims;
+use crate::Dims;
 
 /// One slot's KV cache: `[n_layers][capacity][kv_dim]` for K and for V.
 struct SlotCache {
@@ -223,7 +187,7 @@ impl CpuBackend {
                 c.n_heads, c.head_dim, c.n_kv_heads
             )));
         }
-        let dims = Dims::from_config(c);
+        let dims = c.dims();
         let (h, q, kv, f) = (dims.hidden, dims.qd(), dims.kd(), dims.ffn);
         let embd = load_matrix(model, "token_embd.weight", dims.vocab, h)?;
         let lm_head = if model.weights.contains("output.weight") {
@@ -251,7 +215,7 @@ impl CpuBackend {
                 w_down: load_matrix(model, &n("ffn_down"), h, f)?.packed_for_this_cpu(),
             });
         }
-        let inv_freq = model_inv_freq(c, dims.head_dim, || {
+        let inv_freq = crate::rope::model_inv_freq(c, dims.head_dim, || {
             load_vector(model, "rope_freqs.weight", dims.head_dim / 2)
         })?;
         Self::from_parts(
@@ -371,45 +335,6 @@ impl CpuBackend {
         n as u64
     }
 
-    fn validate(&self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
-        let mut used = vec![false; self.kv.len()];
-        for (i, s) in batch.iter().enumerate() {
-            if s.slot >= self.kv.len() {
-                return Err(BackendError::Invalid(format!(
-                    "entry {i}: slot {} does not exist ({} slots)",
-                    s.slot,
-                    self.kv.len()
-                )));
-            }
-            if std::mem::replace(&mut used[s.slot], true) {
-                return Err(BackendError::Invalid(format!(
-                    "entry {i}: slot {} appears twice in one step",
-                    s.slot
-                )));
-            }
-            if s.tokens.is_empty() {
-                return Err(BackendError::Invalid(format!("entry {i}: no tokens")));
-            }
-            let end = s.start_pos.checked_add(s.tokens.len());
-            if end.is_none_or(|e| e > self.slot_capacity) {
-                return Err(BackendError::Invalid(format!(
-                    "entry {i}: positions {}..{}+{} exceed the slot capacity {}",
-                    s.start_pos,
-                    s.start_pos,
-                    s.tokens.len(),
-                    self.slot_capacity
-                )));
-            }
-            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.dims.vocab) {
-                return Err(BackendError::Invalid(format!(
-                    "entry {i}: token id {t} is outside the vocabulary ({})",
-                    self.dims.vocab
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// Run the layers over the batch and return the final-normed hidden state of the last position of
     /// each entry (`[batch.len()][hidden]`). Writes the entries' K/V into their slots.
     fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
@@ -469,7 +394,7 @@ impl CpuBackend {
         // RoPE factors once per token, for every layer
         let rope: Vec<Vec<(f32, f32)>> = tok_meta
             .iter()
-            .map(|&(_, pos)| ops::rope_factors(hd, pos, &self.inv_freq))
+            .map(|&(_, pos)| crate::rope::rope_factors(hd, pos, &self.inv_freq))
             .collect();
         let kv = &mut self.kv;
         pool.install(|| {
@@ -484,8 +409,8 @@ impl CpuBackend {
                     &mut [&mut q, &mut k, &mut v],
                 );
                 for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
-                    ops::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
-                    ops::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);
+                    crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
+                    crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);
                     let at = (li * cap + pos) * kvd;
                     kv[slot].k[at..at + kvd].copy_from_slice(&k[i * kvd..(i + 1) * kvd]);
                     kv[slot].v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);
@@ -685,7 +610,7 @@ impl Backend for CpuBackend {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        self.validate(batch)?;
+        crate::validate_batch(batch, self.kv.len(), self.slot_capacity, self.dims.vocab)?;
         let hidden = self.forward_hidden(batch);
         let logits = self.lm_head(&hidden, batch.len());
         let vocab = self.dims.vocab;

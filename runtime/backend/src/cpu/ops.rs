@@ -11,29 +11,9 @@
 //! (the GGUF / llama.cpp "normal" rope; GGUF Q/K weights are permuted for it). Attention is causal
 //! grouped-query attention: query head `h` reads KV head `h / (n_heads / n_kv_heads)`.
 
-use metrale_core::dtype::{DType, QK};
+use metrale_core::dtype::{f16_to_f32, DType, QK};
 
-/// f16 bits -> f32 (exact for every value, subnormals, infinities and NaN included).
-#[inline(always)]
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let man = (h & 0x3ff) as u32;
-    let bits = if exp == 0 {
-        if man == 0 {
-            0
-        } else {
-            // subnormal: man * 2^-24
-            let mag = man as f32 * (1.0 / 16_777_216.0);
-            return if sign != 0 { -mag } else { mag };
-        }
-    } else if exp == 0x1f {
-        0x7f80_0000 | (man << 13)
-    } else {
-        ((exp + 112) << 23) | (man << 13)
-    };
-    f32::from_bits(sign | bits)
-}
+pub use super::mat::{simd_level, MatRef};
 
 #[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -115,78 +95,6 @@ pub fn softmax_inplace(x: &mut [f32]) {
 /// Index of the largest value (lowest index on ties).
 pub fn argmax(x: &[f32]) -> usize {
     crate::sampler::argmax(x)
-}
-
-/// Llama 3 rope scaling ("rope_type": "llama3" in HF configs).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Llama3RopeScaling {
-    pub factor: f32,
-    pub low_freq_factor: f32,
-    pub high_freq_factor: f32,
-    pub original_max_position_embeddings: f32,
-}
-
-/// Inverse frequencies `inv_freq[i] = theta^(-2i/head_dim)` for `i < head_dim/2`, with Llama 3 scaling
-/// applied when given, then divided by `freq_factors[i]` when given (GGUF `rope_freqs.weight`).
-pub fn rope_inv_freq(
-    head_dim: usize,
-    theta: f32,
-    scaling: Option<&Llama3RopeScaling>,
-    freq_factors: Option<&[f32]>,
-) -> Vec<f32> {
-    let half = head_dim / 2;
-    (0..half)
-        .map(|i| {
-            let mut f = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
-            if let Some(s) = scaling {
-                let old = s.original_max_position_embeddings as f64;
-                let low_wl = old / s.low_freq_factor as f64;
-                let high_wl = old / s.high_freq_factor as f64;
-                let wl = 2.0 * std::f64::consts::PI / f;
-                f = if wl < high_wl {
-                    f
-                } else if wl > low_wl {
-                    f / s.factor as f64
-                } else {
-                    let smooth = (old / wl - s.low_freq_factor as f64)
-                        / (s.high_freq_factor as f64 - s.low_freq_factor as f64);
-                    (1.0 - smooth) * f / s.factor as f64 + smooth * f
-                };
-            }
-            if let Some(ff) = freq_factors {
-                f /= ff[i] as f64;
-            }
-            f as f32
-        })
-        .collect()
-}
-
-/// Rotate each of the `x.len() / head_dim` heads of `x` in place for position `pos`: adjacent pairs
-/// `(x[2i], x[2i+1])` by the angle `pos * inv_freq[i]` (angles computed in f64).
-pub fn rope_inplace(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32]) {
-    rope_apply(x, head_dim, &rope_factors(head_dim, pos, inv_freq));
-}
-
-/// The (cos, sin) pairs of position `pos` that [`rope_apply`] rotates by: angle `pos * inv_freq[i]`
-/// in f64, rounded to f32. A forward pass computes them once per token for all layers.
-pub fn rope_factors(head_dim: usize, pos: usize, inv_freq: &[f32]) -> Vec<(f32, f32)> {
-    (0..head_dim / 2)
-        .map(|i| {
-            let a = pos as f64 * inv_freq[i] as f64;
-            (a.cos() as f32, a.sin() as f32)
-        })
-        .collect()
-}
-
-/// Rotate every head of `x` (`[heads * head_dim]`, pairs (2i, 2i + 1)) by the factors `cs`.
-pub fn rope_apply(x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
-    for head in x.chunks_exact_mut(head_dim) {
-        for (i, &(c, s)) in cs.iter().enumerate() {
-            let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-            head[2 * i] = x0 * c - x1 * s;
-            head[2 * i + 1] = x0 * s + x1 * c;
-        }
-    }
 }
 
 /// Grouped-query attention of one query position over `n_ctx` cached positions.
@@ -317,30 +225,6 @@ fn attention_head_body(
 /// over threads (how one decode token's attention uses every core at long contexts).
 pub const ATT_CHUNK: usize = 128;
 
-/// `exp(x)` for `x <= 0` without a libm call: Cephes' degree-6 polynomial after a Cody-Waite
-/// reduction, inlined (within 2 ulp of `f32::exp` on [-87, 0]; below -87, `exp(-87)`). The same
-/// bits on every CPU, so a token's attention does not depend on which kernel ran it. Loops over it
-/// stay scalar (the float-to-int cast saturates); the sampler's AVX2 log-sum-exp has its own
-/// vector form of the same polynomial, 2x faster than letting the compiler widen this one.
-#[inline(always)]
-pub fn exp_approx(x: f32) -> f32 {
-    let x = x.max(-87.0);
-    let k = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - k * 0.693_359_4 - k * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    for c in [
-        1.398_2e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = p * r + c;
-    }
-    let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((k as i32 + 127) as u32) << 23)
-}
-
 /// Replace the scores `s` by `exp(s - max)` and return (max, their sum in 8 fixed lanes).
 #[inline(always)]
 fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
@@ -349,12 +233,12 @@ fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
     let mut it = s.chunks_exact_mut(8);
     for c in &mut it {
         for (l, e) in lanes.iter_mut().zip(c.iter_mut()) {
-            *e = exp_approx(*e - m);
+            *e = crate::numerics::exp_approx(*e - m);
             *l += *e;
         }
     }
     for (l, e) in lanes.iter_mut().zip(it.into_remainder()) {
-        *e = exp_approx(*e - m);
+        *e = crate::numerics::exp_approx(*e - m);
         *l += *e;
     }
     (m, lanes.iter().sum())
@@ -557,7 +441,7 @@ pub fn attention_combine(parts: &[f32], stride: usize, n: usize, out: &mut [f32]
     out.fill(0.0);
     for c in 0..n {
         let p = &parts[c * stride..];
-        let w = exp_approx(p[0] - m);
+        let w = crate::numerics::exp_approx(p[0] - m);
         l += w * p[1];
         let hd = out.len();
         for (a, &x) in out.iter_mut().zip(&p[2..2 + hd]) {
@@ -741,25 +625,6 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
     }
 }
 
-/// A weight matrix view: `rows` rows of `cols` elements of `dtype`, row-major in `data`.
-#[derive(Debug, Clone, Copy)]
-pub struct MatRef<'a> {
-    pub dtype: DType,
-    pub rows: usize,
-    pub cols: usize,
-    pub data: &'a [u8],
-    /// Q4_1 rows in the packed order of [`super::qact::pack_q4_1_rows`] (the CPU backend's layer
-    /// matrices on AVX2 CPUs), not GGUF's.
-    pub packed: bool,
-}
-
-impl MatRef<'_> {
-    /// Bytes of one row.
-    pub fn row_bytes(&self) -> usize {
-        self.dtype.row_bytes(self.cols).expect("validated at load")
-    }
-}
-
 /// Rows per cache block of [`matmul_rows`]: a block of weight rows stays in L1 while every token of
 /// the chunk passes over it.
 pub const ROW_BLOCK: usize = 8;
@@ -806,20 +671,6 @@ unsafe fn matmul_rows_avx2(
     out_t: &mut [f32],
 ) {
     matmul_rows_body(w, r0, x, xs, n_tok, out_t)
-}
-
-/// Which instruction set the fused dots run with on this machine: "avx2" or "generic".
-pub fn simd_level() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            return "avx2";
-        }
-    }
-    "generic"
 }
 
 /// `out_t[rr * n_tok + t] = dot(W[r0 + rr], x[t])` for `rr < out_t.len() / n_tok` and `t < n_tok`:
@@ -1019,18 +870,6 @@ mod tests {
     use metrale_core::dtype::dequantize_row;
 
     #[test]
-    fn f16_conversion_matches_half_for_every_value() {
-        for h in 0..=u16::MAX {
-            let want = half::f16::from_bits(h).to_f32();
-            let got = f16_to_f32(h);
-            assert!(
-                want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()),
-                "{h:#x}: {got} vs {want}"
-            );
-        }
-    }
-
-    #[test]
     fn fused_dots_match_dequantize_then_dot() {
         let (rows, cols) = (37, 96);
         for (k, dt) in DType::ALL.into_iter().enumerate() {
@@ -1084,35 +923,6 @@ mod tests {
         let mut p = [1.0f32, 1.0, 1.0f32 + 2f32.ln()];
         softmax_inplace(&mut p);
         assert!((p[0] - 0.25).abs() < 1e-6 && (p[2] - 0.5).abs() < 1e-6);
-    }
-
-    #[test]
-    fn rope_rotates_adjacent_pairs() {
-        let inv = rope_inv_freq(4, 100.0, None, None);
-        assert!((inv[0] - 1.0).abs() < 1e-7 && (inv[1] - 0.1).abs() < 1e-7);
-        let mut x = [1.0f32, 0.0, 0.0, 2.0];
-        rope_inplace(&mut x, 4, 3, &inv);
-        let (c0, s0, c1, s1) = (3f32.cos(), 3f32.sin(), 0.3f32.cos(), 0.3f32.sin());
-        let want = [c0, s0, -2.0 * s1, 2.0 * c1];
-        for i in 0..4 {
-            assert!(
-                (x[i] - want[i]).abs() < 1e-6,
-                "{i}: {} vs {}",
-                x[i],
-                want[i]
-            );
-        }
-        // Llama 3 scaling: a low frequency is divided by the factor, a high one is kept.
-        let s = Llama3RopeScaling {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
-        };
-        let plain = rope_inv_freq(128, 500000.0, None, None);
-        let scaled = rope_inv_freq(128, 500000.0, Some(&s), None);
-        assert_eq!(scaled[0], plain[0]);
-        assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);
     }
 
     /// The chunked block attention against the plain per-head one, for contexts of one chunk and
@@ -1240,21 +1050,6 @@ mod tests {
             attention_combine(&pieces[hh * pl..], 3 * pl, nc, &mut alone);
             assert_eq!(alone, bufs[1][hh * hd..(hh + 1) * hd]);
         }
-    }
-
-    #[test]
-    fn exp_approx_is_within_2_ulp_of_libm() {
-        let mut worst = 0i64;
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let d = (exp_approx(x).to_bits() as i64 - x.exp().to_bits() as i64).abs();
-            worst = worst.max(d);
-            x += 0.000_37;
-        }
-        assert!(worst <= 2, "worst {worst} ulp");
-        assert_eq!(exp_approx(0.0), 1.0);
-        assert_eq!(exp_approx(-1000.0), exp_approx(-87.0));
-        assert!(exp_approx(f32::NEG_INFINITY) < 1e-37);
     }
 
     #[test]

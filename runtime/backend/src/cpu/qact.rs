@@ -23,7 +23,8 @@
 //! below 2^27); AVX2 and generic code give the same block sums; only the f32 summation order of the
 //! blocks differs. Packed rows have the GGUF row's size and `unpack_q4_1_rows` restores them bit for bit.
 
-use super::ops::{f16_to_f32, MatRef};
+use super::mat::{simd_level, MatRef};
+use metrale_core::dtype::f16_to_f32;
 use metrale_core::dtype::{DType, QK};
 
 /// Blocks per group of a packed Q4_1 row.
@@ -124,7 +125,7 @@ const PAIR_MAX_BLOCKS: usize = 24;
 /// Whether this CPU runs packed Q4_1 rows faster (AVX2); the CPU backend packs its Q4_1 matrices
 /// only then.
 pub fn packs_q4_1() -> bool {
-    super::ops::simd_level() == "avx2"
+    simd_level() == "avx2"
 }
 
 /// One or more activation rows quantized per 32-element block.
@@ -537,14 +538,14 @@ pub fn dot_row_qact(dtype: DType, row: &[u8], q: &[i16], d: &[f32], s: &[f32]) -
     assert_eq!(row.len(), d.len() * dtype.block_bytes());
     assert!(q.len() == d.len() * QK && s.len() == d.len());
     #[cfg(target_arch = "x86_64")]
-    if super::ops::simd_level() == "avx2" {
+    if simd_level() == "avx2" {
         // SAFETY: avx2+fma+f16c present; lengths checked above.
         return unsafe { avx2::dot(dtype, row, q, d, s) };
     }
     dot_generic(dtype, row, q, d, s)
 }
 
-/// The quantized-activation analogue of [`super::ops::matmul_rows`]: rows `r0..` of the weight for
+/// The quantized-activation analogue of `ops::matmul_rows`: rows `r0..` of the weight for
 /// every token, into `out_t` = `[rows][n_tok]`.
 pub fn matmul_rows_qact(
     w: MatRef<'_>,
@@ -569,7 +570,7 @@ pub fn matmul_rows_qact(
         "only Q4_1 rows are packed, padded by PACK_PAD bytes"
     );
     #[cfg(target_arch = "x86_64")]
-    if super::ops::simd_level() == "avx2" {
+    if simd_level() == "avx2" {
         // SAFETY: avx2+fma+f16c present; bounds checked above.
         unsafe { avx2::rows(w, r0, a, n_tok, out_t) };
         return;

@@ -106,7 +106,7 @@ pub fn tiny_backend(
             w_down: m(64, 96, dtype).packed_for_this_cpu(),
         })
         .collect();
-    let inv = super::ops::rope_inv_freq(16, 10000.0, None, None);
+    let inv = crate::rope::rope_inv_freq(16, 10000.0, None, None);
     CpuBackend::from_parts(
         dims,
         1e-5,

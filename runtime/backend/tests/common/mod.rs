@@ -33,16 +33,7 @@ pub fn target_kernels(
     let p: Vec<&str> = target.split('/').collect();
     let spec =
         TargetSpec::load(&targets_root(), &TargetId::new(p[0], p[1], p[2])).expect("target spec");
-    let arch = spec
-        .hardware
-        .cubin_arch
-        .clone()
-        .expect("cuda target has a cubin arch");
-    let set = metrale_backend::cuda::KernelSet::from_dir(
-        std::path::Path::new(kernel_dir),
-        &target,
-        &arch,
-    )
-    .expect("kernel set");
+    let set = metrale_backend::cuda::KernelSet::from_dir(std::path::Path::new(kernel_dir), &spec)
+        .expect("kernel set");
     (target, spec, set)
 }

@@ -1,0 +1,287 @@
+//! Every `extern "C"` entry point of the CUDA kernels: its template, block size and arguments.
+//!
+//! Each entry is one `#[repr(C)]` struct whose fields are the kernel's parameters in order (device
+//! pointers are `u64`). The field names are the parameter names the kernel body uses: codegen renders
+//! the C signature from this list (`{{{abi.params.<entry>}}}`), so a kernel refers to its arguments by
+//! these names, and [`crate::check_ptx`] compares the compiled signature with it. Shapes are not
+//! arguments: they are compile-time constants of the target.
+
+use std::ffi::c_void;
+
+use crate::{EntryDecl, KernelArgs, Param, Ty};
+use crate::{
+    ATT_THREADS, DECODE_THREADS, EMBED_THREADS, GEMM_THREADS, MV_THREADS, SAMPLE_THREADS,
+    SPLIT_THREADS,
+};
+
+macro_rules! field_ty {
+    (ptr) => {
+        u64
+    };
+    (i32) => {
+        i32
+    };
+    (u32) => {
+        u32
+    };
+}
+
+macro_rules! param_ty {
+    (ptr, $c:literal) => {
+        Ty::Ptr($c)
+    };
+    (i32) => {
+        Ty::I32
+    };
+    (u32) => {
+        Ty::U32
+    };
+}
+
+macro_rules! entries {
+    ($(
+        $(#[doc = $doc:literal])*
+        $name:ident = $template:literal / $entry:literal, threads $threads:expr, {
+            $($field:ident : $kind:ident $(<$cty:literal>)?),* $(,)?
+        }
+    )*) => {
+        /// Every entry point: the index of its declaration in [`ENTRIES`].
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Entry { $($name),* }
+
+        /// Every entry point's declaration, in [`Entry`] order.
+        pub const ENTRIES: &[EntryDecl] = &[$(<$name as KernelArgs>::DECL),*];
+
+        $(
+            $(#[doc = $doc])*
+            #[repr(C)]
+            #[derive(Debug, Clone, Copy, Default, PartialEq)]
+            pub struct $name { $(pub $field: field_ty!($kind)),* }
+
+            impl KernelArgs for $name {
+                const ID: Entry = Entry::$name;
+                const DECL: EntryDecl = EntryDecl {
+                    template: $template,
+                    entry: $entry,
+                    threads: $threads,
+                    params: &[$(Param { name: stringify!($field), ty: param_ty!($kind $(, $cty)?) }),*],
+                };
+                fn with_ptrs<R>(&mut self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
+                    let mut p = [$(std::ptr::addr_of_mut!(self.$field) as *mut c_void),*];
+                    f(&mut p)
+                }
+            }
+        )*
+    };
+}
+
+entries! {
+    /// Token embedding lookup: `x[t] = dequant(table row tokens[t])`. grid = (ntok).
+    Embed = "embed" / "embed", threads EMBED_THREADS, {
+        qs: ptr<"const void">,
+        sc: ptr<"const void">,
+        tokens: ptr<"const int">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
+    /// RMSNorm + fused QKV projection + RoPE; q to a buffer, k and v into the KV cache.
+    /// grid = `plan::mv_grid(QKV row pairs, hidden, ntok)`.
+    AttnIn = "attn_in" / "attn_in", threads MV_THREADS, {
+        x: ptr<"const float">,
+        norm_w: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"float">,
+        vc: ptr<"float">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        layer: i32,
+        ctx: i32,
+        ntok: i32,
+    }
+    /// Split-K GQA attention over the KV cache, the splits combined in the same launch.
+    /// grid = (kv_heads, nsplit, ntok); `counter` holds ntok * kv_heads zeroed tickets.
+    Attention = "attention" / "attention", threads ATT_THREADS, {
+        q: ptr<"const float">,
+        kc: ptr<"const float">,
+        vc: ptr<"const float">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        layer: i32,
+        ctx: i32,
+        nsplit: i32,
+        part_ml: ptr<"float2">,
+        part_acc: ptr<"float">,
+        counter: ptr<"unsigned int">,
+        out: ptr<"float">,
+    }
+    /// Output projection + residual: `x += Wo att`.
+    AttnOut = "attn_out" / "attn_out", threads MV_THREADS, {
+        att: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
+    /// RMSNorm + gate/up (interleaved rows) + SiLU(gate) * up.
+    FfnIn = "ffn_in" / "ffn_in", threads MV_THREADS, {
+        x: ptr<"const float">,
+        norm_w: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        h: ptr<"float">,
+        ntok: i32,
+    }
+    /// Down projection + residual: `x += Wdown h`.
+    FfnOut = "ffn_out" / "ffn_out", threads MV_THREADS, {
+        h: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
+    /// Final RMSNorm + LM head on the selected rows, with the greedy pick and its logprob fused.
+    LmHead = "lm_head" / "lm_head", threads MV_THREADS, {
+        x: ptr<"const float">,
+        sel: ptr<"const int">,
+        norm_w: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        logits: ptr<"float">,
+        ntok: i32,
+        part: ptr<"mt::Acc">,
+        counter: ptr<"unsigned int">,
+        out_tok: ptr<"int">,
+        out_logprob: ptr<"float">,
+    }
+    /// The one-output LM head (batch-1 decode): whole rows streamed in 16-byte chunks.
+    LmHeadOne = "lm_head" / "lm_head_1", threads MV_THREADS, {
+        x: ptr<"const float">,
+        sel: ptr<"const int">,
+        norm_w: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        logits: ptr<"float">,
+        ntok: i32,
+        part: ptr<"mt::Acc">,
+        counter: ptr<"unsigned int">,
+        out_tok: ptr<"int">,
+        out_logprob: ptr<"float">,
+    }
+    /// Greedy arg-max of each logits row and its log-softmax. grid = (ntok).
+    ArgmaxLogprob = "sample" / "argmax_logprob", threads SAMPLE_THREADS, {
+        logits: ptr<"const float">,
+        out_tok: ptr<"int">,
+        out_logprob: ptr<"float">,
+        ntok: i32,
+    }
+    /// Temperature / top-k / top-p / min-p sampling with the seeded draw, one row per block.
+    SampleProbs = "sample" / "sample_probs", threads SAMPLE_THREADS, {
+        logits: ptr<"const float">,
+        params: ptr<"const abi::SampleParams">,
+        out_tok: ptr<"int">,
+        out_logprob: ptr<"float">,
+        status: ptr<"int">,
+        nout: i32,
+    }
+    /// The whole batch-1 decode step in one persistent cooperative launch (one block per SM).
+    DecodeOne = "decode" / "decode_1", threads DECODE_THREADS, {
+        lw: ptr<"const abi::LayerW">,
+        emb_qs: ptr<"const void">,
+        emb_sc: ptr<"const void">,
+        head_qs: ptr<"const void">,
+        head_sc: ptr<"const void">,
+        out_norm: ptr<"const float">,
+        rope: ptr<"const float2">,
+        kc: ptr<"float">,
+        vc: ptr<"float">,
+        token: i32,
+        pos: i32,
+        slot: i32,
+        ctx: i32,
+        epoch: u32,
+        flags: i32,
+        att_cfg: i32,
+        xch: ptr<"unsigned long long">,
+        logits: ptr<"float">,
+        part: ptr<"mt::Acc">,
+        counter: ptr<"unsigned int">,
+        out_tok: ptr<"int">,
+        out_logprob: ptr<"float">,
+        trace: ptr<"unsigned long long">,
+    }
+    /// GEMM path: RMSNorm(x) split into f16 hi/lo and block sums. grid = (ceil(ntok / 8)).
+    NormSplit = "gemm" / "norm_split", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        norm_w: ptr<"const float">,
+        hi: ptr<"__half">,
+        lo: ptr<"__half">,
+        asx: ptr<"float">,
+        ntok: i32,
+    }
+    /// GEMM path: the attention output split (K = heads x head_dim).
+    SplitQd = "gemm" / "split_qd", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        hi: ptr<"__half">,
+        lo: ptr<"__half">,
+        asx: ptr<"float">,
+        ntok: i32,
+    }
+    /// GEMM path: the FFN activation split (K = ffn).
+    SplitFfn = "gemm" / "split_ffn", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        hi: ptr<"__half">,
+        lo: ptr<"__half">,
+        asx: ptr<"float">,
+        ntok: i32,
+    }
+    /// GEMM path: QKV projection with the RoPE + KV-write epilogue. grid = `plan::gemm_grid`.
+    GemmQkv = "gemm" / "gemm_qkv", threads GEMM_THREADS, {
+        ahi: ptr<"const __half">,
+        alo: ptr<"const __half">,
+        asx: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"float">,
+        vc: ptr<"float">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        layer: i32,
+        ctx: i32,
+        ntok: i32,
+    }
+    /// GEMM path: output projection + residual.
+    GemmO = "gemm" / "gemm_o", threads GEMM_THREADS, {
+        ahi: ptr<"const __half">,
+        alo: ptr<"const __half">,
+        asx: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
+    /// GEMM path: gate/up + SiLU(gate) * up.
+    GemmGu = "gemm" / "gemm_gu", threads GEMM_THREADS, {
+        ahi: ptr<"const __half">,
+        alo: ptr<"const __half">,
+        asx: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        h: ptr<"float">,
+        ntok: i32,
+    }
+    /// GEMM path: down projection + residual.
+    GemmDown = "gemm" / "gemm_down", threads GEMM_THREADS, {
+        ahi: ptr<"const __half">,
+        alo: ptr<"const __half">,
+        asx: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
+}

@@ -1,0 +1,179 @@
+//! Layout formulas of the kernels' memory, as the host sizes buffers and grids by them, and the
+//! `static_assert`s that tie each to the kernel's own formula for one target.
+//!
+//! A kernel keeps the `constexpr` formula it indexes with (`mt::TokTile<K>::N`, `decode_1`'s
+//! `S_PART`, ...); the host computes the same number here. [`asserts`] renders, for one template and
+//! one target, `static_assert(<kernel expression> == <host number>)` lines that codegen appends to
+//! the rendered source, so a formula changed on one side only is a compile error naming both.
+
+use metrale_core::shape::Dims;
+
+use crate::{
+    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, PADDED_BLOCK, TOK_TILE_BYTES, TOK_TILE_MAX,
+};
+
+/// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
+pub fn padded(k: usize) -> usize {
+    (k / 32) * PADDED_BLOCK as usize
+}
+
+/// Tokens a matrix-vector block stages for rows of `k` elements (`mt::TokTile<K>::N`): as many
+/// padded rows as fit in [`TOK_TILE_BYTES`], between 1 and [`TOK_TILE_MAX`].
+pub fn tok_tile(k: usize) -> usize {
+    let bytes = padded(k) * 4;
+    (TOK_TILE_BYTES as usize / bytes.max(1)).clamp(1, TOK_TILE_MAX as usize)
+}
+
+/// Words of one attention split's partial in `decode_1` (`PW`: max and sum per query head of the
+/// group, then the group's unnormalised outputs).
+pub fn decode_partial_words(d: &Dims) -> usize {
+    d.group() * (2 + d.head_dim)
+}
+
+/// The four layer products of `decode_1` as (row pairs, 32-element quant blocks per row): QKV, O,
+/// gate/up (interleaved, one pair per FFN row), down.
+pub fn decode_products(d: &Dims) -> [(usize, usize); 4] {
+    [
+        ((d.qd() + 2 * d.kd()) / 2, d.hidden / 32),
+        (d.hidden / 2, d.qd() / 32),
+        (d.ffn, d.hidden / 32),
+        (d.hidden / 2, d.ffn / 32),
+    ]
+}
+
+/// u64 words of `decode_1`'s exchange buffer (`X_H + FFN`).
+pub fn decode_exchange_words(d: &Dims) -> usize {
+    d.hidden
+        + (d.qd() + 2 * d.kd())
+        + d.kv_heads * DECODE_MAX_SPLITS as usize * decode_partial_words(d)
+        + d.hidden
+        + d.ffn
+}
+
+/// Floats of `decode_1`'s fixed shared-memory regions (`S_PART`).
+pub fn decode_static_floats(d: &Dims) -> usize {
+    let ks = d.head_dim + 4;
+    let maxs = DECODE_MAX_SPLITS as usize;
+    let vecn = padded(d.hidden).max(padded(d.qd())).max(padded(d.ffn));
+    let facn = (d.heads * maxs).div_ceil(4) * 4;
+    let kvn = (2 * DECODE_TILE as usize * ks).max(d.kv_heads * maxs * decode_partial_words(d));
+    2 * d.hidden + vecn + d.group() * d.head_dim + 2 * d.head_dim + d.head_dim + facn + kvn
+}
+
+/// Floats of the products' unit partials a block of a `blocks`-block grid holds
+/// (`part_floats(blocks)`): the largest product share.
+pub fn decode_part_floats(d: &Dims, blocks: usize) -> usize {
+    decode_products(d)
+        .iter()
+        .map(|&(pairs, nb)| pairs.div_ceil(blocks.max(1)) * 2 * nb)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes of `decode_1`'s dynamic shared memory for a grid of `blocks` blocks.
+pub fn decode_smem_bytes(d: &Dims, blocks: usize) -> usize {
+    (decode_static_floats(d) + decode_part_floats(d, blocks)) * 4
+}
+
+/// u64 words of `decode_1`'s trace: `[blocks][layers][NSTAMP]` globaltimer stamps, then
+/// `[blocks][4]` (kernel start, end in globaltimer ns; clock64 at start, end).
+pub fn decode_trace_words(d: &Dims, blocks: usize) -> usize {
+    blocks * d.layers * DECODE_NSTAMP as usize + blocks * 4
+}
+
+/// The `static_assert`s of template `template` for a target of shape `d` on `sm_count` SMs: each
+/// compares an expression the kernel computes with the number the host computes for it. Empty for
+/// templates whose launches depend on no host formula.
+pub fn asserts(template: &str, d: &Dims, sm_count: usize) -> String {
+    let check = |expr: &str, host: usize, what: &str| {
+        format!("static_assert({expr} == {host}, \"{what}: the kernel's formula and the host's (metrale-abi layout.rs) disagree\");\n")
+    };
+    let mut s = String::new();
+    match template {
+        "attn_in" | "ffn_in" | "lm_head" => {
+            s += &check("TB", tok_tile(d.hidden), "tokens per block")
+        }
+        "attn_out" => s += &check("TB", tok_tile(d.qd()), "tokens per block"),
+        "ffn_out" => s += &check("TB", tok_tile(d.ffn), "tokens per block"),
+        "decode" => {
+            s += &check(
+                "S_PART",
+                decode_static_floats(d),
+                "fixed shared memory floats",
+            );
+            s += &check(
+                "X_H + FFN",
+                decode_exchange_words(d),
+                "exchange buffer words",
+            );
+            s += &check(
+                &format!("part_floats({sm_count})"),
+                decode_part_floats(d, sm_count),
+                "unit partial floats at one block per SM",
+            );
+        }
+        _ => {}
+    }
+    if !s.is_empty() {
+        s.insert_str(
+            0,
+            "\n// The host's numbers for this target (metrale-abi layout.rs), checked at compile time.\n",
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smollm() -> Dims {
+        Dims {
+            layers: 30,
+            hidden: 576,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+        }
+    }
+
+    #[test]
+    fn tok_tile_is_the_kernels_formula() {
+        assert_eq!(tok_tile(576), 8);
+        assert_eq!(tok_tile(1536), 5);
+        assert_eq!(tok_tile(2048), 4);
+        assert_eq!(tok_tile(8192), 1);
+    }
+
+    /// The decode layout sizes, computed by hand from the kernel's constants for SmolLM2-135M.
+    #[test]
+    fn decode_layout_for_smollm2() {
+        let d = smollm();
+        // X_A 576 + X_QKV (576 + 2 * 192) + X_PART 3*16*198 + X_B 576 + X_H 1536
+        assert_eq!(decode_exchange_words(&d), 576 + 960 + 9504 + 576 + 1536);
+        // xr 576 + xbr 576 + vec padded(1536)=1728 + q 192 + cur 128 + rope 64 + split factors 9*16
+        // + kv max(2*64*68, 3*16*198) + unit partials max(4*36, 3*36, 12*36, 3*96) at 132 blocks
+        assert_eq!(
+            decode_smem_bytes(&d, 132),
+            (576 + 576 + 1728 + 192 + 128 + 64 + 144 + 9504 + 432) * 4
+        );
+        // fewer blocks hold more units: gate/up's 1536 pairs over 24 blocks = 64 pairs of 2 x 18
+        assert_eq!(
+            decode_smem_bytes(&d, 24) - decode_smem_bytes(&d, 132),
+            (64 * 36 - 432) * 4
+        );
+        assert_eq!(decode_trace_words(&d, 132), 132 * 30 * 12 + 132 * 4);
+    }
+
+    #[test]
+    fn asserts_name_the_kernel_expressions() {
+        let d = smollm();
+        let a = asserts("decode", &d, 132);
+        assert!(a.contains("static_assert(S_PART == 12912,"), "{a}");
+        assert!(a.contains("static_assert(part_floats(132) == 432,"), "{a}");
+        assert!(asserts("ffn_out", &d, 132).contains("static_assert(TB == 5,"));
+        assert!(asserts("embed", &d, 132).is_empty());
+    }
+}

@@ -1,0 +1,256 @@
+//! The per-stage forward pass of one chunk: the activation and I/O buffers (allocated once, for
+//! `max_step_tokens`) and the launch sequence over them: `embed`, then per layer `attn_in` (RMSNorm
+//! + QKV + RoPE + KV write), `attention` (split-K GQA), `attn_out` (O projection + residual),
+//! `ffn_in` (RMSNorm + gate/up + SiLU), `ffn_out` (down + residual), then `lm_head` (final norm +
+//! LM head on each sequence's last token, with the greedy pick fused): 2 + 5 x layers launches,
+//! the four layer products as tensor-core GEMMs (`prefill`) for long prefill chunks.
+//!
+//! Invariants: a chunk's inputs reach the kernels only through the fixed token/pos/slot/sel
+//! buffers (so a captured graph replays any decode step of its shape); the attention tickets and
+//! the LM head's counters are zero between launches (the kernels re-arm them).
+
+use metrale_abi as abi;
+use metrale_core::BackendError;
+
+use super::device::DevBuf;
+use super::launch::Gpu;
+use super::plan;
+use super::prefill::{Prefill, QkvOut};
+use super::CudaBackend;
+
+/// Activation and I/O buffers, sized once.
+pub(super) struct Bufs {
+    pub x: DevBuf,
+    pub q: DevBuf,
+    pub h: DevBuf,
+    pub part_ml: DevBuf,
+    pub part_acc: DevBuf,
+    /// attention output `[maxt][qd]`
+    pub att: DevBuf,
+    /// the split-combine tickets `[maxt][kv_heads]` (zero between launches)
+    pub att_counter: DevBuf,
+    pub logits: DevBuf,
+    /// i32 inputs, one copy per chunk: tokens[maxt] | pos[maxt] | slot[maxt] | sel[slots]
+    pub io_in: DevBuf,
+    pub tokens: u64,
+    pub pos: u64,
+    pub slot: u64,
+    pub sel: u64,
+    /// outputs, one copy back: out_tok[slots] (i32) | out_lp[slots] (f32)
+    pub io_out: DevBuf,
+    pub out_tok: u64,
+    pub out_lp: u64,
+    /// lm_head's per-block greedy partials and its per-tile tickets (zero between launches)
+    pub lm_part: DevBuf,
+    pub lm_counter: DevBuf,
+    /// sample_probs: parameters in, (token | logprob | status) out, one row per output
+    pub samp_params: DevBuf,
+    pub samp_out: DevBuf,
+    pub kc: DevBuf,
+    pub vc: DevBuf,
+}
+
+impl Bufs {
+    /// Buffers for chunks of up to `maxt` tokens, `nout` outputs per chunk, and a KV cache of
+    /// `kv_elems` f32 elements for K and for V.
+    pub fn new(gpu: &Gpu, maxt: usize, nout: usize, kv_elems: usize) -> Result<Bufs, BackendError> {
+        let d = gpu.dims;
+        let f = 4usize;
+        let io_in = gpu.alloc((3 * maxt + nout) * 4)?;
+        let io_out = gpu.alloc(2 * nout * 4)?;
+        let (part_bytes, counter_bytes) = gpu.lm_head_scratch(nout);
+        Ok(Bufs {
+            x: gpu.alloc(maxt * d.hidden * f)?,
+            q: gpu.alloc(maxt * d.qd() * f)?,
+            h: gpu.alloc(maxt * d.ffn * f)?,
+            part_ml: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * 8)?,
+            part_acc: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
+            att: gpu.alloc(maxt * d.qd() * f)?,
+            att_counter: gpu.alloc(maxt * d.kv_heads * 4)?,
+            logits: gpu.alloc(nout * d.vocab * f)?,
+            tokens: io_in.ptr,
+            pos: io_in.ptr + (maxt * 4) as u64,
+            slot: io_in.ptr + (2 * maxt * 4) as u64,
+            sel: io_in.ptr + (3 * maxt * 4) as u64,
+            io_in,
+            out_tok: io_out.ptr,
+            out_lp: io_out.ptr + (nout * 4) as u64,
+            io_out,
+            lm_part: gpu.alloc(part_bytes)?,
+            lm_counter: gpu.alloc(counter_bytes)?,
+            samp_params: gpu.alloc(nout * std::mem::size_of::<abi::device::SampleParams>())?,
+            samp_out: gpu.alloc(3 * nout * 4)?,
+            kc: gpu.alloc(kv_elems * f)?,
+            vc: gpu.alloc(kv_elems * f)?,
+        })
+    }
+}
+
+/// The launches of a chunk's forward pass: the embedding, five per layer, the LM head.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Stage {
+    Embed,
+    /// RMSNorm + QKV + RoPE + KV write
+    Qkv,
+    Attention,
+    /// O projection + residual
+    Out,
+    /// RMSNorm + gate/up + SiLU
+    GateUp,
+    /// down projection + residual
+    Down,
+    LmHead,
+}
+
+impl Stage {
+    /// A layer's stages in order.
+    pub const LAYER: [Stage; 5] = [
+        Stage::Qkv,
+        Stage::Attention,
+        Stage::Out,
+        Stage::GateUp,
+        Stage::Down,
+    ];
+}
+
+impl CudaBackend {
+    /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and
+    /// `LmHead`), on the tensor-core GEMM path when `pf` is given (the four layer products only).
+    pub(super) fn launch_stage(
+        &self,
+        stage: Stage,
+        l: usize,
+        pf: Option<&Prefill>,
+        (ntok, nout, nsplit): (usize, usize, usize),
+    ) -> Result<(), BackendError> {
+        let g = &self.gpu;
+        let b = &self.b;
+        let ctx = self.opts.slot_capacity as i32;
+        let n = ntok as i32;
+        let w = || &self.w.layers[l]; // layer stages only
+        match (stage, pf) {
+            (Stage::Embed, _) => g.embed(abi::Embed {
+                qs: self.w.emb.qs.ptr,
+                sc: self.w.emb.sc_ptr(),
+                tokens: b.tokens,
+                x: b.x.ptr,
+                ntok: n,
+            }),
+            (Stage::Qkv, Some(p)) => p.norm_qkv(
+                g,
+                b.x.ptr,
+                w().attn_norm.ptr,
+                &w().wqkv,
+                QkvOut {
+                    rope: self.w.rope.ptr,
+                    q: b.q.ptr,
+                    kc: b.kc.ptr,
+                    vc: b.vc.ptr,
+                    pos: b.pos,
+                    slot: b.slot,
+                    layer: l as i32,
+                    ctx,
+                },
+                ntok,
+            ),
+            (Stage::Qkv, None) => g.attn_in(abi::AttnIn {
+                x: b.x.ptr,
+                norm_w: w().attn_norm.ptr,
+                wqs: w().wqkv.qs.ptr,
+                wsc: w().wqkv.sc_ptr(),
+                rope: self.w.rope.ptr,
+                q: b.q.ptr,
+                kc: b.kc.ptr,
+                vc: b.vc.ptr,
+                pos: b.pos,
+                slot: b.slot,
+                layer: l as i32,
+                ctx,
+                ntok: n,
+            }),
+            (Stage::Attention, _) => g.attention(
+                abi::Attention {
+                    q: b.q.ptr,
+                    kc: b.kc.ptr,
+                    vc: b.vc.ptr,
+                    pos: b.pos,
+                    slot: b.slot,
+                    layer: l as i32,
+                    ctx,
+                    nsplit: nsplit as i32,
+                    part_ml: b.part_ml.ptr,
+                    part_acc: b.part_acc.ptr,
+                    counter: b.att_counter.ptr,
+                    out: b.att.ptr,
+                },
+                ntok,
+            ),
+            (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok),
+            (Stage::Out, None) => g.attn_out(abi::AttnOut {
+                att: b.att.ptr,
+                wqs: w().wo.qs.ptr,
+                wsc: w().wo.sc_ptr(),
+                x: b.x.ptr,
+                ntok: n,
+            }),
+            (Stage::GateUp, Some(p)) => {
+                p.norm_gate_up(g, b.x.ptr, w().ffn_norm.ptr, &w().wgu, b.h.ptr, ntok)
+            }
+            (Stage::GateUp, None) => g.ffn_in(abi::FfnIn {
+                x: b.x.ptr,
+                norm_w: w().ffn_norm.ptr,
+                wqs: w().wgu.qs.ptr,
+                wsc: w().wgu.sc_ptr(),
+                h: b.h.ptr,
+                ntok: n,
+            }),
+            (Stage::Down, Some(p)) => p.down(g, b.h.ptr, &w().wdown, b.x.ptr, ntok),
+            (Stage::Down, None) => g.ffn_out(abi::FfnOut {
+                h: b.h.ptr,
+                wqs: w().wdown.qs.ptr,
+                wsc: w().wdown.sc_ptr(),
+                x: b.x.ptr,
+                ntok: n,
+            }),
+            (Stage::LmHead, _) => {
+                let head = self.w.head();
+                g.lm_head(abi::LmHead {
+                    x: b.x.ptr,
+                    sel: b.sel,
+                    norm_w: self.w.out_norm.ptr,
+                    wqs: head.qs.ptr,
+                    wsc: head.sc_ptr(),
+                    logits: b.logits.ptr,
+                    ntok: nout as i32,
+                    part: b.lm_part.ptr,
+                    counter: b.lm_counter.ptr,
+                    out_tok: b.out_tok,
+                    out_logprob: b.out_lp,
+                })
+            }
+        }
+    }
+
+    /// Enqueue the whole forward pass of one chunk (inputs already in the token/pos/slot/sel
+    /// buffers). `gemm`: run the layer products as tensor-core GEMMs instead of matvecs.
+    pub(super) fn enqueue(
+        &self,
+        ntok: usize,
+        nout: usize,
+        nsplit: usize,
+        gemm: bool,
+    ) -> Result<(), BackendError> {
+        let pf = gemm.then_some(&self.prefill);
+        let shape = (ntok, nout, nsplit);
+        self.launch_stage(Stage::Embed, 0, None, shape)?;
+        for l in 0..self.w.layers.len() {
+            for stage in Stage::LAYER {
+                self.launch_stage(stage, l, pf, shape)?;
+            }
+        }
+        if nout > 0 {
+            self.launch_stage(Stage::LmHead, 0, None, shape)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,277 @@
+//! Typed launchers: a [`Device`] with one target's kernels loaded, and one method per entry point
+//! that takes the entry's argument struct (`metrale_abi::entries`), computes the grid the entry's
+//! declaration states (`plan`) and launches it with the declared block size. No positional
+//! argument list exists anywhere: a kernel's parameters are the struct's fields.
+//!
+//! Invariants: every launch's block size is `metrale_abi`'s for the entry, and its arguments are the
+//! entry's struct, whose layout `build-target` (and `Kernels::load`) checked against the compiled
+//! kernel's PTX signature; programmatic dependent launch on sm_90+; thread-block clusters only
+//! where the target allows them.
+
+use std::ops::Deref;
+
+use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+use metrale_abi as abi;
+use metrale_abi::KernelArgs;
+use metrale_core::shape::Dims;
+use metrale_core::BackendError;
+
+use super::device::{dev_err, Device, LaunchHow};
+use super::kernels::{KernelSet, Kernels};
+use super::plan;
+
+/// A device with one target's kernels loaded.
+pub struct Gpu {
+    pub dev: Device,
+    kernels: Kernels,
+    /// The shape the kernels were compiled for.
+    pub dims: Dims,
+    /// Launch with programmatic dependent launch (sm_90+).
+    pub pdl: bool,
+    /// Most attention splits launched as one thread-block cluster (the target's
+    /// `attention_cluster`; 0 or 1: none, and none before sm_90).
+    pub cluster_max: usize,
+    /// Resident blocks of `lm_head_1` per SM (the driver's occupancy for its registers).
+    pub lm1_per_sm: usize,
+}
+
+impl Deref for Gpu {
+    type Target = Device;
+    fn deref(&self) -> &Device {
+        &self.dev
+    }
+}
+
+impl Gpu {
+    /// Open device `ordinal`, check its arch against the kernels' and load them.
+    pub fn open(ordinal: usize, set: &KernelSet) -> Result<Gpu, BackendError> {
+        let dev = Device::open(ordinal).map_err(|e| {
+            BackendError::Device(format!(
+                "{e}; this binary's kernels are built for {} ({})",
+                set.arch, set.target
+            ))
+        })?;
+        let kernels = Kernels::load(&dev, set)?;
+        let sm90 = dev.cc.0 >= 9;
+        let lm1_per_sm = kernels
+            .get(abi::LmHeadOne::ID)
+            .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
+            .map(|n| n as usize)
+            .unwrap_or(2)
+            .max(1);
+        let cluster_max = if sm90 {
+            set.spec.hardware.attention_cluster.unwrap_or(0) as usize
+        } else {
+            0
+        };
+        Ok(Gpu {
+            dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
+            pdl: sm90,
+            cluster_max,
+            lm1_per_sm,
+            kernels,
+            dev,
+        })
+    }
+
+    /// How the modules were loaded: "cubin" or "ptx".
+    pub fn loaded_from(&self) -> &'static str {
+        self.kernels.loaded_from
+    }
+
+    /// Launch entry `A` with `args` on the stream, `A`'s declared block size and `how`.
+    pub fn launch<A: KernelArgs>(
+        &self,
+        grid: (u32, u32, u32),
+        how: LaunchHow,
+        mut args: A,
+    ) -> Result<(), BackendError> {
+        let d = A::DECL;
+        let f = self.kernels.get(A::ID);
+        // SAFETY: `args` is entry A's argument struct: one field per parameter, in order, of the
+        // declared types; the loaded kernel's signature was checked against that declaration
+        // (`metrale_abi::check_ptx`) when it was built and again when its module was loaded.
+        args.with_ptrs(|p| unsafe { self.dev.launch_raw(f, d.entry, grid, d.threads, how, p) })
+    }
+
+    /// The attributes of an ordinary launch (PDL where supported).
+    fn plain(&self) -> LaunchHow {
+        LaunchHow {
+            pdl: self.pdl,
+            ..LaunchHow::default()
+        }
+    }
+
+    fn mv_grid(&self, row_pairs: usize, k: usize, ntok: i32) -> (u32, u32, u32) {
+        plan::mv_grid(row_pairs, k, ntok as usize, self.sm_count)
+    }
+
+    /// Token embedding of `a.ntok` tokens.
+    pub fn embed(&self, a: abi::Embed) -> Result<(), BackendError> {
+        self.launch((a.ntok as u32, 1, 1), self.plain(), a)
+    }
+
+    /// RMSNorm + QKV + RoPE + KV write of `a.ntok` tokens.
+    pub fn attn_in(&self, a: abi::AttnIn) -> Result<(), BackendError> {
+        let d = self.dims;
+        let g = self.mv_grid((d.qd() + 2 * d.kd()) / 2, d.hidden, a.ntok);
+        self.launch(g, self.plain(), a)
+    }
+
+    /// Split-K attention of `ntok` tokens in `a.nsplit` splits (one cluster per (KV head, token)
+    /// where the target allows it); `a.counter` holds `ntok * kv_heads` zeroed tickets.
+    pub fn attention(&self, a: abi::Attention, ntok: usize) -> Result<(), BackendError> {
+        let grid = (self.dims.kv_heads as u32, a.nsplit as u32, ntok as u32);
+        let how = LaunchHow {
+            cluster_y: plan::attention_cluster(a.nsplit as usize, self.cluster_max),
+            ..self.plain()
+        };
+        self.launch(grid, how, a)
+    }
+
+    /// Output projection + residual.
+    pub fn attn_out(&self, a: abi::AttnOut) -> Result<(), BackendError> {
+        let d = self.dims;
+        self.launch(self.mv_grid(d.hidden / 2, d.qd(), a.ntok), self.plain(), a)
+    }
+
+    /// RMSNorm + gate/up + SiLU.
+    pub fn ffn_in(&self, a: abi::FfnIn) -> Result<(), BackendError> {
+        let d = self.dims;
+        self.launch(self.mv_grid(d.ffn, d.hidden, a.ntok), self.plain(), a)
+    }
+
+    /// Down projection + residual.
+    pub fn ffn_out(&self, a: abi::FfnOut) -> Result<(), BackendError> {
+        let d = self.dims;
+        self.launch(self.mv_grid(d.hidden / 2, d.ffn, a.ntok), self.plain(), a)
+    }
+
+    /// Final norm + LM head of `a.ntok` selected rows with the fused greedy pick (`lm_head_1` for one
+    /// row, the batch-1 decode path). `a.part` and `a.counter` are sized by
+    /// [`Gpu::lm_head_scratch`]; the counters are zero between launches.
+    pub fn lm_head(&self, a: abi::LmHead) -> Result<(), BackendError> {
+        if a.ntok == 1 {
+            let grid = (
+                plan::lm_head1_blocks(self.dims.vocab, self.sm_count, self.lm1_per_sm),
+                1,
+                1,
+            );
+            let one = abi::LmHeadOne {
+                x: a.x,
+                sel: a.sel,
+                norm_w: a.norm_w,
+                wqs: a.wqs,
+                wsc: a.wsc,
+                logits: a.logits,
+                ntok: a.ntok,
+                part: a.part,
+                counter: a.counter,
+                out_tok: a.out_tok,
+                out_logprob: a.out_logprob,
+            };
+            return self.launch(grid, self.plain(), one);
+        }
+        let d = self.dims;
+        self.launch(self.mv_grid(d.vocab / 2, d.hidden, a.ntok), self.plain(), a)
+    }
+
+    /// Bytes of the `part` buffer `lm_head` needs for up to `nout` outputs (one `mt::Acc` per block
+    /// and output), and of its counters (one u32 per token tile).
+    pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
+        let d = self.dims;
+        let (gx, gy, _) = plan::mv_grid(d.vocab / 2, d.hidden, nout, self.sm_count);
+        let gx = (gx as usize)
+            .max(plan::lm_head1_blocks(d.vocab, self.sm_count, self.lm1_per_sm) as usize);
+        (
+            nout.max(1) * gx * abi::ACC_BYTES as usize,
+            gy.max(1) as usize * 4,
+        )
+    }
+
+    /// Arg-max and logprob of `a.ntok` logits rows.
+    pub fn argmax(&self, a: abi::ArgmaxLogprob) -> Result<(), BackendError> {
+        self.launch((a.ntok as u32, 1, 1), self.plain(), a)
+    }
+
+    /// Seeded sampling of `a.nout` logits rows.
+    pub fn sample_probs(&self, a: abi::SampleProbs) -> Result<(), BackendError> {
+        self.launch((a.nout as u32, 1, 1), self.plain(), a)
+    }
+
+    /// Get `decode_1` ready for `smem` bytes of dynamic shared memory per block: its resident blocks
+    /// per SM and (registers, local bytes) per thread; `None` when the device cannot give a block
+    /// that much shared memory.
+    pub fn decode1_prepare(&self, smem: usize) -> Result<Option<(u32, (i32, i32))>, BackendError> {
+        let f = self.kernels.get(abi::DecodeOne::ID);
+        if f.set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .is_err()
+        {
+            return Ok(None);
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(abi::DECODE_THREADS, smem, None)
+            .map_err(dev_err("decode_1 occupancy"))?;
+        let regs = f
+            .get_attribute(Attr::CU_FUNC_ATTRIBUTE_NUM_REGS)
+            .unwrap_or(-1);
+        let local = f
+            .get_attribute(Attr::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+            .unwrap_or(-1);
+        Ok(Some((per_sm, (regs, local))))
+    }
+
+    /// `decode_1` as a cooperative grid of `blocks` blocks (all co-resident, or the launch fails)
+    /// with `smem` bytes of dynamic shared memory.
+    pub fn decode_1(&self, blocks: u32, smem: u32, a: abi::DecodeOne) -> Result<(), BackendError> {
+        let how = LaunchHow {
+            cooperative: true,
+            smem,
+            ..LaunchHow::default()
+        };
+        self.launch((blocks, 1, 1), how, a)
+    }
+
+    /// GEMM path: RMSNorm(x) split into f16 hi/lo and block sums.
+    pub fn norm_split(&self, a: abi::NormSplit) -> Result<(), BackendError> {
+        self.launch(plan::split_grid(a.ntok as usize), self.plain(), a)
+    }
+
+    /// GEMM path: the attention output split.
+    pub fn split_qd(&self, a: abi::SplitQd) -> Result<(), BackendError> {
+        self.launch(plan::split_grid(a.ntok as usize), self.plain(), a)
+    }
+
+    /// GEMM path: the FFN activation split.
+    pub fn split_ffn(&self, a: abi::SplitFfn) -> Result<(), BackendError> {
+        self.launch(plan::split_grid(a.ntok as usize), self.plain(), a)
+    }
+
+    /// GEMM path: QKV projection + RoPE + KV write.
+    pub fn gemm_qkv(&self, a: abi::GemmQkv) -> Result<(), BackendError> {
+        let d = self.dims;
+        let g = plan::gemm_grid(d.qd() + 2 * d.kd(), a.ntok as usize);
+        self.launch(g, self.plain(), a)
+    }
+
+    /// GEMM path: output projection + residual.
+    pub fn gemm_o(&self, a: abi::GemmO) -> Result<(), BackendError> {
+        let g = plan::gemm_grid(self.dims.hidden, a.ntok as usize);
+        self.launch(g, self.plain(), a)
+    }
+
+    /// GEMM path: gate/up + SiLU.
+    pub fn gemm_gu(&self, a: abi::GemmGu) -> Result<(), BackendError> {
+        let g = plan::gemm_grid(2 * self.dims.ffn, a.ntok as usize);
+        self.launch(g, self.plain(), a)
+    }
+
+    /// GEMM path: down projection + residual.
+    pub fn gemm_down(&self, a: abi::GemmDown) -> Result<(), BackendError> {
+        let g = plan::gemm_grid(self.dims.hidden, a.ntok as usize);
+        self.launch(g, self.plain(), a)
+    }
+}

@@ -1,0 +1,113 @@
+//! Bench-only measurements of the CUDA backend (`examples/cuda_bench.rs`): each kernel of the last
+//! chunk timed alone, the last decode step replayed back to back, and `decode_1`'s per-stage trace.
+//! They rewrite the activations and the KV entries of the last chunk: never call them while serving.
+
+use metrale_core::BackendError;
+
+use super::forward::Stage;
+use super::CudaBackend;
+
+impl CudaBackend {
+    /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
+    /// launches of one kernel, replayed `rounds` times; microseconds per launch, graph-node overhead
+    /// included.
+    pub fn profile_kernels(
+        &mut self,
+        reps: usize,
+        rounds: usize,
+    ) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        let Some((ntok, nsplit)) = self.last_key else {
+            return Ok(Vec::new());
+        };
+        let nout = ntok.min(self.opts.slots);
+        let mut out = Vec::new();
+        let stages = [
+            ("embed", Stage::Embed, false),
+            ("attn_in", Stage::Qkv, false),
+            ("attention", Stage::Attention, false),
+            ("attn_out", Stage::Out, false),
+            ("ffn_in", Stage::GateUp, false),
+            ("ffn_out", Stage::Down, false),
+            ("lm_head", Stage::LmHead, false),
+            ("gemm_norm_qkv", Stage::Qkv, true),
+            ("gemm_o", Stage::Out, true),
+            ("gemm_norm_gu", Stage::GateUp, true),
+            ("gemm_down", Stage::Down, true),
+        ];
+        for (name, stage, gemm) in stages {
+            let g = &self.gpu;
+            let pf = gemm.then_some(&self.prefill);
+            g.begin_capture()?;
+            let mut r = Ok(());
+            for _ in 0..reps {
+                r = r.and_then(|_| self.launch_stage(stage, 0, pf, (ntok, nout, nsplit)));
+            }
+            let graph = g.end_capture();
+            r?;
+            let graph = graph?;
+            g.replay(&graph)?;
+            g.sync()?;
+            let t = std::time::Instant::now();
+            for _ in 0..rounds {
+                g.replay(&graph)?;
+            }
+            g.sync()?;
+            out.push((
+                name,
+                t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64,
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Replay the last decode step `n` times back to back and return the device time per replay in
+    /// microseconds (host clock around `n` launches and one wait): the GPU-side cost of a decode
+    /// step without the host's input and output copies. Replays rewrite the same KV entries.
+    pub fn time_graph_replay(&mut self, n: usize) -> Result<Option<f64>, BackendError> {
+        if let Some(s) = self.last_decode1 {
+            // the persistent kernel: the same step relaunched n times
+            self.gpu.sync()?;
+            let t = std::time::Instant::now();
+            for _ in 0..n {
+                self.launch_decode1(s)?;
+            }
+            self.gpu.sync()?;
+            return Ok(Some(t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64));
+        }
+        let Some(key) = self.last_key else {
+            return Ok(None);
+        };
+        let Some(g) = self.graphs.get(&key) else {
+            return Ok(None);
+        };
+        self.gpu.sync()?;
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            self.gpu.replay(g)?;
+        }
+        self.gpu.sync()?;
+        Ok(Some(t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64))
+    }
+
+    /// Relaunch the last `decode_1` step with its trace on and return (blocks, the trace:
+    /// `metrale_abi::layout::decode_trace_words` globaltimer stamps). `None` when the last step
+    /// was not a `decode_1` step.
+    pub fn trace_decode1(&mut self) -> Result<Option<(u32, Vec<u64>)>, BackendError> {
+        let (Some(s), Some(k)) = (self.last_decode1, self.decode1.as_mut()) else {
+            return Ok(None);
+        };
+        for _ in 0..3 {
+            k.launch(&self.gpu, s, true)?;
+        }
+        self.gpu.sync()?;
+        Ok(Some((k.blocks, k.read_trace(&self.gpu)?)))
+    }
+
+    /// The persistent decode kernel, when loaded: (blocks, dynamic shared bytes, registers and local
+    /// bytes per thread, attention split).
+    pub fn decode1_info(&self) -> Option<(u32, u32, (i32, i32), (usize, usize))> {
+        self.decode1
+            .as_ref()
+            .map(|k| (k.blocks, k.smem_bytes, k.regs, k.split))
+    }
+}

@@ -1,0 +1,644 @@
+//! The weights of a CUDA target on the device: each GGUF tensor checked against the shape the
+//! kernels were compiled for, repacked once into the device layouts of `kernels/cuda/common.cuh`
+//! (Q4_1 nibbles and (d, m) pairs split, Q8_0 int8 and scales split, bf16 as is; q/k/v stacked,
+//! gate/up interleaved) and uploaded, with the model tables the kernels read (final norm, the RoPE
+//! cos/sin table of `crate::rope`).
+//!
+//! Invariants: a checkpoint whose shape differs from the compiled one is refused naming the field;
+//! repacking is exact for Q4_1 and Q8_0 (bytes moved, no rounding) and rounds to bf16 otherwise.
+
+use half::bf16;
+use metrale_core::dtype::{bf16_to_f32, dequantize_row, f16_to_f32, DType, QK};
+use metrale_core::shape::Dims;
+use metrale_core::BackendError;
+use metrale_model::{ModelConfig, Weights};
+
+use super::device::{DevBuf, Device};
+
+fn model_err(e: impl std::fmt::Display) -> BackendError {
+    BackendError::Model(e.to_string())
+}
+
+/// A weight matrix in a device layout, still on the host: `rows` rows of `k` elements; `qs` holds
+/// `qs_row` bytes per row, `sc` holds `sc_row` bytes per row (empty for bf16).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostMat {
+    pub format: DevFormat,
+    pub rows: usize,
+    pub k: usize,
+    pub qs: Vec<u8>,
+    pub sc: Vec<u8>,
+}
+
+/// Device weight formats (common.cuh: WQ41, WQ80, WBF16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DevFormat {
+    Q4_1,
+    Q8_0,
+    Bf16,
+}
+
+impl DevFormat {
+    /// The format a quant's `weights` / `embedding` string names.
+    pub fn from_quant_name(s: &str) -> Option<DevFormat> {
+        match s {
+            "q4_1" => Some(DevFormat::Q4_1),
+            "q8_0" => Some(DevFormat::Q8_0),
+            "bf16" => Some(DevFormat::Bf16),
+            _ => None,
+        }
+    }
+    fn qs_row(self, k: usize) -> usize {
+        match self {
+            DevFormat::Q4_1 => k / 2,
+            DevFormat::Q8_0 => k,
+            DevFormat::Bf16 => 2 * k,
+        }
+    }
+    fn sc_row(self, k: usize) -> usize {
+        match self {
+            DevFormat::Q4_1 => (k / QK) * 4,
+            DevFormat::Q8_0 => (k / QK) * 2,
+            DevFormat::Bf16 => 0,
+        }
+    }
+}
+
+/// Why a tensor cannot be put in a device format.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RepackError {
+    #[error("tensor {tensor}: the {format:?} device layout needs {expected} data, got {got}; build the target whose quant matches the checkpoint")]
+    WrongDtype {
+        tensor: String,
+        format: DevFormat,
+        expected: &'static str,
+        got: DType,
+    },
+    #[error("tensor {tensor}: {what}: expected {expected}, got {got}")]
+    Shape {
+        tensor: String,
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+}
+
+impl HostMat {
+    pub fn qs_row(&self) -> usize {
+        self.format.qs_row(self.k)
+    }
+    pub fn sc_row(&self) -> usize {
+        self.format.sc_row(self.k)
+    }
+
+    /// Repack `rows` rows of `k` elements of GGUF data `data` (dtype `dtype`) into `format`.
+    /// Q4_1 and Q8_0 are split into their nibble/int8 bytes and their scales unchanged (no rounding);
+    /// bf16 accepts any float or quantized type and rounds each dequantised value to bf16 (exact for
+    /// BF16 input).
+    pub fn repack(
+        tensor: &str,
+        format: DevFormat,
+        dtype: DType,
+        rows: usize,
+        k: usize,
+        data: &[u8],
+    ) -> Result<HostMat, RepackError> {
+        if k % QK != 0 {
+            return Err(RepackError::Shape {
+                tensor: tensor.into(),
+                what: "row length (multiple of 32)",
+                expected: k.next_multiple_of(QK),
+                got: k,
+            });
+        }
+        let want = dtype.tensor_bytes(k, rows).unwrap_or(usize::MAX);
+        if data.len() != want {
+            return Err(RepackError::Shape {
+                tensor: tensor.into(),
+                what: "bytes",
+                expected: want,
+                got: data.len(),
+            });
+        }
+        let nb = k / QK;
+        let mut qs = Vec::with_capacity(rows * format.qs_row(k));
+        let mut sc = Vec::with_capacity(rows * format.sc_row(k));
+        match format {
+            DevFormat::Q4_1 => {
+                if dtype != DType::Q4_1 {
+                    return Err(RepackError::WrongDtype {
+                        tensor: tensor.into(),
+                        format,
+                        expected: "q4_1",
+                        got: dtype,
+                    });
+                }
+                for b in data.chunks_exact(20).take(rows * nb) {
+                    sc.extend_from_slice(&b[0..4]); // f16 d, f16 m == half2 (d, m)
+                    qs.extend_from_slice(&b[4..20]);
+                }
+            }
+            DevFormat::Q8_0 => {
+                if dtype != DType::Q8_0 {
+                    return Err(RepackError::WrongDtype {
+                        tensor: tensor.into(),
+                        format,
+                        expected: "q8_0",
+                        got: dtype,
+                    });
+                }
+                for b in data.chunks_exact(34).take(rows * nb) {
+                    sc.extend_from_slice(&b[0..2]);
+                    qs.extend_from_slice(&b[2..34]);
+                }
+            }
+            DevFormat::Bf16 => {
+                if dtype == DType::BF16 {
+                    qs.extend_from_slice(data);
+                } else {
+                    let rb = data.len() / rows.max(1);
+                    let mut row = vec![0f32; k];
+                    for r in 0..rows {
+                        dequantize_row(dtype, &data[r * rb..(r + 1) * rb], &mut row).map_err(
+                            |_| RepackError::Shape {
+                                tensor: tensor.into(),
+                                what: "row bytes",
+                                expected: rb,
+                                got: rb,
+                            },
+                        )?;
+                        for v in &row {
+                            qs.extend_from_slice(&bf16::from_f32(*v).to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        Ok(HostMat {
+            format,
+            rows,
+            k,
+            qs,
+            sc,
+        })
+    }
+
+    /// Stack matrices of the same format and row length row-wise (q, k, v -> qkv).
+    pub fn concat_rows(name: &str, parts: &[HostMat]) -> Result<HostMat, RepackError> {
+        let first = &parts[0];
+        let mut out = HostMat {
+            format: first.format,
+            rows: 0,
+            k: first.k,
+            qs: Vec::new(),
+            sc: Vec::new(),
+        };
+        for p in parts {
+            if p.k != first.k {
+                return Err(RepackError::Shape {
+                    tensor: name.into(),
+                    what: "row length of a stacked part",
+                    expected: first.k,
+                    got: p.k,
+                });
+            }
+            out.rows += p.rows;
+            out.qs.extend_from_slice(&p.qs);
+            out.sc.extend_from_slice(&p.sc);
+        }
+        Ok(out)
+    }
+
+    /// Interleave two matrices row by row: row 2i = a's row i, row 2i+1 = b's row i (gate/up).
+    pub fn interleave_rows(name: &str, a: &HostMat, b: &HostMat) -> Result<HostMat, RepackError> {
+        if a.k != b.k || a.rows != b.rows {
+            return Err(RepackError::Shape {
+                tensor: name.into(),
+                what: "rows of the interleaved pair",
+                expected: a.rows,
+                got: b.rows,
+            });
+        }
+        let (qr, sr) = (a.qs_row(), a.sc_row());
+        let mut out = HostMat {
+            format: a.format,
+            rows: 2 * a.rows,
+            k: a.k,
+            qs: Vec::with_capacity(2 * a.qs.len()),
+            sc: Vec::with_capacity(2 * a.sc.len()),
+        };
+        for r in 0..a.rows {
+            out.qs.extend_from_slice(&a.qs[r * qr..(r + 1) * qr]);
+            out.qs.extend_from_slice(&b.qs[r * qr..(r + 1) * qr]);
+            out.sc.extend_from_slice(&a.sc[r * sr..(r + 1) * sr]);
+            out.sc.extend_from_slice(&b.sc[r * sr..(r + 1) * sr]);
+        }
+        Ok(out)
+    }
+
+    /// Dequantise row `r` from the device layout (tests: the inverse of `repack`).
+    pub fn dequant_row(&self, r: usize) -> Vec<f32> {
+        let nb = self.k / QK;
+        let q = &self.qs[r * self.qs_row()..(r + 1) * self.qs_row()];
+        let s = &self.sc[r * self.sc_row()..(r + 1) * self.sc_row()];
+        let mut out = vec![0f32; self.k];
+        match self.format {
+            DevFormat::Q4_1 => {
+                for b in 0..nb {
+                    let d = f16_to_f32(u16::from_le_bytes([s[4 * b], s[4 * b + 1]]));
+                    let m = f16_to_f32(u16::from_le_bytes([s[4 * b + 2], s[4 * b + 3]]));
+                    for j in 0..16 {
+                        let byte = q[16 * b + j];
+                        out[32 * b + j] = (byte & 15) as f32 * d + m;
+                        out[32 * b + j + 16] = (byte >> 4) as f32 * d + m;
+                    }
+                }
+            }
+            DevFormat::Q8_0 => {
+                for b in 0..nb {
+                    let d = f16_to_f32(u16::from_le_bytes([s[2 * b], s[2 * b + 1]]));
+                    for j in 0..32 {
+                        out[32 * b + j] = (q[32 * b + j] as i8) as f32 * d;
+                    }
+                }
+            }
+            DevFormat::Bf16 => {
+                for (o, c) in out.iter_mut().zip(q.chunks_exact(2)) {
+                    *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A weight matrix on the device (the layout of [`HostMat`]).
+pub struct DevMat {
+    pub qs: DevBuf,
+    pub sc: Option<DevBuf>,
+    pub rows: usize,
+    pub k: usize,
+}
+
+impl DevMat {
+    pub fn upload(dev: &Device, m: &HostMat) -> Result<DevMat, BackendError> {
+        let qs = dev.upload(&m.qs)?;
+        let sc = if m.sc.is_empty() {
+            None
+        } else {
+            Some(dev.upload(&m.sc)?)
+        };
+        Ok(DevMat {
+            qs,
+            sc,
+            rows: m.rows,
+            k: m.k,
+        })
+    }
+    /// The scales' pointer (0 for bf16, which has none).
+    pub fn sc_ptr(&self) -> u64 {
+        self.sc.as_ref().map(|b| b.ptr).unwrap_or(0)
+    }
+    pub fn bytes(&self) -> usize {
+        self.qs.bytes + self.sc.as_ref().map(|b| b.bytes).unwrap_or(0)
+    }
+}
+
+/// One layer's weights on the device.
+pub struct LayerW {
+    pub attn_norm: DevBuf,
+    pub wqkv: DevMat,
+    pub wo: DevMat,
+    pub ffn_norm: DevBuf,
+    pub wgu: DevMat,
+    pub wdown: DevMat,
+}
+
+impl LayerW {
+    /// Its entry in `decode_1`'s per-layer pointer table.
+    pub fn ptrs(&self) -> metrale_abi::device::LayerW {
+        metrale_abi::device::LayerW {
+            attn_norm: self.attn_norm.ptr,
+            qkv_qs: self.wqkv.qs.ptr,
+            qkv_sc: self.wqkv.sc_ptr(),
+            o_qs: self.wo.qs.ptr,
+            o_sc: self.wo.sc_ptr(),
+            ffn_norm: self.ffn_norm.ptr,
+            gu_qs: self.wgu.qs.ptr,
+            gu_sc: self.wgu.sc_ptr(),
+            down_qs: self.wdown.qs.ptr,
+            down_sc: self.wdown.sc_ptr(),
+        }
+    }
+}
+
+/// Every weight of the model on the device, and the tables the kernels read.
+pub struct ModelWeights {
+    pub emb: DevMat,
+    /// `None` when the LM head is tied to the embedding.
+    pub out: Option<DevMat>,
+    pub out_norm: DevBuf,
+    /// (cos, sin) per position and pair: `crate::rope::rope_table`, `positions` rows.
+    pub rope: DevBuf,
+    pub layers: Vec<LayerW>,
+}
+
+/// Refuse a checkpoint whose shape is not the one the kernels were compiled for.
+pub fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendError> {
+    let pairs = [
+        ("layers", c.n_layers, d.layers),
+        ("hidden", c.hidden, d.hidden),
+        ("heads", c.n_heads, d.heads),
+        ("kv_heads", c.n_kv_heads, d.kv_heads),
+        ("head_dim", c.head_dim, d.head_dim),
+        ("ffn", c.ffn, d.ffn),
+        ("vocab", c.vocab, d.vocab),
+    ];
+    for (field, got, want) in pairs {
+        if got != want {
+            return Err(BackendError::Model(format!(
+                "model {}: {field} is {got}, but this binary's kernels ({target}) are compiled for {want}; build the target for this model",
+                c.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A weight matrix from `weights`, checked to be `rows` x `k`, repacked to `fmt`.
+fn host_mat(
+    w: &Weights,
+    name: &str,
+    fmt: DevFormat,
+    rows: usize,
+    k: usize,
+) -> Result<HostMat, BackendError> {
+    let t = w.get(name).map_err(model_err)?;
+    if t.row_len() != k || t.n_rows() != rows {
+        return Err(BackendError::Model(format!(
+            "tensor {name}: expected {rows} rows of {k}, got {} rows of {}",
+            t.n_rows(),
+            t.row_len()
+        )));
+    }
+    HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
+}
+
+fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
+    let t = w.get(name).map_err(model_err)?;
+    if t.n_elems() != n {
+        return Err(BackendError::Model(format!(
+            "tensor {name}: expected {n} elements, got {}",
+            t.n_elems()
+        )));
+    }
+    Ok(t.to_f32())
+}
+
+impl ModelWeights {
+    /// Repack and upload `weights` (shape `d`; layer matrices in `wf`, embedding and LM head in
+    /// `ef`) with a RoPE table of `positions` rows.
+    pub fn load(
+        dev: &Device,
+        d: &Dims,
+        (wf, ef): (DevFormat, DevFormat),
+        config: &ModelConfig,
+        weights: &Weights,
+        positions: usize,
+    ) -> Result<ModelWeights, BackendError> {
+        let (hd, qd, kd) = (d.hidden, d.qd(), d.kd());
+        let emb = DevMat::upload(
+            dev,
+            &host_mat(weights, "token_embd.weight", ef, d.vocab, hd)?,
+        )?;
+        let out = if weights.contains("output.weight") {
+            Some(DevMat::upload(
+                dev,
+                &host_mat(weights, "output.weight", ef, d.vocab, hd)?,
+            )?)
+        } else {
+            None
+        };
+        let out_norm = dev.upload(&host_vec(weights, "output_norm.weight", hd)?)?;
+        // RoPE scaling (llama3, linear, GGUF rope_freqs) lives in the table
+        let inv_freq = crate::rope::model_inv_freq(config, d.head_dim, || {
+            host_vec(weights, "rope_freqs.weight", d.head_dim / 2)
+        })?;
+        let rope = dev.upload(&crate::rope::rope_table(&inv_freq, positions))?;
+        let mut layers = Vec::with_capacity(d.layers);
+        for l in 0..d.layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let wq = host_mat(weights, &n("attn_q"), wf, qd, hd)?;
+            let wk = host_mat(weights, &n("attn_k"), wf, kd, hd)?;
+            let wv = host_mat(weights, &n("attn_v"), wf, kd, hd)?;
+            let wqkv = HostMat::concat_rows(&n("attn_qkv"), &[wq, wk, wv]).map_err(model_err)?;
+            let wo = host_mat(weights, &n("attn_output"), wf, hd, qd)?;
+            let wg = host_mat(weights, &n("ffn_gate"), wf, d.ffn, hd)?;
+            let wu = host_mat(weights, &n("ffn_up"), wf, d.ffn, hd)?;
+            let wgu = HostMat::interleave_rows(&n("ffn_gate_up"), &wg, &wu).map_err(model_err)?;
+            let wdown = host_mat(weights, &n("ffn_down"), wf, hd, d.ffn)?;
+            layers.push(LayerW {
+                attn_norm: dev.upload(&host_vec(weights, &n("attn_norm"), hd)?)?,
+                wqkv: DevMat::upload(dev, &wqkv)?,
+                wo: DevMat::upload(dev, &wo)?,
+                ffn_norm: dev.upload(&host_vec(weights, &n("ffn_norm"), hd)?)?,
+                wgu: DevMat::upload(dev, &wgu)?,
+                wdown: DevMat::upload(dev, &wdown)?,
+            });
+        }
+        Ok(ModelWeights {
+            emb,
+            out,
+            out_norm,
+            rope,
+            layers,
+        })
+    }
+
+    /// The LM head: `output.weight`, or the embedding when they are tied.
+    pub fn head(&self) -> &DevMat {
+        self.out.as_ref().unwrap_or(&self.emb)
+    }
+
+    /// Bytes of weights on the device (the RoPE table not counted).
+    pub fn bytes(&self) -> u64 {
+        let mut n =
+            self.emb.bytes() + self.out.as_ref().map_or(0, DevMat::bytes) + self.out_norm.bytes;
+        for l in &self.layers {
+            n += l.attn_norm.bytes
+                + l.wqkv.bytes()
+                + l.wo.bytes()
+                + l.ffn_norm.bytes
+                + l.wgu.bytes()
+                + l.wdown.bytes();
+        }
+        n as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u8 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*seed >> 33) as u8
+    }
+
+    /// Random GGUF blocks of a quantized type with sane scales.
+    pub(crate) fn random_blocks(dtype: DType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut out = Vec::new();
+        for _ in 0..rows * (k / QK) {
+            let d = half::f16::from_f32(0.002 + (lcg(&mut s) as f32) * 1e-4);
+            match dtype {
+                DType::Q4_1 => {
+                    let m = half::f16::from_f32(-0.1 + (lcg(&mut s) as f32) * 1e-4);
+                    out.extend_from_slice(&d.to_le_bytes());
+                    out.extend_from_slice(&m.to_le_bytes());
+                    for _ in 0..16 {
+                        out.push(lcg(&mut s));
+                    }
+                }
+                DType::Q8_0 => {
+                    out.extend_from_slice(&d.to_le_bytes());
+                    for _ in 0..32 {
+                        out.push(lcg(&mut s));
+                    }
+                }
+                _ => unreachable!(),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn repack_is_exact_against_core_dequant() {
+        for (dtype, fmt) in [
+            (DType::Q4_1, DevFormat::Q4_1),
+            (DType::Q8_0, DevFormat::Q8_0),
+            (DType::Q4_1, DevFormat::Bf16),
+        ] {
+            let (rows, k) = (5, 96);
+            let data = random_blocks(dtype, rows, k, 7);
+            let m = HostMat::repack("t", fmt, dtype, rows, k, &data).unwrap();
+            assert_eq!(m.qs.len(), rows * m.qs_row());
+            assert_eq!(m.sc.len(), rows * m.sc_row());
+            let rb = dtype.row_bytes(k).unwrap();
+            for r in 0..rows {
+                let mut want = vec![0f32; k];
+                dequantize_row(dtype, &data[r * rb..(r + 1) * rb], &mut want).unwrap();
+                let got = m.dequant_row(r);
+                for (g, w) in got.iter().zip(&want) {
+                    let tol = if fmt == DevFormat::Bf16 {
+                        w.abs() / 128.0
+                    } else {
+                        0.0
+                    };
+                    assert!((g - w).abs() <= tol, "{fmt:?} row {r}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn repack_refuses_wrong_dtype_and_sizes() {
+        let data = random_blocks(DType::Q8_0, 2, 64, 1);
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Q4_1, DType::Q8_0, 2, 64, &data),
+            Err(RepackError::WrongDtype { .. })
+        ));
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Q8_0, DType::Q8_0, 3, 64, &data),
+            Err(RepackError::Shape { .. })
+        ));
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Q8_0, DType::Q8_0, 2, 48, &data),
+            Err(RepackError::Shape { .. })
+        ));
+    }
+
+    #[test]
+    fn interleave_and_concat_keep_rows() {
+        let a = HostMat::repack(
+            "a",
+            DevFormat::Q4_1,
+            DType::Q4_1,
+            3,
+            64,
+            &random_blocks(DType::Q4_1, 3, 64, 1),
+        )
+        .unwrap();
+        let b = HostMat::repack(
+            "b",
+            DevFormat::Q4_1,
+            DType::Q4_1,
+            3,
+            64,
+            &random_blocks(DType::Q4_1, 3, 64, 2),
+        )
+        .unwrap();
+        let i = HostMat::interleave_rows("gu", &a, &b).unwrap();
+        assert_eq!(i.rows, 6);
+        for r in 0..3 {
+            assert_eq!(i.dequant_row(2 * r), a.dequant_row(r));
+            assert_eq!(i.dequant_row(2 * r + 1), b.dequant_row(r));
+        }
+        let c = HostMat::concat_rows("ab", &[a.clone(), b.clone()]).unwrap();
+        assert_eq!(c.rows, 6);
+        assert_eq!(c.dequant_row(4), b.dequant_row(1));
+    }
+
+    #[test]
+    fn config_mismatch_names_the_field() {
+        let d = Dims {
+            layers: 30,
+            hidden: 576,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+        };
+        let mut c = ModelConfig {
+            name: "m".into(),
+            arch: "llama".into(),
+            model_type: "llama".into(),
+            n_layers: 30,
+            hidden: 576,
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+            rope_theta: 100000.0,
+            norm_eps: 1e-5,
+            max_context: 8192,
+            tied_embeddings: true,
+            rope_scaling: None,
+            bos: Some(1),
+            eos: vec![2],
+            add_bos: false,
+        };
+        assert!(check_config(&c, &d, "h200/smollm2-135m/q4_1").is_ok());
+        c.hidden = 2048;
+        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("hidden is 2048") && e.contains("compiled for 576"),
+            "{e}"
+        );
+        // RoPE scaling is no longer refused (the table carries it)
+        c.hidden = 576;
+        c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        });
+        assert!(check_config(&c, &d, "h200/llama-3.2-1b/q4_1").is_ok());
+    }
+}
