@@ -32,14 +32,6 @@ template <int HIDDEN, int VOCAB> struct Lm1 {
         for (int j = 0; j < J1; ++j) dst[j] = w.template cfetch<HIDDEN>(base + 32 * j);
     }
 
-    // Hint the L2 to hold batch bt (one prefetch per 128-byte line, spread over the warp's lanes).
-    static MT_INLINE void prefetch_l2(const WEmbed& w, int bt) {
-        const int lane = threadIdx.x & 31;
-        const char* q = reinterpret_cast<const char*>(w.qs) + (size_t)bt * R1 * C1 * 16;
-        constexpr int LINES = (R1 * C1 * 16 + 127) / 128;
-        for (int i = lane; i < LINES; i += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(q + i * 128));
-    }
-
     // One batch bt (its chunks in raw) against the padded row xs (normalised but for the factor
     // `scale`): logits written, `best` updated on the lanes that report rows.
     static MT_INLINE void batch(const CRaw (&raw)[J1], int bt, const float* xs, float scale, float* __restrict__ logits, Acc& best) {
