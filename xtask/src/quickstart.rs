@@ -2,8 +2,8 @@
 //! default model (`fetch-model smollm2-135m`), builds this machine's target through the same code path
 //! as `build-target` (`cpu` here; `h200` when `nvidia-smi` reports an H200, after installing the pinned
 //! toolchain), starts the built `metrale-server` on a free loopback port, waits for `/health`, asks
-//! REFERENCE.md's question over real HTTP (`/v1/chat/completions`, greedy), prints the answer and stops
-//! the server; `--serve` keeps it running until Ctrl-C.
+//! the reference question (docs/facts.md) over real HTTP (`/v1/chat/completions`, greedy), prints
+//! the answer and stops the server; `--serve` keeps it running until Ctrl-C.
 //!
 //! Invariant: the server child is killed on every exit path (a guard owns it), except with `--serve`,
 //! where it is waited on.
@@ -16,7 +16,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::{json, Value};
 
-/// The question every quickstart asks (REFERENCE.md; its greedy answer names Paris).
+/// The question every quickstart asks (docs/facts.md, "The reference question"; its greedy answer
+/// names Paris).
 pub const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
 const MODEL: &str = "smollm2-135m";
 const QUANT: &str = "q4_1";

@@ -4,7 +4,8 @@
 //!   (golden/smollm2_q4_1_hf.json + golden/smollm2_q4_1_hf_last.f32, made by golden/make_golden_hf.py):
 //!   the same top-1 token at every position, and every logit of the reference's top-20 per position and
 //!   of the full last row within `LOGIT_TOL`;
-//! - the greedy answer to REFERENCE.md's question (chat template applied) contains "Paris".
+//! - the greedy answer to the reference question (docs/facts.md, "The reference question"; chat
+//!   template applied) contains "Paris".
 //!
 //! Skips (passing, with a line saying why) when METRALE_MODEL is unset.
 

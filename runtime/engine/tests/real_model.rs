@@ -1,6 +1,7 @@
 //! The engine over the CPU backend on the real default model (METRALE_MODEL; skips when unset):
 //! several concurrent chat requests are all answered, the batched greedy answers equal the ones
-//! produced alone, and the REFERENCE.md question is answered with "Paris".
+//! produced alone, and the reference question (docs/facts.md, "The reference question") is answered
+//! with "Paris".
 use metrale_backend::cpu::CpuBackend;
 use metrale_backend::sampler::SamplingParams;
 use metrale_engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest};

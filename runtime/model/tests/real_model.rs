@@ -1,5 +1,6 @@
 //! Tests against the real default model (SmolLM2-135M-Instruct Q4_1 GGUF). They read its path from
-//! METRALE_MODEL and skip (pass, printing why) when it is unset. Expected numbers are REFERENCE.md's.
+//! METRALE_MODEL and skip (pass, printing why) when it is unset. The expected numbers are the ones
+//! listed in docs/facts.md, "The default model".
 
 use metrale_core::dtype::DType;
 use metrale_model::{ChatMessage, Format, Model};

@@ -92,7 +92,7 @@ fn chat_template_equals_jinja2() {
             .unwrap();
         assert_eq!(got, c["prompt"].as_str().unwrap());
     }
-    // REFERENCE.md's question, spelled out
+    // The reference question (docs/facts.md, "The reference question"), spelled out
     let q = "What is the capital of France? Answer in one sentence.";
     let got = tpl.render(&[ChatMessage::new("user", q)], true).unwrap();
     assert_eq!(

@@ -4,7 +4,8 @@ transformers' apply_chat_template does (ImmutableSandboxedEnvironment, trim_bloc
 loopcontrols, raise_exception), with bos_token/eos_token set to the GGUF's BOS/EOS token texts.
 
 Reference: jinja2 (version recorded) over tokenizer.chat_template read with the `gguf` package.
-Usage: make_chat_golden.py [MODEL_GGUF]   (venv: pip install jinja2 gguf)
+Usage: make_chat_golden.py MODEL_GGUF   (or set METRALE_MODEL; venv: pip install jinja2 gguf)
+MODEL_GGUF is SmolLM2-135M-Instruct.Q4_1.gguf (`cargo xtask fetch-model smollm2-135m` fetches it).
 Writes chat_template_jinja2.json next to this script; tests/tokenizer_golden.rs compares
 ChatTemplate::render with it.
 """
@@ -13,13 +14,16 @@ import json
 import os
 import sys
 
-import gguf
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = sys.argv[1] if len(sys.argv) > 1 else "/work/cache/model/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("METRALE_MODEL")
+if not MODEL:  # before the third-party imports, so the usage line shows without them
+    sys.exit("usage: make_chat_golden.py MODEL_GGUF (or set METRALE_MODEL): the path of "
+             "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+import gguf  # noqa: E402
+import jinja2  # noqa: E402
+import jinja2.ext  # noqa: E402
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 CONVERSATIONS = [

@@ -4,7 +4,8 @@ GGUF library of the llama.cpp project; its numpy dequantisation is an implementa
 ours). For each chosen (tensor, row): the first 64 values (two whole 32-element blocks, so nibble
 order and block scales are pinned) plus the row's sum and sum of squares in float64.
 
-Usage: make_dequant_golden.py [MODEL_GGUF]   (venv: pip install gguf numpy)
+Usage: make_dequant_golden.py MODEL_GGUF   (or set METRALE_MODEL; venv: pip install gguf numpy)
+MODEL_GGUF is SmolLM2-135M-Instruct.Q4_1.gguf (`cargo xtask fetch-model smollm2-135m` fetches it).
 Writes dequant_gguf_py.json next to this script; tests/real_model.rs compares
 metrale_core::dtype::dequantize_row with it.
 """
@@ -13,12 +14,15 @@ import json
 import os
 import sys
 
-import numpy as np
-import gguf
-from gguf import quants
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = sys.argv[1] if len(sys.argv) > 1 else "/work/cache/model/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("METRALE_MODEL")
+if not MODEL:  # before the third-party imports, so the usage line shows without them
+    sys.exit("usage: make_dequant_golden.py MODEL_GGUF (or set METRALE_MODEL): the path of "
+             "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+import numpy as np  # noqa: E402
+import gguf  # noqa: E402
+from gguf import quants  # noqa: E402
 
 PICKS = [
     ("token_embd.weight", [0, 1, 2, 905, 19556, 49151]),   # Q8_0

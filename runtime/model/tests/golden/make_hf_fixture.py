@@ -11,8 +11,8 @@ three ChatML control tokens and four merges ("h e", "l l", "he ll", "hell o"). N
 reference data: the Rust test checks structure (config normalisation, names, shapes, sharding) and the
 Q/K permutation by recomputing RoPE attention scores in both conventions.
 
-Run:  /work/venvs/model/bin/python runtime/model/tests/golden/make_hf_fixture.py
-(venv: pip install numpy safetensors)
+Run:  python3 runtime/model/tests/golden/make_hf_fixture.py
+(with numpy and safetensors installed, e.g. in a venv: pip install numpy safetensors)
 """
 import json
 import os

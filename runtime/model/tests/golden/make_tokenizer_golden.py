@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Golden token ids from llama.cpp's tokenizer (llama-tokenize) on the real default GGUF.
 
-Reference: llama.cpp vendored in the llama-cpp-python 0.3.36 sdist, built for the CPU
-(/work/cache/llamacpp/build-cpu/bin/llama-tokenize). For every case the text goes to llama-tokenize on
-stdin, byte for byte (--stdin --no-escape), without BOS (--no-bos), with or without special-token
-parsing (--no-parse-special), and the printed ids (--ids) are recorded. The Rust test
+Reference: llama.cpp vendored in the llama-cpp-python 0.3.36 sdist, built for the CPU (its
+llama-tokenize; docs/facts.md, "Peer on the H200", says how that source is fetched and built). For
+every case the text goes to llama-tokenize on stdin, byte for byte (--stdin --no-escape), without BOS
+(--no-bos), with or without special-token parsing (--no-parse-special), and the printed ids (--ids)
+are recorded. The Rust test
 (tests/tokenizer_golden.rs) asserts Tokenizer::encode(text, add_bos=false, parse_special) equals them.
 
-Usage: make_tokenizer_golden.py [LLAMA_TOKENIZE] [MODEL_GGUF]
-  defaults: /work/cache/llamacpp/build-cpu/bin/llama-tokenize,
-            /work/cache/model/SmolLM2-135M-Instruct.Q4_1.gguf
+Usage: make_tokenizer_golden.py LLAMA_TOKENIZE MODEL_GGUF
+  or set METRALE_LLAMA_TOKENIZE (path of llama.cpp's llama-tokenize, in its build's bin/ folder, next
+  to llama-cli) and METRALE_MODEL (path of SmolLM2-135M-Instruct.Q4_1.gguf) instead of the arguments.
 Writes tokenizer_llamacpp.json next to this script.
 """
 import hashlib
@@ -19,8 +20,11 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOK = sys.argv[1] if len(sys.argv) > 1 else "/work/cache/llamacpp/build-cpu/bin/llama-tokenize"
-MODEL = sys.argv[2] if len(sys.argv) > 2 else "/work/cache/model/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOK = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("METRALE_LLAMA_TOKENIZE")
+MODEL = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("METRALE_MODEL")
+if not TOK or not MODEL:
+    sys.exit("usage: make_tokenizer_golden.py LLAMA_TOKENIZE MODEL_GGUF (or set METRALE_LLAMA_TOKENIZE "
+             "and METRALE_MODEL): llama.cpp's llama-tokenize and SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # (text, parse_special)
 CASES = [

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # Summarise a decode_1 trace written by `cuda_bench ... --trace FILE` (FILE + FILE.json): per-layer and
 # per-stage durations (medians over blocks and layers), the last stage, the SM clock.
-# Usage: python3 trace_summary.py FILE
+# Usage: python3 bench/cuda/trace_summary.py FILE   (e.g. a trace from ci/gpu/second-call.sh)
 import json, struct, sys, statistics as st
 f=sys.argv[1]; m=json.load(open(f+'.json')); B,L,N=m['blocks'],m['layers'],m['nstamp']
 d=open(f,'rb').read(); t=struct.unpack('<%dQ'%(len(d)//8), d)
