@@ -1,4 +1,8 @@
-//! Helpers shared by the GPU test files (each file under tests/ is its own crate).
+//! Helpers shared by the test files (each file under tests/ is its own crate): where targets/ is,
+//! a target's compiled kernels, and the backend contract (`contract`).
+#![allow(dead_code)]
+
+pub mod contract;
 
 /// The repository's `targets/` folder: `$METRALE_TARGETS`, else the first `targets/` above the working
 /// directory (tests run from the crate folder here and from the repo root on the GPU machine).
