@@ -16,7 +16,13 @@
 //!
 //! Everything goes over loopback HTTP to the real binary: the numbers are what a client sees. The
 //! server inherits this process's environment, so the record lists the variables that steer it
-//! (`METRALE_*`, `CUDA_*`: the backend's A/B knobs) under `settings.server_env`.
+//! (`METRALE_CUDA_TUNING`, `CUDA_*`) under `settings.server_env`.
+//!
+//! The record names the kernels lock it was built from: `kernels_lock.sha256` is the digest of
+//! `targets/kernels.lock` (of `--lock`, by default the one in the working directory's source tree),
+//! and `kernels_lock.matches_binary` says whether every blob the binary embeds has the digest that
+//! lock records for its target. Files are named, not located (no machine path enters a record), and
+//! a record is never overwritten (a second one of the same day and target gets a suffix).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -52,6 +58,54 @@ pub struct Args {
     /// Extra arguments passed to the server (e.g. "--parallel 16").
     #[arg(long, allow_hyphen_values = true)]
     pub server_args: Option<String>,
+    /// The kernels lock to name (default: targets/kernels.lock of the working directory, else of
+    /// this repository).
+    #[arg(long)]
+    pub lock: Option<PathBuf>,
+}
+
+/// The lock's digest and whether the binary's blobs (the attestation's `kernels/*` subjects) are
+/// the ones it records for `target`, with the blobs that differ.
+fn lock_check(lock: &Path, target: &str, attestation: &Value) -> Result<Value> {
+    let text = std::fs::read_to_string(lock)
+        .with_context(|| format!("reading the kernels lock {}", lock.display()))?;
+    let locked: std::collections::BTreeMap<String, String> = crate::lock::parse(&text)?
+        .into_iter()
+        .filter(|((t, _), _)| t == target)
+        .map(|((_, blob), d)| (blob, d))
+        .collect();
+    let mut embedded = std::collections::BTreeMap::new();
+    for s in attestation["subject"].as_array().into_iter().flatten() {
+        if let (Some(name), Some(digest)) = (s["name"].as_str(), s["digest"]["sha256"].as_str()) {
+            if let Some(blob) = name.strip_prefix("kernels/") {
+                embedded.insert(blob.to_string(), digest.to_string());
+            }
+        }
+    }
+    let mut differ: Vec<String> = embedded
+        .iter()
+        .filter(|(b, d)| locked.get(*b) != Some(*d))
+        .map(|(b, _)| b.clone())
+        .collect();
+    differ.extend(
+        locked
+            .keys()
+            .filter(|b| !embedded.contains_key(*b))
+            .cloned(),
+    );
+    Ok(json!({
+        "sha256": hex::encode(Sha256::digest(text.as_bytes())),
+        "blobs": embedded.len(),
+        "matches_binary": differ.is_empty(),
+        "differing_blobs": differ,
+    }))
+}
+
+/// A file's name, for a record (its location is the machine's business).
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| p.display().to_string())
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -163,16 +217,38 @@ pub fn run(args: Args) -> Result<()> {
     drop(server);
 
     let target = attestation_target(&attestation).unwrap_or_else(|| "unknown".into());
+    let lock = args.lock.clone().unwrap_or_else(|| {
+        let here = crate::lock::lock_path(Path::new("."));
+        if here.is_file() {
+            here
+        } else {
+            crate::lock::lock_path(&crate::build_target::repo_root())
+        }
+    });
+    let kernels_lock = lock_check(&lock, &target, &attestation)?;
+    // the server's arguments as a record shows them: the model by file name
+    let model_arg = args.model.display().to_string();
+    let shown_args: Vec<String> = server_args
+        .iter()
+        .map(|a| {
+            if *a == model_arg {
+                file_name(&args.model)
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
     let date = time::OffsetDateTime::now_utc();
     let record = json!({
-        "schema": "metrale.bench-record/v1",
+        "schema": "metrale.bench-record/v2",
         "date": date.format(&time::format_description::well_known::Rfc3339)?,
         "target": target,
-        "binary": {"path": binary.display().to_string(), "sha256": binary_sha256},
-        "model": {"path": args.model.display().to_string(), "sha256": file_sha256(&args.model).ok()},
+        "binary": {"file": file_name(&binary), "sha256": binary_sha256},
+        "model": {"file": file_name(&args.model), "sha256": file_sha256(&args.model).ok()},
+        "kernels_lock": kernels_lock,
         "machine": machine(),
         "settings": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "reps": args.reps,
-                     "server_args": server_args, "server_env": server_env(std::env::vars())},
+                     "server_args": shown_args, "server_env": server_env(std::env::vars())},
         "metrics": {
             "cold_start_s": cold_start_s,
             "health_s": health_s,
@@ -186,20 +262,27 @@ pub fn run(args: Args) -> Result<()> {
         "attestation": attestation,
     });
     std::fs::create_dir_all(&args.out)?;
-    let file = args
-        .out
-        .join(format!("{}-{}.json", date.date(), target.replace('/', "-")));
+    let stem = format!("{}-{}", date.date(), target.replace('/', "-"));
+    let file = (1..)
+        .map(|i| match i {
+            1 => args.out.join(format!("{stem}.json")),
+            i => args.out.join(format!("{stem}-{i}.json")),
+        })
+        .find(|p| !p.exists())
+        .expect("some suffix is free");
     std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")?;
     println!("{}", serde_json::to_string_pretty(&record["metrics"])?);
     println!("{}", file.display());
     Ok(())
 }
 
-/// The environment variables that change what the server runs (its backend's knobs), sorted.
+/// The environment variables that change what the server runs (its backend's runtime choices and
+/// the CUDA driver's), sorted.
 fn server_env(
     vars: impl Iterator<Item = (String, String)>,
 ) -> std::collections::BTreeMap<String, String> {
-    vars.filter(|(k, _)| k.starts_with("METRALE_") || k.starts_with("CUDA_"))
+    // the server's runtime choices and the CUDA driver's; not paths, not the API key
+    vars.filter(|(k, _)| k == "METRALE_CUDA_TUNING" || k.starts_with("CUDA_"))
         .collect()
 }
 
@@ -402,19 +485,58 @@ fn median(v: &mut [f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     #[test]
+    fn lock_check_names_the_blobs_that_differ_either_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let lock = dir.path().join("kernels.lock");
+        std::fs::write(
+            &lock,
+            "# c\nh/m/q a.cubin 11\nh/m/q a.ptx 22\nh/m/q b.cubin 33\nx/m/q a.cubin 99\n",
+        )
+        .unwrap();
+        let att = |a: &str| {
+            serde_json::json!({"subject": [
+                {"name": "kernels/a.cubin", "digest": {"sha256": a}},
+                {"name": "kernels/a.ptx", "digest": {"sha256": "22"}},
+                {"name": "kernels/b.cubin", "digest": {"sha256": "33"}},
+                {"name": "metrale-server", "digest": {"sha256": "00"}},
+            ]})
+        };
+        let ok = super::lock_check(&lock, "h/m/q", &att("11")).unwrap();
+        assert_eq!(ok["matches_binary"], true);
+        assert_eq!(ok["blobs"], 3);
+        assert_eq!(ok["sha256"].as_str().unwrap().len(), 64);
+        let bad = super::lock_check(&lock, "h/m/q", &att("12")).unwrap();
+        assert_eq!(bad["matches_binary"], false);
+        assert_eq!(bad["differing_blobs"], serde_json::json!(["a.cubin"]));
+        // a blob the lock has and the binary lacks
+        let fewer = serde_json::json!({"subject": [{"name": "kernels/a.cubin", "digest": {"sha256": "11"}}]});
+        let f = super::lock_check(&lock, "h/m/q", &fewer).unwrap();
+        assert_eq!(
+            f["differing_blobs"],
+            serde_json::json!(["a.ptx", "b.cubin"])
+        );
+        // a target without kernels (cpu) matches an empty set
+        let none =
+            super::lock_check(&lock, "cpu/m/q", &serde_json::json!({"subject": []})).unwrap();
+        assert_eq!(none["matches_binary"], true);
+    }
+
+    #[test]
     fn server_env_keeps_only_the_knobs() {
         let vars = [
             ("PATH", "/bin"),
-            ("METRALE_CUDA_RUN_AHEAD", "1"),
+            ("METRALE_CUDA_TUNING", "run_ahead=off"),
             ("CUDA_VISIBLE_DEVICES", "0"),
             ("HOME", "/r"),
+            ("METRALE_MODEL", "/some/where.gguf"),
+            ("METRALE_API_KEY", "secret"),
         ];
         let env = super::server_env(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         assert_eq!(
             env.into_iter().collect::<Vec<_>>(),
             [
                 ("CUDA_VISIBLE_DEVICES".into(), "0".into()),
-                ("METRALE_CUDA_RUN_AHEAD".into(), "1".into())
+                ("METRALE_CUDA_TUNING".into(), "run_ahead=off".into())
             ]
         );
     }
