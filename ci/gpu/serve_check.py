@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Issue 4 items 4 and 6 on the GPU machine: start the h200 metrale-server binary, time process start
+"""The serving check on the GPU machine: start the h200 metrale-server binary, time process start
 to /health 200 and to the first streamed token of a chat request, check that the greedy answer to
-REFERENCE.md's question names Paris, then stop the server. Standard library only (the device machine
+the reference question (docs/facts.md) names Paris, then stop the server. Standard library only (the device machine
 has no network to install anything).
 
 Usage: serve_check.py SERVER_BINARY MODEL.gguf [PORT]   (prints one JSON line last; exit 1 on failure)
