@@ -105,14 +105,16 @@ pub enum Event {
     },
 }
 
+/// (kind, bytes) of each blob a kernel compiles to: kind is cubin, ptx, metal or metallib.
+pub type Blobs = Vec<(String, Vec<u8>)>;
+
 /// A kernel's blobs and provenance.
 #[derive(Debug, Clone)]
 pub struct BuiltKernel {
     pub name: String,
     pub manifest: ClosureManifest,
     pub closure_hash: String,
-    /// (kind, bytes): kind is cubin, ptx, metal or metallib.
-    pub blobs: Vec<(String, Vec<u8>)>,
+    pub blobs: Blobs,
     pub functions: Vec<String>,
     pub cached: bool,
     pub seconds: f64,
@@ -366,14 +368,16 @@ fn build_one(
                 let (bytes, _log) = worker::compile(
                     &req.nvrtc_worker,
                     &tc.dir,
-                    &format!("{}.cu", r.name),
-                    &r.source,
-                    &headers,
-                    &flags,
-                    output,
-                    &r.name,
-                    &target,
-                    &step.arch,
+                    &nvrtc::Job {
+                        program: &format!("{}.cu", r.name),
+                        source: &r.source,
+                        headers: &headers,
+                        options: &flags,
+                        output,
+                        kernel: &r.name,
+                        target: &target,
+                        arch: &step.arch,
+                    },
                 )?;
                 if output == nvrtc::Output::Ptx {
                     functions = metrale_abi::ptx_entries(&String::from_utf8_lossy(&bytes))

@@ -84,7 +84,7 @@ pub fn entries(src: &str) -> Vec<String> {
 pub fn compile(
     r: &Rendered,
     m: &ClosureManifest,
-) -> Result<(Vec<(String, Vec<u8>)>, Vec<String>), CodegenError> {
+) -> Result<(crate::Blobs, Vec<String>), CodegenError> {
     let functions = entries(&r.source);
     if functions.is_empty() {
         return Err(CodegenError::Metal {
@@ -107,7 +107,7 @@ pub fn compile(
         source,
     };
     std::fs::create_dir_all(&dir).map_err(io)?;
-    for (_, (inc, bytes)) in &r.headers {
+    for (inc, bytes) in r.headers.values() {
         let p = dir.join(inc);
         if let Some(parent) = p.parent() {
             std::fs::create_dir_all(parent).map_err(io)?;

@@ -50,6 +50,21 @@ unsafe impl Sync for Nvrtc {}
 
 static LOADED: OnceLock<Result<Nvrtc, String>> = OnceLock::new();
 
+/// One compile: the program, its headers, the options, what to make of it, and for the error
+/// messages the kernel, target and arch it is for.
+#[derive(Debug, Clone, Copy)]
+pub struct Job<'a> {
+    pub program: &'a str,
+    pub source: &'a str,
+    /// (include name as written, contents)
+    pub headers: &'a [(String, Vec<u8>)],
+    pub options: &'a [String],
+    pub output: Output,
+    pub kernel: &'a str,
+    pub target: &'a str,
+    pub arch: &'a str,
+}
+
 /// What to produce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Output {
@@ -147,19 +162,19 @@ impl Nvrtc {
         })
     }
 
-    /// Compiles `source` (named `<program>`), with `headers` = (include name, contents) in memory.
-    /// On a compile error, returns `CodegenError::Compile` with NVRTC's log.
-    pub fn compile(
-        &self,
-        program: &str,
-        source: &str,
-        headers: &[(String, Vec<u8>)],
-        options: &[String],
-        output: Output,
-        kernel: &str,
-        target: &str,
-        arch: &str,
-    ) -> Result<(Vec<u8>, String), CodegenError> {
+    /// Compiles `job.source` (named `job.program`) with its headers in memory. On a compile error,
+    /// returns `CodegenError::Compile` with NVRTC's log.
+    pub fn compile(&self, job: &Job<'_>) -> Result<(Vec<u8>, String), CodegenError> {
+        let Job {
+            program,
+            source,
+            headers,
+            options,
+            output,
+            kernel,
+            target,
+            arch,
+        } = *job;
         let cstr = |s: &[u8], what: &str| {
             CString::new(s).map_err(|_| CodegenError::Compile {
                 target: target.into(),

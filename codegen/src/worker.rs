@@ -26,7 +26,7 @@ use std::process::{Command, Stdio};
 
 use serde::{Deserialize, Serialize};
 
-use crate::nvrtc::{Nvrtc, Output};
+use crate::nvrtc::{Job, Nvrtc, Output};
 use crate::CodegenError;
 
 /// Set (to anything) in a worker's environment.
@@ -119,16 +119,16 @@ fn serve() -> Response {
     } else {
         Output::Ptx
     };
-    match nv.compile(
-        &req.program,
-        &req.source,
-        &headers,
-        &req.options,
+    match nv.compile(&Job {
+        program: &req.program,
+        source: &req.source,
+        headers: &headers,
+        options: &req.options,
         output,
-        &req.kernel,
-        &req.target,
-        &req.arch,
-    ) {
+        kernel: &req.kernel,
+        target: &req.target,
+        arch: &req.arch,
+    }) {
         Ok((blob, log)) => Response::Ok {
             blob: hex::encode(blob),
             log,
@@ -147,15 +147,9 @@ fn serve() -> Response {
 pub fn compile(
     worker: &Path,
     toolchain_dir: &Path,
-    program: &str,
-    source: &str,
-    headers: &[(String, Vec<u8>)],
-    options: &[String],
-    output: Output,
-    kernel: &str,
-    target: &str,
-    arch: &str,
+    job: &Job<'_>,
 ) -> Result<(Vec<u8>, String), CodegenError> {
+    let kernel = job.kernel;
     let failed = |message: String| CodegenError::Worker {
         kernel: kernel.into(),
         worker: worker.to_path_buf(),
@@ -163,17 +157,18 @@ pub fn compile(
     };
     let req = Request {
         lib_dir: PathBuf::from("lib"),
-        program: program.into(),
-        source: source.into(),
-        headers: headers
+        program: job.program.into(),
+        source: job.source.into(),
+        headers: job
+            .headers
             .iter()
             .map(|(n, b)| (n.clone(), hex::encode(b)))
             .collect(),
-        options: options.to_vec(),
-        cubin: output == Output::Cubin,
-        kernel: kernel.into(),
-        target: target.into(),
-        arch: arch.into(),
+        options: job.options.to_vec(),
+        cubin: job.output == Output::Cubin,
+        kernel: job.kernel.into(),
+        target: job.target.into(),
+        arch: job.arch.into(),
     };
     let body = serde_json::to_vec(&req).map_err(|e| failed(e.to_string()))?;
     let mut cmd = Command::new(worker);
@@ -206,7 +201,7 @@ pub fn compile(
     }
     match serde_json::from_slice::<Response>(&out.stdout) {
         Ok(Response::Ok { blob, log }) => Ok((hex::decode(blob).map_err(|e| failed(e.to_string()))?, log)),
-        Ok(Response::CompileError { log }) => Err(CodegenError::Compile { target: target.into(), kernel: kernel.into(), arch: arch.into(), log }),
+        Ok(Response::CompileError { log }) => Err(CodegenError::Compile { target: job.target.into(), kernel: kernel.into(), arch: job.arch.into(), log }),
         Ok(Response::Failed { message }) => Err(failed(message)),
         Err(e) => Err(failed(format!("unreadable answer ({e}); is it a binary that calls metrale_codegen::worker::serve_if_worker()?"))),
     }

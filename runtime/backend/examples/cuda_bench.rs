@@ -136,7 +136,7 @@ fn main() {
     } else {
         "graphs"
     };
-    eprintln!("decode b=1 {path} replay alone: {replay_us:.1} us/token (median of 7 x 200 replays); persistent kernel (blocks, smem, (regs, local), split): {:?}", b.decode1_info());
+    eprintln!("decode b=1 {path} replay alone: {replay_us:.1} us/token (median of 7 x 200 replays); persistent kernel: {:?}", b.decode1_info());
     let trace_out = opt("--trace", "");
     if !trace_out.is_empty() {
         // the persistent kernel's per-stage stamps at the last step's position (raw u64 little-endian)

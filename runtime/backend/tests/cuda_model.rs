@@ -202,7 +202,7 @@ fn greedy_64_tokens_match_cpu_backend() {
     );
     assert_eq!(got[0], want[0], "greedy tokens differ from the CPU backend");
     eprintln!(
-        "stats: {:?}; persistent decode kernel (blocks, smem, (regs, local), split): {:?}",
+        "stats: {:?}; persistent decode kernel: {:?}",
         gpu.stats,
         gpu.decode1_info()
     );

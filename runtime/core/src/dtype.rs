@@ -132,7 +132,7 @@ impl DType {
     /// Bytes taken by a row of `n` elements; `None` when `n` is not a multiple of the block length or
     /// the size overflows.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())
@@ -144,7 +144,7 @@ impl DType {
     }
 
     fn check_row(self, elems: usize, got: usize) -> Result<(), DTypeError> {
-        if elems % self.block_elems() != 0 {
+        if !elems.is_multiple_of(self.block_elems()) {
             return Err(DTypeError::PartialBlock {
                 dtype: self,
                 elems,

@@ -581,7 +581,7 @@ impl TargetSpec {
             BackendKind::Cpu => {}
         }
         let m = &self.model;
-        if m.heads == 0 || m.kv_heads == 0 || m.heads % m.kv_heads != 0 {
+        if m.heads == 0 || m.kv_heads == 0 || !m.heads.is_multiple_of(m.kv_heads) {
             return Err(inv(
                 model_path,
                 "model.kv_heads",

@@ -78,7 +78,7 @@ fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
 
 /// hidden / n_heads, when the file does not give the head dimension: n_heads must divide hidden.
 fn derived_head_dim(path: &Path, field: &str, hidden: usize, n_heads: usize) -> Result<usize> {
-    if n_heads > hidden || hidden % n_heads != 0 {
+    if n_heads > hidden || !hidden.is_multiple_of(n_heads) {
         return Err(ModelError::Mismatch {
             path: path.to_path_buf(),
             field: field.into(),
@@ -106,14 +106,14 @@ impl ModelConfig {
             expected,
             got,
         };
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(mm(
                 "n_kv_heads",
                 format!("a divisor of n_heads ({})", self.n_heads),
                 self.n_kv_heads.to_string(),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(mm(
                 "head_dim",
                 "an even number (RoPE rotates pairs)".into(),

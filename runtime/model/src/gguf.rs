@@ -735,7 +735,7 @@ mod tests {
         o.extend(3u64.to_le_bytes());
         o.extend(0u32.to_le_bytes());
         o.extend(0u64.to_le_bytes());
-        while o.len() % 64 != 0 {
+        while !o.len().is_multiple_of(64) {
             o.push(0);
         }
         for i in 0..6 {

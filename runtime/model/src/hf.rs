@@ -83,7 +83,7 @@ pub fn permute_qk_rows(
     n_head: usize,
 ) -> Option<Vec<u8>> {
     if n_head == 0
-        || rows % n_head.checked_mul(2)? != 0
+        || !rows.is_multiple_of(n_head.checked_mul(2)?)
         || data.len() != rows.checked_mul(row_bytes)?
     {
         return None;

@@ -98,7 +98,7 @@ fn move_units(
 ) {
     let rb = cols / QK * Q41_BYTES;
     assert!(
-        src.len() == dst.len() && src.len() % rb == 0,
+        src.len() == dst.len() && src.len().is_multiple_of(rb),
         "whole Q4_1 rows of {cols} columns"
     );
     let units: Vec<(usize, usize)> = packed_units(cols / QK).map(dir).collect();

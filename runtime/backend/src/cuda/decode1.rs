@@ -22,7 +22,7 @@ use metrale_abi::{DECODE_FLAG_TRACE, TOKEN_FROM_DEVICE};
 use metrale_core::BackendError;
 
 use super::device::DevBuf;
-use super::launch::Gpu;
+use super::launch::{Gpu, Occupancy};
 use super::plan;
 
 /// Inputs of one launch besides the fixed buffers.
@@ -53,8 +53,8 @@ pub struct Decode1 {
     pub smem_bytes: u32,
     /// (split_len, max_splits)
     pub split: (usize, usize),
-    /// (registers per thread, local memory bytes per thread) of the loaded kernel
-    pub regs: (i32, i32),
+    /// The driver's occupancy and resources of the loaded kernel at this grid.
+    pub occupancy: Occupancy,
 }
 
 impl Decode1 {
@@ -73,10 +73,10 @@ impl Decode1 {
         };
         let split = plan::decode1_fit_split(&d, blocks, split);
         let smem = decode_smem_bytes(&d, blocks as usize);
-        let Some((per_sm, regs)) = gpu.decode1_prepare(smem)? else {
+        let Some(occupancy) = gpu.decode1_prepare(smem)? else {
             return Ok(None);
         };
-        if per_sm < 1 {
+        if occupancy.per_sm < 1 {
             return Ok(None);
         }
         let lw = gpu.upload(layers)?;
@@ -99,7 +99,7 @@ impl Decode1 {
             blocks,
             smem_bytes: smem as u32,
             split,
-            regs,
+            occupancy,
         }))
     }
 

@@ -20,6 +20,15 @@ use super::device::{dev_err, Device, LaunchHow};
 use super::kernels::{KernelSet, Kernels};
 use super::plan;
 
+/// What the driver says of a kernel at a launch shape: resident blocks per SM, registers and
+/// local-memory bytes per thread (-1 where it did not say).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Occupancy {
+    pub per_sm: u32,
+    pub regs: i32,
+    pub local_bytes: i32,
+}
+
 /// A device with one target's kernels loaded.
 pub struct Gpu {
     pub dev: Device,
@@ -200,9 +209,8 @@ impl Gpu {
     }
 
     /// Get `decode_1` ready for `smem` bytes of dynamic shared memory per block: its resident blocks
-    /// per SM and (registers, local bytes) per thread; `None` when the device cannot give a block
-    /// that much shared memory.
-    pub fn decode1_prepare(&self, smem: usize) -> Result<Option<(u32, (i32, i32))>, BackendError> {
+    /// per SM and resources; `None` when the device cannot give a block that much shared memory.
+    pub fn decode1_prepare(&self, smem: usize) -> Result<Option<Occupancy>, BackendError> {
         let f = self.kernels.get(abi::DecodeOne::ID);
         if f.set_attribute(
             Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -215,13 +223,15 @@ impl Gpu {
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(abi::DECODE_THREADS, smem, None)
             .map_err(dev_err("decode_1 occupancy"))?;
-        let regs = f
-            .get_attribute(Attr::CU_FUNC_ATTRIBUTE_NUM_REGS)
-            .unwrap_or(-1);
-        let local = f
-            .get_attribute(Attr::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
-            .unwrap_or(-1);
-        Ok(Some((per_sm, (regs, local))))
+        Ok(Some(Occupancy {
+            per_sm,
+            regs: f
+                .get_attribute(Attr::CU_FUNC_ATTRIBUTE_NUM_REGS)
+                .unwrap_or(-1),
+            local_bytes: f
+                .get_attribute(Attr::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+                .unwrap_or(-1),
+        }))
     }
 
     /// `decode_1` as a cooperative grid of `blocks` blocks (all co-resident, or the launch fails)

@@ -45,7 +45,7 @@ pub mod kernels;
 pub mod launch;
 pub mod plan;
 pub mod prefill;
-mod profile;
+pub mod profile;
 pub mod weights;
 
 use std::collections::HashMap;

@@ -5,7 +5,18 @@
 use metrale_core::BackendError;
 
 use super::forward::Stage;
+use super::launch::Occupancy;
 use super::CudaBackend;
+
+/// What `decode_1` runs as on this device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decode1Info {
+    pub blocks: u32,
+    pub smem_bytes: u32,
+    pub occupancy: Occupancy,
+    /// (positions per split, most splits per KV head)
+    pub split: (usize, usize),
+}
 
 impl CudaBackend {
     /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
@@ -103,11 +114,13 @@ impl CudaBackend {
         Ok(Some((k.blocks, k.read_trace(&self.gpu)?)))
     }
 
-    /// The persistent decode kernel, when loaded: (blocks, dynamic shared bytes, registers and local
-    /// bytes per thread, attention split).
-    pub fn decode1_info(&self) -> Option<(u32, u32, (i32, i32), (usize, usize))> {
-        self.decode1
-            .as_ref()
-            .map(|k| (k.blocks, k.smem_bytes, k.regs, k.split))
+    /// The persistent decode kernel, when loaded: its grid, shared memory, occupancy and split.
+    pub fn decode1_info(&self) -> Option<Decode1Info> {
+        self.decode1.as_ref().map(|k| Decode1Info {
+            blocks: k.blocks,
+            smem_bytes: k.smem_bytes,
+            occupancy: k.occupancy,
+            split: k.split,
+        })
     }
 }

@@ -103,7 +103,7 @@ impl HostMat {
         k: usize,
         data: &[u8],
     ) -> Result<HostMat, RepackError> {
-        if k % QK != 0 {
+        if !k.is_multiple_of(QK) {
             return Err(RepackError::Shape {
                 tensor: tensor.into(),
                 what: "row length (multiple of 32)",

@@ -113,7 +113,7 @@ impl Gguf {
             offsets.push(off);
             off += (t.data.len() as u64).div_ceil(self.alignment) * self.alignment;
         }
-        while o.len() as u64 % self.alignment != 0 {
+        while !(o.len() as u64).is_multiple_of(self.alignment) {
             o.push(0);
         }
         let base = o.len();
