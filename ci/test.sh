@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # metrale's test command (README.md's second command; .ci/run calls it). On a fresh machine it installs
 # everything the tests need itself: the pinned compiler wheels (cargo xtask toolchain), the default model
-# (cargo xtask fetch-model), a Python venv with the official openai client; then builds once, in
-# release, and runs every test: the Rust workspace's, then the server tests that drive the real binary.
+# (cargo xtask fetch-model), a Python venv with the official openai client; checks formatting and
+# lints; then builds once, in release, and runs every test: the Rust workspace's (tidy and the kernels
+# lock among them), then the server tests that drive the real binary.
 # Fails loudly: any step that fails stops the run with its exit status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { printf '\n==> %s\n' "$*" >&2; }
+
+step "format and lints (cargo fmt, clippy -D warnings, with and without the cuda feature)"
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+cargo clippy --release --workspace --all-targets --features metrale-backend/cuda,metrale-server/cuda -- -D warnings
 
 step "build (release, once)"
 cargo build --release --workspace --all-targets

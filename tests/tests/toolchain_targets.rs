@@ -28,6 +28,20 @@ fn the_matrix_is_listed_and_every_target_loads() {
         let again = TargetSpec::from_toml(&s.hardware_toml, &s.model_toml, id).unwrap();
         assert_eq!(again, s);
     }
+    // every CUDA target compiles exactly the templates the ABI declares entry points for
+    let mut abi_templates = metrale_abi::templates();
+    abi_templates.sort();
+    for id in &ids {
+        let s = TargetSpec::load(&root, id).unwrap();
+        if s.hardware.backend == BackendKind::Cuda {
+            let mut k: Vec<&str> = s.kernels.iter().map(String::as_str).collect();
+            k.sort();
+            assert_eq!(
+                k, abi_templates,
+                "{id}: kernels list vs the ABI's templates"
+            );
+        }
+    }
     let h200 = TargetSpec::load(&root, &TargetId::new("h200", "smollm2-135m", "q4_1")).unwrap();
     assert_eq!(h200.hardware.backend, BackendKind::Cuda);
     assert_eq!(h200.hardware.cubin_arch.as_deref(), Some("sm_90a"));

@@ -1,6 +1,7 @@
 //! xtask: metrale's build system and user commands (`cargo xtask <command>`). One module per command;
 //! each module owns its clap `Args` and a `run` function. Shells out as little as possible: only to
-//! `cargo` (to build the server binary), `pip` (to fetch wheels) and `xcrun` (Metal).
+//! `cargo` (to build the server binary), `pip` (to fetch wheels), `xcrun` (Metal) and `git` (the list
+//! of tracked files `tidy` checks).
 
 use clap::{Parser, Subcommand};
 
@@ -11,6 +12,7 @@ mod fetch_model;
 mod list_targets;
 mod lock;
 mod quickstart;
+mod tidy;
 mod toolchain;
 
 #[derive(Parser)]
@@ -41,6 +43,8 @@ enum Cmd {
     FetchModel(fetch_model::Args),
     /// A new user's first command: model + toolchain + build + serve + one answer.
     Quickstart(quickstart::Args),
+    /// Check the house rules: `//!` docs, no machine paths, every METRALE_* in ARCHITECTURE.md.
+    Tidy(tidy::Args),
 }
 
 fn main() {
@@ -56,6 +60,7 @@ fn main() {
         Cmd::Lock(a) => lock::run(a),
         Cmd::FetchModel(a) => fetch_model::run(a),
         Cmd::Quickstart(a) => quickstart::run(a),
+        Cmd::Tidy(a) => tidy::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
