@@ -86,7 +86,9 @@ fn files(repo: &Path) -> Result<Vec<String>> {
 /// The machine path a line names, if any: a work or root folder, a user's home, or a named file or
 /// folder in /tmp (a bare `/tmp/` is a place, not a machine's path).
 fn machine_path(line: &str) -> Option<&'static str> {
-    const PATTERNS: [(&str, &str, fn(char) -> bool); 4] = [
+    /// (what to find, how to name it, what the next character must be for it to count)
+    type Pattern = (&'static str, &'static str, fn(char) -> bool);
+    const PATTERNS: [Pattern; 4] = [
         ("/work/", "/work/", |_| true),
         ("/root/", "/root/", |_| true),
         ("/home/", "/home/<user>", |c| c.is_ascii_lowercase()),
