@@ -18,15 +18,26 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_N: usize = 16;
 /// Most stop strings per request.
 pub const MAX_STOPS: usize = 16;
+/// Longest stop string, in bytes (the text held back while a stop string may be forming is at most
+/// this long).
+pub const MAX_STOP_BYTES: usize = 256;
 /// Most `logit_bias` entries per request.
 pub const MAX_LOGIT_BIAS: usize = 1024;
 /// `logit_bias` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
 pub const LOGIT_BIAS_LIMIT: f64 = 100.0;
 
-/// Parse a JSON body; a syntax error or a wrongly typed field is a 400 naming the field.
+/// Parse a JSON body; a syntax error, a wrongly typed field or anything but whitespace after the
+/// JSON value is a 400 naming what was wrong.
 pub fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(path_error)
+    let v = serde_path_to_error::deserialize(&mut *de).map_err(path_error)?;
+    de.end().map_err(|e| {
+        ApiError::invalid(
+            format!("the request body has more after its JSON value: {e}"),
+            None,
+        )
+    })?;
+    Ok(v)
 }
 
 fn parse_value<T: DeserializeOwned>(v: &serde_json::Value) -> Result<T, ApiError> {
@@ -362,6 +373,15 @@ pub fn validate_common(
             Some("stop"),
         ));
     }
+    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            format!(
+                "a stop string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                long.len()
+            ),
+            Some("stop"),
+        ));
+    }
     let logit_bias = parse_logit_bias(c.logit_bias.as_ref(), vocab)?;
     let include_usage = c
         .stream_options
@@ -558,6 +578,26 @@ mod tests {
     }
 
     #[test]
+    fn bytes_after_the_json_value_are_a_400() {
+        let ok = br#"{"messages":[{"role":"user","content":"x"}]}"#;
+        assert!(parse_request::<ChatRequest>(ok).is_ok());
+        let mut spaced = ok.to_vec();
+        spaced.extend_from_slice(b" \n\t");
+        assert!(parse_request::<ChatRequest>(&spaced).is_ok());
+        for tail in [&b"x"[..], b"{}", b"\0", br#"{"messages":[]}"#] {
+            let mut body = ok.to_vec();
+            body.extend_from_slice(tail);
+            let e = parse_request::<ChatRequest>(&body).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(
+                e.message.contains("more after its JSON value"),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
     fn bad_json_is_400_without_param() {
         let e = parse_request::<ChatRequest>(b"{not json").unwrap_err();
         assert_eq!(e.status, 400);
@@ -647,6 +687,14 @@ mod tests {
         let p = chat(r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b"]}"#).unwrap();
         assert_eq!(p.stops, vec!["a", "b"]);
         assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"stop":[""]}"#).is_err());
+        let long = format!(
+            r#"{{"messages":[{{"role":"user","content":"x"}}],"stop":["{}"]}}"#,
+            "s".repeat(MAX_STOP_BYTES + 1)
+        );
+        assert!(chat(&long)
+            .unwrap_err()
+            .message
+            .contains("at most 256 bytes"));
     }
 
     #[test]
