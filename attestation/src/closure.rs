@@ -14,10 +14,12 @@ use serde::{Deserialize, Serialize};
 
 /// Stands for the toolchain's absolute folder in flags that enter hashes and attestations.
 pub const TOOLCHAIN_PLACEHOLDER: &str = "${METRALE_TOOLCHAIN}";
-/// Version tag of the manifest schema and of how a closure is compiled (part of the hash): v2 runs
-/// NVRTC in its own thread of the worker process (blobs independent of the worker executable;
-/// `metrale_codegen::worker`), so no cache entry of v1 is reused.
-pub const SCHEMA: &str = "metrale-closure-v2";
+/// Version tag of the manifest schema and of how a closure is compiled (part of the hash), so that
+/// no cache entry compiled another way is reused: v2 ran NVRTC in its own thread of the worker
+/// process (blobs independent of the worker executable); v3 also runs it from `/`, reaching the
+/// toolchain through `/proc/self/fd` (blobs independent of where the clone and toolchain live;
+/// `metrale_codegen::worker`).
+pub const SCHEMA: &str = "metrale-closure-v3";
 
 /// A file in a closure: repo-relative path (always `/`-separated) and sha256.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

@@ -354,12 +354,8 @@ fn build_one(
             let mut blobs = Vec::new();
             let mut functions = Vec::new();
             for step in &m.steps {
-                // workers run in the toolchain folder: its placeholder becomes "."
-                let flags: Vec<String> = step
-                    .flags
-                    .iter()
-                    .map(|f| f.replace(TOOLCHAIN_PLACEHOLDER, "."))
-                    .collect();
+                // the worker replaces the toolchain placeholder (see `worker`)
+                let flags = &step.flags;
                 let output = if step.output == "cubin" {
                     nvrtc::Output::Cubin
                 } else {
@@ -372,7 +368,7 @@ fn build_one(
                         program: &format!("{}.cu", r.name),
                         source: &r.source,
                         headers: &headers,
-                        options: &flags,
+                        options: flags,
                         output,
                         kernel: &r.name,
                         target: &target,

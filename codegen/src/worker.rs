@@ -1,27 +1,33 @@
 //! NVRTC in a fresh process for every compile.
 //!
-//! Why: NVRTC 13.0.88's PTX output depends on heap addresses. Measured 2026-11-30 on this project's
+//! Why: NVRTC 13.0.88's output depends on heap addresses. Measured 2026-11-30 on this project's
 //! kernels: identical builds gave 2-4 different `.ptx` files for some kernels (virtual-register
 //! numbering and a few moves in `lm_head`, `attn_in`, `attn_out`, `ffn_in`; cubins were stable)
 //! - with every compile in one process (state left by earlier compiles), and
 //! - with one fresh process per compile, as long as address-space randomisation was on;
 //!
 //! while one fresh process per compile with randomisation off (`personality(ADDR_NO_RANDOMIZE)`)
-//! gave byte-identical blobs in every run of one worker executable. A worker executable of another
-//! size (any change to xtask's code) still moved the main thread's heap and changed some PTX and
-//! even cubins (measured 2026-12-01: 6 of 322 blobs after padding xtask by 3 MB), so NVRTC runs in a
-//! thread of its own, whose malloc arena glibc maps at an address independent of the executable. A blob that depends on chance breaks the attestation's
-//! promise and `audit --rebuild`, so every compile runs in such a child: a fresh process, no
-//! randomisation, working directory = the toolchain folder, and a request that holds no absolute
-//! path (the include path is `./include`, the libraries `lib/...`), so that neither the clone's nor
-//! the toolchain's location changes a single allocation the compiler sees.
+//! gave byte-identical blobs in every run of one worker executable. Two more things moved the heap:
+//! - the worker executable's size (measured 2026-12-01: 6 of 322 blobs changed after padding xtask
+//!   by 3 MB): NVRTC runs in a thread of its own, whose malloc arena glibc maps at an address
+//!   independent of the executable;
+//! - the length of the toolchain folder's path (measured 2026-12-01: a clone at `/tmp/ciclone`
+//!   built another `a100/smollm2-135m/q4_1` decode PTX and cubin than one at `/work/main`): NVRTC
+//!   calls `getcwd` and keeps the answer, and the dynamic loader keeps the library's path. So the
+//!   worker starts in the toolchain folder, opens it, moves to `/` and names everything through
+//!   `/proc/self/fd/<n>/`, a path of the same length wherever the clone and the toolchain live.
+//!
+//! A blob that depends on chance or on where the repository lives breaks the attestation's promise
+//! and `audit --rebuild`, so every compile runs in such a child: a fresh process, no randomisation,
+//! working directory `/`, and a request that holds no path (the include path carries
+//! [`crate::TOOLCHAIN_PLACEHOLDER`], which the worker replaces).
 //!
 //! The child is an executable that calls [`serve_if_worker`] first thing in `main` (xtask does);
 //! the parent starts it with the environment variable [`ENV`] set, writes one JSON [`Request`] to its
 //! stdin and reads one JSON [`Response`] from its stdout.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use serde::{Deserialize, Serialize};
@@ -34,7 +40,6 @@ pub const ENV: &str = "METRALE_NVRTC_WORKER";
 
 #[derive(Serialize, Deserialize)]
 struct Request {
-    lib_dir: PathBuf,
     program: String,
     source: String,
     /// (include name, contents as hex)
@@ -62,15 +67,30 @@ pub fn serve_if_worker() {
     if std::env::var_os(ENV).is_none() {
         return;
     }
+    // Reach the toolchain folder (our working directory, set by the parent) through a descriptor
+    // and move to "/": see the module docs.
+    let root = match std::fs::File::open(".") {
+        Ok(dir) => {
+            use std::os::fd::IntoRawFd;
+            let fd = dir.into_raw_fd(); // open for the life of the process
+            std::env::set_current_dir("/").map(|_| format!("/proc/self/fd/{fd}"))
+        }
+        Err(e) => Err(e),
+    };
     // NVRTC runs in a thread of its own: glibc gives a new thread a new malloc arena, in memory
     // mapped where the address-space layout puts it, so every allocation NVRTC sees (its static
     // initialisers at load included) lies at addresses that do not depend on the size of this
     // executable, which the main thread's heap (right after the executable's data) does.
-    let response = std::thread::spawn(serve)
-        .join()
-        .unwrap_or_else(|_| Response::Failed {
-            message: "the NVRTC worker thread panicked".into(),
-        });
+    let response = match root {
+        Ok(root) => std::thread::spawn(move || serve(&root))
+            .join()
+            .unwrap_or_else(|_| Response::Failed {
+                message: "the NVRTC worker thread panicked".into(),
+            }),
+        Err(e) => Response::Failed {
+            message: format!("cannot open the toolchain folder: {e}"),
+        },
+    };
     let text = serde_json::to_string(&response).expect("a response always serialises");
     let mut out = std::io::stdout().lock();
     let ok = out
@@ -80,7 +100,8 @@ pub fn serve_if_worker() {
     std::process::exit(if ok { 0 } else { 1 });
 }
 
-fn serve() -> Response {
+/// Serve one request; `root` names the toolchain folder (`/proc/self/fd/<n>`).
+fn serve(root: &str) -> Response {
     let mut input = String::new();
     if let Err(e) = std::io::stdin().read_to_string(&mut input) {
         return Response::Failed {
@@ -106,7 +127,7 @@ fn serve() -> Response {
             }
         }
     }
-    let nv = match Nvrtc::load(&req.lib_dir) {
+    let nv = match Nvrtc::load(&Path::new(root).join("lib")) {
         Ok(n) => n,
         Err(e) => {
             return Response::Failed {
@@ -123,7 +144,11 @@ fn serve() -> Response {
         program: &req.program,
         source: &req.source,
         headers: &headers,
-        options: &req.options,
+        options: &req
+            .options
+            .iter()
+            .map(|o| o.replace(crate::TOOLCHAIN_PLACEHOLDER, root))
+            .collect::<Vec<_>>(),
         output,
         kernel: &req.kernel,
         target: &req.target,
@@ -141,8 +166,8 @@ fn serve() -> Response {
 }
 
 /// Compile in a fresh worker process (`worker` started with [`ENV`] set, in `toolchain_dir`, without
-/// address randomisation); same contract as [`Nvrtc::compile`]. Paths in `options` are relative to
-/// `toolchain_dir`.
+/// address randomisation); same contract as [`Nvrtc::compile`]. `options` name the toolchain folder
+/// by [`crate::TOOLCHAIN_PLACEHOLDER`].
 #[allow(clippy::too_many_arguments)]
 pub fn compile(
     worker: &Path,
@@ -156,7 +181,6 @@ pub fn compile(
         message,
     };
     let req = Request {
-        lib_dir: PathBuf::from("lib"),
         program: job.program.into(),
         source: job.source.into(),
         headers: job
