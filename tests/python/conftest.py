@@ -41,47 +41,66 @@ class Server:
         return self.proc.poll() is None
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
+def model_path() -> str:
     model = os.environ.get("METRALE_MODEL")
     if not model:
         pytest.skip("METRALE_MODEL is not set (run `cargo xtask fetch-model smollm2-135m` and export its path)")
+    return model
+
+
+def server_binary() -> str:
     binary = os.environ.get("METRALE_SERVER_BIN", str(REPO / "target/release/metrale-server"))
     if not os.path.isfile(binary):
         pytest.fail(f"server binary {binary} not found: cargo build --release -p metrale-server")
+    return binary
+
+
+def start_server(log_path, args, preexec_fn=None) -> Server:
+    """Start the binary with the model and `args` on a free port; return once /health is 200."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [binary, "--model", model, "--port", str(port), "--ctx-size", str(CTX_SIZE),
-         "--parallel", str(PARALLEL), "--api-key", API_KEY],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        [server_binary(), "--model", model_path(), "--port", str(port), *args],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec_fn,
     )
+    log.close()
     health_seen = []
     deadline = time.time() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            if time.time() > deadline:
-                pytest.fail(f"server not healthy after 180 s:\n{log_path.read_text()}")
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-                if r.status_code == 200:
-                    break
-                health_seen.append((r.status_code, r.json()))
-            except httpx.TransportError:
-                pass
-            time.sleep(0.01)
-        yield Server(proc, port, log_path, health_seen)
-    finally:
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{pathlib.Path(log_path).read_text()}")
+        if time.time() > deadline:
+            stop_server(proc)
+            pytest.fail(f"server not healthy after 180 s:\n{pathlib.Path(log_path).read_text()}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if r.status_code == 200:
+                break
+            health_seen.append((r.status_code, r.json()))
+        except httpx.TransportError:
+            pass
+        time.sleep(0.01)
+    return Server(proc, port, log_path, health_seen)
+
+
+def stop_server(proc):
+    if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    s = start_server(log_path, ["--ctx-size", str(CTX_SIZE), "--parallel", str(PARALLEL), "--api-key", API_KEY])
+    try:
+        yield s
+    finally:
+        stop_server(s.proc)
 
 
 @pytest.fixture(scope="session")

@@ -215,6 +215,11 @@ impl EngineHandle {
         m
     }
 
+    /// Sequences submitted and not yet admitted into a slot.
+    pub fn waiting(&self) -> usize {
+        self.shared.waiting.load(Ordering::SeqCst)
+    }
+
     /// What the backend reported when the engine started.
     pub fn info(&self) -> BackendInfo {
         self.shared.info.clone()

@@ -9,6 +9,10 @@
 //! pycompat (`.strip()`, `.startswith()`, `.items()`...), `raise_exception(msg)` failing the render with
 //! the template's message, `strftime_now(fmt)`, and the variables `messages`, `add_generation_prompt`,
 //! `bos_token`, `eos_token`.
+//!
+//! Rendering is bounded ([`RenderLimits`]): a template gets a fixed number of VM instructions
+//! (minijinja's fuel) and its output a byte cap, so a template with runaway loops, from a model file
+//! or `--chat-template`, fails that one render with [`RenderError`] instead of holding a thread.
 
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
@@ -36,6 +40,61 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    limits: RenderLimits,
+}
+
+/// What one render may cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderLimits {
+    /// VM instructions (minijinja fuel); a chat template spends tens per message.
+    pub fuel: u64,
+    /// Bytes of rendered text.
+    pub max_bytes: usize,
+}
+
+impl Default for RenderLimits {
+    /// Generous bounds for callers that set none (tests, tools): ten million instructions, 64 MiB.
+    fn default() -> Self {
+        RenderLimits {
+            fuel: 10_000_000,
+            max_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Why a render failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    #[error("the chat template ran past its limit of {fuel} instructions")]
+    OutOfFuel { fuel: u64 },
+    #[error("the rendered prompt is longer than {max_bytes} bytes")]
+    TooLong { max_bytes: usize },
+    /// The template failed (e.g. its own `raise_exception`), with its message.
+    #[error("{0}")]
+    Template(String),
+}
+
+/// An `io::Write` into a String that fails past `max` bytes (minijinja writes output as it goes,
+/// so a runaway template stops at the cap instead of after filling memory).
+struct CappedWriter {
+    out: Vec<u8>,
+    max: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.max {
+            self.over = true;
+            return Err(std::io::Error::other("output cap reached"));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -131,6 +190,8 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", strftime_now);
+        let limits = RenderLimits::default();
+        env.set_fuel(Some(limits.fuel));
         env.add_template_owned("chat", source.to_string())
             .map_err(terr)?;
         Ok(ChatTemplate {
@@ -138,7 +199,20 @@ impl ChatTemplate {
             source: source.to_string(),
             bos_token: String::new(),
             eos_token: String::new(),
+            limits,
         })
+    }
+
+    /// Bound every later render by `limits`.
+    pub fn with_limits(mut self, limits: RenderLimits) -> ChatTemplate {
+        self.env.set_fuel(Some(limits.fuel));
+        self.limits = limits;
+        self
+    }
+
+    /// The bounds renders run under.
+    pub fn limits(&self) -> RenderLimits {
+        self.limits
     }
 
     /// Set the strings the template sees as `bos_token` and `eos_token`.
@@ -247,24 +321,55 @@ impl ChatTemplate {
     }
 
     /// Render a conversation to the prompt text. Errors carry the template's own message (e.g. from
-    /// `raise_exception`) or the location of the failure.
+    /// `raise_exception`) or the location of the failure; [`ChatTemplate::render_bounded`] tells the
+    /// limits apart.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let t = self.env.get_template("chat").map_err(terr)?;
-        t.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        })
-        .map_err(|e| {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg += &format!(": {s}");
-                src = s.source();
+        self.render_bounded(messages, add_generation_prompt)
+            .map_err(terr)
+    }
+
+    /// [`ChatTemplate::render`], with a failure that says which limit (if any) stopped it.
+    pub fn render_bounded(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, RenderError> {
+        let t = self
+            .env
+            .get_template("chat")
+            .map_err(|e| RenderError::Template(e.to_string()))?;
+        let mut w = CappedWriter {
+            out: Vec::new(),
+            max: self.limits.max_bytes,
+            over: false,
+        };
+        let r = t.render_captured_to(
+            minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            },
+            &mut w,
+        );
+        match r {
+            Ok(_) => String::from_utf8(w.out).map_err(|e| RenderError::Template(e.to_string())),
+            Err(_) if w.over => Err(RenderError::TooLong {
+                max_bytes: self.limits.max_bytes,
+            }),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(RenderError::OutOfFuel {
+                fuel: self.limits.fuel,
+            }),
+            Err(e) => {
+                let mut msg = e.to_string();
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    msg += &format!(": {s}");
+                    src = s.source();
+                }
+                Err(RenderError::Template(msg))
             }
-            terr(msg)
-        })
+        }
     }
 }
 
@@ -325,5 +430,59 @@ mod tests {
         let s = t.render(&[], false).unwrap();
         assert!(s.len() >= 14, "{s}");
         assert!(s.starts_with("20") && s.ends_with(" %"), "{s}");
+    }
+
+    #[test]
+    fn runaway_templates_stop_at_their_limits() {
+        let limits = RenderLimits {
+            fuel: 100_000,
+            max_bytes: 1000,
+        };
+        // Nested loops: 10^10 iterations unbounded; the fuel stops them.
+        let t = ChatTemplate::new(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+        )
+        .unwrap()
+        .with_limits(limits);
+        let t0 = std::time::Instant::now();
+        assert_eq!(
+            t.render_bounded(&msgs(), true),
+            Err(RenderError::OutOfFuel { fuel: 100_000 })
+        );
+        assert!(t0.elapsed().as_secs() < 5);
+        // A big output stops at the byte cap, before it is built.
+        let t = ChatTemplate::new("{% for m in messages %}{{ m.content * 100 }}{% endfor %}")
+            .unwrap()
+            .with_limits(limits);
+        assert_eq!(
+            t.render_bounded(&[ChatMessage::new("user", "0123456789a")], true),
+            Err(RenderError::TooLong { max_bytes: 1000 })
+        );
+        assert_eq!(
+            t.render_bounded(&[ChatMessage::new("user", "0")], true)
+                .unwrap()
+                .len(),
+            100
+        );
+    }
+
+    #[test]
+    fn chatml_spends_little_fuel_per_message() {
+        // The fuel a real template spends per message, so that servers can size their limit: ChatML
+        // (SmolLM2, Qwen) with 1000 messages renders within 60 instructions per message.
+        let chatml = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}\
+                      {{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}\
+                      {{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}\
+                      {% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let many: Vec<ChatMessage> = (0..1000)
+            .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hi"))
+            .collect();
+        let t = ChatTemplate::new(chatml)
+            .unwrap()
+            .with_limits(RenderLimits {
+                fuel: 60 * 1000,
+                max_bytes: 1 << 20,
+            });
+        assert!(t.render_bounded(&many, true).is_ok());
     }
 }

@@ -23,7 +23,7 @@ pub mod hf;
 pub mod tokenizer;
 pub mod weights;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, RenderError, RenderLimits};
 pub use config::{ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use tokenizer::Tokenizer;

@@ -449,6 +449,12 @@ impl Tokenizer {
         self.with_special.id_to_token(id)
     }
 
+    /// The most bytes one token stands for (special tokens count their text): a text of `b` bytes
+    /// has at least `b / max_token_bytes()` tokens, which bounds a prompt before it is tokenized.
+    pub fn max_token_bytes(&self) -> usize {
+        self.bytes.iter().map(Vec::len).max().unwrap_or(0).max(1)
+    }
+
     /// Number of ids (including added tokens).
     pub fn vocab_size(&self) -> usize {
         self.bytes.len()

@@ -40,10 +40,6 @@ pub fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     Ok(v)
 }
 
-fn parse_value<T: DeserializeOwned>(v: &serde_json::Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(v).map_err(path_error)
-}
-
 fn path_error<E: std::fmt::Display>(e: serde_path_to_error::Error<E>) -> ApiError {
     let path = e.path().to_string();
     let inner = e.into_inner();
@@ -61,17 +57,17 @@ pub trait WithCommon: DeserializeOwned {
 }
 
 /// Parse an endpoint request: its own fields and the shared ones from the same JSON object (two
-/// passes instead of `#[serde(flatten)]`, which would lose the field name in type errors).
+/// passes over the bytes instead of `#[serde(flatten)]`, which would lose the field name in type
+/// errors; each pass skips the other's fields without building them).
 pub fn parse_request<T: WithCommon>(body: &[u8]) -> Result<T, ApiError> {
-    let v: serde_json::Value = parse_body(body)?;
-    if !v.is_object() {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid(
             "the request body must be a JSON object",
             None,
         ));
     }
-    let common: CommonParams = parse_value(&v)?;
-    let mut r: T = parse_value(&v)?;
+    let common: CommonParams = parse_body(body)?;
+    let mut r: T = parse_body(body)?;
     r.set_common(common);
     Ok(r)
 }

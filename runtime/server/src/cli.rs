@@ -55,6 +55,33 @@ pub struct Cli {
     #[arg(long, alias = "no-enable-prefix-caching")]
     pub no_prefix_caching: bool,
 
+    /// Requests that may wait (being prepared, or queued for a sequence slot) before new ones are
+    /// answered 429 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+
+    /// Open connections before new ones are answered 503 (default 4096, or what the open-file
+    /// limit allows).
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+
+    /// Seconds a client has to send a request's headers (counted from connecting or from its
+    /// previous response, so idle keep-alive connections close after it too), to send its body,
+    /// and for any stalled response write to make progress.
+    #[arg(long, visible_alias = "timeout", default_value_t = 30)]
+    pub client_timeout: u64,
+
+    /// On SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are ended with
+    /// an error (the exit code is 0 only if all finished).
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
+
+    /// Memory the server may use in all, e.g. 16G (default: the cgroup's limit, else the
+    /// address-space limit, else the host's available memory). Requests whose worst case does not
+    /// fit what is left after the model are refused.
+    #[arg(long, value_parser = crate::budget::parse_size)]
+    pub max_memory: Option<u64>,
+
     /// Print the embedded attestation (in-toto statement, JSON) and exit.
     #[arg(long)]
     pub attestation: bool,
@@ -74,6 +101,15 @@ pub fn check(cli: &Cli) -> anyhow::Result<()> {
     }
     if cli.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1 (got 0); leave it out to use every core");
+    }
+    if cli.max_queue == 0 {
+        anyhow::bail!("--max-queue must be at least 1 (got 0)");
+    }
+    if cli.max_connections == Some(0) {
+        anyhow::bail!("--max-connections must be at least 1 (got 0)");
+    }
+    if cli.client_timeout == 0 {
+        anyhow::bail!("--client-timeout must be at least 1 second (got 0)");
     }
     if cli.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         anyhow::bail!("--api-key is empty; give a non-empty key or leave the flag out");

@@ -2,8 +2,10 @@
 //! `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
 //!
 //! Invariant: client mistakes are 4xx (`invalid_request_error`, 400; `authentication_error`, 401;
-//! `not_found_error`, 404); 503 means "not ready / shutting down"; 500 is reserved for our own bugs
-//! and backend failures, never for anything the client sent.
+//! `not_found_error`, 404; 408 a body that did not arrive in time; 413 a request whose worst case
+//! passes the server's memory budget); 429 (`rate_limit_error`, with `Retry-After`) means "full now,
+//! retry"; 503 means "not ready / shutting down / too many connections"; 500 is reserved for our
+//! own bugs and backend failures, never for anything the client sent.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -17,6 +19,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (429 and 503 answers that a retry can fix).
+    pub retry_after: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -42,6 +46,37 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.map(str::to_owned),
             code: None,
+            retry_after: None,
+        }
+    }
+
+    /// Any status with the given type and code (no param).
+    pub fn with_status(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code,
+            retry_after: None,
+        }
+    }
+
+    /// 429: the server is full right now (its queue or its memory budget); retry after `secs`.
+    pub fn overloaded(code: &'static str, message: impl Into<String>, secs: u32) -> Self {
+        Self {
+            retry_after: Some(secs),
+            ..Self::with_status(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some(code),
+                message,
+            )
         }
     }
 
@@ -67,6 +102,7 @@ impl ApiError {
             kind: "authentication_error",
             param: None,
             code: Some("invalid_api_key"),
+            retry_after: None,
         }
     }
 
@@ -82,6 +118,7 @@ impl ApiError {
             kind: "not_found_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -93,6 +130,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
+            retry_after: None,
         }
     }
 
@@ -104,6 +142,7 @@ impl ApiError {
             kind: "service_unavailable_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -115,6 +154,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -132,9 +172,23 @@ impl ApiError {
     }
 }
 
+/// Marks a response that refused a request before any work (408, 413, 429), with its code, so the
+/// server can count refusals in `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.to_json())).into_response()
+        let mut r = (self.status, axum::Json(self.to_json())).into_response();
+        if matches!(self.status.as_u16(), 408 | 413 | 429) {
+            r.extensions_mut()
+                .insert(Refused(self.code.unwrap_or("refused")));
+        }
+        if let Some(secs) = self.retry_after {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        r
     }
 }
 

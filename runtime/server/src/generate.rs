@@ -5,7 +5,9 @@
 //! Invariants: every choice's receiver lives inside the returned future/stream, so a client that
 //! goes away drops it and the engine cancels that sequence; a choice that hits a stop string drops
 //! its receiver at once (the engine stops generating it); usage counts every generated token the
-//! engine produced for the response, including the token that completed a stop string or EOS.
+//! engine produced for the response, including the token that completed a stop string or EOS; when
+//! the shutdown deadline passes (`abort`), a stream ends with an error event and `[DONE]` and a whole
+//! response is a 503, so no client is left without an ending.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -18,6 +20,7 @@ use futures::stream::{self, BoxStream, SelectAll, StreamExt};
 use metrale_engine::{Event, FinishReason, GenerateRequest, SubmitError};
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::watch;
 
 use crate::api::GenParams;
 use crate::error::ApiError;
@@ -273,8 +276,27 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Run a job and answer it, whole or streamed.
-pub async fn respond(served: Arc<Served>, job: Job) -> Result<Response, ApiError> {
+/// The error a request gets when the shutdown deadline ends it.
+fn shut_down() -> ApiError {
+    ApiError::unavailable(
+        "the server shut down before this request finished (its --shutdown-timeout passed); retry on \
+         another replica or once it is back",
+    )
+}
+
+/// Resolves once `abort` is true (never, if its sender is gone without it).
+async fn aborted(abort: &mut watch::Receiver<bool>) {
+    if abort.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Run a job and answer it, whole or streamed; `abort` turning true ends it early.
+pub async fn respond(
+    served: Arc<Served>,
+    job: Job,
+    abort: watch::Receiver<bool>,
+) -> Result<Response, ApiError> {
     let (choices, prompt_tokens) = start(&served, &job)?;
     let header = Header {
         kind: job.kind,
@@ -291,16 +313,20 @@ pub async fn respond(served: Arc<Served>, job: Job) -> Result<Response, ApiError
             n_choices,
             prompt_tokens,
             job.params.logprobs.is_some(),
+            abort,
         ))
     } else {
-        whole_response(
-            header,
-            choices,
-            n_choices,
-            prompt_tokens,
-            job.params.logprobs.is_some(),
-        )
-        .await
+        let mut abort = abort;
+        tokio::select! {
+            r = whole_response(
+                header,
+                choices,
+                n_choices,
+                prompt_tokens,
+                job.params.logprobs.is_some(),
+            ) => r,
+            _ = aborted(&mut abort) => Err(shut_down()),
+        }
     }
 }
 
@@ -371,6 +397,7 @@ struct StreamState {
     /// Characters sent so far per choice (completion logprobs' text_offset).
     sent_chars: Vec<usize>,
     finished: bool,
+    abort: watch::Receiver<bool>,
 }
 
 impl StreamState {
@@ -426,8 +453,10 @@ fn stream_response(
     n: usize,
     prompt_tokens: usize,
     logprobs: bool,
+    abort: watch::Receiver<bool>,
 ) -> Response {
     let mut st = StreamState {
+        abort,
         queue: VecDeque::new(),
         choices,
         usage: Usage {
@@ -454,9 +483,16 @@ fn stream_response(
             if st.finished {
                 return None;
             }
-            match st.choices.next().await {
-                Some(out) => st.handle(out),
-                None => st.close(),
+            tokio::select! {
+                out = st.choices.next() => match out {
+                    Some(out) => st.handle(out),
+                    None => st.close(),
+                },
+                _ = aborted(&mut st.abort) => {
+                    // Dropping the choices cancels their sequences in the engine.
+                    st.choices = SelectAll::new();
+                    st.handle(ChoiceOut::Error { error: shut_down() });
+                }
             }
         }
     });

@@ -21,11 +21,15 @@
 //! `/health` is 503 `{"status":"loading"}` until the engine is ready.
 
 pub mod api;
+pub mod budget;
 pub mod cli;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod error;
 pub mod generate;
+pub mod listen;
+pub mod pool;
+pub mod prepare;
 pub mod routes;
 pub mod serve;
 pub mod sse;

@@ -1,45 +1,51 @@
-//! The HTTP routes: OpenAI endpoints, health, metrics, tokenize/detokenize, the API-key check and a
-//! 404 in the OpenAI envelope. Handlers parse and validate, then hand a [`Job`] to [`generate`].
+//! The HTTP routes: OpenAI endpoints, health, metrics, tokenize/detokenize, the API-key check, the
+//! admission check and a 404 in the OpenAI envelope. Handlers read the body ([`RequestBody`]), run
+//! [`prepare`] on the preprocessing pool, then hand the [`Job`] to [`generate`].
 //!
-//! Invariant: while the model loads, `/health` is 503 `{"status":"loading"}` and every other route
-//! is 503 in the envelope; `/health` and `/metrics` never need the API key.
+//! Invariants: while the model loads, `/health` is 503 `{"status":"loading"}` and every other route
+//! is 503 in the envelope; `/health` and `/metrics` never need the API key and never wait on other
+//! requests' work; a request past the queue limit is refused before its body is read.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
+use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use metrale_model::ChatMessage;
+use futures::StreamExt;
 use serde_json::json;
 
-use crate::api::{
-    self, ChatRequest, CompletionRequest, DetokenizeRequest, PromptSpec, TokenizeRequest,
-};
-use crate::error::ApiError;
+use crate::budget::{Reservation, BODY_BYTES_PER_BYTE};
+use crate::error::{ApiError, Refused};
 use crate::generate::{self, Job};
-use crate::sse::Kind;
+use crate::prepare::{self, Prep};
 use crate::state::{AppState, Served};
 
 type St = State<Arc<AppState>>;
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let work = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit));
+    Router::new()
+        .merge(work)
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_refusals,
+        ))
         .with_state(state)
 }
 
@@ -64,6 +70,34 @@ async fn auth(State(s): St, req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
+/// Refuse work past `--max-queue` before reading the body: 429 with `Retry-After`.
+async fn admit(State(s): St, req: Request, next: Next) -> Response {
+    if let Some(sv) = s.ready.get() {
+        let depth = sv.queue_depth();
+        if depth >= s.limits.max_queue {
+            return ApiError::overloaded(
+                "queue_full",
+                format!(
+                    "the server has {depth} requests waiting, its limit (--max-queue {}); retry shortly",
+                    s.limits.max_queue
+                ),
+                1,
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Count refusals (408, 413, 429 answers) by code for `/metrics`.
+async fn count_refusals(State(s): St, req: Request, next: Next) -> Response {
+    let r = next.run(req).await;
+    if let Some(Refused(code)) = r.extensions().get::<Refused>() {
+        *s.rejected.lock().unwrap().entry(code).or_insert(0) += 1;
+    }
+    r
+}
+
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
@@ -73,34 +107,120 @@ async fn not_found(uri: Uri) -> ApiError {
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
-    ApiError {
-        status: StatusCode::METHOD_NOT_ALLOWED,
-        message: format!("{method} is not allowed on {}", uri.path()),
-        kind: "invalid_request_error",
-        param: None,
-        code: None,
-    }
+    ApiError::with_status(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        None,
+        format!("{method} is not allowed on {}", uri.path()),
+    )
 }
 
 /// Largest request body accepted (a prompt of this size is far past any context anyway).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 
-/// The raw request body, refused in the OpenAI envelope when it is too large or unreadable.
-pub struct Body(pub Bytes);
+/// A request's body, read within `--client-timeout` and held against the memory budget, with the
+/// served model (a body is only read once the model is ready).
+pub struct RequestBody {
+    pub served: Arc<Served>,
+    pub bytes: Bytes,
+    pub reservation: Reservation,
+}
 
-impl<S: Send + Sync> FromRequest<S> for Body {
+fn too_large(got: u64) -> ApiError {
+    ApiError::with_status(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        Some("request_too_large"),
+        format!(
+            "the request body is over {got} bytes; at most {MAX_BODY_BYTES} bytes are accepted"
+        ),
+    )
+}
+
+impl FromRequest<Arc<AppState>> for RequestBody {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, _: &S) -> Result<Self, ApiError> {
-        axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES).await.map(Body).map_err(|e| {
-            let mut err = ApiError::invalid(
-                format!("cannot read the request body (at most {MAX_BODY_BYTES} bytes are accepted): {e}"),
-                None,
-            );
-            err.status = StatusCode::PAYLOAD_TOO_LARGE;
-            err
+    async fn from_request(req: Request, s: &Arc<AppState>) -> Result<Self, ApiError> {
+        let served = served(s)?;
+        let declared: Option<u64> = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        if let Some(n) = declared.filter(|&n| n > MAX_BODY_BYTES as u64) {
+            return Err(too_large(n));
+        }
+        let mut reservation = served.budget.reserve(
+            declared.unwrap_or(0) * BODY_BYTES_PER_BYTE,
+            "to read its body",
+        )?;
+        let timeout = s.limits.client_timeout;
+        let read = async {
+            let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+            let mut frames = req.into_body().into_data_stream();
+            while let Some(frame) = frames.next().await {
+                let frame = frame.map_err(|e| {
+                    ApiError::invalid(
+                        format!(
+                            "cannot read the request body: it is malformed (e.g. a bad chunked encoding) \
+                             or the client stopped sending: {e}"
+                        ),
+                        None,
+                    )
+                })?;
+                let len = (buf.len() + frame.len()) as u64;
+                if len > MAX_BODY_BYTES as u64 {
+                    return Err(too_large(len));
+                }
+                if declared.is_none() {
+                    reservation
+                        .grow(frame.len() as u64 * BODY_BYTES_PER_BYTE, "to read its body")?;
+                }
+                buf.extend_from_slice(&frame);
+            }
+            Ok(buf)
+        };
+        let bytes = tokio::time::timeout(timeout, read).await.map_err(|_| {
+            ApiError::with_status(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                Some("body_timeout"),
+                format!(
+                    "the request body did not arrive within {} s (--client-timeout)",
+                    timeout.as_secs()
+                ),
+            )
+        })??;
+        Ok(RequestBody {
+            served,
+            bytes: Bytes::from(bytes),
+            reservation,
         })
     }
+}
+
+/// Run one of [`prepare`]'s functions on the preprocessing pool.
+async fn prepare_on_pool<T: Send + 'static>(
+    body: RequestBody,
+    f: fn(&Prep, &[u8], &mut Reservation) -> Result<T, ApiError>,
+) -> Result<(Arc<Served>, T), ApiError> {
+    let RequestBody {
+        served,
+        bytes,
+        mut reservation,
+    } = body;
+    let sv = served.clone();
+    let out = served
+        .pool
+        .run(move || f(&sv.prep(), &bytes, &mut reservation))
+        .await
+        .unwrap_or_else(|| {
+            Err(ApiError::internal(
+                "preparing this request failed: a preprocessing thread panicked (a bug; the server log \
+                 has its message)",
+            ))
+        })?;
+    Ok((served, out))
 }
 
 async fn health(State(s): St) -> Response {
@@ -116,7 +236,8 @@ async fn health(State(s): St) -> Response {
 
 async fn metrics(State(s): St) -> Result<Response, ApiError> {
     let sv = served(&s)?;
-    let text = sv.engine.metrics().prometheus_text(&sv.name);
+    let mut text = sv.engine.metrics().prometheus_text(&sv.name);
+    server_metrics(&mut text, &s, &sv);
     Ok((
         [(
             header::CONTENT_TYPE,
@@ -125,6 +246,60 @@ async fn metrics(State(s): St) -> Result<Response, ApiError> {
         text,
     )
         .into_response())
+}
+
+/// The server's own gauges and counters, after the engine's (`metrale:` names).
+fn server_metrics(out: &mut String, s: &AppState, sv: &Served) {
+    use std::fmt::Write;
+    let mut rejected = s.rejected.lock().unwrap().clone();
+    rejected.insert("max_connections", s.conns.refused());
+    for code in [
+        "queue_full",
+        "memory_busy",
+        "request_too_large",
+        "body_timeout",
+    ] {
+        rejected.entry(code).or_insert(0);
+    }
+    let _ = writeln!(
+        out,
+        "# HELP metrale:requests_rejected_total Requests refused before any work, by reason.\n\
+         # TYPE metrale:requests_rejected_total counter"
+    );
+    for (reason, n) in rejected {
+        let _ = writeln!(
+            out,
+            "metrale:requests_rejected_total{{reason=\"{reason}\"}} {n}"
+        );
+    }
+    let gauges = [
+        (
+            "open_connections",
+            "Open HTTP connections.",
+            s.conns.open() as u64,
+        ),
+        (
+            "requests_preparing",
+            "Requests being parsed, rendered or tokenized, or waiting for that.",
+            sv.pool.pending() as u64,
+        ),
+        (
+            "memory_budget_bytes",
+            "Bytes requests may reserve for their work.",
+            sv.budget.total,
+        ),
+        (
+            "memory_reserved_bytes",
+            "Bytes reserved by requests now.",
+            sv.budget.reserved(),
+        ),
+    ];
+    for (name, help, v) in gauges {
+        let _ = writeln!(
+            out,
+            "# HELP metrale:{name} {help}\n# TYPE metrale:{name} gauge\nmetrale:{name} {v}"
+        );
+    }
 }
 
 /// The one model this server serves, as OpenAI's model object.
@@ -152,122 +327,22 @@ async fn model(State(s): St, Path(id): Path<String>) -> Result<Json<serde_json::
     Ok(Json(model_object(&sv)))
 }
 
-async fn tokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::Value>, ApiError> {
-    let sv = served(&s)?;
-    let r: TokenizeRequest = api::parse_body(&body)?;
-    let tk = &sv.model.tokenizer;
-    let add_bos = r.add_special && tk.add_bos();
-    let tokens = tk.encode(&r.content, add_bos, true).map_err(|e| {
-        ApiError::invalid(format!("cannot tokenize 'content': {e}"), Some("content"))
-    })?;
-    Ok(Json(json!({"tokens": tokens})))
+async fn tokenize(body: RequestBody) -> Result<Json<serde_json::Value>, ApiError> {
+    let (_, tokens) = prepare_on_pool(body, prepare::tokenize).await?;
+    Ok(Json(json!({ "tokens": tokens })))
 }
 
-async fn detokenize(State(s): St, Body(body): Body) -> Result<Json<serde_json::Value>, ApiError> {
-    let sv = served(&s)?;
-    let r: DetokenizeRequest = api::parse_body(&body)?;
-    let ids = api::check_token_ids(&r.tokens, sv.vocab, "tokens")?;
-    Ok(Json(
-        json!({"content": sv.model.tokenizer.decode(&ids, false)}),
-    ))
+async fn detokenize(body: RequestBody) -> Result<Json<serde_json::Value>, ApiError> {
+    let (_, content) = prepare_on_pool(body, prepare::detokenize).await?;
+    Ok(Json(json!({ "content": content })))
 }
 
-/// Tokenize a prompt text: the model's BOS rule, special-token markup parsed.
-fn encode_prompt(sv: &Served, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
-    let tk = &sv.model.tokenizer;
-    // A template that already wrote the BOS text gets no second BOS.
-    let bos_written = tk
-        .bos()
-        .and_then(|b| tk.token_text(b))
-        .is_some_and(|t| !t.is_empty() && text.starts_with(&t));
-    tk.encode(text, tk.add_bos() && !bos_written, true)
-        .map_err(|e| ApiError::invalid(format!("cannot tokenize '{param}': {e}"), Some(param)))
+async fn chat(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
+    let (sv, job): (_, Job) = prepare_on_pool(body, prepare::chat).await?;
+    generate::respond(sv, job, s.abort.clone()).await
 }
 
-async fn chat(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
-    let sv = served(&s)?;
-    let r: ChatRequest = api::parse_request(&body)?;
-    let params = api::validate_chat(&r, &sv.chat_preset, sv.vocab)?;
-    let template = sv.chat_template.as_ref().ok_or_else(|| {
-        ApiError::invalid(
-            "this model has no chat template; use /v1/completions, or restart the server with \
-             --chat-template FILE",
-            Some("messages"),
-        )
-    })?;
-    let mut msgs = Vec::with_capacity(r.messages.len());
-    for (i, m) in r.messages.iter().enumerate() {
-        let role = match m.role.as_str() {
-            "developer" => "system",
-            "system" | "user" | "assistant" | "tool" => m.role.as_str(),
-            other => {
-                return Err(ApiError::invalid(
-                    format!(
-                    "unknown role '{other}' (expected system, developer, user, assistant or tool)"
-                ),
-                    Some(&format!("messages[{i}].role")),
-                ))
-            }
-        };
-        msgs.push(ChatMessage::new(role, api::message_text(m, i)?));
-    }
-    let text = template.render(&msgs, true).map_err(|e| {
-        ApiError::invalid(
-            format!("the chat template failed on these messages: {e}"),
-            Some("messages"),
-        )
-    })?;
-    let prompt = encode_prompt(&sv, &text, "messages")?;
-    generate::respond(
-        sv,
-        Job {
-            kind: Kind::Chat,
-            prompts: vec![prompt],
-            params,
-        },
-    )
-    .await
-}
-
-async fn completions(State(s): St, Body(body): Body) -> Result<Response, ApiError> {
-    let sv = served(&s)?;
-    let r: CompletionRequest = api::parse_request(&body)?;
-    let params = api::validate_completion(&r, &sv.completion_preset, sv.vocab)?;
-    let prompts = match &r.prompt {
-        PromptSpec::Text(t) => vec![encode_prompt(&sv, t, "prompt")?],
-        PromptSpec::Texts(ts) => ts
-            .iter()
-            .map(|t| encode_prompt(&sv, t, "prompt"))
-            .collect::<Result<_, _>>()?,
-        PromptSpec::Tokens(ids) => vec![api::check_token_ids(ids, sv.vocab, "prompt")?],
-        PromptSpec::TokenLists(l) => l
-            .iter()
-            .map(|ids| api::check_token_ids(ids, sv.vocab, "prompt"))
-            .collect::<Result<_, _>>()?,
-    };
-    if prompts.is_empty() {
-        return Err(ApiError::invalid(
-            "'prompt' must not be an empty list",
-            Some("prompt"),
-        ));
-    }
-    if prompts.len() * params.n > api::MAX_N {
-        return Err(ApiError::invalid(
-            format!(
-                "at most {} choices per request (prompts x n), got {}",
-                api::MAX_N,
-                prompts.len() * params.n
-            ),
-            Some("prompt"),
-        ));
-    }
-    generate::respond(
-        sv,
-        Job {
-            kind: Kind::Completion,
-            prompts,
-            params,
-        },
-    )
-    .await
+async fn completions(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
+    let (sv, job): (_, Job) = prepare_on_pool(body, prepare::completion).await?;
+    generate::respond(sv, job, s.abort.clone()).await
 }

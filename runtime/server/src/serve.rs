@@ -1,28 +1,52 @@
 //! Start-up and shutdown: bind first (so `/health` answers 503 while loading), load the model, check
-//! that this binary's target serves it, size the KV cache, start the engine, publish the ready state,
-//! print what was set up, and serve until Ctrl-C / SIGTERM.
+//! that this binary's target serves it, size the KV cache, start the engine and the preprocessing
+//! pool, measure the memory budget, publish the ready state, print what was set up, and serve until
+//! Ctrl-C / SIGTERM; then drain.
+//!
+//! Drain: stop accepting, let every open connection finish its request (streams included) for up
+//! to `--shutdown-timeout`, then end what is left with an error (an error event and `[DONE]` for a
+//! stream, a 503 for a whole response) and exit non-zero. A second signal ends the wait at once.
+//! SIGHUP is logged and ignored (a closed terminal does not stop the server).
 //!
 //! Invariant: every start-up failure is one error line that says what was wrong and what to do, and
 //! a non-zero exit; nothing half-started keeps listening.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use metrale_backend::Backend;
 use metrale_core::target::{SamplingPreset as TomlPreset, TargetSpec};
 use metrale_engine::{Engine, EngineConfig};
-use metrale_model::{ChatTemplate, Model};
+use metrale_model::{ChatMessage, ChatTemplate, Model, RenderError, RenderLimits};
+use tokio::sync::watch;
 
 use crate::api::SamplingPreset;
+use crate::budget::MemoryBudget;
 use crate::cli::Cli;
-use crate::state::{AppState, Served};
+use crate::listen::{self, Connections, ListenConfig};
+use crate::pool::Pool;
+use crate::state::{AppState, Limits, Served};
 
 /// Sequences served at once when neither the flag nor the target says.
 const DEFAULT_PARALLEL: usize = 4;
 /// Per-sequence context when neither the flag nor the target says (capped by the model's own).
 const DEFAULT_CTX: usize = 8192;
+/// Connections served at once when --max-connections is not given (and the open-file limit allows).
+const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// File descriptors kept for everything but connections (model files, pipes, the listener).
+const FD_RESERVE: u64 = 128;
+/// Memory kept outside request reservations: the runtime's own buffers, plus each connection's
+/// request-head buffer and task.
+const HEADROOM_BYTES: u64 = 128 << 20;
+const HEADROOM_PER_CONNECTION: u64 = 80 << 10;
+/// Template instructions (minijinja fuel) per token of context: a conversation that fits has at
+/// most one message per token, and real templates spend tens of instructions per message.
+const TEMPLATE_FUEL_PER_TOKEN: u64 = 2_000;
+const TEMPLATE_FUEL_BASE: u64 = 100_000;
+/// After the drain deadline, how long the ended requests get to send their last bytes.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
 
 fn preset(p: &TomlPreset) -> SamplingPreset {
     SamplingPreset {
@@ -96,18 +120,10 @@ fn load_backend(
 /// Bytes per KV element in the cpu backend (f32 K and V).
 const CPU_KV_ELEM_BYTES: u64 = 4;
 
-/// `MemAvailable` of /proc/meminfo in bytes (None where it cannot be read).
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// Refuse a KV cache that does not fit in the host's available memory before allocating it (the
 /// kernel's OOM killer would otherwise end the process, or a neighbour, mid-start).
 fn check_host_memory(model: &Model, slots: usize, ctx: usize) -> Result<()> {
-    let Some(avail) = mem_available() else {
+    let Some(avail) = crate::budget::host_available() else {
         return Ok(());
     };
     let per_token = model.config.kv_elems_per_token() as u64 * CPU_KV_ELEM_BYTES;
@@ -172,17 +188,45 @@ pub async fn run(cli: Cli) -> Result<()> {
     })?;
     let local = listener.local_addr()?;
 
-    let state = AppState::new(cli.api_key.clone());
+    let nofile = listen::raise_nofile_limit();
+    let fd_room = nofile.saturating_sub(FD_RESERVE).max(16) as usize;
+    let max_connections = match cli.max_connections {
+        Some(n) => {
+            if n > fd_room {
+                eprintln!(
+                    "note: --max-connections {n} is more than the open-file limit ({nofile}) allows; \
+                     connections past about {fd_room} will not be accepted (raise `ulimit -n`)"
+                );
+            }
+            n
+        }
+        None => DEFAULT_MAX_CONNECTIONS.min(fd_room),
+    };
+    let client_timeout = Duration::from_secs(cli.client_timeout);
+    let conns = Arc::new(Connections::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (abort_tx, abort_rx) = watch::channel(false);
+    let state = AppState::new(
+        cli.api_key.clone(),
+        Limits {
+            max_queue: cli.max_queue,
+            client_timeout,
+        },
+        conns.clone(),
+        abort_rx,
+    );
     let app = crate::routes::router(state.clone());
-    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let server = tokio::spawn(async move {
-        let mut rx = shutdown_rx;
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.wait_for(|v| *v).await;
-            })
-            .await
-    });
+    let accept = tokio::spawn(listen::serve(
+        listener,
+        app,
+        ListenConfig {
+            max_connections,
+            client_timeout,
+        },
+        conns.clone(),
+        stop_rx,
+    ));
+    ignore_sighup();
     eprintln!(
         "metrale-server: listening on http://{local} (GET /health is 503 until the model is ready)"
     );
@@ -194,8 +238,15 @@ pub async fn run(cli: Cli) -> Result<()> {
 
     let t0 = Instant::now();
     eprintln!("loading model {} ...", model_path.display());
+    let shutdown_timeout = Duration::from_secs(cli.shutdown_timeout);
     let load = tokio::task::spawn_blocking(move || -> Result<Served> {
-        load(&cli, &model_path, target, template_override)
+        load(
+            &cli,
+            &model_path,
+            target,
+            template_override,
+            max_connections,
+        )
     });
     let served = tokio::select! {
         r = load => r.context("the loader thread panicked")??,
@@ -217,14 +268,56 @@ pub async fn run(cli: Cli) -> Result<()> {
     );
     let _ = state.ready.set(Arc::new(served));
 
-    tokio::select! {
-        r = server => { r.context("server task")?.context("serving HTTP")?; }
+    shutdown_signal().await;
+    eprintln!(
+        "shutting down: accepting no new connections; waiting up to {} s (--shutdown-timeout) for the \
+         requests of {} open connections to finish",
+        shutdown_timeout.as_secs(),
+        conns.open()
+    );
+    let _ = stop_tx.send(true);
+    let _ = accept.await;
+    let drained = tokio::select! {
+        r = tokio::time::timeout(shutdown_timeout, conns.wait_closed()) => r.is_ok(),
         _ = shutdown_signal() => {
-            eprintln!("shutting down");
-            let _ = shutdown_tx.send(true);
+            eprintln!("second signal: ending the requests still running now");
+            false
         }
+    };
+    if drained {
+        eprintln!("drained: every request finished");
+        return Ok(());
     }
-    Ok(())
+    let left = conns.open();
+    let _ = abort_tx.send(true);
+    let _ = tokio::time::timeout(ABORT_GRACE, conns.wait_closed()).await;
+    bail!(
+        "the drain did not finish: {left} connections still had requests running after {} s \
+         (--shutdown-timeout); they were ended with an error",
+        shutdown_timeout.as_secs()
+    )
+}
+
+/// Render a small conversation under the template's limits, so that a template with runaway loops
+/// fails at start-up, naming its limit, instead of on every request.
+fn probe_template(t: &ChatTemplate) -> Result<()> {
+    let msgs = [
+        ChatMessage::new("user", "Hello"),
+        ChatMessage::new("assistant", "Hi. How can I help?"),
+        ChatMessage::new("user", "What is the capital of France?"),
+    ];
+    match t.render_bounded(&msgs, true) {
+        Err(RenderError::OutOfFuel { fuel }) => bail!(
+            "the chat template runs past its limit of {fuel} instructions on a 3-message conversation: it \
+             has a runaway loop; fix it, or give another with --chat-template FILE"
+        ),
+        Err(RenderError::TooLong { max_bytes }) => bail!(
+            "the chat template renders a 3-message conversation to more than {max_bytes} bytes, more than \
+             the context can hold; fix it, or give another with --chat-template FILE"
+        ),
+        // A template may refuse some conversations on purpose (raise_exception); that is per request.
+        _ => Ok(()),
+    }
 }
 
 fn load(
@@ -232,6 +325,7 @@ fn load(
     path: &std::path::Path,
     target: Option<TargetSpec>,
     template: Option<ChatTemplate>,
+    max_connections: usize,
 ) -> Result<Served> {
     let t = Instant::now();
     let mut model =
@@ -297,6 +391,19 @@ fn load(
         }
         None => model.chat_template.take(),
     };
+    let ctx_size = info.slot_capacity;
+    let prompt_byte_cap = crate::prepare::prompt_byte_cap(&model.tokenizer, ctx_size);
+    let chat_template = match chat_template {
+        Some(t) => {
+            let t = t.with_limits(RenderLimits {
+                fuel: TEMPLATE_FUEL_BASE + TEMPLATE_FUEL_PER_TOKEN * ctx_size as u64,
+                max_bytes: prompt_byte_cap,
+            });
+            probe_template(&t)?;
+            Some(t)
+        }
+        None => None,
+    };
     if chat_template.is_none() {
         eprintln!("  note: the model has no chat template: /v1/chat/completions answers 400 until --chat-template FILE is given");
     }
@@ -315,12 +422,46 @@ fn load(
         Some(t) => (preset(&t.sampling.chat), preset(&t.sampling.completion)),
         None => (SamplingPreset::default(), SamplingPreset::default()),
     };
+    let model = Arc::new(model);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let warm = model.clone();
+    let pool = Pool::new(
+        (threads / 2).clamp(2, 8),
+        Arc::new(move || {
+            let _ = warm
+                .tokenizer
+                .encode("Warm up: 1234, <|im_start|>. ", false, true);
+        }),
+    );
+    // Measured last, once everything the process keeps is allocated.
+    let budget = Arc::new(MemoryBudget::measure(
+        cli.max_memory,
+        HEADROOM_BYTES + HEADROOM_PER_CONNECTION * max_connections as u64,
+    ));
+    if budget.total < 64 << 20 {
+        bail!(
+            "the memory budget leaves {} MiB for requests ({}); give the server more memory (--max-memory, \
+             or the container's limit) or lower --max-connections",
+            budget.total >> 20,
+            budget.describe()
+        );
+    }
+    eprintln!(
+        "  requests: memory budget {}; prompts up to {prompt_byte_cap} bytes; {} preprocessing threads; \
+         queue {}; {max_connections} connections; client timeout {} s",
+        budget.describe(),
+        pool.threads(),
+        cli.max_queue,
+        cli.client_timeout
+    );
     Ok(Served {
-        model: Arc::new(model),
+        model,
+        pool,
+        budget,
         chat_template,
         engine,
         name,
-        ctx_size: info.slot_capacity,
+        ctx_size,
         kv_tokens: info.slots * info.slot_capacity,
         parallel: info.slots,
         chat_preset,
@@ -337,6 +478,18 @@ fn load(
 fn file_stem(p: &std::path::Path) -> String {
     p.file_stem()
         .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+}
+
+/// Log SIGHUP instead of dying of it (a closed terminal or a reload signal must not stop serving).
+fn ignore_sighup() {
+    #[cfg(unix)]
+    if let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                eprintln!("SIGHUP received and ignored (SIGTERM or Ctrl-C stops the server)");
+            }
+        });
+    }
 }
 
 async fn shutdown_signal() {

@@ -1,0 +1,303 @@
+//! From a request body to a [`Job`]: parse and validate it, render the chat template, tokenize. This
+//! is the blocking, CPU-heavy part of a request; the routes run it on the [`crate::pool::Pool`].
+//!
+//! Every step is bounded before it is paid for:
+//! - memory: the caller's [`Reservation`] grows by the step's worst case first (parsing:
+//!   [`parse_worst_case`] of the body; rendering: [`RENDER_BYTES_PER_CAP_BYTE`]; tokenizing:
+//!   [`TOKENIZE_BYTES_PER_BYTE`] of the text), and a step that does not fit is refused;
+//! - prompt size: a text longer than `ctx_size` x the longest token's bytes cannot fit the context,
+//!   so it is refused from its length, before tokenizing (`context_length_exceeded`); so are
+//!   messages whose text together is longer, before rendering;
+//! - templates: rendering runs under the template's fuel and an output cap equal to that byte cap;
+//!   a conversation with more messages than the context has tokens is refused before rendering.
+
+use metrale_model::{ChatMessage, ChatTemplate, RenderError, Tokenizer};
+
+use crate::api::{
+    self, ChatRequest, CompletionRequest, DetokenizeRequest, PromptSpec, SamplingPreset,
+    TokenizeRequest,
+};
+use crate::budget::{parse_worst_case, Reservation, TOKENIZE_BYTES_PER_BYTE};
+use crate::error::ApiError;
+use crate::generate::Job;
+use crate::sse::Kind;
+
+/// Heap of rendering a conversation whose text fits the prompt byte cap, per byte of that cap: the
+/// template's copy of the messages, the concatenations templates do on a message (`'<|im_start|>'
+/// + role + '\n' + content`, one new string each) and the output's growth by doubling.
+pub const RENDER_BYTES_PER_CAP_BYTE: u64 = 8;
+
+/// What preparing a request needs from the served model.
+pub struct Prep<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub template: Option<&'a ChatTemplate>,
+    pub chat_preset: &'a SamplingPreset,
+    pub completion_preset: &'a SamplingPreset,
+    /// Logits row length (token ids from clients must be below it).
+    pub vocab: usize,
+    /// Tokens one sequence holds.
+    pub ctx_size: usize,
+}
+
+impl Prep<'_> {
+    /// The longest prompt text that can fit the context: `ctx_size` tokens of the longest token.
+    pub fn prompt_byte_cap(&self) -> usize {
+        prompt_byte_cap(self.tokenizer, self.ctx_size)
+    }
+}
+
+/// One of the preparing functions, by endpoint (for callers that pick one at run time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    Chat,
+    Completion,
+    Tokenize,
+    Detokenize,
+}
+
+impl Step {
+    /// Run the step; `Ok(())` when it prepared the request.
+    pub fn run(self, p: &Prep, body: &[u8], res: &mut Reservation) -> Result<(), ApiError> {
+        match self {
+            Step::Chat => chat(p, body, res).map(drop),
+            Step::Completion => completion(p, body, res).map(drop),
+            Step::Tokenize => tokenize(p, body, res).map(drop),
+            Step::Detokenize => detokenize(p, body, res).map(drop),
+        }
+    }
+}
+
+/// `ctx_size` x the most bytes one token stands for.
+pub fn prompt_byte_cap(tk: &Tokenizer, ctx_size: usize) -> usize {
+    ctx_size.saturating_mul(tk.max_token_bytes())
+}
+
+/// The 400 for a text that is too long to fit the context whatever it tokenizes to.
+fn too_many_bytes(p: &Prep, bytes: usize, param: &str) -> ApiError {
+    ApiError::invalid_code(
+        format!(
+            "the prompt is {bytes} bytes: more than this model's context of {} tokens can hold (no token \
+             stands for more than {} bytes, so at most {} bytes fit); shorten the prompt",
+            p.ctx_size,
+            p.tokenizer.max_token_bytes(),
+            p.prompt_byte_cap()
+        ),
+        Some(param),
+        "context_length_exceeded",
+    )
+}
+
+fn reserve_parse(res: &mut Reservation, body: &[u8]) -> Result<(), ApiError> {
+    res.grow(
+        parse_worst_case(body),
+        &format!("to parse its {} byte body", body.len()),
+    )
+}
+
+/// Tokenize a prompt text after checking it can fit and reserving its worst case.
+fn encode_prompt(
+    p: &Prep,
+    res: &mut Reservation,
+    text: &str,
+    param: &str,
+) -> Result<Vec<u32>, ApiError> {
+    if text.len() > p.prompt_byte_cap() {
+        return Err(too_many_bytes(p, text.len(), param));
+    }
+    let held = res.bytes();
+    res.grow(
+        text.len() as u64 * TOKENIZE_BYTES_PER_BYTE,
+        &format!("to tokenize a {} byte prompt", text.len()),
+    )?;
+    let tk = p.tokenizer;
+    // A template that already wrote the BOS text gets no second BOS.
+    let bos_written = tk
+        .bos()
+        .and_then(|b| tk.token_text(b))
+        .is_some_and(|t| !t.is_empty() && text.starts_with(&t));
+    let ids = tk
+        .encode(text, tk.add_bos() && !bos_written, true)
+        .map_err(|e| ApiError::invalid(format!("cannot tokenize '{param}': {e}"), Some(param)));
+    res.shrink_to(held);
+    ids
+}
+
+/// POST /v1/chat/completions.
+pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
+    reserve_parse(res, body)?;
+    let r: ChatRequest = api::parse_request(body)?;
+    let params = api::validate_chat(&r, p.chat_preset, p.vocab)?;
+    let template = p.template.ok_or_else(|| {
+        ApiError::invalid(
+            "this model has no chat template; use /v1/completions, or restart the server with \
+             --chat-template FILE",
+            Some("messages"),
+        )
+    })?;
+    if r.messages.len() > p.ctx_size {
+        return Err(ApiError::invalid_code(
+            format!(
+                "{} messages cannot fit this model's context of {} tokens; send fewer messages",
+                r.messages.len(),
+                p.ctx_size
+            ),
+            Some("messages"),
+            "context_length_exceeded",
+        ));
+    }
+    let mut msgs = Vec::with_capacity(r.messages.len());
+    for (i, m) in r.messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "developer" => "system",
+            "system" | "user" | "assistant" | "tool" => m.role.as_str(),
+            other => return Err(ApiError::invalid(
+                format!(
+                    "unknown role '{other}' (expected system, developer, user, assistant or tool)"
+                ),
+                Some(&format!("messages[{i}].role")),
+            )),
+        };
+        msgs.push(ChatMessage::new(role, api::message_text(m, i)?));
+    }
+    drop(r);
+    // Every message's text is part of the prompt, so together they must fit before rendering
+    // (rendering copies and concatenates them, whatever the output cap).
+    let cap = p.prompt_byte_cap();
+    let text_bytes: usize = msgs.iter().map(|m| m.content.len() + m.role.len()).sum();
+    if text_bytes > cap {
+        return Err(too_many_bytes(p, text_bytes, "messages"));
+    }
+    res.grow(
+        cap as u64 * RENDER_BYTES_PER_CAP_BYTE,
+        "to render the chat template",
+    )?;
+    let text = template.render_bounded(&msgs, true).map_err(|e| match e {
+        RenderError::TooLong { .. } => ApiError::invalid_code(
+            format!(
+                "the rendered conversation is more than {cap} bytes: more than this model's context of {} \
+                 tokens can hold; shorten the messages",
+                p.ctx_size
+            ),
+            Some("messages"),
+            "context_length_exceeded",
+        ),
+        RenderError::OutOfFuel { fuel } => ApiError::invalid(
+            format!(
+                "the chat template ran past its limit of {fuel} instructions on these {} messages; send \
+                 fewer messages",
+                msgs.len()
+            ),
+            Some("messages"),
+        ),
+        RenderError::Template(m) => ApiError::invalid(
+            format!("the chat template failed on these messages: {m}"),
+            Some("messages"),
+        ),
+    })?;
+    drop(msgs);
+    let prompt = encode_prompt(p, res, &text, "messages")?;
+    Ok(Job {
+        kind: Kind::Chat,
+        prompts: vec![prompt],
+        params,
+    })
+}
+
+/// POST /v1/completions.
+pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
+    reserve_parse(res, body)?;
+    let r: CompletionRequest = api::parse_request(body)?;
+    let params = api::validate_completion(&r, p.completion_preset, p.vocab)?;
+    let n_prompts = match &r.prompt {
+        PromptSpec::Texts(ts) => ts.len(),
+        PromptSpec::TokenLists(l) => l.len(),
+        _ => 1,
+    };
+    if n_prompts == 0 {
+        return Err(ApiError::invalid(
+            "'prompt' must not be an empty list",
+            Some("prompt"),
+        ));
+    }
+    if n_prompts * params.n > api::MAX_N {
+        return Err(ApiError::invalid(
+            format!(
+                "at most {} choices per request (prompts x n), got {}",
+                api::MAX_N,
+                n_prompts * params.n
+            ),
+            Some("prompt"),
+        ));
+    }
+    // Check every text's length before tokenizing any.
+    if let PromptSpec::Text(t) = &r.prompt {
+        if t.len() > p.prompt_byte_cap() {
+            return Err(too_many_bytes(p, t.len(), "prompt"));
+        }
+    }
+    if let PromptSpec::Texts(ts) = &r.prompt {
+        if let Some(t) = ts.iter().find(|t| t.len() > p.prompt_byte_cap()) {
+            return Err(too_many_bytes(p, t.len(), "prompt"));
+        }
+    }
+    let prompts = match &r.prompt {
+        PromptSpec::Text(t) => vec![encode_prompt(p, res, t, "prompt")?],
+        PromptSpec::Texts(ts) => ts
+            .iter()
+            .map(|t| encode_prompt(p, res, t, "prompt"))
+            .collect::<Result<_, _>>()?,
+        PromptSpec::Tokens(ids) => vec![api::check_token_ids(ids, p.vocab, "prompt")?],
+        PromptSpec::TokenLists(l) => l
+            .iter()
+            .map(|ids| api::check_token_ids(ids, p.vocab, "prompt"))
+            .collect::<Result<_, _>>()?,
+    };
+    Ok(Job {
+        kind: Kind::Completion,
+        prompts,
+        params,
+    })
+}
+
+/// POST /tokenize: the ids of `content` (at most the prompt byte cap).
+pub fn tokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Vec<u32>, ApiError> {
+    reserve_parse(res, body)?;
+    let r: TokenizeRequest = api::parse_body(body)?;
+    let cap = p.prompt_byte_cap();
+    if r.content.len() > cap {
+        return Err(ApiError::invalid(
+            format!(
+                "'content' is {} bytes; /tokenize takes at most {cap} bytes (the most this model's context \
+                 of {} tokens can hold)",
+                r.content.len(),
+                p.ctx_size
+            ),
+            Some("content"),
+        ));
+    }
+    res.grow(
+        r.content.len() as u64 * TOKENIZE_BYTES_PER_BYTE,
+        &format!("to tokenize {} bytes", r.content.len()),
+    )?;
+    let tk = p.tokenizer;
+    tk.encode(&r.content, r.add_special && tk.add_bos(), true)
+        .map_err(|e| ApiError::invalid(format!("cannot tokenize 'content': {e}"), Some("content")))
+}
+
+/// POST /detokenize: the text of `tokens`.
+pub fn detokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<String, ApiError> {
+    reserve_parse(res, body)?;
+    let r: DetokenizeRequest = api::parse_body(body)?;
+    let ids = api::check_token_ids(&r.tokens, p.vocab, "tokens")?;
+    drop(r);
+    // The bytes, their growth by doubling, and the lossy UTF-8 copy (up to 3 bytes per byte).
+    let bytes: usize = ids
+        .iter()
+        .map(|&id| p.tokenizer.token_bytes_ref(id).len())
+        .sum();
+    res.grow(
+        bytes as u64 * 8,
+        &format!("to detokenize {} ids", ids.len()),
+    )?;
+    Ok(p.tokenizer.decode(&ids, false))
+}

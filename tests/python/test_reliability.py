@@ -1,0 +1,431 @@
+"""The server under abuse: bounded work, a drain with a deadline, slow and stalled clients, the
+connection cap, admission control and a memory limit. Each test starts its own server (the real
+binary, the real model) with the flags it needs, and drives it with real sockets and clients.
+
+Timing bounds are stated where they are asserted: /health must answer within 100 ms while other
+clients load the server (the product's promise); the other waits are generous multiples of the
+timeouts the tests set.
+"""
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import start_server, stop_server
+
+HEALTH_BUDGET_S = 0.100
+
+
+def chat_body(content="What is the capital of France?", **kw):
+    return {"messages": [{"role": "user", "content": content}], **kw}
+
+
+def health_latencies(base, n, gap=0.05):
+    """Time n GET /health, each on a fresh connection, with curl in a process of its own (this
+    process's client threads would otherwise add their own waits for Python's lock)."""
+    out = []
+    for _ in range(n):
+        r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}",
+                            base + "/health"], capture_output=True, text=True, timeout=30)
+        code, t = r.stdout.split()
+        assert code == "200", r.stdout
+        out.append(float(t))
+        time.sleep(gap)
+    return out
+
+
+def sse_lines(resp):
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def metric_value(base, name, label=None):
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name) and (label is None or label in line):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {label or ''} not in /metrics:\n{text}")
+
+
+def wait_running(base, n, timeout=60):
+    """Wait until the engine runs n sequences (both requests of a test are in flight)."""
+    deadline = time.time() + timeout
+    while metric_value(base, "vllm:num_requests_running") < n:
+        assert time.time() < deadline, f"{n} requests never ran at once"
+        time.sleep(0.01)
+
+
+def raw_request(port, data: bytes, read_timeout=10.0) -> bytes:
+    """Send raw bytes, read until the server closes or read_timeout passes."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        s.settimeout(read_timeout)
+        chunks = []
+        try:
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                chunks.append(b)
+        except socket.timeout:
+            pass
+        return b"".join(chunks)
+
+
+def envelope(raw: bytes):
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head.decode(), json.loads(body)
+
+
+# --- bounded work -----------------------------------------------------------------------------
+
+
+def test_health_answers_within_100ms_while_heavy_requests_run(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "8192", "--parallel", "2"])
+    try:
+        # Each /tokenize of digits near the byte cap costs ~1 s of CPU on the preprocessing pool;
+        # the chats carry the longest stop strings allowed.
+        cap = 8192 * 81
+        heavy = {"content": "7" * (cap - 100)}
+        stops = ["x" * 256] * 16
+
+        def tokenize():
+            return httpx.post(s.base + "/tokenize", json=heavy, timeout=120).status_code
+
+        def chat():
+            return httpx.post(s.base + "/v1/chat/completions", timeout=120,
+                              json=chat_body(max_tokens=32, stop=stops)).status_code
+
+        with ThreadPoolExecutor(12) as ex:
+            futs = [ex.submit(tokenize) for _ in range(6)] + [ex.submit(chat) for _ in range(6)]
+            time.sleep(0.3)
+            lat = health_latencies(s.base, 20)
+            codes = [f.result() for f in futs]
+        assert all(c == 200 for c in codes), codes
+        assert max(lat) < HEALTH_BUDGET_S, f"/health latencies (s): {sorted(lat)}"
+    finally:
+        stop_server(s.proc)
+
+
+def test_oversized_prompts_are_refused_before_tokenizing(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "1024"])
+    try:
+        big = "1" * (15 << 20)
+        t = time.perf_counter()
+        r = httpx.post(s.base + "/v1/chat/completions", json=chat_body(big), timeout=60)
+        elapsed = time.perf_counter() - t
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["code"] == "context_length_exceeded", r.text
+        assert "bytes" in e["message"] and "1024 tokens" in e["message"], e
+        # Tokenizing 15 MiB takes over a minute; refusing from the length takes well under a second.
+        assert elapsed < 2.0, elapsed
+        r = httpx.post(s.base + "/tokenize", json={"content": big}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        r = httpx.post(s.base + "/v1/completions", json={"prompt": big, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    finally:
+        stop_server(s.proc)
+
+
+RUNAWAY = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+CUBIC = ("{% for a in messages %}{% for b in messages %}{% for c in messages %}{% endfor %}{% endfor %}"
+         "{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_runaway_chat_template_fails_at_start_naming_the_limit(tmp_path):
+    t = tmp_path / "runaway.jinja"
+    t.write_text(RUNAWAY)
+    from conftest import model_path, server_binary
+    r = subprocess.run([server_binary(), "--model", model_path(), "--port", "0", "--chat-template", str(t)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "instructions" in r.stderr and "--chat-template" in r.stderr, r.stderr
+
+
+def test_costly_template_is_stopped_per_request_and_health_stays_up(tmp_path):
+    t = tmp_path / "cubic.jinja"
+    t.write_text(CUBIC)
+    s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--chat-template", str(t)])
+    try:
+        msgs = [{"role": "user", "content": "a"}] * 1000  # 10^9 loop iterations unbounded
+        t0 = time.perf_counter()
+        r = httpx.post(s.base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}, timeout=120)
+        assert r.status_code == 400 and "instructions" in r.json()["error"]["message"], r.text
+        assert time.perf_counter() - t0 < 30
+        assert max(health_latencies(s.base, 5)) < HEALTH_BUDGET_S
+        # The same template answers a small conversation.
+        r = httpx.post(s.base + "/v1/chat/completions", json=chat_body(max_tokens=2), timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        stop_server(s.proc)
+
+
+# --- graceful drain ---------------------------------------------------------------------------
+
+
+def test_drain_lets_streams_finish_then_exits_0(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--shutdown-timeout", "60"])
+    events = []
+    whole = {}
+
+    def stream():
+        with httpx.stream("POST", s.base + "/v1/completions", timeout=120,
+                          json={"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True,
+                                "stream": True}) as r:
+            for d in sse_lines(r):
+                events.append(d)
+
+    def whole_request():
+        r = httpx.post(s.base + "/v1/completions", timeout=120,
+                       json={"prompt": "One, two,", "max_tokens": 48, "ignore_eos": True})
+        whole["status"] = r.status_code
+        whole["body"] = r.json()
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole_request)]
+    for th in threads:
+        th.start()
+    wait_running(s.base, 2)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    # No new connections once draining.
+    with pytest.raises(httpx.TransportError):
+        httpx.get(s.base + "/health", timeout=2)
+    for th in threads:
+        th.join(120)
+    assert s.proc.wait(timeout=60) == 0, s.log()
+    assert events[-1] == "[DONE]", events[-3:]
+    finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finish[-1] == "length", finish[-3:]
+    assert whole["status"] == 200 and whole["body"]["usage"]["completion_tokens"] == 48, whole
+    assert "drained" in s.log()
+
+
+def test_drain_deadline_ends_requests_with_an_error_and_done(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "4096", "--parallel", "2", "--shutdown-timeout", "1"])
+    events = []
+    whole = {}
+
+    def stream():
+        with httpx.stream("POST", s.base + "/v1/completions", timeout=120,
+                          json={"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
+                                "stream": True}) as r:
+            for d in sse_lines(r):
+                events.append(d)
+
+    def whole_request():
+        r = httpx.post(s.base + "/v1/completions", timeout=120,
+                       json={"prompt": "One, two,", "max_tokens": 4000, "ignore_eos": True})
+        whole["status"] = r.status_code
+        whole["body"] = r.json()
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole_request)]
+    for th in threads:
+        th.start()
+    wait_running(s.base, 2)
+    t0 = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    for th in threads:
+        th.join(60)
+    code = s.proc.wait(timeout=60)
+    assert code != 0, s.log()
+    assert time.time() - t0 < 10
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert "shut down" in err["message"] and err["type"] == "service_unavailable_error", err
+    assert whole["status"] == 503 and "shut down" in whole["body"]["error"]["message"], whole
+    assert "drain did not finish" in s.log(), s.log()
+
+
+def test_sighup_does_not_stop_the_server(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "512"])
+    try:
+        s.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        assert s.alive()
+        assert httpx.get(s.base + "/health", timeout=5).status_code == 200
+        assert "SIGHUP" in s.log()
+    finally:
+        stop_server(s.proc)
+
+
+# --- slow, stalled and too many clients -------------------------------------------------------
+
+
+def test_a_thousand_stalled_sockets_do_not_stop_health(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"the open-file hard limit ({hard}) is too low to hold 1000 sockets")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    s = start_server(tmp_path / "log", ["--ctx-size", "512", "--client-timeout", "3"])
+    socks = []
+    try:
+        for _ in range(1000):
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+            socks.append(c)
+        assert metric_value(s.base, "metrale:open_connections") >= 1000
+        t_end = time.time() + 2
+        lat = []
+        while time.time() < t_end:  # a byte a second from each, while /health is timed
+            for c in socks:
+                try:
+                    c.sendall(b"X")
+                except OSError:
+                    pass
+            lat += health_latencies(s.base, 5, gap=0.01)
+        assert max(lat) < HEALTH_BUDGET_S, f"/health latencies (s): {sorted(lat)[-5:]}"
+        # The header timeout (3 s from connecting) closes them all.
+        deadline = time.time() + 15
+        while time.time() < deadline and metric_value(s.base, "metrale:open_connections") > 5:
+            time.sleep(0.2)
+        assert metric_value(s.base, "metrale:open_connections") <= 5
+    finally:
+        for c in socks:
+            c.close()
+        stop_server(s.proc)
+
+
+def test_connection_cap_is_a_503_in_the_envelope(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "512", "--max-connections", "4"])
+    idle = []
+    try:
+        for _ in range(4):
+            idle.append(socket.create_connection(("127.0.0.1", s.port)))
+        time.sleep(0.2)
+        raw = raw_request(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, body = envelope(raw)
+        assert head.startswith("HTTP/1.1 503"), head
+        assert "retry-after: 1" in head.lower(), head
+        assert "--max-connections" in body["error"]["message"], body
+    finally:
+        for c in idle:
+            c.close()
+    time.sleep(0.3)
+    try:
+        assert metric_value(s.base, "metrale:requests_rejected_total", 'reason="max_connections"') >= 1
+    finally:
+        stop_server(s.proc)
+
+
+def test_slow_body_is_a_408_and_malformed_chunks_a_400(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "512", "--client-timeout", "2"])
+    try:
+        t = time.time()
+        raw = raw_request(s.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: 100\r\n\r\n{\"content\":", read_timeout=10)
+        head, body = envelope(raw)
+        assert head.startswith("HTTP/1.1 408"), head
+        assert body["error"]["code"] == "body_timeout" and "--client-timeout" in body["error"]["message"]
+        assert time.time() - t < 8
+        raw = raw_request(s.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n")
+        head, body = envelope(raw)
+        assert head.startswith("HTTP/1.1 400"), head
+        assert "chunked" in body["error"]["message"], body
+        raw = raw_request(s.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: 17\r\n\r\n{\"content\":\"a\"} x")
+        head, body = envelope(raw)
+        assert head.startswith("HTTP/1.1 400") and "after its JSON" in body["error"]["message"], raw
+        assert metric_value(s.base, "metrale:requests_rejected_total", 'reason="body_timeout"') == 1
+    finally:
+        stop_server(s.proc)
+
+
+# --- admission control ------------------------------------------------------------------------
+
+
+def test_a_burst_past_the_queue_gets_429_with_retry_after(tmp_path):
+    s = start_server(tmp_path / "log", ["--ctx-size", "512", "--parallel", "1", "--max-queue", "4"])
+    try:
+        def one(i):
+            r = httpx.post(s.base + "/v1/completions", timeout=300,
+                           json={"prompt": f"Count: {i}", "max_tokens": 16, "ignore_eos": True})
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+        with ThreadPoolExecutor(200) as ex:
+            results = list(ex.map(one, range(400)))
+        codes = [c for c, _, _ in results]
+        assert set(codes) <= {200, 429}, sorted(set(codes))
+        refused = [(h, b) for c, h, b in results if c == 429]
+        assert refused and codes.count(200) >= 4, (codes.count(200), len(refused))
+        for h, b in refused:
+            assert h == "1" and b["error"]["code"] == "queue_full" and b["error"]["type"] == "rate_limit_error", b
+        assert metric_value(s.base, "metrale:requests_rejected_total", 'reason="queue_full"') == len(refused)
+        assert httpx.get(s.base + "/health", timeout=5).status_code == 200
+    finally:
+        stop_server(s.proc)
+
+
+def test_openai_client_retries_a_429(tmp_path):
+    import openai
+    s = start_server(tmp_path / "log", ["--ctx-size", "512", "--parallel", "1", "--max-queue", "1"])
+    try:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=8, timeout=120)
+        with ThreadPoolExecutor(6) as ex:
+            outs = list(ex.map(lambda i: c.completions.create(model="m", prompt=f"{i}", max_tokens=8), range(6)))
+        assert all(o.choices[0].finish_reason in ("stop", "length") for o in outs)
+    finally:
+        stop_server(s.proc)
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+def vm_size(pid) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmSize")
+
+
+def test_worst_case_requests_under_an_address_space_limit_do_not_abort(tmp_path):
+    args = ["--ctx-size", "8192", "--parallel", "2", "--max-connections", "64"]
+    # The server's address space when ready, unlimited; then the limit is that plus 600 MiB, room
+    # for one of these requests' worst cases (each reserves ~430 MiB) but not for the two that the
+    # two preprocessing threads would run at once (~360 MiB each) without the budget.
+    probe = start_server(tmp_path / "probe.log", args)
+    base_vm = vm_size(probe.proc.pid)
+    stop_server(probe.proc)
+    limit = base_vm + (600 << 20)
+
+    def cap_as():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    s = start_server(tmp_path / "log", args, preexec_fn=cap_as)
+    try:
+        assert "RLIMIT_AS" in s.log(), s.log()
+        cap = 8192 * 81
+        digits = "7" * (cap - 2000)
+
+        def tokenize():
+            return httpx.post(s.base + "/tokenize", json={"content": digits}, timeout=300)
+
+        def chat():
+            return httpx.post(s.base + "/v1/chat/completions", timeout=300, json=chat_body(digits, max_tokens=1))
+
+        def huge():
+            return httpx.post(s.base + "/v1/chat/completions", timeout=300, json=chat_body("x" * (15 << 20)))
+
+        with ThreadPoolExecutor(10) as ex:
+            futs = [ex.submit(f) for f in [tokenize, chat] * 4 + [huge] * 2]
+            rs = [f.result() for f in futs]
+        codes = [r.status_code for r in rs]
+        assert s.alive(), s.log()
+        assert set(codes) <= {200, 400, 413, 429}, (codes, [r.text[:200] for r in rs])
+        assert codes.count(200) >= 1, codes
+        busy = [r.json()["error"] for r in rs if r.status_code == 429]
+        assert busy, f"every request fit at once, so the limit tested nothing: {codes}"
+        assert all(e["code"] == "memory_busy" and "RLIMIT_AS" in e["message"] for e in busy), busy
+        assert httpx.get(s.base + "/health", timeout=5).status_code == 200
+    finally:
+        stop_server(s.proc)
