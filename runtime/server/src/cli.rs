@@ -25,12 +25,12 @@ pub struct Cli {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
 
-    /// Tokens one sequence can hold, prompt + generated (default: the target's [behavior] ctx_size,
+    /// Tokens one sequence can hold, prompt + generated (default: the target's `[behavior] ctx_size`,
     /// capped by the model's context length).
     #[arg(short = 'c', long, visible_alias = "max-model-len")]
     pub ctx_size: Option<usize>,
 
-    /// Sequences served at once (KV-cache slots; default: the target's [behavior] parallel, else 4).
+    /// Sequences served at once (KV-cache slots; default: the target's `[behavior] parallel`, else 4).
     #[arg(long, visible_alias = "max-num-seqs", alias = "np")]
     pub parallel: Option<usize>,
 
