@@ -781,7 +781,7 @@ impl GgufFile {
             path: path.to_path_buf(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = crate::files::open(path)?;
         // SAFETY: the map is read-only; the runtime's contract is that model files are not modified
         // while a server has them loaded (as for every mmap-based loader).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;

@@ -9,6 +9,8 @@
 //! - Only the llama architecture is accepted; anything else is refused naming what was found.
 //! - A malformed file is a [`ModelError`] naming the file and the field, never a panic; no allocation
 //!   is sized from a count read from a file before that count is bounded by the file's size.
+//! - Only regular files are opened ([`files`]): a FIFO, socket or device given as a model path or
+//!   found in an HF directory is refused, naming it, instead of blocking.
 //! - Weights are zero-copy views of the memory maps, except the HF reader's q/k projections, which are
 //!   row-permuted to GGUF's rope convention (adjacent pairs) and owned (see [`hf`]). Every backend
 //!   implements exactly that one rope convention.
@@ -18,6 +20,7 @@
 pub mod chat;
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod gguf;
 pub mod hf;
 pub mod tokenizer;
@@ -52,20 +55,14 @@ pub struct Model {
 impl Model {
     /// Load a `.gguf` file or an HF checkpoint directory.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
-        let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        if meta.is_dir() {
+        // A FIFO, socket or device is refused here, by a stat, before anything is opened.
+        if files::model_path_is_dir(path)? {
             return hf::load(path);
         }
         let mut magic = [0u8; 4];
         {
             use std::io::Read;
-            let mut f = std::fs::File::open(path).map_err(|source| ModelError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            let mut f = files::open(path)?;
             let n = f.read(&mut magic).map_err(|source| ModelError::Io {
                 path: path.to_path_buf(),
                 source,
