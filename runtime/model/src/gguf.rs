@@ -793,6 +793,23 @@ impl GgufFile {
         })
     }
 
+    /// Parse a GGUF held in memory (tests and fuzzing: no file needed). The bytes are parsed, then
+    /// copied into an anonymous read-only map so the tensors point into it as they would into a file.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<GgufFile> {
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let header = parse_header(bytes, path)?;
+        let mut map = memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(io)?;
+        map[..bytes.len()].copy_from_slice(bytes);
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            header,
+            map: map.make_read_only().map_err(io)?,
+        })
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.header.metadata.get(key)
     }
