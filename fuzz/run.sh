@@ -7,7 +7,8 @@
 # leak of the memory bounds, a timeout or a build failure; the crashing input is saved under
 # artifacts/TARGET/ and its path printed. TARGET=all runs every target for SECONDS each.
 set -euo pipefail
-cd "$(dirname "$0")"
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$self")"
 CARGO_FUZZ_VERSION=0.13.2
 TARGETS=(gguf gguf_model hf_config request_json chat_template)
 
@@ -17,7 +18,7 @@ target=$1 seconds=$2
 shift 2
 [[ $seconds =~ ^[1-9][0-9]*$ ]] || die "SECONDS must be a whole number of at least 1, got '$seconds'"
 if [ "$target" = all ]; then
-    for t in "${TARGETS[@]}"; do "$0" "$t" "$seconds" "$@"; done
+    for t in "${TARGETS[@]}"; do "$self" "$t" "$seconds" "$@"; done
     exit 0
 fi
 [[ " ${TARGETS[*]} " == *" $target "* ]] || die "unknown target '$target' (known: ${TARGETS[*]})"
