@@ -257,19 +257,13 @@ impl ChatTemplate {
     /// `bos_token`/`eos_token` are read from tokenizer_config.json.
     pub fn from_hf(dir: &Path) -> Result<Option<ChatTemplate>> {
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: serde_json::Value = match std::fs::read(&cfg_path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| ModelError::Malformed {
+        let cfg: serde_json::Value = match crate::files::read_if_exists(&cfg_path)? {
+            Some(b) => serde_json::from_slice(&b).map_err(|e| ModelError::Malformed {
                 path: cfg_path.clone(),
                 field: "json".into(),
                 msg: e.to_string(),
             })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-            Err(source) => {
-                return Err(ModelError::Io {
-                    path: cfg_path,
-                    source,
-                })
-            }
+            None => serde_json::Value::Null,
         };
         let tok = |k: &str| -> String {
             match cfg.get(k) {
@@ -283,9 +277,9 @@ impl ChatTemplate {
             }
         };
         let jinja_path = dir.join("chat_template.jinja");
-        let src = match std::fs::read_to_string(&jinja_path) {
-            Ok(s) => Some(s),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match cfg.get("chat_template") {
+        let src = match crate::files::regular_if_exists(&jinja_path)? {
+            Some(_) => Some(crate::files::read_to_string(&jinja_path)?),
+            None => match cfg.get("chat_template") {
                 None | Some(serde_json::Value::Null) => None,
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
                 Some(serde_json::Value::Array(list)) => list
@@ -303,12 +297,6 @@ impl ChatTemplate {
                     })
                 }
             },
-            Err(source) => {
-                return Err(ModelError::Io {
-                    path: jinja_path,
-                    source,
-                })
-            }
         };
         match src {
             None => Ok(None),

@@ -293,7 +293,7 @@ impl ModelConfig {
 
     /// Read the config from an HF `config.json` (already parsed). `add_bos` comes from the tokenizer
     /// files; `generation_eos` from generation_config.json when present.
-    pub(crate) fn from_hf(
+    pub fn from_hf(
         path: &Path,
         cfg: &Json,
         add_bos: bool,

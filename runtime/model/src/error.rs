@@ -13,6 +13,14 @@ pub enum ModelError {
         #[source]
         source: std::io::Error,
     },
+    /// The path is not a regular file where one is required: a named pipe, a socket, a device, or a
+    /// directory (`kind` says which), refused before it is opened (see [`crate::files`]).
+    #[error("{}: is {kind}, not {expected}", .path.display())]
+    NotRegular {
+        path: PathBuf,
+        kind: &'static str,
+        expected: &'static str,
+    },
     /// The file is malformed at `field`: truncated, an absurd count or length, an offset past the end...
     #[error("{}: {field}: {msg}", .path.display())]
     Malformed {

@@ -8,6 +8,10 @@
 //! - every read is bounds-checked; a truncated file names the field being read and its offset;
 //! - no allocation is sized from an unchecked count: a count or length is first bounded by the bytes
 //!   left in the file (each element takes at least its minimum encoded size);
+//! - metadata arrays are stored compactly ([`Array`]): a numeric or bool array as one typed vector,
+//!   a string array as one text buffer plus an end offset per string ([`StrArray`]), so an array
+//!   takes no more heap than its bytes in the file (a string's 8-byte length becomes its 8-byte end
+//!   offset), and parsing a header peaks at about the parsed structures' size;
 //! - tensor names are unique, have 1..=4 dimensions, a supported ggml type, a row length that is a whole
 //!   number of blocks, an offset aligned to `general.alignment`, and data that lies inside the file.
 
@@ -89,11 +93,149 @@ pub enum Value {
     F32(f32),
     Bool(bool),
     String(String),
-    /// Element type and elements (all of that type).
-    Array(ValueType, Vec<Value>),
+    /// An array: all elements of one type, stored as one typed vector.
+    Array(Array),
     U64(u64),
     I64(i64),
     F64(f64),
+}
+
+/// A metadata array, stored compactly: one vector of the element type (never one [`Value`] per
+/// element, which took 32 bytes for a 1-byte u8).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Array {
+    U8(Vec<u8>),
+    I8(Vec<i8>),
+    U16(Vec<u16>),
+    I16(Vec<i16>),
+    U32(Vec<u32>),
+    I32(Vec<i32>),
+    F32(Vec<f32>),
+    Bool(Vec<bool>),
+    String(StrArray),
+    /// Nested arrays (at most one level), each with its own element type.
+    Array(Vec<Array>),
+    U64(Vec<u64>),
+    I64(Vec<i64>),
+    F64(Vec<f64>),
+}
+
+impl Array {
+    /// The type of the elements.
+    pub fn elem_type(&self) -> ValueType {
+        match self {
+            Array::U8(_) => ValueType::U8,
+            Array::I8(_) => ValueType::I8,
+            Array::U16(_) => ValueType::U16,
+            Array::I16(_) => ValueType::I16,
+            Array::U32(_) => ValueType::U32,
+            Array::I32(_) => ValueType::I32,
+            Array::F32(_) => ValueType::F32,
+            Array::Bool(_) => ValueType::Bool,
+            Array::String(_) => ValueType::String,
+            Array::Array(_) => ValueType::Array,
+            Array::U64(_) => ValueType::U64,
+            Array::I64(_) => ValueType::I64,
+            Array::F64(_) => ValueType::F64,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Array::U8(v) => v.len(),
+            Array::I8(v) => v.len(),
+            Array::U16(v) => v.len(),
+            Array::I16(v) => v.len(),
+            Array::U32(v) => v.len(),
+            Array::I32(v) => v.len(),
+            Array::F32(v) => v.len(),
+            Array::Bool(v) => v.len(),
+            Array::String(v) => v.len(),
+            Array::Array(v) => v.len(),
+            Array::U64(v) => v.len(),
+            Array::I64(v) => v.len(),
+            Array::F64(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The strings of a string array (`None` for another element type).
+    pub fn as_strs(&self) -> Option<&StrArray> {
+        match self {
+            Array::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The elements as i64, if this is an integer array whose every element fits (`None` otherwise:
+    /// another element type, or a u64 above i64::MAX).
+    pub fn to_i64s(&self) -> Option<Vec<i64>> {
+        fn all<T: Copy>(v: &[T], f: impl Fn(T) -> Option<i64>) -> Option<Vec<i64>> {
+            v.iter().map(|&x| f(x)).collect()
+        }
+        match self {
+            Array::U8(v) => all(v, |x| Some(x.into())),
+            Array::I8(v) => all(v, |x| Some(x.into())),
+            Array::U16(v) => all(v, |x| Some(x.into())),
+            Array::I16(v) => all(v, |x| Some(x.into())),
+            Array::U32(v) => all(v, |x| Some(x.into())),
+            Array::I32(v) => all(v, |x| Some(x.into())),
+            Array::U64(v) => all(v, |x| i64::try_from(x).ok()),
+            Array::I64(v) => Some(v.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// An array of strings as one UTF-8 buffer and the end offset of each string in it: 8 bytes of
+/// overhead per string, the same as the string's length field in the file.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct StrArray {
+    text: String,
+    ends: Vec<usize>,
+}
+
+impl StrArray {
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The `i`th string.
+    pub fn get(&self, i: usize) -> Option<&str> {
+        let end = *self.ends.get(i)?;
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        self.text.get(start..end)
+    }
+
+    /// The strings in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        (0..self.len()).map(|i| self.get(i).unwrap_or_default())
+    }
+}
+
+impl<S: AsRef<str>> FromIterator<S> for StrArray {
+    fn from_iter<I: IntoIterator<Item = S>>(iter: I) -> StrArray {
+        let mut a = StrArray::default();
+        for s in iter {
+            a.text.push_str(s.as_ref());
+            a.ends.push(a.text.len());
+        }
+        a
+    }
+}
+
+impl std::fmt::Debug for StrArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
 }
 
 impl Value {
@@ -109,7 +251,7 @@ impl Value {
             Value::F32(_) => "f32",
             Value::Bool(_) => "bool",
             Value::String(_) => "string",
-            Value::Array(..) => "array",
+            Value::Array(_) => "array",
             Value::U64(_) => "u64",
             Value::I64(_) => "i64",
             Value::F64(_) => "f64",
@@ -162,6 +304,26 @@ impl Value {
         match *self {
             Value::Bool(b) => Some(b),
             _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&Array> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// A short description for error messages: the type and value of a scalar, at most 64 characters
+    /// of a string, the element type and length of an array (never all of a huge value).
+    pub fn describe(&self) -> String {
+        match self {
+            Value::String(s) => match s.char_indices().nth(64) {
+                None => format!("string {s:?}"),
+                Some((cut, _)) => format!("string {:?}... ({} bytes)", &s[..cut], s.len()),
+            },
+            Value::Array(a) => format!("array of {} {:?}", a.len(), a.elem_type()),
+            other => format!("{} {other:?}", other.type_name()),
         }
     }
 }
@@ -257,16 +419,21 @@ impl<'a> Reader<'a> {
         Ok(n as usize)
     }
 
-    fn string(&mut self, field: &str) -> Result<String> {
+    /// A string borrowed from the file (u64 length, then UTF-8 bytes).
+    fn str(&mut self, field: &str) -> Result<&'a str> {
         let at = self.pos;
         let len = self.count(field, 1)?;
         let bytes = self.take(len, field)?;
-        String::from_utf8(bytes.to_vec()).map_err(|e| {
+        std::str::from_utf8(bytes).map_err(|e| {
             self.err(
                 field,
                 format!("string at offset {at} is not valid UTF-8: {e}"),
             )
         })
+    }
+
+    fn string(&mut self, field: &str) -> Result<String> {
+        self.str(field).map(str::to_owned)
     }
 
     fn value_type(&mut self, field: &str) -> Result<ValueType> {
@@ -280,7 +447,15 @@ impl<'a> Reader<'a> {
         })
     }
 
-    fn value(&mut self, t: ValueType, field: &str, depth: u32) -> Result<Value> {
+    fn bool(&mut self, field: &str) -> Result<bool> {
+        match self.array::<1>(field)?[0] {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(self.err(field, format!("bool byte is {b}, expected 0 or 1"))),
+        }
+    }
+
+    fn value(&mut self, t: ValueType, field: &str) -> Result<Value> {
         Ok(match t {
             ValueType::U8 => Value::U8(self.array::<1>(field)?[0]),
             ValueType::I8 => Value::I8(self.array::<1>(field)?[0] as i8),
@@ -289,29 +464,85 @@ impl<'a> Reader<'a> {
             ValueType::U32 => Value::U32(self.u32(field)?),
             ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(field)?)),
             ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(field)?)),
-            ValueType::Bool => {
-                let b = self.array::<1>(field)?[0];
-                match b {
-                    0 => Value::Bool(false),
-                    1 => Value::Bool(true),
-                    _ => return Err(self.err(field, format!("bool byte is {b}, expected 0 or 1"))),
-                }
-            }
+            ValueType::Bool => Value::Bool(self.bool(field)?),
             ValueType::String => Value::String(self.string(field)?),
             ValueType::U64 => Value::U64(self.u64(field)?),
             ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(field)?)),
             ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(field)?)),
-            ValueType::Array => {
-                if depth >= 2 {
-                    return Err(self.err(field, "arrays nested deeper than 2 levels"));
+            ValueType::Array => Value::Array(self.array_value(field, 0)?),
+        })
+    }
+
+    /// `n` fixed-size little-endian elements as one vector, allocated once at its exact size (`n`
+    /// was bounded by the bytes left when it was read).
+    fn fixed<const N: usize, T>(
+        &mut self,
+        n: usize,
+        field: &str,
+        from: impl Fn([u8; N]) -> T,
+    ) -> Result<Vec<T>> {
+        let bytes = self.take(n * N, field)?;
+        Ok(bytes
+            .chunks_exact(N)
+            .map(|c| {
+                let mut a = [0u8; N];
+                a.copy_from_slice(c);
+                from(a)
+            })
+            .collect())
+    }
+
+    /// `n` strings as one [`StrArray`]: a first pass checks the lengths and sums them without
+    /// allocating, so the text buffer and the offsets are each allocated once at their exact size.
+    fn str_array(&mut self, n: usize, field: &str) -> Result<StrArray> {
+        let start = self.pos;
+        let mut total = 0usize;
+        for _ in 0..n {
+            total += self.str(field)?.len();
+        }
+        self.pos = start;
+        let mut a = StrArray {
+            text: String::with_capacity(total),
+            ends: Vec::with_capacity(n),
+        };
+        for _ in 0..n {
+            a.text.push_str(self.str(field)?);
+            a.ends.push(a.text.len());
+        }
+        Ok(a)
+    }
+
+    fn array_value(&mut self, field: &str, depth: u32) -> Result<Array> {
+        if depth >= 2 {
+            return Err(self.err(field, "arrays nested deeper than 2 levels"));
+        }
+        let et = self.value_type(field)?;
+        let n = self.count(field, et.min_size())?;
+        Ok(match et {
+            ValueType::U8 => Array::U8(self.take(n, field)?.to_vec()),
+            ValueType::I8 => Array::I8(self.fixed(n, field, |[b]: [u8; 1]| b as i8)?),
+            ValueType::U16 => Array::U16(self.fixed(n, field, u16::from_le_bytes)?),
+            ValueType::I16 => Array::I16(self.fixed(n, field, i16::from_le_bytes)?),
+            ValueType::U32 => Array::U32(self.fixed(n, field, u32::from_le_bytes)?),
+            ValueType::I32 => Array::I32(self.fixed(n, field, i32::from_le_bytes)?),
+            ValueType::F32 => Array::F32(self.fixed(n, field, f32::from_le_bytes)?),
+            ValueType::U64 => Array::U64(self.fixed(n, field, u64::from_le_bytes)?),
+            ValueType::I64 => Array::I64(self.fixed(n, field, i64::from_le_bytes)?),
+            ValueType::F64 => Array::F64(self.fixed(n, field, f64::from_le_bytes)?),
+            ValueType::Bool => {
+                let bytes = self.take(n, field)?;
+                if let Some(&b) = bytes.iter().find(|&&b| b > 1) {
+                    return Err(self.err(field, format!("bool byte is {b}, expected 0 or 1")));
                 }
-                let et = self.value_type(field)?;
-                let n = self.count(field, et.min_size())?;
+                Array::Bool(bytes.iter().map(|&b| b == 1).collect())
+            }
+            ValueType::String => Array::String(self.str_array(n, field)?),
+            ValueType::Array => {
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
-                    v.push(self.value(et, field, depth + 1)?);
+                    v.push(self.array_value(field, depth + 1)?);
                 }
-                Value::Array(et, v)
+                Array::Array(v)
             }
         })
     }
@@ -352,7 +583,7 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
         let key = r.string(&format!("metadata key #{i}"))?;
         let field = format!("metadata '{key}'");
         let t = r.value_type(&field)?;
-        let v = r.value(t, &field, 0)?;
+        let v = r.value(t, &field)?;
         if metadata.insert(key.clone(), v).is_some() {
             return Err(r.err(&field, "duplicate metadata key"));
         }
@@ -366,23 +597,19 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
                     path: path.to_path_buf(),
                     field: "metadata 'general.alignment'".into(),
                     expected: "a power of two integer between 1 and 2^20".into(),
-                    got: format!("{v:?}"),
+                    got: v.describe(),
                 })
             }
         },
     };
 
-    struct Raw {
-        name: String,
-        dtype: DType,
-        shape: Vec<usize>,
-        offset: u64,
-        n_bytes: usize,
-    }
-    let mut raws = Vec::with_capacity(n_tensors);
+    // Tensor infos are built in place with the offset relative to the data section (fixed up below,
+    // once the section's start is known); names are checked for duplicates as borrowed slices of the
+    // file, so no second copy of every name is made.
+    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors);
     let mut seen = std::collections::HashSet::with_capacity(n_tensors);
     for i in 0..n_tensors {
-        let name = r.string(&format!("tensor info #{i} name"))?;
+        let name = r.str(&format!("tensor info #{i} name"))?;
         let field = format!("tensor '{name}'");
         let n_dims = r.u32(&field)?;
         if n_dims == 0 || n_dims > MAX_DIMS {
@@ -447,22 +674,28 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
                 format!("data offset {offset} is not a multiple of the alignment {alignment}"),
             ));
         }
-        if !seen.insert(name.clone()) {
+        if !seen.insert(name) {
             return Err(r.err(&field, "duplicate tensor name"));
         }
-        raws.push(Raw {
-            name,
+        let offset = usize::try_from(offset).map_err(|_| {
+            r.err(
+                &field,
+                format!("data offset {offset} is past the end of the file"),
+            )
+        })?;
+        tensors.push(TensorInfo {
+            name: name.to_owned(),
             dtype,
             shape,
-            offset,
+            file_offset: offset,
             n_bytes,
         });
     }
+    drop(seen);
     let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
-    let mut tensors = Vec::with_capacity(raws.len());
-    for t in raws {
+    for t in &mut tensors {
         let end = data_offset
-            .checked_add(t.offset)
+            .checked_add(t.file_offset as u64)
             .and_then(|s| s.checked_add(t.n_bytes as u64));
         match end {
             Some(end) if end <= buf.len() as u64 => {}
@@ -472,7 +705,7 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
                     field: format!("tensor '{}'", t.name),
                     msg: format!(
                         "data offset {} + {} bytes is past the end of the file ({} bytes; data section starts at {})",
-                        t.offset,
+                        t.file_offset,
                         t.n_bytes,
                         buf.len(),
                         data_offset
@@ -480,13 +713,7 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
                 })
             }
         }
-        tensors.push(TensorInfo {
-            name: t.name,
-            dtype: t.dtype,
-            shape: t.shape,
-            file_offset: (data_offset + t.offset) as usize,
-            n_bytes: t.n_bytes,
-        });
+        t.file_offset += data_offset as usize;
     }
     Ok(GgufHeader {
         version,
@@ -554,7 +781,7 @@ impl GgufFile {
             path: path.to_path_buf(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = crate::files::open(path)?;
         // SAFETY: the map is read-only; the runtime's contract is that model files are not modified
         // while a server has them loaded (as for every mmap-based loader).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
@@ -566,21 +793,33 @@ impl GgufFile {
         })
     }
 
+    /// Parse a GGUF held in memory (tests and fuzzing: no file needed). The bytes are parsed, then
+    /// copied into an anonymous read-only map so the tensors point into it as they would into a file.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<GgufFile> {
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let header = parse_header(bytes, path)?;
+        let mut map = memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(io)?;
+        map[..bytes.len()].copy_from_slice(bytes);
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            header,
+            map: map.make_read_only().map_err(io)?,
+        })
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.header.metadata.get(key)
     }
 
     fn mismatch(&self, key: &str, expected: &str, v: &Value) -> ModelError {
-        let got = match v {
-            Value::String(s) => format!("string {s:?}"),
-            Value::Array(t, e) => format!("array of {} {:?}", e.len(), t),
-            other => format!("{} {other:?}", other.type_name()),
-        };
         ModelError::Mismatch {
             path: self.path.clone(),
             field: format!("metadata '{key}'"),
             expected: expected.into(),
-            got,
+            got: v.describe(),
         }
     }
 
@@ -644,34 +883,26 @@ impl GgufFile {
         self.opt_str(key)?.ok_or_else(|| self.missing(key))
     }
 
-    /// An optional array of strings.
+    /// An optional array of strings (an empty array of any element type is an empty list).
     pub fn opt_str_array(&self, key: &str) -> Result<Option<Vec<&str>>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v @ Value::Array(_, items)) => items
-                .iter()
-                .map(|i| {
-                    i.as_str()
-                        .ok_or_else(|| self.mismatch(key, "an array of strings", v))
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(Some),
+            Some(Value::Array(Array::String(items))) => Ok(Some(items.iter().collect())),
+            Some(Value::Array(a)) if a.is_empty() => Ok(Some(Vec::new())),
             Some(v) => Err(self.mismatch(key, "an array of strings", v)),
         }
     }
 
-    /// An optional array of integers (any integer type), as i64.
+    /// An optional array of integers (any integer type), as i64 (an empty array of any element type
+    /// is an empty list).
     pub fn opt_int_array(&self, key: &str) -> Result<Option<Vec<i64>>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v @ Value::Array(_, items)) => items
-                .iter()
-                .map(|i| {
-                    i.as_i64()
-                        .ok_or_else(|| self.mismatch(key, "an array of integers", v))
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(Some),
+            Some(v @ Value::Array(a)) => match a.to_i64s() {
+                Some(ints) => Ok(Some(ints)),
+                None if a.is_empty() => Ok(Some(Vec::new())),
+                None => Err(self.mismatch(key, "an array of integers", v)),
+            },
             Some(v) => Err(self.mismatch(key, "an array of integers", v)),
         }
     }
@@ -761,20 +992,14 @@ mod tests {
         assert_eq!(m["u64"], Value::U64(u64::MAX));
         assert_eq!(m["i64"], Value::I64(i64::MIN));
         assert_eq!(m["f64"], Value::F64(0.25));
-        assert_eq!(
-            m["arr_u32"],
-            Value::Array(
-                ValueType::U32,
-                vec![Value::U32(1), Value::U32(2), Value::U32(3)]
-            )
-        );
+        assert_eq!(m["arr_u32"], Value::Array(Array::U32(vec![1, 2, 3])));
         match &m["nested"] {
-            Value::Array(ValueType::Array, v) => {
+            Value::Array(Array::Array(v)) => {
                 assert_eq!(v.len(), 2);
-                assert_eq!(
-                    v[1],
-                    Value::Array(ValueType::String, vec![Value::String("c".into())])
-                );
+                assert_eq!(v[0], Array::String(["a", "b"].into_iter().collect()));
+                assert_eq!(v[1], Array::String(["c"].into_iter().collect()));
+                assert_eq!(v[0].as_strs().unwrap().get(1), Some("b"));
+                assert_eq!(v[0].elem_type(), ValueType::String);
             }
             other => panic!("{other:?}"),
         }

@@ -22,20 +22,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path};
 
 fn read_json(path: &Path) -> Result<Option<Json>> {
-    match std::fs::read(path) {
-        Ok(b) => serde_json::from_slice(&b)
-            .map(Some)
-            .map_err(|e| ModelError::Malformed {
-                path: path.to_path_buf(),
-                field: "json".into(),
-                msg: e.to_string(),
-            }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
+    match crate::files::read_if_exists(path)? {
+        Some(b) => parse_json(&b, path).map(Some),
+        None => Ok(None),
     }
+}
+
+/// Parse a JSON file's bytes (config.json, the shard index...); `path` is used in errors only.
+pub fn parse_json(bytes: &[u8], path: &Path) -> Result<Json> {
+    serde_json::from_slice(bytes).map_err(|e| ModelError::Malformed {
+        path: path.to_path_buf(),
+        field: "json".into(),
+        msg: e.to_string(),
+    })
 }
 
 fn required_json(path: &Path, what: &str) -> Result<Json> {
@@ -107,15 +106,91 @@ fn plain_file_name(name: &str) -> bool {
     matches!((c.next(), c.next()), (Some(Component::Normal(_)), None))
 }
 
+/// One tensor of a safetensors file, as the runtime names and shapes it.
+#[derive(Debug)]
+pub struct SafetensorsTensor<'a> {
+    /// The name in the file (HF's).
+    pub hf_name: String,
+    /// The GGUF name ([`gguf_name`]).
+    pub name: String,
+    pub dtype: DType,
+    /// ggml order (the file's row-major shape reversed); 1 or more dimensions, none zero.
+    pub shape: Vec<usize>,
+    /// The tensor's bytes in the file.
+    pub data: &'a [u8],
+}
+
+/// The file's row-major shape of a ggml-order shape (for error messages).
+fn hf_shape(ggml: &[usize]) -> Vec<usize> {
+    ggml.iter().rev().copied().collect()
+}
+
+/// Parse a safetensors file's bytes (header and data bounds, by the safetensors crate) and check
+/// each tensor: a llama tensor name, an F32/F16/BF16 dtype, 1 or more non-zero dimensions. Tensors the
+/// runtime ignores (`rotary_emb.inv_freq`) are left out. `path` is used in errors only.
+pub fn read_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<Vec<SafetensorsTensor<'a>>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| ModelError::Malformed {
+        path: path.to_path_buf(),
+        field: "safetensors header".into(),
+        msg: e.to_string(),
+    })?;
+    let mut out = Vec::new();
+    for (hf_name, view) in st.tensors() {
+        let name = match gguf_name(&hf_name) {
+            Some(Some(n)) => n,
+            Some(None) => continue,
+            None => {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: "tensor".into(),
+                    value: hf_name,
+                    supported:
+                        "the tensors of a llama checkpoint (model.embed_tokens, model.layers.N.\
+                                {input_layernorm,self_attn.{q,k,v,o}_proj,post_attention_layernorm,\
+                                mlp.{gate,up,down}_proj}, model.norm, lm_head)"
+                            .into(),
+                })
+            }
+        };
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: format!("tensor '{hf_name}' dtype"),
+                    value: format!("{other:?}"),
+                    supported: "F32, F16, BF16".into(),
+                })
+            }
+        };
+        let shape: Vec<usize> = view.shape().iter().rev().copied().collect();
+        if shape.is_empty() || shape.contains(&0) {
+            return Err(ModelError::Mismatch {
+                path: path.to_path_buf(),
+                field: format!("tensor '{hf_name}' shape"),
+                expected: "1 or more non-zero dimensions".into(),
+                got: format!("{:?}", view.shape()),
+            });
+        }
+        out.push(SafetensorsTensor {
+            hf_name,
+            name,
+            dtype,
+            shape,
+            data: view.data(),
+        });
+    }
+    Ok(out)
+}
+
 pub(crate) fn load(dir: &Path) -> Result<Model> {
     let cfg = required_json(&dir.join("config.json"), "config.json")?;
     let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let gen_cfg = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
     let tok_path = dir.join("tokenizer.json");
-    let tok_json = std::fs::read(&tok_path).map_err(|source| ModelError::Io {
-        path: tok_path.clone(),
-        source,
-    })?;
+    let tok_json = crate::files::read(&tok_path)?;
 
     // add_bos: tokenizer_config.json's flag when present, else whether tokenizer.json's post-processor
     // inserts the BOS token (what HF's encode(add_special_tokens=True) would do).
@@ -195,7 +270,7 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
             path: p.clone(),
             source,
         };
-        let file = std::fs::File::open(&p).map_err(io)?;
+        let file = crate::files::open(&p)?;
         // SAFETY: read-only map; model files must not change while loaded.
         maps.push(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?);
     }
@@ -205,49 +280,14 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
     let mut mapped: Vec<(String, DType, Vec<usize>, usize, usize, usize)> = Vec::new();
     for (fi, (f, map)) in files.iter().zip(&maps).enumerate() {
         let p = dir.join(f);
-        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| ModelError::Malformed {
-            path: p.clone(),
-            field: "safetensors header".into(),
-            msg: e.to_string(),
-        })?;
-        for (hf_name, view) in st.tensors() {
-            let name = match gguf_name(&hf_name) {
-                Some(Some(n)) => n,
-                Some(None) => continue,
-                None => {
-                    return Err(ModelError::Unsupported {
-                        path: p.clone(),
-                        field: "tensor".into(),
-                        value: hf_name,
-                        supported: "the tensors of a llama checkpoint (model.embed_tokens, model.layers.N.\
-                                    {input_layernorm,self_attn.{q,k,v,o}_proj,post_attention_layernorm,\
-                                    mlp.{gate,up,down}_proj}, model.norm, lm_head)"
-                            .into(),
-                    })
-                }
-            };
-            let dtype = match view.dtype() {
-                safetensors::Dtype::F32 => DType::F32,
-                safetensors::Dtype::F16 => DType::F16,
-                safetensors::Dtype::BF16 => DType::BF16,
-                other => {
-                    return Err(ModelError::Unsupported {
-                        path: p.clone(),
-                        field: format!("tensor '{hf_name}' dtype"),
-                        value: format!("{other:?}"),
-                        supported: "F32, F16, BF16".into(),
-                    })
-                }
-            };
-            let shape: Vec<usize> = view.shape().iter().rev().copied().collect();
-            if shape.is_empty() || shape.contains(&0) {
-                return Err(ModelError::Mismatch {
-                    path: p.clone(),
-                    field: format!("tensor '{hf_name}' shape"),
-                    expected: "1 or more non-zero dimensions".into(),
-                    got: format!("{:?}", view.shape()),
-                });
-            }
+        for t in read_safetensors(map, &p)? {
+            let SafetensorsTensor {
+                hf_name,
+                name,
+                dtype,
+                shape,
+                data,
+            } = t;
             if let Some(wm) = &weight_map {
                 if wm.get(&hf_name) != Some(f) {
                     // present in a shard the index does not name for it: skip (the index is the truth)
@@ -255,7 +295,6 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                 }
             }
             located.insert(hf_name.clone(), f.clone());
-            let data = view.data();
             let is_q = name.ends_with(".attn_q.weight");
             let is_k = name.ends_with(".attn_k.weight");
             if is_q || is_k {
@@ -273,7 +312,7 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                         expected: format!(
                             "a matrix whose row count is a multiple of 2 x {n_head} heads"
                         ),
-                        got: format!("{:?}", view.shape()),
+                        got: format!("{:?}", hf_shape(&shape)),
                     }
                 })?;
                 owned.push((name, dtype, shape, permuted));

@@ -9,6 +9,8 @@
 //! - Only the llama architecture is accepted; anything else is refused naming what was found.
 //! - A malformed file is a [`ModelError`] naming the file and the field, never a panic; no allocation
 //!   is sized from a count read from a file before that count is bounded by the file's size.
+//! - Only regular files are opened ([`files`]): a FIFO, socket or device given as a model path or
+//!   found in an HF directory is refused, naming it, instead of blocking.
 //! - Weights are zero-copy views of the memory maps, except the HF reader's q/k projections, which are
 //!   row-permuted to GGUF's rope convention (adjacent pairs) and owned (see [`hf`]). Every backend
 //!   implements exactly that one rope convention.
@@ -18,6 +20,7 @@
 pub mod chat;
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod gguf;
 pub mod hf;
 pub mod tokenizer;
@@ -52,20 +55,14 @@ pub struct Model {
 impl Model {
     /// Load a `.gguf` file or an HF checkpoint directory.
     pub fn load(path: &Path) -> Result<Model, ModelError> {
-        let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        if meta.is_dir() {
+        // A FIFO, socket or device is refused here, by a stat, before anything is opened.
+        if files::model_path_is_dir(path)? {
             return hf::load(path);
         }
         let mut magic = [0u8; 4];
         {
             use std::io::Read;
-            let mut f = std::fs::File::open(path).map_err(|source| ModelError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            let mut f = files::open(path)?;
             let n = f.read(&mut magic).map_err(|source| ModelError::Io {
                 path: path.to_path_buf(),
                 source,
@@ -85,7 +82,7 @@ impl Model {
                 });
             }
         }
-        load_gguf(path)
+        Model::from_gguf(gguf::GgufFile::open(path)?)
     }
 
     /// The chat template, or an error saying the model has none (pass one with --chat-template).
@@ -101,45 +98,49 @@ impl Model {
     }
 }
 
-fn load_gguf(path: &Path) -> Result<Model, ModelError> {
-    let g = gguf::GgufFile::open(path)?;
-    let config = ModelConfig::from_gguf(&g)?;
-    let tokenizer = Tokenizer::from_gguf(&g, config.bos, config.eos.clone(), config.add_bos)?;
-    if tokenizer.vocab_size() > config.vocab {
-        return Err(ModelError::Mismatch {
+impl Model {
+    /// Build a model from a parsed GGUF file (what [`Model::load`] does after opening a `.gguf`).
+    pub fn from_gguf(g: gguf::GgufFile) -> Result<Model, ModelError> {
+        let path = g.path.clone();
+        let path = path.as_path();
+        let config = ModelConfig::from_gguf(&g)?;
+        let tokenizer = Tokenizer::from_gguf(&g, config.bos, config.eos.clone(), config.add_bos)?;
+        if tokenizer.vocab_size() > config.vocab {
+            return Err(ModelError::Mismatch {
+                path: path.to_path_buf(),
+                field: "metadata 'tokenizer.ggml.tokens'".into(),
+                expected: format!("at most token_embd's {} rows", config.vocab),
+                got: format!("{} tokens", tokenizer.vocab_size()),
+            });
+        }
+        let text = |id: Option<u32>| {
+            id.map(|i| String::from_utf8_lossy(tokenizer.token_bytes_ref(i)).into_owned())
+        };
+        let bos_text = text(config.bos).unwrap_or_default();
+        let eos_text = text(config.eos.first().copied()).unwrap_or_default();
+        let chat_template = chat::ChatTemplate::from_gguf(&g, &bos_text, &eos_text)?;
+        let gguf::GgufFile { header, map, .. } = g;
+        let mut weights = Weights::new(path.to_path_buf(), vec![map]);
+        for t in header.tensors {
+            weights.insert(
+                t.name,
+                t.dtype,
+                t.shape,
+                weights::Source::Mapped {
+                    map: 0,
+                    offset: t.file_offset,
+                    len: t.n_bytes,
+                },
+            )?;
+        }
+        config::validate_llama(&config, &weights)?;
+        Ok(Model {
+            config,
+            weights,
+            tokenizer,
+            chat_template,
             path: path.to_path_buf(),
-            field: "metadata 'tokenizer.ggml.tokens'".into(),
-            expected: format!("at most token_embd's {} rows", config.vocab),
-            got: format!("{} tokens", tokenizer.vocab_size()),
-        });
+            format: Format::Gguf,
+        })
     }
-    let text = |id: Option<u32>| {
-        id.map(|i| String::from_utf8_lossy(tokenizer.token_bytes_ref(i)).into_owned())
-    };
-    let bos_text = text(config.bos).unwrap_or_default();
-    let eos_text = text(config.eos.first().copied()).unwrap_or_default();
-    let chat_template = chat::ChatTemplate::from_gguf(&g, &bos_text, &eos_text)?;
-    let gguf::GgufFile { header, map, .. } = g;
-    let mut weights = Weights::new(path.to_path_buf(), vec![map]);
-    for t in header.tensors {
-        weights.insert(
-            t.name,
-            t.dtype,
-            t.shape,
-            weights::Source::Mapped {
-                map: 0,
-                offset: t.file_offset,
-                len: t.n_bytes,
-            },
-        )?;
-    }
-    config::validate_llama(&config, &weights)?;
-    Ok(Model {
-        config,
-        weights,
-        tokenizer,
-        chat_template,
-        path: path.to_path_buf(),
-        format: Format::Gguf,
-    })
 }

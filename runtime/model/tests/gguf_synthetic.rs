@@ -76,6 +76,16 @@ fn valid_tiny_model_loads() {
         .render(&[ChatMessage::new("user", "  hi  ")], true)
         .unwrap();
     assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    // the same bytes from memory (what the fuzz targets use) give the same model
+    let g = gguf::GgufFile::from_bytes(&tiny_llama().bytes(), Path::new("mem.gguf")).unwrap();
+    let m2 = Model::from_gguf(g).unwrap();
+    assert_eq!(m2.config, m.config);
+    assert_eq!(m2.weights.len(), m.weights.len());
+    let (a, b) = (
+        m.weights.get("blk.1.attn_q.weight").unwrap(),
+        m2.weights.get("blk.1.attn_q.weight").unwrap(),
+    );
+    assert_eq!(a.data, b.data);
 }
 
 #[test]
