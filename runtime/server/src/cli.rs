@@ -124,7 +124,7 @@ pub fn check(cli: &Cli) -> anyhow::Result<()> {
         }
     }
     if let Some(t) = &cli.chat_template {
-        if !t.is_file() {
+        if !t.exists() {
             anyhow::bail!("--chat-template: no such file {}", t.display());
         }
     }

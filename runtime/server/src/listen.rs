@@ -7,8 +7,9 @@
 //!   keep-alive connections; the body's own timeout is in the `Body` extractor (a 408).
 //! - **Stalled writes**: a response write that makes no progress for `--client-timeout` (a client
 //!   that stopped reading) closes the connection.
-//! - **Drain**: when `stop` turns true the loop stops accepting and asks every connection to finish
-//!   its request and close; [`Connections::wait_closed`] waits for them.
+//! - **Drain**: when `stop` turns true the loop stops accepting; every connection serves for a short
+//!   linger (a request already on its way gets read), then finishes its request and closes;
+//!   [`Connections::wait_closed`] waits for them.
 //!
 //! Invariant: every accepted socket is counted in [`Connections`] until its task ends, so the cap and
 //! the drain see every connection.
@@ -78,6 +79,9 @@ impl Drop for Open {
     }
 }
 
+/// At a stop, how long a connection keeps serving before it closes once its request is done.
+const DRAIN_LINGER: Duration = Duration::from_millis(500);
+
 /// Largest request head hyper buffers (request line + headers); a larger one is a 431.
 const MAX_HEAD_BYTES: usize = 64 << 10;
 
@@ -129,8 +133,13 @@ pub async fn serve(
             tokio::select! {
                 _ = conn.as_mut() => {}
                 _ = stopped(&mut stop) => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = conn.await;
+                    // A request the client sent just before the stop may not be parsed yet, and
+                    // closing an idle-looking connection would drop it unanswered: serve what
+                    // arrives within the linger, then finish the request in flight and close.
+                    if tokio::time::timeout(DRAIN_LINGER, conn.as_mut()).await.is_err() {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.await;
+                    }
                 }
             }
         });

@@ -86,11 +86,12 @@ impl Pool {
         let guard = Pending(self.pending.clone());
         let (tx, rx) = tokio::sync::oneshot::channel();
         let task: Task = Box::new(move || {
-            let _guard = guard;
             if tx.is_closed() {
                 return; // the client went away while the job was queued
             }
-            if let Ok(v) = catch_unwind(AssertUnwindSafe(f)) {
+            let out = catch_unwind(AssertUnwindSafe(f));
+            drop(guard); // no longer pending once the caller can see the result
+            if let Ok(v) = out {
                 let _ = tx.send(v);
             }
         });

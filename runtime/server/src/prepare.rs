@@ -150,12 +150,14 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         let role = match m.role.as_str() {
             "developer" => "system",
             "system" | "user" | "assistant" | "tool" => m.role.as_str(),
-            other => return Err(ApiError::invalid(
-                format!(
+            other => {
+                return Err(ApiError::invalid(
+                    format!(
                     "unknown role '{other}' (expected system, developer, user, assistant or tool)"
                 ),
-                Some(&format!("messages[{i}].role")),
-            )),
+                    Some(&format!("messages[{i}].role")),
+                ))
+            }
         };
         msgs.push(ChatMessage::new(role, api::message_text(m, i)?));
     }

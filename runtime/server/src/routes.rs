@@ -64,7 +64,7 @@ async fn auth(State(s): St, req: Request, next: Next) -> Response {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
+            return closing(ApiError::unauthorized());
         }
     }
     next.run(req).await
@@ -75,15 +75,14 @@ async fn admit(State(s): St, req: Request, next: Next) -> Response {
     if let Some(sv) = s.ready.get() {
         let depth = sv.queue_depth();
         if depth >= s.limits.max_queue {
-            return ApiError::overloaded(
+            return closing(ApiError::overloaded(
                 "queue_full",
                 format!(
                     "the server has {depth} requests waiting, its limit (--max-queue {}); retry shortly",
                     s.limits.max_queue
                 ),
                 1,
-            )
-            .into_response();
+            ));
         }
     }
     next.run(req).await
@@ -95,6 +94,18 @@ async fn count_refusals(State(s): St, req: Request, next: Next) -> Response {
     if let Some(Refused(code)) = r.extensions().get::<Refused>() {
         *s.rejected.lock().unwrap().entry(code).or_insert(0) += 1;
     }
+    r
+}
+
+/// An error answered before the request's body was read: the connection closes after it (hyper
+/// does not reuse a connection with an unread body), and `Connection: close` says so, so that a
+/// client does not send its next request on a connection about to close.
+fn closing(e: ApiError) -> Response {
+    let mut r = e.into_response();
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
     r
 }
 
@@ -138,9 +149,15 @@ fn too_large(got: u64) -> ApiError {
 }
 
 impl FromRequest<Arc<AppState>> for RequestBody {
-    type Rejection = ApiError;
+    type Rejection = Response;
 
-    async fn from_request(req: Request, s: &Arc<AppState>) -> Result<Self, ApiError> {
+    async fn from_request(req: Request, s: &Arc<AppState>) -> Result<Self, Response> {
+        Self::read(req, s).await.map_err(closing)
+    }
+}
+
+impl RequestBody {
+    async fn read(req: Request, s: &Arc<AppState>) -> Result<Self, ApiError> {
         let served = served(s)?;
         let declared: Option<u64> = req
             .headers()

@@ -155,7 +155,7 @@ pub async fn run(cli: Cli) -> Result<()> {
     // Read the template before anything slow, so a bad file fails at once.
     let template_override = match &cli.chat_template {
         Some(p) => {
-            let src = std::fs::read_to_string(p)
+            let src = metrale_model::files::read_to_string(p)
                 .with_context(|| format!("reading --chat-template {}", p.display()))?;
             Some(ChatTemplate::new(&src).with_context(|| {
                 format!("--chat-template {} is not a valid template", p.display())
