@@ -11,8 +11,8 @@
 //! - the worker executable's size (measured 2026-12-01: 6 of 322 blobs changed after padding xtask
 //!   by 3 MB): NVRTC runs in a thread of its own, whose malloc arena glibc maps at an address
 //!   independent of the executable;
-//! - the length of the toolchain folder's path (measured 2026-12-01: a clone at `/tmp/ciclone`
-//!   built another `a100/smollm2-135m/q4_1` decode PTX and cubin than one at `/work/main`): NVRTC
+//! - the length of the toolchain folder's path (measured 2026-12-01: two clones whose paths differed
+//!   by two characters built different `a100/smollm2-135m/q4_1` decode PTX and cubins): NVRTC
 //!   calls `getcwd` and keeps the answer, and the dynamic loader keeps the library's path. So the
 //!   worker starts in the toolchain folder, opens it, moves to `/` and names everything through
 //!   `/proc/self/fd/<n>/`, a path of the same length wherever the clone and the toolchain live.
