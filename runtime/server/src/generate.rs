@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use crate::api::GenParams;
 use crate::error::ApiError;
 use crate::sse::{self, Header, Kind, TokenLogprob, Usage};
-use crate::state::Served;
+use crate::state::{Served, Ticket};
 use crate::textstream::TextStreamer;
 
 /// Map an engine refusal to the client-facing error.
@@ -292,9 +292,11 @@ async fn aborted(abort: &mut watch::Receiver<bool>) {
 }
 
 /// Run a job and answer it, whole or streamed; `abort` turning true ends it early.
+/// `ticket` (the request's place in the queue) is let go at the first generated token.
 pub async fn respond(
     served: Arc<Served>,
     job: Job,
+    ticket: Option<Ticket>,
     abort: watch::Receiver<bool>,
 ) -> Result<Response, ApiError> {
     let (choices, prompt_tokens) = start(&served, &job)?;
@@ -313,6 +315,7 @@ pub async fn respond(
             n_choices,
             prompt_tokens,
             job.params.logprobs.is_some(),
+            ticket,
             abort,
         ))
     } else {
@@ -324,6 +327,7 @@ pub async fn respond(
                 n_choices,
                 prompt_tokens,
                 job.params.logprobs.is_some(),
+                ticket,
             ) => r,
             _ = aborted(&mut abort) => Err(shut_down()),
         }
@@ -336,12 +340,14 @@ async fn whole_response(
     n: usize,
     prompt_tokens: usize,
     logprobs: bool,
+    mut ticket: Option<Ticket>,
 ) -> Result<Response, ApiError> {
     let mut text = vec![String::new(); n];
     let mut lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
     let mut finish = vec![String::from("stop"); n];
     let mut completion_tokens = 0;
     while let Some(out) = choices.next().await {
+        drop(ticket.take()); // running now
         match out {
             ChoiceOut::Delta {
                 index,
@@ -398,6 +404,7 @@ struct StreamState {
     sent_chars: Vec<usize>,
     finished: bool,
     abort: watch::Receiver<bool>,
+    ticket: Option<Ticket>,
 }
 
 impl StreamState {
@@ -410,6 +417,7 @@ impl StreamState {
     }
 
     fn handle(&mut self, out: ChoiceOut) {
+        self.ticket = None; // running now
         match out {
             ChoiceOut::Delta {
                 index,
@@ -453,10 +461,12 @@ fn stream_response(
     n: usize,
     prompt_tokens: usize,
     logprobs: bool,
+    ticket: Option<Ticket>,
     abort: watch::Receiver<bool>,
 ) -> Response {
     let mut st = StreamState {
         abort,
+        ticket,
         queue: VecDeque::new(),
         choices,
         usage: Usage {

@@ -22,7 +22,7 @@ use crate::budget::{Reservation, BODY_BYTES_PER_BYTE};
 use crate::error::{ApiError, Refused};
 use crate::generate::{self, Job};
 use crate::prepare::{self, Prep};
-use crate::state::{AppState, Served};
+use crate::state::{AppState, Served, Ticket};
 
 type St = State<Arc<AppState>>;
 
@@ -70,19 +70,24 @@ async fn auth(State(s): St, req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// Refuse work past `--max-queue` before reading the body: 429 with `Retry-After`.
-async fn admit(State(s): St, req: Request, next: Next) -> Response {
-    if let Some(sv) = s.ready.get() {
-        let depth = sv.queue_depth();
-        if depth >= s.limits.max_queue {
-            return closing(ApiError::overloaded(
-                "queue_full",
-                format!(
-                    "the server has {depth} requests waiting, its limit (--max-queue {}); retry shortly",
-                    s.limits.max_queue
-                ),
-                1,
-            ));
+/// Refuse work past `--max-queue` before reading the body: 429 with `Retry-After`. An admitted
+/// request carries its [`Ticket`] in its extensions; [`RequestBody`] takes it over.
+async fn admit(State(s): St, mut req: Request, next: Next) -> Response {
+    if s.ready.get().is_some() {
+        match s.queue.enter(s.limits.max_queue) {
+            Ok(ticket) => {
+                req.extensions_mut().insert(ticket);
+            }
+            Err(depth) => {
+                return closing(ApiError::overloaded(
+                    "queue_full",
+                    format!(
+                        "the server has {depth} requests waiting, its limit (--max-queue {}); retry shortly",
+                        s.limits.max_queue
+                    ),
+                    1,
+                ))
+            }
         }
     }
     next.run(req).await
@@ -135,6 +140,8 @@ pub struct RequestBody {
     pub served: Arc<Served>,
     pub bytes: Bytes,
     pub reservation: Reservation,
+    /// The request's place in the queue (from [`admit`]), held until it runs.
+    pub ticket: Option<Ticket>,
 }
 
 fn too_large(got: u64) -> ApiError {
@@ -157,7 +164,8 @@ impl FromRequest<Arc<AppState>> for RequestBody {
 }
 
 impl RequestBody {
-    async fn read(req: Request, s: &Arc<AppState>) -> Result<Self, ApiError> {
+    async fn read(mut req: Request, s: &Arc<AppState>) -> Result<Self, ApiError> {
+        let ticket = req.extensions_mut().remove::<Ticket>();
         let served = served(s)?;
         let declared: Option<u64> = req
             .headers()
@@ -212,6 +220,7 @@ impl RequestBody {
             served,
             bytes: Bytes::from(bytes),
             reservation,
+            ticket,
         })
     }
 }
@@ -220,11 +229,12 @@ impl RequestBody {
 async fn prepare_on_pool<T: Send + 'static>(
     body: RequestBody,
     f: fn(&Prep, &[u8], &mut Reservation) -> Result<T, ApiError>,
-) -> Result<(Arc<Served>, T), ApiError> {
+) -> Result<(Arc<Served>, T, Option<Ticket>), ApiError> {
     let RequestBody {
         served,
         bytes,
         mut reservation,
+        ticket,
     } = body;
     let sv = served.clone();
     let out = served
@@ -237,7 +247,7 @@ async fn prepare_on_pool<T: Send + 'static>(
                  has its message)",
             ))
         })?;
-    Ok((served, out))
+    Ok((served, out, ticket))
 }
 
 async fn health(State(s): St) -> Response {
@@ -296,6 +306,11 @@ fn server_metrics(out: &mut String, s: &AppState, sv: &Served) {
             s.conns.open() as u64,
         ),
         (
+            "requests_queued",
+            "Requests admitted and not yet running (reading, preparing, or waiting for a slot).",
+            s.queue.len() as u64,
+        ),
+        (
             "requests_preparing",
             "Requests being parsed, rendered or tokenized, or waiting for that.",
             sv.pool.pending() as u64,
@@ -345,21 +360,21 @@ async fn model(State(s): St, Path(id): Path<String>) -> Result<Json<serde_json::
 }
 
 async fn tokenize(body: RequestBody) -> Result<Json<serde_json::Value>, ApiError> {
-    let (_, tokens) = prepare_on_pool(body, prepare::tokenize).await?;
+    let (_, tokens, _) = prepare_on_pool(body, prepare::tokenize).await?;
     Ok(Json(json!({ "tokens": tokens })))
 }
 
 async fn detokenize(body: RequestBody) -> Result<Json<serde_json::Value>, ApiError> {
-    let (_, content) = prepare_on_pool(body, prepare::detokenize).await?;
+    let (_, content, _) = prepare_on_pool(body, prepare::detokenize).await?;
     Ok(Json(json!({ "content": content })))
 }
 
 async fn chat(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
-    let (sv, job): (_, Job) = prepare_on_pool(body, prepare::chat).await?;
-    generate::respond(sv, job, s.abort.clone()).await
+    let (sv, job, ticket): (_, Job, _) = prepare_on_pool(body, prepare::chat).await?;
+    generate::respond(sv, job, ticket, s.abort.clone()).await
 }
 
 async fn completions(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
-    let (sv, job): (_, Job) = prepare_on_pool(body, prepare::completion).await?;
-    generate::respond(sv, job, s.abort.clone()).await
+    let (sv, job, ticket): (_, Job, _) = prepare_on_pool(body, prepare::completion).await?;
+    generate::respond(sv, job, ticket, s.abort.clone()).await
 }

@@ -3,6 +3,7 @@
 //! `OnceLock` so `/health` can answer 503 until then.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -55,20 +56,56 @@ impl Served {
             ctx_size: self.ctx_size,
         }
     }
-
-    /// Requests waiting: being prepared, or queued for a slot.
-    pub fn queue_depth(&self) -> usize {
-        self.pool.pending() + self.engine.waiting()
-    }
 }
 
 /// Limits that hold from start-up, before the model is ready.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Requests waiting (see [`Served::queue_depth`]) before new ones get a 429.
+    /// Requests waiting (see [`Queue`]) before new ones get a 429.
     pub max_queue: usize,
     /// Time a client has to send a request's body.
     pub client_timeout: Duration,
+}
+
+/// The requests waiting: admitted past `--max-queue` and not yet running (their body being read,
+/// being prepared, or queued in the engine for a slot). A request holds a [`Ticket`] from admission
+/// until its first generated token (or its end), so the count covers every stage.
+#[derive(Default)]
+pub struct Queue {
+    waiting: Arc<AtomicUsize>,
+}
+
+/// One waiting request; dropping the last clone leaves the queue.
+#[derive(Clone)]
+pub struct Ticket(#[allow(dead_code)] Arc<TicketInner>);
+
+struct TicketInner(Arc<AtomicUsize>);
+
+impl Drop for TicketInner {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Queue {
+    /// A ticket, unless `max` requests already wait (checked and counted in one step, so a burst
+    /// cannot pass the limit between the two).
+    pub fn enter(&self, max: usize) -> Result<Ticket, usize> {
+        let before = self.waiting.fetch_add(1, Ordering::SeqCst);
+        if before >= max {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(before);
+        }
+        Ok(Ticket(Arc::new(TicketInner(self.waiting.clone()))))
+    }
+
+    pub fn len(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// The axum state.
@@ -81,6 +118,7 @@ pub struct AppState {
     pub abort: watch::Receiver<bool>,
     /// Requests refused before any work, by error code (`queue_full`, `memory_busy`, ...).
     pub rejected: Mutex<BTreeMap<&'static str, u64>>,
+    pub queue: Queue,
 }
 
 impl AppState {
@@ -97,6 +135,39 @@ impl AppState {
             conns,
             abort,
             rejected: Mutex::new(BTreeMap::new()),
+            queue: Queue::default(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_queue_never_passes_its_limit_and_tickets_leave_it() {
+        let q = Queue::default();
+        let a = q.enter(2).unwrap();
+        let b = a.clone();
+        let c = q.enter(2).unwrap();
+        assert_eq!(q.enter(2).err(), Some(2));
+        assert_eq!(q.len(), 2);
+        drop(a);
+        assert_eq!(q.len(), 2, "a clone still holds the ticket");
+        drop(b);
+        drop(c);
+        assert!(q.is_empty());
+        // Many threads at once: never more than the limit admitted.
+        let q = Arc::new(Queue::default());
+        let admitted: Vec<_> = (0..64)
+            .map(|_| {
+                let q = q.clone();
+                std::thread::spawn(move || q.enter(8).ok())
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .filter_map(|h| h.join().unwrap())
+            .collect();
+        assert_eq!(admitted.len(), 8);
     }
 }
