@@ -43,9 +43,8 @@ pub fn submit_error(e: SubmitError) -> ApiError {
 pub fn too_long(prompt: usize, capacity: usize) -> ApiError {
     ApiError::invalid_code(
         format!(
-            "this model's maximum context length is {capacity} tokens, but the prompt has {prompt} tokens \
-             ; shorten the prompt, or restart the server with a \
-             larger --ctx-size"
+            "this model's maximum context length is {capacity} tokens, but the prompt has {prompt} tokens; \
+             shorten the prompt, or restart the server with a larger --ctx-size"
         ),
         Some("messages"),
         "context_length_exceeded",
