@@ -173,35 +173,47 @@ def test_costly_template_is_stopped_per_request_and_health_stays_up(tmp_path):
 # --- graceful drain ---------------------------------------------------------------------------
 
 
+class InFlight:
+    """One streamed and one whole completion of `max_tokens` each, running in threads until both
+    run in the engine at once: what a drain has to deal with."""
+
+    def __init__(self, base, max_tokens):
+        self.events = []
+        self.whole = {}
+
+        def stream():
+            with httpx.stream("POST", base + "/v1/completions", timeout=120,
+                              json={"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                                    "stream": True}) as r:
+                for d in sse_lines(r):
+                    self.events.append(d)
+
+        def whole_request():
+            r = httpx.post(base + "/v1/completions", timeout=120,
+                           json={"prompt": "One, two,", "max_tokens": max_tokens, "ignore_eos": True})
+            self.whole["status"] = r.status_code
+            self.whole["body"] = r.json()
+
+        self.threads = [threading.Thread(target=stream), threading.Thread(target=whole_request)]
+        for th in self.threads:
+            th.start()
+        wait_running(base, 2)
+
+    def join(self, timeout):
+        for th in self.threads:
+            th.join(timeout)
+
+
 def test_drain_lets_streams_finish_then_exits_0(tmp_path):
     s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--shutdown-timeout", "60"])
-    events = []
-    whole = {}
-
-    def stream():
-        with httpx.stream("POST", s.base + "/v1/completions", timeout=120,
-                          json={"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True,
-                                "stream": True}) as r:
-            for d in sse_lines(r):
-                events.append(d)
-
-    def whole_request():
-        r = httpx.post(s.base + "/v1/completions", timeout=120,
-                       json={"prompt": "One, two,", "max_tokens": 48, "ignore_eos": True})
-        whole["status"] = r.status_code
-        whole["body"] = r.json()
-
-    threads = [threading.Thread(target=stream), threading.Thread(target=whole_request)]
-    for th in threads:
-        th.start()
-    wait_running(s.base, 2)
+    running = InFlight(s.base, 48)
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     # No new connections once draining.
     with pytest.raises(httpx.TransportError):
         httpx.get(s.base + "/health", timeout=2)
-    for th in threads:
-        th.join(120)
+    running.join(120)
+    events, whole = running.events, running.whole
     assert s.proc.wait(timeout=60) == 0, s.log()
     assert events[-1] == "[DONE]", events[-3:]
     finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
@@ -212,30 +224,11 @@ def test_drain_lets_streams_finish_then_exits_0(tmp_path):
 
 def test_drain_deadline_ends_requests_with_an_error_and_done(tmp_path):
     s = start_server(tmp_path / "log", ["--ctx-size", "4096", "--parallel", "2", "--shutdown-timeout", "1"])
-    events = []
-    whole = {}
-
-    def stream():
-        with httpx.stream("POST", s.base + "/v1/completions", timeout=120,
-                          json={"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
-                                "stream": True}) as r:
-            for d in sse_lines(r):
-                events.append(d)
-
-    def whole_request():
-        r = httpx.post(s.base + "/v1/completions", timeout=120,
-                       json={"prompt": "One, two,", "max_tokens": 4000, "ignore_eos": True})
-        whole["status"] = r.status_code
-        whole["body"] = r.json()
-
-    threads = [threading.Thread(target=stream), threading.Thread(target=whole_request)]
-    for th in threads:
-        th.start()
-    wait_running(s.base, 2)
+    running = InFlight(s.base, 4000)
     t0 = time.time()
     s.proc.send_signal(signal.SIGTERM)
-    for th in threads:
-        th.join(60)
+    running.join(60)
+    events, whole = running.events, running.whole
     code = s.proc.wait(timeout=60)
     assert code != 0, s.log()
     assert time.time() - t0 < 10

@@ -231,16 +231,14 @@ pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, A
             Some("prompt"),
         ));
     }
-    // Check every text's length before tokenizing any.
-    if let PromptSpec::Text(t) = &r.prompt {
-        if t.len() > p.prompt_byte_cap() {
-            return Err(too_many_bytes(p, t.len(), "prompt"));
-        }
-    }
-    if let PromptSpec::Texts(ts) = &r.prompt {
-        if let Some(t) = ts.iter().find(|t| t.len() > p.prompt_byte_cap()) {
-            return Err(too_many_bytes(p, t.len(), "prompt"));
-        }
+    // Check every text's length before tokenizing any (`encode_prompt` checks one at a time).
+    let texts: &[String] = match &r.prompt {
+        PromptSpec::Text(t) => std::slice::from_ref(t),
+        PromptSpec::Texts(ts) => ts,
+        PromptSpec::Tokens(_) | PromptSpec::TokenLists(_) => &[],
+    };
+    if let Some(t) = texts.iter().find(|t| t.len() > p.prompt_byte_cap()) {
+        return Err(too_many_bytes(p, t.len(), "prompt"));
     }
     let prompts = match &r.prompt {
         PromptSpec::Text(t) => vec![encode_prompt(p, res, t, "prompt")?],
