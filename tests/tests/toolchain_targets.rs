@@ -63,6 +63,11 @@ fn the_matrix_is_listed_and_every_target_loads() {
     let l = TargetSpec::load(&root, &TargetId::new("a100", "llama-3.2-1b", "bf16")).unwrap();
     assert_eq!(l.model.rope_scaling.as_ref().unwrap().factor, 32.0);
     assert_eq!(l.hardware.sm_count, Some(108));
+    let l8 = TargetSpec::load(&root, &TargetId::new("h200", "llama-3.1-8b", "bf16")).unwrap();
+    assert_eq!((l8.model.head_dim, l8.model.kv_heads, l8.model.ffn), (128, 8, 14336));
+    assert!(!l8.model.tied_embeddings);
+    assert_eq!(l8.model.rope_scaling.as_ref().unwrap().factor, 8.0);
+    assert!(l8.serves("llama", 4096));
     // a MODEL.toml override of the shared model file
     let cpu = TargetSpec::load(&root, &TargetId::new("cpu", "smollm2-135m", "q4_1")).unwrap();
     assert_eq!(cpu.behavior.parallel, Some(4));
@@ -78,7 +83,11 @@ fn list_targets_command_prints_the_matrix() {
         s.contains("h200     cuda    smollm2-135m   q4_1   sm_90a      132"),
         "{s}"
     );
-    assert!(s.contains("21 targets"), "{s}");
+    assert!(s.contains("27 targets"), "{s}");
+    assert!(
+        s.contains("h200     cuda    llama-3.1-8b   q4_1   sm_90a      132"),
+        "{s}"
+    );
 }
 
 fn temp_targets() -> tempfile::TempDir {

@@ -12,6 +12,7 @@ mod fetch_model;
 mod list_targets;
 mod lock;
 mod quickstart;
+mod synth_model;
 mod tidy;
 mod toolchain;
 
@@ -43,6 +44,8 @@ enum Cmd {
     FetchModel(fetch_model::Args),
     /// A new user's first command: model + toolchain + build + serve + one answer.
     Quickstart(quickstart::Args),
+    /// Write a checkpoint with a model's exact shapes, random weights and a real tokenizer.
+    SynthModel(synth_model::Args),
     /// Check the house rules: `//!` docs, no machine paths, every METRALE_* in ARCHITECTURE.md.
     Tidy(tidy::Args),
 }
@@ -60,6 +63,7 @@ fn main() {
         Cmd::Lock(a) => lock::run(a),
         Cmd::FetchModel(a) => fetch_model::run(a),
         Cmd::Quickstart(a) => quickstart::run(a),
+        Cmd::SynthModel(a) => synth_model::run(a),
         Cmd::Tidy(a) => tidy::run(a),
     };
     if let Err(e) = result {

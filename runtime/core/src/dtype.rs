@@ -268,6 +268,94 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
     Ok(())
 }
 
+/// f32 -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN), as torch and ggml convert.
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// Quantize (or narrow) one row of f32 into `dtype`: `out` must be `dtype.row_bytes(src.len())`
+/// bytes. The block types follow ggml's reference quantizers (`quantize_row_*_ref`): Q4_0 scales by
+/// the largest-magnitude element (d = max / -8), Q4_1 spans [min, max] in 15 steps (d = (max - min)
+/// / 15, m = min), Q8_0 scales by the largest magnitude (d = amax / 127); d and m are stored as f16 and
+/// each element takes the nearest level. [`dequantize_row`] is its inverse up to that rounding.
+pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTypeError> {
+    dtype.check_row(src.len(), out.len())?;
+    let f16b = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
+    match dtype {
+        DType::F32 => {
+            for (o, v) in out.chunks_exact_mut(4).zip(src) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(src) {
+                o.copy_from_slice(&f16b(*v));
+            }
+        }
+        DType::BF16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(src) {
+                o.copy_from_slice(&f32_to_bf16(*v).to_le_bytes());
+            }
+        }
+        DType::Q4_0 => {
+            for (b, x) in out
+                .chunks_exact_mut(dtype.block_bytes())
+                .zip(src.chunks_exact(QK))
+            {
+                // the element of largest magnitude, with its sign, maps to level 0 (-8)
+                let max = x
+                    .iter()
+                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                b[..2].copy_from_slice(&f16b(d));
+                let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
+                for j in 0..QK / 2 {
+                    b[2 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (b, x) in out
+                .chunks_exact_mut(dtype.block_bytes())
+                .zip(src.chunks_exact(QK))
+            {
+                let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (max - min) / 15.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                b[..2].copy_from_slice(&f16b(d));
+                b[2..4].copy_from_slice(&f16b(min));
+                let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+                for j in 0..QK / 2 {
+                    b[4 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
+                }
+            }
+        }
+        DType::Q8_0 => {
+            for (b, x) in out
+                .chunks_exact_mut(dtype.block_bytes())
+                .zip(src.chunks_exact(QK))
+            {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                b[..2].copy_from_slice(&f16b(d));
+                for j in 0..QK {
+                    b[2 + j] = ((x[j] * id).round() as i32).clamp(-127, 127) as i8 as u8;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +487,75 @@ mod tests {
         assert_eq!(out, vals);
         dequantize_row(DType::BF16, &bf16b, &mut out).unwrap();
         assert_eq!(out, [1.0, -2.5, 0.0, 65536.0]);
+    }
+
+    /// The quantizers against the reference dequantiser: every element comes back within half a
+    /// quantisation step (plus the f16 rounding of d and m), and a row made of exact levels comes
+    /// back bit for bit.
+    #[test]
+    fn quantize_round_trips_through_dequantize() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let src: Vec<f32> = (0..256)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                u * if i % 64 < 32 { 3.0 } else { 0.01 }
+            })
+            .collect();
+        for dtype in DType::ALL {
+            let mut q = vec![0u8; dtype.row_bytes(src.len()).unwrap()];
+            quantize_row(dtype, &src, &mut q).unwrap();
+            let mut back = vec![0f32; src.len()];
+            dequantize_row(dtype, &q, &mut back).unwrap();
+            for (blk, (s, b)) in src.chunks(QK).zip(back.chunks(QK)).enumerate() {
+                let lo = s.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let amax = lo.abs().max(hi.abs());
+                let tol = match dtype {
+                    DType::F32 => 0.0,
+                    DType::F16 => amax * 2f32.powi(-11),
+                    DType::BF16 => amax * 2f32.powi(-8),
+                    // half a level, plus the f16 rounding of d (x15 or x127) and of m; Q4_0's
+                    // levels reach -8d on the side of the largest magnitude but only 7d on the
+                    // other, so an element there may clamp a whole level away
+                    DType::Q4_0 => amax / 8.0 * (1.0 + 16.0 * 2f32.powi(-11)),
+                    DType::Q4_1 => {
+                        (hi - lo) / 15.0 * (0.5 + 16.0 * 2f32.powi(-11)) + amax * 2f32.powi(-11)
+                    }
+                    DType::Q8_0 => amax / 127.0 * (0.5 + 128.0 * 2f32.powi(-11)),
+                };
+                for (j, (a, b)) in s.iter().zip(b).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{dtype} block {blk} element {j}: {a} -> {b} (tol {tol})"
+                    );
+                }
+            }
+            // re-quantizing the dequantized row is exact: its elements sit on the levels
+            let mut q2 = vec![0u8; q.len()];
+            quantize_row(dtype, &back, &mut q2).unwrap();
+            let mut back2 = vec![0f32; src.len()];
+            dequantize_row(dtype, &q2, &mut back2).unwrap();
+            if dtype != DType::Q4_0 {
+                assert_eq!(back, back2, "{dtype}: levels are a fixed point");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        for h in (0..=u16::MAX).step_by(3) {
+            let v = bf16_to_f32(h);
+            if !v.is_nan() {
+                assert_eq!(f32_to_bf16(v), h);
+            }
+        }
+        // 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: ties to even (1.0)
+        assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), 0x3F80);
+        assert_eq!(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8)), 0x3F82);
+        assert_eq!(half::bf16::from_f32(0.1).to_bits(), f32_to_bf16(0.1));
     }
 
     #[test]

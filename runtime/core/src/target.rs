@@ -287,6 +287,48 @@ struct ModelFile {
     kernels: Vec<String>,
 }
 
+/// A shared model file, `targets/models/<name>.toml`: the `[model]` shape (what `synth-model` makes a
+/// checkpoint of). Other tables are read by the targets that extend it.
+pub fn load_model_shape(root: &Path, name: &str) -> Result<ModelShape, TargetError> {
+    let path = root.join(MODELS_DIR).join(format!("{name}.toml"));
+    if !path.is_file() {
+        let mut known: Vec<String> = std::fs::read_dir(root.join(MODELS_DIR))
+            .map(|d| {
+                d.filter_map(|e| {
+                    e.ok()?
+                        .file_name()
+                        .to_str()?
+                        .strip_suffix(".toml")
+                        .map(String::from)
+                })
+                .collect()
+            })
+            .unwrap_or_default();
+        known.sort();
+        return Err(TargetError::Invalid {
+            path: path.display().to_string(),
+            field: "model".into(),
+            expected: format!("one of the shared model files: {}", known.join(", ")),
+            got: name.into(),
+        });
+    }
+    read_model_shape(&path)
+}
+
+/// The `[model]` table of a TOML file laid out as `targets/models/<name>.toml` is.
+pub fn read_model_shape(path: &Path) -> Result<ModelShape, TargetError> {
+    #[derive(Deserialize)]
+    struct Shared {
+        model: ModelShape,
+    }
+    let text = read(path)?;
+    let m: Shared = toml::from_str(&text).map_err(|e| TargetError::Parse {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    Ok(m.model)
+}
+
 /// A fully parsed and checked target.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TargetSpec {

@@ -238,31 +238,7 @@ impl ModelConfig {
                 }
             }
         };
-        let tok_id = |key: &str| -> Result<Option<u32>> {
-            Ok(g.opt_u64(key)?.and_then(|v| u32::try_from(v).ok()))
-        };
-        let bos = tok_id("tokenizer.ggml.bos_token_id")?;
-        let mut eos = Vec::new();
-        for key in [
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id",
-            "tokenizer.ggml.eom_token_id",
-        ] {
-            if let Some(id) = tok_id(key)? {
-                push_unique(&mut eos, id);
-            }
-        }
-        // llama.cpp's default for BPE vocabularies is false (true for the llama3 pre-tokenizer);
-        // the file's explicit flag wins.
-        let pre = g.opt_str("tokenizer.ggml.pre")?;
-        let default_add_bos = match g.opt_str("tokenizer.ggml.model")? {
-            Some("llama") => true,
-            _ => matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe")),
-        };
-        let add_bos = g
-            .opt_bool("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(default_add_bos)
-            && bos.is_some();
+        let (bos, eos, add_bos) = Self::special_tokens_from_gguf(g)?;
         let name = match g.opt_str("general.name")? {
             Some(n) => n.to_string(),
             None => file_stem(path),
@@ -289,6 +265,37 @@ impl ModelConfig {
         };
         c.check(path)?;
         Ok(c)
+    }
+
+    /// BOS, the EOS set (eos, eot, eom) and whether BOS is added, from a GGUF's `tokenizer.ggml.*`
+    /// metadata alone.
+    pub fn special_tokens_from_gguf(g: &GgufFile) -> Result<(Option<u32>, Vec<u32>, bool)> {
+        let tok_id = |key: &str| -> Result<Option<u32>> {
+            Ok(g.opt_u64(key)?.and_then(|v| u32::try_from(v).ok()))
+        };
+        let bos = tok_id("tokenizer.ggml.bos_token_id")?;
+        let mut eos = Vec::new();
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
+            if let Some(id) = tok_id(key)? {
+                push_unique(&mut eos, id);
+            }
+        }
+        // llama.cpp's default for BPE vocabularies is false (true for the llama3 pre-tokenizer);
+        // the file's explicit flag wins.
+        let pre = g.opt_str("tokenizer.ggml.pre")?;
+        let default_add_bos = match g.opt_str("tokenizer.ggml.model")? {
+            Some("llama") => true,
+            _ => matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe")),
+        };
+        let add_bos = g
+            .opt_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(default_add_bos)
+            && bos.is_some();
+        Ok((bos, eos, add_bos))
     }
 
     /// Read the config from an HF `config.json` (already parsed). `add_bos` comes from the tokenizer

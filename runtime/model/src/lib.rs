@@ -22,6 +22,7 @@ pub mod config;
 pub mod error;
 pub mod files;
 pub mod gguf;
+pub mod gguf_writer;
 pub mod hf;
 pub mod tokenizer;
 pub mod weights;

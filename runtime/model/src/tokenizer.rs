@@ -307,6 +307,14 @@ impl Tokenizer {
         Ok(tk)
     }
 
+    /// The tokenizer as an HF `tokenizer.json` (special tokens as `added_tokens` marked special):
+    /// what `from_hf_json` and HF's `PreTrainedTokenizerFast` read back.
+    pub fn to_hf_json(&self) -> Result<String> {
+        self.with_special
+            .to_string(true)
+            .map_err(|e| tk_err(format!("serializing the tokenizer: {e}")))
+    }
+
     /// Build from an HF `tokenizer.json` (its bytes). Special tokens are its `added_tokens` marked
     /// `special`; the post-processor is not used (BOS is added by `encode` when asked).
     pub fn from_hf_json(

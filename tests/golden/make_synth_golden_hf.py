@@ -1,0 +1,112 @@
+"""Golden logits of a synthetic checkpoint, from HF transformers loading the same files.
+
+The model is tests/golden/tiny-llama3.toml (llama-3.1-8b's features at test size: head dim 128,
+4 query heads per KV head, untied LM head, llama3 RoPE scaling, padded vocabulary) with seed 0:
+    cargo xtask synth-model tests/golden/tiny-llama3.toml --format hf --out DIR
+    cargo xtask synth-model tests/golden/tiny-llama3.toml --out FILE.gguf
+Reference: HF transformers' LlamaForCausalLM in float32, eager attention, on CPU, loading the HF
+folder (bf16 safetensors widened to f32). Nobody in this project wrote it. The sequence is a
+>= 100-token prompt followed by 16 teacher-forced tokens; the golden holds the logits of the prompt's
+last position and of each of the 16 decode positions.
+
+Usage (venv with torch, transformers, gguf, numpy):
+    python make_synth_golden_hf.py DIR [FILE.gguf]
+With FILE.gguf it also loads the GGUF through transformers' GGUF reader (gguf-py) and records how
+far its logits are from the folder's (transformers' GGUF reader ignores rope_freqs, so the llama3
+scaling is lost there; recorded, not asserted), and from the folder loaded without its rope scaling
+(recorded: 0 means the GGUF's weights, q/k permutation included, are the folder's).
+Writes, next to this script:
+    tiny_llama3_hf.json         prompt, token ids, top-20 (id, logit) per checked position, versions,
+                                the sha256 of model.safetensors (the test regenerates the file and
+                                checks it is the same bytes)
+    tiny_llama3_hf_last.f32     the full logits row of the last position, little-endian f32
+"""
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+PROMPT = ("The river runs past the old mill, where the miller's daughter counts sacks of grain each "
+          "morning before the market opens. Travellers from the northern towns stop to water their "
+          "horses, trade news of the harvest and argue about the price of salt, wool and iron. In "
+          "winter the wheel freezes, the village gathers around one fire, and the stories grow longer "
+          "with every telling, until nobody remembers which parts were true. The miller himself says "
+          "little; he mends the sacks, oils the gears and listens.")
+CONTINUATION = (" In spring the ice breaks, the water rises, the wheel turns again and the first "
+                "boats come down from the hills.")
+DECODE_STEPS = 16
+
+
+def main():
+    d = os.path.abspath(sys.argv[1])
+    here = os.path.dirname(os.path.abspath(__file__))
+    sha = hashlib.sha256(open(os.path.join(d, "model.safetensors"), "rb").read()).hexdigest()
+    tok = AutoTokenizer.from_pretrained(d)
+    prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
+    cont = tok(CONTINUATION, add_special_tokens=False)["input_ids"][:DECODE_STEPS]
+    assert len(prompt) >= 100 and len(cont) == DECODE_STEPS, (len(prompt), len(cont))
+    ids = prompt + cont
+    model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float().numpy()
+    # the prompt's last position, then each teacher-forced decode position
+    checked = logits[len(prompt) - 1: len(prompt) - 1 + DECODE_STEPS + 1]
+    top = []
+    for row in checked:
+        order = np.argsort(-row, kind="stable")[:20]
+        top.append([[int(i), float(row[i])] for i in order])
+    out = {
+        "reference": "HF transformers %s, torch %s, float32 eager, HF folder (bf16 safetensors)" % (
+            transformers.__version__, torch.__version__),
+        "model": "tests/golden/tiny-llama3.toml, seed 0",
+        "safetensors_sha256": sha,
+        "prompt": PROMPT,
+        "continuation": CONTINUATION,
+        "prompt_tokens": [int(i) for i in prompt],
+        "decode_tokens": [int(i) for i in cont],
+        "top20": top,
+        "logit_std": float(checked.std()),
+        "last_row_file": "tiny_llama3_hf_last.f32",
+    }
+    if len(sys.argv) > 2:
+        g = os.path.abspath(sys.argv[2])
+        gm = AutoModelForCausalLM.from_pretrained(os.path.dirname(g), gguf_file=os.path.basename(g),
+                                                  torch_dtype=torch.float32,
+                                                  attn_implementation="eager")
+        with torch.no_grad():
+            gl = gm(torch.tensor([ids])).logits[0].float().numpy()
+        out["gguf_via_transformers_max_abs_diff"] = float(np.abs(gl - logits).max())
+        out["gguf_via_transformers_same_argmax"] = bool(
+            (gl.argmax(-1) == logits.argmax(-1)).all())
+        # the same folder without its rope scaling: what transformers' GGUF reader builds, so any
+        # difference left is in the GGUF's weights (values, q/k permutation)
+        cfg = AutoConfig.from_pretrained(d)
+        theta = json.load(open(os.path.join(d, "config.json")))["rope_theta"]
+        cfg.rope_scaling = None
+        if hasattr(cfg, "rope_parameters"):
+            cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+        um = AutoModelForCausalLM.from_pretrained(d, config=cfg, torch_dtype=torch.float32,
+                                                  attn_implementation="eager")
+        with torch.no_grad():
+            ul = um(torch.tensor([ids])).logits[0].float().numpy()
+        out["gguf_via_transformers_vs_unscaled_folder_max_abs_diff"] = float(np.abs(gl - ul).max())
+    with open(os.path.join(here, "tiny_llama3_hf.json"), "w") as fh:
+        json.dump(out, fh, indent=None)
+    checked[-1].astype("<f4").tofile(os.path.join(here, "tiny_llama3_hf_last.f32"))
+    print("prompt tokens", len(prompt), "decode tokens", len(cont))
+    print("logit std", checked.std(), "argmax", [int(np.argmax(r)) for r in checked])
+    for k in ("gguf_via_transformers_max_abs_diff", "gguf_via_transformers_same_argmax",
+              "gguf_via_transformers_vs_unscaled_folder_max_abs_diff"):
+        if k in out:
+            print(k, out[k])
+
+
+if __name__ == "__main__":
+    main()

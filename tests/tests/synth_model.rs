@@ -1,0 +1,226 @@
+//! `cargo xtask synth-model` end to end, on `tests/golden/tiny-llama3.toml` (llama-3.1-8b's features
+//! at test size: head dim 128, 4 query heads per KV head, untied LM head, llama3 RoPE scaling, a
+//! vocabulary padded past the tokenizer's):
+//! - the HF folder is byte for byte the file the golden was made from (same seed, same bytes, on 2
+//!   threads here and on whatever machine made the golden);
+//! - the CPU backend on the HF folder against HF transformers (golden/tiny_llama3_hf.json, made by
+//!   golden/make_synth_golden_hf.py): a 100+-token prompt prefilled, then 16 teacher-forced decode
+//!   steps; same top-1 at each and logits within the tolerances below;
+//! - the GGUF of the same seed is the same model (its logits equal the folder's within rounding),
+//!   and its q4_1 GGUF is close to it (quantization noise, bounded);
+//! - the tokenizer is the default model's, padded: the prompt encodes to the reference's ids from
+//!   both files, and the padding tokens exist.
+//!
+//! Needs METRALE_MODEL (the default model: its tokenizer); skips, saying so, without it.
+
+mod toolchain_support;
+
+use metrale_backend::cpu::CpuBackend;
+use metrale_backend::sampler::SamplingParams;
+use metrale_backend::{Backend, SeqStep};
+use metrale_model::Model;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use toolchain_support::*;
+
+/// Max |logit - HF logit|. Both sides widen the same bf16 weights to f32 and compute in f32 (the CPU
+/// backend's 16-bit activation blocks apply to quantized weights only, so bf16 takes the f32 path
+/// either way); what differs is summation order and transcendental rounding, ~1e-7 relative per
+/// operation over logits of standard deviation ~2. Measured 5.7e-6; the bound leaves 17x.
+const TOL: f32 = 1e-4;
+
+struct Files {
+    _dir: tempfile::TempDir,
+    hf: PathBuf,
+    bf16: PathBuf,
+    q4_1: PathBuf,
+}
+
+fn files() -> Option<&'static Files> {
+    static FILES: OnceLock<Option<Files>> = OnceLock::new();
+    FILES
+        .get_or_init(|| {
+            let Some(tok) = std::env::var_os("METRALE_MODEL") else {
+                eprintln!("skipping: METRALE_MODEL is not set (the default model: its tokenizer)");
+                return None;
+            };
+            let tok = tok.to_str().unwrap().to_string();
+            let dir = tempfile::tempdir().unwrap();
+            let toml = repo().join("tests/golden/tiny-llama3.toml");
+            let toml = toml.to_str().unwrap();
+            let f = Files {
+                hf: dir.path().join("hf"),
+                bf16: dir.path().join("bf16.gguf"),
+                q4_1: dir.path().join("q4_1.gguf"),
+                _dir: dir,
+            };
+            for (out, extra) in [
+                // 3 threads: the golden's file was made with 2; values do not depend on threads
+                (&f.hf, &["--format", "hf", "--threads", "3"][..]),
+                (&f.bf16, &[][..]),
+                (&f.q4_1, &["--quant", "q4_1"][..]),
+            ] {
+                let mut args = vec!["synth-model", toml, "--tokenizer", &tok, "--seed", "0"];
+                args.extend(extra);
+                args.extend(["--out", out.to_str().unwrap()]);
+                assert!(run_xtask(&args).status.success(), "synth-model failed");
+            }
+            Some(f)
+        })
+        .as_ref()
+}
+
+fn golden() -> serde_json::Value {
+    let p = repo().join("tests/golden/tiny_llama3_hf.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Logits of the prompt's last position and of each teacher-forced decode position.
+fn run(m: &Model, exact: bool, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
+    let mut b = CpuBackend::load(m, 1, 256, 2).unwrap();
+    b.set_exact_activations(exact);
+    let p = SamplingParams::default();
+    let mut hist = prompt.to_vec();
+    let mut rows = Vec::new();
+    let mut step = |start: usize, toks: &[u32], hist: &[u32]| {
+        let s = SeqStep {
+            slot: 0,
+            start_pos: start,
+            tokens: toks,
+            history: hist,
+            sampling: &p,
+            draw: 0,
+            want_logits: true,
+        };
+        b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
+    };
+    rows.push(step(0, prompt, &hist));
+    for (i, &t) in decode.iter().enumerate() {
+        hist.push(t);
+        rows.push(step(prompt.len() + i, &[t], &hist));
+    }
+    rows
+}
+
+fn argmax(r: &[f32]) -> usize {
+    metrale_backend::cpu::ops::argmax(r)
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
+    let Some(f) = files() else { return };
+    let g = golden();
+    let bytes = std::fs::read(f.hf.join("model.safetensors")).unwrap();
+    let sha = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(&bytes))
+    };
+    assert_eq!(
+        sha,
+        g["safetensors_sha256"].as_str().unwrap(),
+        "synth-model no longer writes the bytes the golden was made from (seed 0)"
+    );
+    let m = Model::load(&f.hf).unwrap();
+    let prompt = ids(&g["prompt_tokens"]);
+    let decode = ids(&g["decode_tokens"]);
+    assert!(prompt.len() >= 100 && decode.len() == 16);
+    let enc = m
+        .tokenizer
+        .encode(g["prompt"].as_str().unwrap(), false, false)
+        .unwrap();
+    assert_eq!(enc, prompt, "tokenizer.json encodes the prompt as HF does");
+    let last_ref: Vec<f32> = std::fs::read(repo().join("tests/golden/tiny_llama3_hf_last.f32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(last_ref.len(), m.config.vocab);
+    for (exact, tol) in [(true, TOL), (false, TOL)] {
+        let rows = run(&m, exact, &prompt, &decode);
+        let mut worst = 0f32;
+        for (i, (row, top)) in rows.iter().zip(g["top20"].as_array().unwrap()).enumerate() {
+            let top = top.as_array().unwrap();
+            assert_eq!(
+                argmax(row),
+                top[0][0].as_u64().unwrap() as usize,
+                "top-1 differs at checked position {i} (exact activations: {exact})"
+            );
+            for e in top {
+                let (id, l) = (
+                    e[0].as_u64().unwrap() as usize,
+                    e[1].as_f64().unwrap() as f32,
+                );
+                worst = worst.max((row[id] - l).abs());
+            }
+        }
+        worst = worst.max(max_abs(rows.last().unwrap(), &last_ref));
+        eprintln!(
+            "{} activations: max |logit - HF| over 17 positions' top-20 and the last full row: {worst:.2e} (tolerance {tol:.0e})",
+            if exact { "f32" } else { "16-bit integer" }
+        );
+        assert!(worst <= tol, "max diff {worst} > {tol}");
+    }
+}
+
+#[test]
+fn gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
+    let Some(f) = files() else { return };
+    let g = golden();
+    let prompt = ids(&g["prompt_tokens"]);
+    let decode = ids(&g["decode_tokens"]);
+    let hf = Model::load(&f.hf).unwrap();
+    let bf = Model::load(&f.bf16).unwrap();
+    let q4 = Model::load(&f.q4_1).unwrap();
+    for m in [&bf, &q4] {
+        assert_eq!(m.config.vocab, 50000);
+        assert_eq!(
+            (m.config.n_heads, m.config.n_kv_heads, m.config.head_dim),
+            (4, 1, 128)
+        );
+        assert!(!m.config.tied_embeddings);
+        let enc = m
+            .tokenizer
+            .encode(g["prompt"].as_str().unwrap(), false, false)
+            .unwrap();
+        assert_eq!(
+            enc, prompt,
+            "the GGUF's tokenizer encodes the prompt as HF does"
+        );
+        assert_eq!(m.tokenizer.token_to_id("<|unused_49999|>"), Some(49999));
+    }
+    let a = run(&hf, true, &prompt, &decode);
+    let b = run(&bf, true, &prompt, &decode);
+    let c = run(&q4, true, &prompt, &decode);
+    let mut same = 0f32;
+    let (mut num, mut den) = (0f64, 0f64);
+    for ((x, y), z) in a.iter().zip(&b).zip(&c) {
+        assert!(x.iter().all(|v| v.is_finite()));
+        same = same.max(max_abs(x, y));
+        for (p, q) in y.iter().zip(z) {
+            num += ((p - q) as f64).powi(2);
+            den += (*p as f64).powi(2);
+        }
+    }
+    let rel = (num / den).sqrt();
+    eprintln!("GGUF bf16 vs HF folder: max |diff| {same:.2e}; q4_1 vs bf16: relative L2 {rel:.3}");
+    // the GGUF's llama3 scaling is the f32 rope_freqs divisors: ~1 ulp from the folder's inv_freq
+    assert!(same <= 1e-3, "GGUF and HF logits differ by {same}");
+    // 4-bit weights: each weight off by up to half of (max - min) / 15 of its block (~3.5% rms of
+    // the weights' spread) through 2 layers, the 8-bit LM head ~0.4%; measured ~0.1
+    assert!(rel <= 0.25, "q4_1 logits are {rel} (relative L2) from bf16");
+}

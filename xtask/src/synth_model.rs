@@ -1,0 +1,702 @@
+//! `cargo xtask synth-model MODEL --quant Q [--format gguf|hf] [--seed N] [--layers N] --out PATH`:
+//! a checkpoint with the exact shapes of a model in `targets/models/`, deterministic random weights
+//! and a real tokenizer, for models whose weights cannot be downloaded. Timing does not depend on
+//! the values; correctness is checked against an independent implementation loading the same file.
+//!
+//! What it writes:
+//! - the weights: every value is a bf16 number drawn from a counter-based generator keyed by (seed,
+//!   tensor name, row), so a value does not depend on the thread that made it, on the format, or on
+//!   the other tensors. GGUF bf16 and the HF folder hold the same bf16 values (GGUF keeps norms in
+//!   f32, exactly); GGUF q4_1 quantizes those values with the project's own quantizer
+//!   (`metrale_core::dtype::quantize_row`): layer matrices Q4_1, embedding and LM head Q8_0, as the
+//!   q4_1 targets expect. In GGUF, q/k rows are permuted to its rope convention, as llama.cpp's
+//!   converter does, so both formats describe one model.
+//! - the scale: uniform values with standard deviation 1/sqrt(fan-in) in every projection, 1 in the
+//!   embedding, 2/sqrt(hidden) in the LM head (logits of standard deviation ~2) and norm weights in
+//!   [0.75, 1.25]: each layer adds O(1) to the residual stream, so activations stay finite through
+//!   every layer.
+//! - the tokenizer: the default model's byte-level BPE (and its chat template) from a GGUF, padded
+//!   with `<|unused_N|>` tokens (GGUF token type 5, unused) to the model's vocabulary.
+//! - llama3 RoPE scaling: GGUF gets `rope_freqs.weight` (per-dimension divisors, as llama.cpp's
+//!   converter writes it), the HF config its `rope_scaling`.
+//!
+//! Speed: rows are generated and written (`pwrite` at their offsets) by one thread per core.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use metrale_core::dtype::{f32_to_bf16, quantize_row, DType};
+use metrale_core::target::{load_model_shape, read_model_shape, ModelShape};
+use metrale_model::gguf::{Array, GgufFile, StrArray, Value};
+use metrale_model::gguf_writer::{self, TensorSpec};
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// One GGUF file (bf16 or q4_1).
+    Gguf,
+    /// An HF folder: config.json, model.safetensors (bf16), tokenizer.json, tokenizer_config.json.
+    Hf,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A shared model file in targets/models/ (e.g. llama-3.1-8b, smollm2-135m), or the path of a
+    /// `.toml` file with a `[model]` table laid out the same way.
+    pub model: String,
+    /// Weight types: bf16 (every matrix) or q4_1 (layer matrices Q4_1, embedding and LM head Q8_0).
+    #[arg(long, default_value = "bf16")]
+    pub quant: String,
+    #[arg(long, value_enum, default_value = "gguf")]
+    pub format: Format,
+    /// Seed of the weights: the same seed gives the same values in every format.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep only the first N layers: a smaller variant with the same layer shapes.
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// The GGUF file (or, for --format hf, the folder) to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// A GGUF whose tokenizer and chat template the checkpoint takes (default: the default model,
+    /// fetched if absent).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Worker threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Debug)]
+enum Init {
+    /// Uniform in [-a, a], rounded to bf16.
+    Uniform(f32),
+    /// Uniform in [0.75, 1.25], rounded to bf16 (norm weights).
+    Norm,
+    /// These exact values (one row).
+    Values(Vec<f32>),
+}
+
+/// One tensor of the checkpoint: its values are defined in HF orientation (row `r` of an
+/// `[rows, cols]` matrix); `qk_heads` marks q/k projections, whose rows GGUF permutes.
+#[derive(Clone, Debug)]
+struct Tensor {
+    gguf: String,
+    hf: Option<String>,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+    init: Init,
+    qk_heads: Option<usize>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let t0 = Instant::now();
+    let root = crate::build_target::repo_root().join("targets");
+    let mut shape = if args.model.ends_with(".toml") {
+        read_model_shape(Path::new(&args.model))?
+    } else {
+        load_model_shape(&root, &args.model)?
+    };
+    if let Some(n) = args.layers {
+        if n == 0 {
+            bail!("--layers must be at least 1");
+        }
+        shape.layers = n;
+    }
+    let (wt, et) = match (args.quant.as_str(), args.format) {
+        ("bf16", _) => (DType::BF16, DType::BF16),
+        ("q4_1", Format::Gguf) => (DType::Q4_1, DType::Q8_0),
+        ("q4_1", Format::Hf) => {
+            bail!("--format hf writes bf16 safetensors; q4_1 is a GGUF type (use --format gguf)")
+        }
+        (q, _) => bail!("unknown --quant '{q}': bf16 or q4_1"),
+    };
+    let tok_path = match &args.tokenizer {
+        Some(p) => p.clone(),
+        None => crate::fetch_model::fetch("smollm2-135m", false)?,
+    };
+    let tok = GgufFile::open(&tok_path)
+        .with_context(|| format!("reading the tokenizer from {}", tok_path.display()))?;
+    let tok_meta = tokenizer_metadata(&tok, shape.vocab as usize)?;
+    let tensors = tensors(&shape, wt, et, args.format)?;
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let bytes = match args.format {
+        Format::Gguf => write_gguf(&args, &shape, &tensors, tok_meta, threads)?,
+        Format::Hf => write_hf(&args, &shape, &tensors, tok_meta, &tok_path, threads)?,
+    };
+    let params: usize = tensors.iter().map(|t| t.rows * t.cols).sum();
+    let s = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "synth-model: {} ({} layers, {:.2} B parameters, {}) seed {}: {:.2} GB in {s:.1} s ({:.2} GB/s, {threads} threads)",
+        shape.name,
+        shape.layers,
+        params as f64 / 1e9,
+        args.quant,
+        args.seed,
+        bytes as f64 / 1e9,
+        bytes as f64 / 1e9 / s,
+    );
+    println!("{}", args.out.display());
+    Ok(())
+}
+
+/// The tensors of a llama model of this shape (GGUF names, HF names, HF orientation).
+fn tensors(s: &ModelShape, wt: DType, et: DType, format: Format) -> Result<Vec<Tensor>> {
+    let (h, ffn, vocab) = (s.hidden as usize, s.ffn as usize, s.vocab as usize);
+    let (hd, heads, kv) = (s.head_dim as usize, s.heads as usize, s.kv_heads as usize);
+    let (qd, kd) = (heads * hd, kv * hd);
+    let norm_t = if format == Format::Gguf {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let u = |fan_in: usize, k: f32| Init::Uniform(k * (3.0 / fan_in as f32).sqrt());
+    let t = |gguf: &str, hf: &str, rows, cols, dtype, init, qk_heads| Tensor {
+        gguf: gguf.into(),
+        hf: Some(hf.into()),
+        rows,
+        cols,
+        dtype,
+        init,
+        qk_heads,
+    };
+    let mut v = vec![t(
+        "token_embd.weight",
+        "model.embed_tokens.weight",
+        vocab,
+        h,
+        et,
+        Init::Uniform(3f32.sqrt()),
+        None,
+    )];
+    for l in 0..s.layers as usize {
+        let g = |n: &str| format!("blk.{l}.{n}.weight");
+        let f = |n: &str| format!("model.layers.{l}.{n}.weight");
+        v.extend([
+            t(
+                &g("attn_norm"),
+                &f("input_layernorm"),
+                1,
+                h,
+                norm_t,
+                Init::Norm,
+                None,
+            ),
+            t(
+                &g("attn_q"),
+                &f("self_attn.q_proj"),
+                qd,
+                h,
+                wt,
+                u(h, 1.0),
+                Some(heads),
+            ),
+            t(
+                &g("attn_k"),
+                &f("self_attn.k_proj"),
+                kd,
+                h,
+                wt,
+                u(h, 1.0),
+                Some(kv),
+            ),
+            t(
+                &g("attn_v"),
+                &f("self_attn.v_proj"),
+                kd,
+                h,
+                wt,
+                u(h, 1.0),
+                None,
+            ),
+            t(
+                &g("attn_output"),
+                &f("self_attn.o_proj"),
+                h,
+                qd,
+                wt,
+                u(qd, 1.0),
+                None,
+            ),
+            t(
+                &g("ffn_norm"),
+                &f("post_attention_layernorm"),
+                1,
+                h,
+                norm_t,
+                Init::Norm,
+                None,
+            ),
+            t(
+                &g("ffn_gate"),
+                &f("mlp.gate_proj"),
+                ffn,
+                h,
+                wt,
+                u(h, 1.0),
+                None,
+            ),
+            t(&g("ffn_up"), &f("mlp.up_proj"), ffn, h, wt, u(h, 1.0), None),
+            t(
+                &g("ffn_down"),
+                &f("mlp.down_proj"),
+                h,
+                ffn,
+                wt,
+                u(ffn, 1.0),
+                None,
+            ),
+        ]);
+    }
+    v.push(t(
+        "output_norm.weight",
+        "model.norm.weight",
+        1,
+        h,
+        norm_t,
+        Init::Norm,
+        None,
+    ));
+    if !s.tied_embeddings {
+        v.push(t(
+            "output.weight",
+            "lm_head.weight",
+            vocab,
+            h,
+            et,
+            u(h, 2.0),
+            None,
+        ));
+    }
+    if let (Some(r), Format::Gguf) = (&s.rope_scaling, format) {
+        if r.rope_type != "llama3" {
+            bail!("rope_scaling '{}': only llama3 is supported", r.rope_type);
+        }
+        v.push(Tensor {
+            gguf: "rope_freqs.weight".into(),
+            hf: None,
+            rows: 1,
+            cols: hd / 2,
+            dtype: DType::F32,
+            init: Init::Values(llama3_freq_factors(s, r)),
+            qk_heads: None,
+        });
+    }
+    for t in &v {
+        if t.dtype.row_bytes(t.cols).is_none() {
+            bail!(
+                "{}: rows of {} elements are not whole {} blocks",
+                t.gguf,
+                t.cols,
+                t.dtype
+            );
+        }
+    }
+    Ok(v)
+}
+
+/// GGUF `rope_freqs.weight` for llama3 scaling: the divisor of each inverse frequency (1 for high
+/// frequencies, the factor for low ones, interpolated between), as llama.cpp's converter writes it.
+fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) -> Vec<f32> {
+    let hd = s.head_dim as f64;
+    let old = r.original_max_position_embeddings as f64;
+    let (low_wl, high_wl) = (old / r.low_freq_factor, old / r.high_freq_factor);
+    (0..s.head_dim as usize / 2)
+        .map(|i| {
+            let f = s.rope_theta.powf(-2.0 * i as f64 / hd);
+            let wl = 2.0 * std::f64::consts::PI / f;
+            let factor = if wl < high_wl {
+                1.0
+            } else if wl > low_wl {
+                r.factor
+            } else {
+                let smooth =
+                    (old / wl - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+                1.0 / ((1.0 - smooth) / r.factor + smooth)
+            };
+            factor as f32
+        })
+        .collect()
+}
+
+/// The source GGUF's `tokenizer.*` metadata with the vocabulary padded to `vocab` tokens.
+fn tokenizer_metadata(g: &GgufFile, vocab: usize) -> Result<Vec<(String, Value)>> {
+    let path = g.path.display();
+    let tokens = g
+        .opt_str_array("tokenizer.ggml.tokens")?
+        .with_context(|| format!("{path} has no tokenizer.ggml.tokens"))?;
+    if tokens.len() > vocab {
+        bail!(
+            "{path}: its tokenizer has {} tokens, more than the model's vocabulary of {vocab}",
+            tokens.len()
+        );
+    }
+    let n = tokens.len();
+    let mut out = Vec::new();
+    for (k, v) in &g.header.metadata {
+        if !k.starts_with("tokenizer.") {
+            continue;
+        }
+        let v = match (k.as_str(), v) {
+            ("tokenizer.ggml.tokens", _) => Value::Array(Array::String(
+                tokens
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain((n..vocab).map(|i| format!("<|unused_{i}|>")))
+                    .collect::<StrArray>(),
+            )),
+            ("tokenizer.ggml.token_type", Value::Array(Array::I32(t))) => {
+                let mut t = t.clone();
+                t.resize(vocab, 5);
+                Value::Array(Array::I32(t))
+            }
+            ("tokenizer.ggml.scores", Value::Array(Array::F32(t))) => {
+                let mut t = t.clone();
+                t.resize(vocab, 0.0);
+                Value::Array(Array::F32(t))
+            }
+            (k, Value::Array(a)) if a.len() == n && k != "tokenizer.ggml.merges" => {
+                bail!("{path}: per-token metadata '{k}' of a type this command does not pad")
+            }
+            _ => v.clone(),
+        };
+        out.push((k.clone(), v));
+    }
+    Ok(out)
+}
+
+fn gguf_metadata(args: &Args, s: &ModelShape, tok: Vec<(String, Value)>) -> Vec<(String, Value)> {
+    let file_type = if args.quant == "q4_1" { 3 } else { 32 }; // LLAMA_FTYPE_MOSTLY_Q4_1 / _BF16
+    let u = |k: &str, v: u32| (format!("llama.{k}"), Value::U32(v));
+    let mut m = vec![
+        (
+            "general.architecture".to_string(),
+            Value::String("llama".into()),
+        ),
+        (
+            "general.name".into(),
+            Value::String(format!("synthetic {} (seed {})", s.name, args.seed)),
+        ),
+        ("general.file_type".into(), Value::U32(file_type)),
+        u("block_count", s.layers),
+        u("context_length", s.max_context),
+        u("embedding_length", s.hidden),
+        u("feed_forward_length", s.ffn),
+        u("attention.head_count", s.heads),
+        u("attention.head_count_kv", s.kv_heads),
+        u("attention.key_length", s.head_dim),
+        u("attention.value_length", s.head_dim),
+        u("rope.dimension_count", s.head_dim),
+        u("vocab_size", s.vocab),
+        (
+            "llama.rope.freq_base".into(),
+            Value::F32(s.rope_theta as f32),
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(s.norm_eps as f32),
+        ),
+    ];
+    m.extend(tok);
+    m
+}
+
+fn write_gguf(
+    args: &Args,
+    s: &ModelShape,
+    tensors: &[Tensor],
+    tok: Vec<(String, Value)>,
+    threads: usize,
+) -> Result<u64> {
+    let specs: Vec<TensorSpec> = tensors
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.gguf.clone(),
+            dtype: t.dtype,
+            shape: if t.rows == 1 {
+                vec![t.cols]
+            } else {
+                vec![t.cols, t.rows]
+            },
+        })
+        .collect();
+    let layout =
+        gguf_writer::layout(&gguf_metadata(args, s, tok), &specs).map_err(anyhow::Error::msg)?;
+    let file = create(&args.out, layout.len)?;
+    file.write_all_at(&layout.header, 0)?;
+    fill(
+        &file,
+        &args.out,
+        tensors,
+        &layout.offsets,
+        args.seed,
+        true,
+        threads,
+    )?;
+    Ok(layout.len)
+}
+
+fn write_hf(
+    args: &Args,
+    s: &ModelShape,
+    tensors: &[Tensor],
+    tok: Vec<(String, Value)>,
+    tok_path: &Path,
+    threads: usize,
+) -> Result<u64> {
+    let dir = &args.out;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // the tokenizer: the padded GGUF metadata read back by the runtime, written as tokenizer.json
+    let meta_only = gguf_writer::layout(&tok, &[])
+        .map_err(anyhow::Error::msg)?
+        .header;
+    let g = GgufFile::from_bytes(&meta_only, tok_path)?;
+    let cfg = metrale_model::ModelConfig::special_tokens_from_gguf(&g)?;
+    let tk = metrale_model::Tokenizer::from_gguf(&g, cfg.0, cfg.1.clone(), cfg.2)?;
+    let text =
+        |id: Option<u32>| id.map(|i| String::from_utf8_lossy(tk.token_bytes_ref(i)).into_owned());
+    std::fs::write(dir.join("tokenizer.json"), tk.to_hf_json()?)?;
+    let mut tc = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": cfg.2,
+        "bos_token": text(cfg.0),
+        "eos_token": text(cfg.1.first().copied()),
+        "model_max_length": s.max_context,
+        "clean_up_tokenization_spaces": false,
+    });
+    if let Some(t) = g.opt_str("tokenizer.chat_template")? {
+        tc["chat_template"] = json!(t);
+    }
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tc)?,
+    )?;
+    let mut config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.ffn,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": s.norm_eps,
+        "rope_theta": s.rope_theta,
+        "max_position_embeddings": s.max_context,
+        "vocab_size": s.vocab,
+        "tie_word_embeddings": s.tied_embeddings,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": cfg.0,
+        "eos_token_id": cfg.1.first(),
+    });
+    if let Some(r) = &s.rope_scaling {
+        config["rope_scaling"] = json!({
+            "rope_type": r.rope_type,
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        });
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::to_string_pretty(&json!({"bos_token_id": cfg.0, "eos_token_id": cfg.1}))?,
+    )?;
+    // model.safetensors: u64 header length, JSON header (padded with spaces to 8 bytes), data
+    let mut header = BTreeMap::new();
+    let mut rel = Vec::new();
+    let mut off = 0usize;
+    for t in tensors {
+        let n = t
+            .dtype
+            .tensor_bytes(t.cols, t.rows)
+            .context("tensor size")?;
+        let shape = if t.rows == 1 {
+            vec![t.cols]
+        } else {
+            vec![t.rows, t.cols]
+        };
+        header.insert(
+            t.hf.clone().context("tensor without an HF name")?,
+            json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}),
+        );
+        rel.push(off);
+        off += n;
+    }
+    let mut h = serde_json::to_vec(&json!({"__metadata__": {"format": "pt"}}))?;
+    let mut all = serde_json::Map::new();
+    all.insert("__metadata__".into(), json!({"format": "pt"}));
+    all.extend(header);
+    h.clear();
+    serde_json::to_writer(&mut h, &all)?;
+    h.resize(h.len().div_ceil(8) * 8, b' ');
+    let base = 8 + h.len();
+    let path = dir.join("model.safetensors");
+    let len = (base + off) as u64;
+    let file = create(&path, len)?;
+    file.write_all_at(&(h.len() as u64).to_le_bytes(), 0)?;
+    file.write_all_at(&h, 8)?;
+    let offsets: Vec<u64> = rel.iter().map(|r| (base + r) as u64).collect();
+    fill(&file, &path, tensors, &offsets, args.seed, false, threads)?;
+    Ok(len)
+}
+
+fn create(path: &Path, len: u64) -> Result<std::fs::File> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.set_len(len)
+        .with_context(|| format!("sizing {} to {len} bytes", path.display()))?;
+    Ok(f)
+}
+
+/// Generate and write every tensor's rows: work items of whole rows (~4 MiB each) taken by
+/// `threads` workers from one counter. `gguf`: permute q/k rows to GGUF's rope order.
+fn fill(
+    file: &std::fs::File,
+    path: &Path,
+    tensors: &[Tensor],
+    offsets: &[u64],
+    seed: u64,
+    gguf: bool,
+    threads: usize,
+) -> Result<()> {
+    let mut work = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let rb = t.dtype.row_bytes(t.cols).context("row size")?;
+        let per = (4 << 20) / rb.max(1);
+        let per = per.max(1);
+        let mut r = 0;
+        while r < t.rows {
+            work.push((i, r, (r + per).min(t.rows)));
+            r += per;
+        }
+    }
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| -> Result<()> {
+                    let mut vals = Vec::new();
+                    let mut buf = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(i, r0, r1)) = work.get(k) else {
+                            return Ok(());
+                        };
+                        let t = &tensors[i];
+                        let rb = t.dtype.row_bytes(t.cols).unwrap_or(0);
+                        buf.resize((r1 - r0) * rb, 0);
+                        vals.resize(t.cols, 0f32);
+                        for r in r0..r1 {
+                            let src = match (gguf, t.qk_heads) {
+                                (true, Some(nh)) => gguf_row_source(r, t.rows / nh),
+                                _ => r,
+                            };
+                            row_values(seed, &t.gguf, src, &t.init, &mut vals);
+                            quantize_row(
+                                t.dtype,
+                                &vals,
+                                &mut buf[(r - r0) * rb..(r - r0 + 1) * rb],
+                            )?;
+                        }
+                        file.write_all_at(&buf, offsets[i] + (r0 * rb) as u64)
+                            .with_context(|| format!("writing {}", path.display()))?;
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a writer thread panicked"))?
+        })
+    })
+}
+
+/// The HF row that GGUF row `r` of a q/k projection holds: within each head of `hd` rows, GGUF row
+/// 2j + t is HF row t * hd/2 + j (llama.cpp's converter's permutation, `hf::permute_qk_rows`).
+fn gguf_row_source(r: usize, hd: usize) -> usize {
+    let (h, w) = (r / hd, r % hd);
+    h * hd + (w % 2) * (hd / 2) + w / 2
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn name_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Row `row` (HF orientation) of the tensor named `name` (its GGUF name): a SplitMix64 stream
+/// seeded by (seed, name, row), mapped to the tensor's distribution and rounded to bf16.
+fn row_values(seed: u64, name: &str, row: usize, init: &Init, out: &mut [f32]) {
+    let mut state = splitmix(seed ^ name_hash(name) ^ splitmix(row as u64));
+    let mut unit = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let z = splitmix(state);
+        // 24 random bits -> [-1, 1)
+        (z >> 40) as f32 * (2.0 / (1u64 << 24) as f32) - 1.0
+    };
+    let bf = |x: f32| metrale_core::dtype::bf16_to_f32(f32_to_bf16(x));
+    match init {
+        Init::Uniform(a) => out.iter_mut().for_each(|o| *o = bf(unit() * a)),
+        Init::Norm => out.iter_mut().for_each(|o| *o = bf(1.0 + 0.25 * unit())),
+        Init::Values(v) => out.copy_from_slice(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gguf_row_order_is_the_converters_permutation() {
+        // 2 heads of 4 rows: HF rows [0 1 2 3 | 4 5 6 7] -> GGUF [0 2 1 3 | 4 6 5 7]
+        let got: Vec<usize> = (0..8).map(|r| gguf_row_source(r, 4)).collect();
+        assert_eq!(got, vec![0, 2, 1, 3, 4, 6, 5, 7]);
+        // and it is what the HF reader applies
+        let rows: Vec<u8> = (0..8).collect();
+        let permuted = metrale_model::hf::permute_qk_rows(&rows, 8, 1, 2).unwrap();
+        assert_eq!(permuted, got.iter().map(|&r| r as u8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn rows_are_deterministic_and_scaled() {
+        let mut a = vec![0f32; 4096];
+        let mut b = vec![0f32; 4096];
+        row_values(7, "blk.0.attn_q.weight", 3, &Init::Uniform(0.5), &mut a);
+        row_values(7, "blk.0.attn_q.weight", 3, &Init::Uniform(0.5), &mut b);
+        assert_eq!(a, b);
+        row_values(7, "blk.0.attn_q.weight", 4, &Init::Uniform(0.5), &mut b);
+        assert_ne!(a, b);
+        assert!(a.iter().all(|v| v.abs() <= 0.5));
+        let var = a.iter().map(|v| v * v).sum::<f32>() / a.len() as f32;
+        // uniform on [-0.5, 0.5]: variance 1/12
+        assert!((var - 1.0 / 12.0).abs() < 0.01, "{var}");
+    }
+}
