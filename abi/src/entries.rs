@@ -84,7 +84,8 @@ entries! {
         x: ptr<"float">,
         ntok: i32,
     }
-    /// RMSNorm + fused QKV projection + RoPE; q to a buffer, k and v into the KV cache.
+    /// RMSNorm + fused QKV projection + RoPE; q to a buffer, k and v into the paged KV cache (block
+    /// `tables[slot[t] * max_blocks + pos[t] / KV_BLOCK]`).
     /// grid = `plan::mv_grid(QKV row pairs, hidden, ntok)`.
     AttnIn = "attn_in" / "attn_in", threads MV_THREADS, {
         x: ptr<"const float">,
@@ -93,24 +94,26 @@ entries! {
         wsc: ptr<"const void">,
         rope: ptr<"const float2">,
         q: ptr<"float">,
-        kc: ptr<"float">,
-        vc: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
         pos: ptr<"const int">,
         slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
         layer: i32,
-        ctx: i32,
+        max_blocks: i32,
         ntok: i32,
     }
-    /// Split-K GQA attention over the KV cache, the splits combined in the same launch.
+    /// Split-K GQA attention over the paged KV cache, the splits combined in the same launch.
     /// grid = (kv_heads, nsplit, ntok); `counter` holds ntok * kv_heads zeroed tickets.
     Attention = "attention" / "attention", threads ATT_THREADS, {
         q: ptr<"const float">,
-        kc: ptr<"const float">,
-        vc: ptr<"const float">,
+        kc: ptr<"const kv_t">,
+        vc: ptr<"const kv_t">,
         pos: ptr<"const int">,
         slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
         layer: i32,
-        ctx: i32,
+        max_blocks: i32,
         nsplit: i32,
         part_ml: ptr<"float2">,
         part_acc: ptr<"float">,
@@ -195,12 +198,13 @@ entries! {
         head_sc: ptr<"const void">,
         out_norm: ptr<"const float">,
         rope: ptr<"const float2">,
-        kc: ptr<"float">,
-        vc: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
+        tables: ptr<"const unsigned int">,
         token: i32,
         pos: i32,
         slot: i32,
-        ctx: i32,
+        max_blocks: i32,
         epoch: u32,
         flags: i32,
         att_cfg: i32,
@@ -246,12 +250,13 @@ entries! {
         wsc: ptr<"const void">,
         rope: ptr<"const float2">,
         q: ptr<"float">,
-        kc: ptr<"float">,
-        vc: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
         pos: ptr<"const int">,
         slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
         layer: i32,
-        ctx: i32,
+        max_blocks: i32,
         ntok: i32,
     }
     /// GEMM path: output projection + residual.

@@ -167,6 +167,10 @@ pub const DECODE_REFUSED: i32 = -2;
 pub const GEMM_THREADS: u32 = 128;
 pub const GEMM_BM: u32 = 32;
 pub const GEMM_BN: u32 = 64;
+/// Tokens per block of the paged KV cache (`metrale_core::shape::KV_BLOCK`): K and V of a
+/// sequence's position p live in pool block `tables[slot * max_blocks + p / KV_BLOCK]`, laid out
+/// `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`kv_t`: f32 or bf16).
+pub const KV_BLOCK: u32 = metrale_core::shape::KV_BLOCK as u32;
 /// Threads per block of the GEMM path's split kernels (`norm_split`, `split_qd`, `split_ffn`): a
 /// warp per token, so `SPLIT_THREADS / 32` tokens per block.
 pub const SPLIT_THREADS: u32 = 256;
@@ -193,6 +197,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("GEMM_BM", GEMM_BM as i64),
     ("GEMM_BN", GEMM_BN as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
+    ("KV_BLOCK", KV_BLOCK as i64),
 ];
 
 /// The C++ text of the `abi` namespace every CUDA template renders (`{{> abi}}`) before including

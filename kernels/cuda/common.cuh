@@ -415,3 +415,47 @@ constexpr int MV_THREADS = abi::MV_THREADS;
 constexpr int MV_WARPS = MV_THREADS / 32;
 
 }  // namespace mt
+
+// ---- The paged KV cache ----
+// K and V of position p of the sequence in slot s live in pool block
+// tables[s * max_blocks + p / KV_BLOCK], laid out [block][layer][kv_head][KV_BLOCK][head_dim], with
+// elements of type kv_t: the target's `[quant] kv` (a template defines METRALE_KV_bf16 for bf16; f32
+// otherwise). A bf16 cache rounds each value to nearest even when it is written (as the CPU backend
+// does), and readers widen it to f32.
+#if defined(METRALE_KV_bf16)
+using kv_t = __nv_bfloat16;
+#else
+using kv_t = float;
+#endif
+
+namespace mt {
+
+MT_INLINE float kv_ld(const float* p) { return *p; }
+MT_INLINE float kv_ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+// Two adjacent elements (p even-aligned): a at p[0], b at p[1].
+MT_INLINE void kv_st2(float* p, float a, float b) {
+    p[0] = a;
+    p[1] = b;
+}
+MT_INLINE void kv_st2(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// What a store of x and a load give back: the value later steps read from the cache.
+MT_INLINE float kv_round(float x) {
+#if defined(METRALE_KV_bf16)
+    return __bfloat162float(__float2bfloat16_rn(x));
+#else
+    return x;
+#endif
+}
+
+// Element offset of (layer, KV head h, position p) for the sequence whose table row is `row`.
+template <int LAYERS, int KV_HEADS, int HEAD_DIM>
+MT_INLINE size_t kv_off(const unsigned int* row, int layer, int h, int p) {
+    const size_t b = row[p / abi::KV_BLOCK];
+    return (((b * LAYERS + layer) * KV_HEADS + h) * abi::KV_BLOCK + p % abi::KV_BLOCK) * HEAD_DIM;
+}
+
+}  // namespace mt

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import model_path, server_binary, start_server, stop_server
 
 HEALTH_BUDGET_S = 0.100
 
@@ -445,3 +445,41 @@ def test_worst_case_requests_under_an_address_space_limit_do_not_abort(tmp_path)
         assert httpx.get(s.base + "/health", timeout=5).status_code == 200
     finally:
         stop_server(s.proc)
+
+
+def test_a_kv_pool_short_of_the_load_preempts_and_answers_everyone(tmp_path):
+    # 8 slots but a KV pool of 256 tokens (one sequence of the 256-token context): 16 concurrent
+    # greedy chats of ~40 prompt + 120 generated tokens need ~10x the pool. Every one is answered
+    # 200 with what it answers alone; the engine preempts (recomputes) instead of failing.
+    s = start_server(tmp_path / "log", ["--ctx-size", "256", "--parallel", "8", "--kv-cache-tokens", "256"])
+    try:
+        log = open(tmp_path / "log").read()
+        assert "KV cache: 16 blocks of 16 tokens = 256 tokens" in log, log
+        assert "holds 1 sequences at the full context of 256 tokens" in log, log
+
+        def chat(i):
+            body = chat_body(f"Count from {i} to {i + 40}, one number per line.", max_tokens=120,
+                             temperature=0, ignore_eos=True)
+            r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=600)
+            return r.status_code, r.json()
+
+        with ThreadPoolExecutor(16) as ex:
+            results = list(ex.map(chat, range(16)))
+        assert all(code == 200 for code, _ in results), [r for r in results if r[0] != 200][:2]
+        assert metric_value(s.base, "vllm:num_preemptions_total") > 0
+        # what request 3 answers alone, with the pool all to itself
+        code, alone = chat(3)
+        assert code == 200
+        assert alone["choices"][0]["message"]["content"] == results[3][1]["choices"][0]["message"]["content"]
+        assert metric_value(s.base, "vllm:kv_cache_usage_perc") == 0.0
+    finally:
+        stop_server(s.proc)
+
+
+def test_a_kv_pool_smaller_than_one_context_is_refused_at_start(tmp_path):
+    out = subprocess.run(
+        [server_binary(), "--model", model_path(),
+         "--ctx-size", "512", "--kv-cache-tokens", "100", "--port", "0"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--kv-cache-tokens 100 cannot hold one sequence of the context (512 tokens)" in out.stderr, out.stderr

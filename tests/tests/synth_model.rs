@@ -90,9 +90,11 @@ fn run(m: &Model, exact: bool, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> 
     let p = SamplingParams::default();
     let mut hist = prompt.to_vec();
     let mut rows = Vec::new();
+    let table = metrale_backend::slot_blocks(0, 256);
     let mut step = |start: usize, toks: &[u32], hist: &[u32]| {
         let s = SeqStep {
             slot: 0,
+            blocks: &table,
             start_pos: start,
             tokens: toks,
             history: hist,

@@ -64,7 +64,10 @@ fn the_matrix_is_listed_and_every_target_loads() {
     assert_eq!(l.model.rope_scaling.as_ref().unwrap().factor, 32.0);
     assert_eq!(l.hardware.sm_count, Some(108));
     let l8 = TargetSpec::load(&root, &TargetId::new("h200", "llama-3.1-8b", "bf16")).unwrap();
-    assert_eq!((l8.model.head_dim, l8.model.kv_heads, l8.model.ffn), (128, 8, 14336));
+    assert_eq!(
+        (l8.model.head_dim, l8.model.kv_heads, l8.model.ffn),
+        (128, 8, 14336)
+    );
     assert!(!l8.model.tied_embeddings);
     assert_eq!(l8.model.rope_scaling.as_ref().unwrap().factor, 8.0);
     assert!(l8.serves("llama", 4096));

@@ -110,8 +110,10 @@ fn main() {
         .collect();
     let p = SamplingParams::default();
     let step = |b: &mut CpuBackend, start: usize, t: &[u32]| {
+        let cap = b.info().slot_capacity;
         let s = SeqStep {
             slot: 0,
+            blocks: &metrale_backend::slot_blocks(0, cap),
             start_pos: start,
             tokens: t,
             history: t,

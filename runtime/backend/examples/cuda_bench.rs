@@ -66,6 +66,8 @@ fn main() {
         CudaOptions {
             slots: maxb + 1,
             slot_capacity: 2048,
+            // each slot its own run of blocks (metrale_backend::slot_blocks)
+            kv_blocks: (maxb + 1) * metrale_backend::blocks_for(2048),
             max_step_tokens: pp.max(512),
             tuning,
             ..Default::default()
@@ -73,6 +75,9 @@ fn main() {
     )
     .expect("backend");
     let load_s = t0.elapsed().as_secs_f64();
+    let tables: Vec<Vec<u32>> = (0..maxb + 1)
+        .map(|s| metrale_backend::slot_blocks(s, 2048))
+        .collect();
     let info = b.info();
     eprintln!("{info:?} (model load + upload {load_s:.2} s)");
     let greedy = SamplingParams::default();
@@ -91,6 +96,7 @@ fn main() {
     let r = b
         .step(&[SeqStep {
             slot: 0,
+            blocks: &tables[0],
             start_pos: 0,
             tokens: &prompt,
             history: &prompt,
@@ -109,6 +115,7 @@ fn main() {
         let r = b
             .step(&[SeqStep {
                 slot: 0,
+                blocks: &tables[0],
                 start_pos: n - 1,
                 tokens: &last,
                 history: &hist,
@@ -191,6 +198,7 @@ fn main() {
             let r = b
                 .step(&[SeqStep {
                     slot: tg_slot,
+                    blocks: &tables[tg_slot],
                     start_pos: s,
                     tokens: &tok,
                     history: &h,
@@ -218,6 +226,7 @@ fn main() {
         let t = Instant::now();
         b.step(&[SeqStep {
             slot: 1,
+            blocks: &tables[1],
             start_pos: 0,
             tokens: &ids,
             history: &ids,
@@ -264,6 +273,7 @@ fn main() {
                     };
                     SeqStep {
                         slot: i,
+                        blocks: &tables[i],
                         start_pos: start,
                         tokens: toks,
                         history: &hs[i],

@@ -22,20 +22,73 @@ pub mod sampler;
 
 use metrale_core::BackendError;
 
-pub use metrale_core::shape::Dims;
+pub use metrale_core::shape::{Dims, KvDtype, KV_BLOCK};
 
-/// Index of a KV-cache slot: one running sequence owns one slot until it is released.
+/// Index of a slot: one running sequence owns one slot (its place in a step's batch, its per-sequence
+/// backend state) until it is released. Its KV entries live in blocks of the shared pool.
 pub type SlotId = usize;
+
+/// The KV cache a backend allocates: one pool of blocks of [`KV_BLOCK`] tokens shared by every
+/// sequence (each reaches its positions through its block table, `SeqStep::blocks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvConfig {
+    /// Sequences in flight at once.
+    pub slots: usize,
+    /// Most positions of one sequence (the context size).
+    pub slot_capacity: usize,
+    /// Blocks in the pool; 0: every slot at full capacity (`slots x blocks_for(slot_capacity)`),
+    /// which [`slot_blocks`] tables address.
+    pub blocks: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvConfig {
+    /// Every slot at full capacity, f32 (what a caller without a block allocator wants).
+    pub fn per_slot(slots: usize, slot_capacity: usize) -> KvConfig {
+        KvConfig {
+            slots,
+            slot_capacity,
+            blocks: 0,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    /// The pool's block count (resolving 0).
+    pub fn pool_blocks(&self) -> usize {
+        if self.blocks == 0 {
+            self.slots.saturating_mul(blocks_for(self.slot_capacity))
+        } else {
+            self.blocks
+        }
+    }
+}
+
+/// Blocks that hold `positions` positions.
+pub fn blocks_for(positions: usize) -> usize {
+    positions.div_ceil(KV_BLOCK)
+}
+
+/// The block table of `slot` in a pool laid out [`KvConfig::per_slot`]: the slot's own run of
+/// blocks. For callers that drive a backend without the engine's allocator (tests, benchmarks).
+pub fn slot_blocks(slot: SlotId, slot_capacity: usize) -> Vec<u32> {
+    let n = blocks_for(slot_capacity);
+    (slot * n..(slot + 1) * n).map(|b| b as u32).collect()
+}
 
 /// What the engine asks of the backend for one sequence in one step.
 #[derive(Debug)]
 pub struct SeqStep<'a> {
     /// KV-cache slot of the sequence.
     pub slot: SlotId,
-    /// Position of `tokens[0]` in the sequence (= tokens already in the slot's KV cache).
+    /// Position of `tokens[0]` in the sequence (= tokens already in its KV blocks).
     pub start_pos: usize,
     /// New tokens: a prefill chunk, or exactly one token when decoding.
     pub tokens: &'a [u32],
+    /// The sequence's block table: position `p` lives in pool block `blocks[p / KV_BLOCK]`. Covers
+    /// at least `start_pos + tokens.len()` positions. Blocks holding a shared prefix may appear in
+    /// several sequences' tables; a step writes only positions `start_pos..`, which lie in blocks no
+    /// other sequence reads (the engine's contract).
+    pub blocks: &'a [u32],
     /// Every token of the sequence so far including `tokens` (for repetition/presence/frequency
     /// penalties).
     pub history: &'a [u32],
@@ -68,10 +121,14 @@ pub struct BackendInfo {
     pub name: String,
     /// Human-readable device, e.g. "NVIDIA H200 (sm_90, 132 SMs)" or "cpu (2 threads)".
     pub device: String,
-    /// Number of KV-cache slots (maximum concurrent sequences).
+    /// Number of slots (maximum concurrent sequences).
     pub slots: usize,
-    /// Tokens each slot can hold.
+    /// Most positions of one sequence.
     pub slot_capacity: usize,
+    /// Blocks of [`KV_BLOCK`] tokens in the KV pool.
+    pub kv_blocks: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
     /// Bytes of weights resident on the device.
     pub weight_bytes: u64,
     /// Bytes of KV cache.
@@ -83,19 +140,21 @@ pub trait Backend: Send {
     fn info(&self) -> BackendInfo;
     /// Run the batch and sample one token per entry. Entries use distinct slots.
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError>;
-    /// The slot's sequence has ended: the slot is free for a new one. Its KV entries stay as they
-    /// are until a later step overwrites them (the engine's prefix caching resumes a new sequence
-    /// after the positions it shares with them).
+    /// The slot's sequence has ended: the slot is free for a new one. KV blocks belong to the
+    /// caller's allocator; their entries stay as they are until a later step overwrites them (the
+    /// engine's prefix caching hands full blocks to later sequences that share their tokens).
     fn release(&mut self, slot: SlotId);
 }
 
 /// Refuse a batch no backend can run, before any work: entry `i` names a slot outside `0..slots` or
-/// one used twice, has no tokens, reaches past `capacity` positions, or holds a token id outside
+/// one used twice, has no tokens, reaches past `capacity` positions, has a block table too short for
+/// its positions or naming a block outside the pool of `kv_blocks`, or holds a token id outside
 /// `0..vocab`. Every backend calls this first, so a bad batch gets the same message on every one.
 pub fn validate_batch(
     batch: &[SeqStep<'_>],
     slots: usize,
     capacity: usize,
+    kv_blocks: usize,
     vocab: usize,
 ) -> Result<(), BackendError> {
     let bad = |i: usize, what: String| Err(BackendError::Invalid(format!("entry {i}: {what}")));
@@ -124,6 +183,26 @@ pub fn validate_batch(
                     s.start_pos,
                     s.start_pos.saturating_add(s.tokens.len())
                 ),
+            );
+        }
+        let end = s.start_pos + s.tokens.len();
+        if s.blocks.len() < blocks_for(end) {
+            return bad(
+                i,
+                format!(
+                    "a block table of {} blocks does not cover positions 0..{end} ({} blocks of {KV_BLOCK})",
+                    s.blocks.len(),
+                    blocks_for(end)
+                ),
+            );
+        }
+        if let Some(&b) = s.blocks[..blocks_for(end)]
+            .iter()
+            .find(|&&b| b as usize >= kv_blocks)
+        {
+            return bad(
+                i,
+                format!("block {b} is outside the KV pool ({kv_blocks} blocks)"),
             );
         }
         if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {

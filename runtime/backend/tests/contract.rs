@@ -75,6 +75,9 @@ fn cuda_backend_on_the_real_model() {
         CudaOptions {
             slots: common::contract::SLOTS,
             slot_capacity: common::contract::CAPACITY,
+            // each slot its own run of blocks (`metrale_backend::slot_blocks`)
+            kv_blocks: common::contract::SLOTS
+                * metrale_backend::blocks_for(common::contract::CAPACITY),
             ..Default::default()
         },
     )

@@ -39,8 +39,10 @@ fn step_logits(
     hist: &[u32],
 ) -> Vec<f32> {
     let p = SamplingParams::default();
+    let cap = b.info().slot_capacity;
     let s = SeqStep {
         slot,
+        blocks: &metrale_backend::slot_blocks(slot, cap),
         start_pos: start,
         tokens: toks,
         history: hist,
@@ -149,6 +151,7 @@ fn greedy_answer_names_paris() {
     for draw in 0..40u64 {
         let s = SeqStep {
             slot: 0,
+            blocks: &metrale_backend::slot_blocks(0, 256),
             start_pos: start,
             tokens: &new,
             history: &hist,

@@ -20,12 +20,16 @@ use metrale_backend::cuda::plan;
 use metrale_backend::cuda::weights::{DevFormat, DevMat, HostMat};
 use metrale_backend::cuda::{device_count, DevBuf, Gpu};
 use metrale_backend::rope::{rope_inplace, rope_inv_freq, rope_table};
-use metrale_backend::{sampler, Dims};
-use metrale_core::dtype::{dequantize_row, DType};
+use metrale_backend::{blocks_for, sampler, Dims, KvDtype, KV_BLOCK};
+use metrale_core::dtype::{bf16_to_f32, dequantize_row, f32_to_bf16, DType};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const TOL: f64 = 1e-4;
+/// K and V written to a bf16 cache, against the reference rounded the same way: an f32 difference
+/// of ~1e-6 relative flips the rounding of the few values within it of a rounding boundary (each by
+/// one bf16 step, 2^-8 relative), ~0.05% of them: ~1e-4 relative L2; bounded at 1e-3.
+const KV_TOL: f64 = 1e-3;
 
 struct Env {
     gpu: Gpu,
@@ -34,6 +38,7 @@ struct Env {
     ef: DevFormat,
     eps: f32,
     theta: f32,
+    kv: KvDtype,
     rng: StdRng,
 }
 
@@ -66,8 +71,83 @@ fn env(test: &str) -> Option<Env> {
         ef: DevFormat::from_quant_name(&spec.quant.embedding).unwrap(),
         eps: spec.model.norm_eps as f32,
         theta: spec.model.rope_theta as f32,
+        kv: spec.quant.kv_dtype(),
         rng: StdRng::seed_from_u64(seed),
     })
+}
+
+/// A paged KV pool for the kernel tests: `slots` sequences of `ctx` positions whose blocks are
+/// scattered over the pool (block i of slot s is pool block `blocks - 1 - (i * slots + s)`), so a
+/// kernel that ignored its table would read and write the wrong rows. Values cross in the target's
+/// KV type (bf16 rounded to nearest even, as the kernels store).
+struct Paged {
+    d: Dims,
+    slots: usize,
+    max_blocks: usize,
+    tables: Vec<u32>,
+    kv: KvDtype,
+}
+
+impl Paged {
+    fn new(d: Dims, slots: usize, ctx: usize, kv: KvDtype) -> Paged {
+        let max_blocks = blocks_for(ctx);
+        let blocks = slots * max_blocks;
+        let mut tables = vec![0u32; blocks];
+        for s in 0..slots {
+            for i in 0..max_blocks {
+                tables[s * max_blocks + i] = (blocks - 1 - (i * slots + s)) as u32;
+            }
+        }
+        Paged {
+            d,
+            slots,
+            max_blocks,
+            tables,
+            kv,
+        }
+    }
+
+    /// Elements of K (or V) in the pool.
+    fn elems(&self) -> usize {
+        self.slots * self.max_blocks * self.d.layers * self.d.kd() * KV_BLOCK
+    }
+
+    /// Element offset of (slot, layer, KV head h, position p): the kernels' `mt::kv_off`.
+    fn off(&self, slot: usize, layer: usize, h: usize, p: usize) -> usize {
+        let b = self.tables[slot * self.max_blocks + p / KV_BLOCK] as usize;
+        (((b * self.d.layers + layer) * self.d.kv_heads + h) * KV_BLOCK + p % KV_BLOCK)
+            * self.d.head_dim
+    }
+
+    /// `x` as the cache holds it.
+    fn round(&self, x: f32) -> f32 {
+        match self.kv {
+            KvDtype::F32 => x,
+            KvDtype::Bf16 => bf16_to_f32(f32_to_bf16(x)),
+        }
+    }
+
+    fn upload(&self, g: &Gpu, vals: &[f32]) -> DevBuf {
+        match self.kv {
+            KvDtype::F32 => g.upload(vals).unwrap(),
+            KvDtype::Bf16 => {
+                let h: Vec<u16> = vals.iter().map(|&v| f32_to_bf16(v)).collect();
+                g.upload(&h).unwrap()
+            }
+        }
+    }
+
+    fn read(&self, g: &Gpu, b: &DevBuf) -> Vec<f32> {
+        let n = self.elems();
+        match self.kv {
+            KvDtype::F32 => read_f32(g, b, n),
+            KvDtype::Bf16 => {
+                let mut h = vec![0u16; n];
+                g.read(b, 0, &mut h).unwrap();
+                h.into_iter().map(bf16_to_f32).collect()
+            }
+        }
+    }
 }
 
 fn dtype_of(f: DevFormat) -> DType {
@@ -172,9 +252,13 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 }
 
 fn check(what: &str, got: &[f32], want: &[f32]) {
+    check_tol(what, got, want, TOL);
+}
+
+fn check_tol(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = rel_err(got, want);
     eprintln!("  {what}: rel err {e:.2e} over {} values", got.len());
-    assert!(e < TOL, "{what}: relative error {e:.3e} >= {TOL:e}");
+    assert!(e < tol, "{what}: relative error {e:.3e} >= {tol:e}");
 }
 
 /// The host reference of a QKV launch: inputs, norm weights, the three matrices, RoPE frequencies.
@@ -189,14 +273,15 @@ struct QkvRef<'a> {
 
 /// Check a QKV launch (RMSNorm + products + RoPE on q and k + K/V cache write) of the tokens at
 /// `(pos, slot)` of `layer` against `r`: q as returned, each token's K and V rows read from the
-/// caches (`ctx` positions per slot), and nothing else in the K cache written (it was filled with
-/// 1e30). `what` prefixes the check names.
+/// paged caches through their tables (the reference rounded as the cache rounds: bf16 caches are
+/// compared within `KV_TOL`), and nothing else in the K cache written (it was filled with 1e30).
+/// `what` prefixes the check names.
 fn check_qkv(
     what: &str,
     d: Dims,
     eps: f32,
     r: QkvRef<'_>,
-    (pos, slot, layer, ctx): (&[i32], &[i32], usize, usize),
+    (pos, slot, layer, pg): (&[i32], &[i32], usize, &Paged),
     (q, kcache, vcache): (&[f32], &[f32], &[f32]),
 ) {
     let hd = d.head_dim;
@@ -209,21 +294,24 @@ fn check_qkv(
         rope_inplace(&mut qr, hd, pos[t] as usize, r.inv);
         rope_inplace(&mut kr, hd, pos[t] as usize, r.inv);
         wq_all.extend(qr);
-        wk_all.extend(kr);
-        wv_all.extend(vr);
+        wk_all.extend(kr.iter().map(|&v| pg.round(v)));
+        wv_all.extend(vr.iter().map(|&v| pg.round(v)));
         for h in 0..d.kv_heads {
-            let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx
-                + pos[t] as usize)
-                * hd;
+            let off = pg.off(slot[t] as usize, layer, h, pos[t] as usize);
             gk.extend_from_slice(&kcache[off..off + hd]);
             gv.extend_from_slice(&vcache[off..off + hd]);
         }
     }
     check(&format!("{what}q (norm+proj+rope)"), q, &wq_all);
-    check(&format!("{what}k cache (norm+proj+rope)"), &gk, &wk_all);
-    check(&format!("{what}v cache (norm+proj)"), &gv, &wv_all);
+    let kv_check = |what: &str, got: &[f32], want: &[f32]| match pg.kv {
+        KvDtype::F32 => check(what, got, want),
+        KvDtype::Bf16 => check_tol(what, got, want, KV_TOL),
+    };
+    kv_check(&format!("{what}k cache (norm+proj+rope)"), &gk, &wk_all);
+    kv_check(&format!("{what}v cache (norm+proj)"), &gv, &wv_all);
+    let sentinel = pg.round(1e30);
     assert_eq!(
-        kcache.iter().filter(|v| **v != 1e30).count(),
+        kcache.iter().filter(|v| **v != sentinel).count(),
         pos.len() * d.kd(),
         "K cache entries written outside the tokens' positions"
     );
@@ -303,9 +391,10 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         DevMat::upload(g, &wqkv).unwrap(),
     );
     let qb = poisoned(g, n * qd);
-    let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
-    let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
-    let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
+    let pg = Paged::new(d, slots, ctx, e.kv);
+    let kc = pg.upload(g, &vec![1e30f32; pg.elems()]);
+    let vc = pg.upload(g, &vec![1e30f32; pg.elems()]);
+    let tb = g.upload(&pg.tables).unwrap();
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
     let inv = rope_inv_freq(hd, e.theta, None, None);
     let rope = g.upload(&rope_table(&inv, ctx)).unwrap();
@@ -320,14 +409,15 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         vc: vc.ptr,
         pos: pb.ptr,
         slot: sb.ptr,
+        tables: tb.ptr,
         layer: layer as i32,
-        ctx: ctx as i32,
+        max_blocks: pg.max_blocks as i32,
         ntok: n as i32,
     })
     .unwrap();
     let q = read_f32(g, &qb, n * qd);
-    let kcache = read_f32(g, &kc, cache_n);
-    let vcache = read_f32(g, &vc, cache_n);
+    let kcache = pg.read(g, &kc);
+    let vcache = pg.read(g, &vc);
     check_qkv(
         "",
         d,
@@ -340,7 +430,7 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
             wv: &wv,
             inv: &inv,
         },
-        (&pos, &slot, layer, ctx),
+        (&pos, &slot, layer, &pg),
         (&q, &kcache, &vcache),
     );
 }
@@ -358,9 +448,16 @@ fn attention_splits_combine_and_out_projection() {
     let pos: Vec<i32> = vec![257, 7, 0];
     let slot: Vec<i32> = vec![0, 1, 1];
     let n = pos.len();
-    let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
-    let kc = rand_vec(&mut e.rng, cache_n, -1.0, 1.0);
-    let vc = rand_vec(&mut e.rng, cache_n, -1.0, 1.0);
+    let pg = Paged::new(d, slots, ctx, e.kv);
+    // values the cache can hold exactly (bf16 caches: rounded), so the reference reads the same
+    let kc: Vec<f32> = rand_vec(&mut e.rng, pg.elems(), -1.0, 1.0)
+        .into_iter()
+        .map(|v| pg.round(v))
+        .collect();
+    let vc: Vec<f32> = rand_vec(&mut e.rng, pg.elems(), -1.0, 1.0)
+        .into_iter()
+        .map(|v| pg.round(v))
+        .collect();
     let q = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
     let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
     let wo = Mat::new(&mut e.rng, e.wf, d.hidden, qd);
@@ -375,7 +472,7 @@ fn attention_splits_combine_and_out_projection() {
         let (mut k, mut v) = (vec![0f32; len * kvd], vec![0f32; len * kvd]);
         for p in 0..len {
             for h in 0..d.kv_heads {
-                let off = (((slot[t] as usize * d.layers + layer) * d.kv_heads + h) * ctx + p) * hd;
+                let off = pg.off(slot[t] as usize, layer, h, p);
                 k[p * kvd + h * hd..][..hd].copy_from_slice(&kc[off..off + hd]);
                 v[p * kvd + h * hd..][..hd].copy_from_slice(&vc[off..off + hd]);
             }
@@ -403,11 +500,8 @@ fn attention_splits_combine_and_out_projection() {
         );
     }
     let g = &e.gpu;
-    let (kb, vb, qb) = (
-        g.upload(&kc).unwrap(),
-        g.upload(&vc).unwrap(),
-        g.upload(&q).unwrap(),
-    );
+    let (kb, vb, qb) = (pg.upload(g, &kc), pg.upload(g, &vc), g.upload(&q).unwrap());
+    let tb = g.upload(&pg.tables).unwrap();
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
     let wb = DevMat::upload(g, &wo.host(e.wf)).unwrap();
     let ml = g.alloc(n * d.heads * plan::MAX_SPLITS * 8).unwrap();
@@ -427,8 +521,9 @@ fn attention_splits_combine_and_out_projection() {
                     vc: vb.ptr,
                     pos: pb.ptr,
                     slot: sb.ptr,
+                    tables: tb.ptr,
                     layer: layer as i32,
-                    ctx: ctx as i32,
+                    max_blocks: pg.max_blocks as i32,
                     nsplit: nsplit as i32,
                     part_ml: ml.ptr,
                     part_acc: acc.ptr,
@@ -796,9 +891,10 @@ fn gemm_prefill_products_match_cpu_ops() {
 
     // RMSNorm + QKV + RoPE + KV write
     let qb = poisoned(g, n * qd);
-    let cache_n = slots * d.layers * d.kv_heads * ctx * hd;
-    let kc = g.upload(&vec![1e30f32; cache_n]).unwrap();
-    let vc = g.upload(&vec![1e30f32; cache_n]).unwrap();
+    let pg = Paged::new(d, slots, ctx, e.kv);
+    let kc = pg.upload(g, &vec![1e30f32; pg.elems()]);
+    let vc = pg.upload(g, &vec![1e30f32; pg.elems()]);
+    let tb = g.upload(&pg.tables).unwrap();
     let o = QkvOut {
         rope: rope.ptr,
         q: qb.ptr,
@@ -806,15 +902,12 @@ fn gemm_prefill_products_match_cpu_ops() {
         vc: vc.ptr,
         pos: pb.ptr,
         slot: sb.ptr,
+        tables: tb.ptr,
         layer: layer as i32,
-        ctx: ctx as i32,
+        max_blocks: pg.max_blocks as i32,
     };
     p.norm_qkv(g, xb.ptr, nb.ptr, &wqkv_b, o, n).unwrap();
-    let (q, kcache, vcache) = (
-        read_f32(g, &qb, n * qd),
-        read_f32(g, &kc, cache_n),
-        read_f32(g, &vc, cache_n),
-    );
+    let (q, kcache, vcache) = (read_f32(g, &qb, n * qd), pg.read(g, &kc), pg.read(g, &vc));
     check_qkv(
         "gemm ",
         d,
@@ -827,7 +920,7 @@ fn gemm_prefill_products_match_cpu_ops() {
             wv: &wv,
             inv: &inv,
         },
-        (&pos, &slot, layer, ctx),
+        (&pos, &slot, layer, &pg),
         (&q, &kcache, &vcache),
     );
     let mut want_h = Vec::new();

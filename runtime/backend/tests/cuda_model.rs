@@ -90,6 +90,11 @@ fn generate_logits(
     let mut hist: Vec<Vec<u32>> = prompts.to_vec();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
+    // each slot its own run of blocks (the pools below hold every slot at full context)
+    let cap = b.info().slot_capacity;
+    let tables: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|i| metrale_backend::slot_blocks(i, cap))
+        .collect();
     for step in 0..steps {
         let batch: Vec<SeqStep> = (0..prompts.len())
             .map(|i| {
@@ -100,6 +105,7 @@ fn generate_logits(
                 };
                 SeqStep {
                     slot: i,
+                    blocks: &tables[i],
                     start_pos: start,
                     tokens: toks,
                     history: &hist[i],
@@ -176,6 +182,7 @@ fn greedy_64_tokens_match_cpu_backend() {
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
+            kv_blocks: 2 * metrale_backend::blocks_for(1024),
             ..Default::default()
         },
     );
@@ -231,6 +238,7 @@ fn greedy_64_tokens_match_cpu_backend() {
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
+            kv_blocks: 2 * metrale_backend::blocks_for(1024),
             tuning: Tuning {
                 run_ahead: false,
                 ..Tuning::default()
@@ -248,6 +256,7 @@ fn greedy_64_tokens_match_cpu_backend() {
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
+            kv_blocks: 2 * metrale_backend::blocks_for(1024),
             tuning: Tuning {
                 persistent_decode: false,
                 ..Tuning::default()
@@ -270,6 +279,7 @@ fn greedy_64_tokens_match_cpu_backend() {
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
+            kv_blocks: 2 * metrale_backend::blocks_for(1024),
             max_step_tokens: 5,
             tuning: Tuning {
                 graphs: false,
@@ -367,6 +377,7 @@ fn long_prompt_gemm_prefill_matches_cpu_backend() {
         CudaOptions {
             slots: 2,
             slot_capacity: 1024,
+            kv_blocks: 2 * metrale_backend::blocks_for(1024),
             max_step_tokens: 128,
             ..Default::default()
         },

@@ -49,3 +49,49 @@ impl Dims {
         self.layers * self.kd()
     }
 }
+
+/// Tokens per block of the paged KV cache: a sequence's positions `16b..16b+16` live in its `b`-th
+/// block (vLLM's default block size).
+pub const KV_BLOCK: usize = 16;
+
+/// Element type of the KV cache, a target setting (`[quant] kv`): f32 where exact CPU = GPU
+/// comparisons need it, bf16 for real-size targets (half the bytes; K and V are rounded to nearest
+/// even when written, the same on every backend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// "f32" | "bf16", as MODEL.toml spells it.
+    pub fn parse(s: &str) -> Option<KvDtype> {
+        match s {
+            "f32" => Some(KvDtype::F32),
+            "bf16" => Some(KvDtype::Bf16),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -224,6 +224,20 @@ pub struct Quant {
     pub weights: String,
     /// dtype of the token embedding (also the tied LM head): "q8_0" | "bf16" | ...
     pub embedding: String,
+    /// dtype of the KV cache: "f32" (the default) | "bf16" (`shape::KvDtype`).
+    #[serde(default = "default_kv")]
+    pub kv: String,
+}
+
+fn default_kv() -> String {
+    "f32".into()
+}
+
+impl Quant {
+    /// The KV cache's element type (checked when the target was parsed).
+    pub fn kv_dtype(&self) -> crate::shape::KvDtype {
+        crate::shape::KvDtype::parse(&self.kv).unwrap_or_default()
+    }
 }
 
 /// One `[[model_types]]` entry: a checkpoint with this (model_type, hidden_size) is served.
@@ -682,6 +696,14 @@ impl TargetSpec {
                 ));
             }
         }
+        if crate::shape::KvDtype::parse(&self.quant.kv).is_none() {
+            return Err(inv(
+                model_path,
+                "quant.kv",
+                "f32 or bf16".into(),
+                self.quant.kv.clone(),
+            ));
+        }
         let mut seen = std::collections::BTreeSet::new();
         for k in &self.kernels {
             if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
@@ -758,8 +780,8 @@ impl TargetSpec {
             ));
         }
         s.push_str(&format!(
-            "quant:    {} (weights {}, embedding {})\n",
-            self.quant.name, self.quant.weights, self.quant.embedding
+            "quant:    {} (weights {}, embedding {}, KV cache {})\n",
+            self.quant.name, self.quant.weights, self.quant.embedding, self.quant.kv
         ));
         let pairs: Vec<String> = self
             .model_types

@@ -1,5 +1,5 @@
 //! metrale-engine: requests in, tokens out. Owns the scheduler (continuous batching over the backend's
-//! KV slots: admit waiting requests into free slots, mix prefill chunks and decode steps in one
+//! slots and KV blocks: admit waiting requests into free slots, mix prefill chunks and decode steps in one
 //! `Backend::step`), per-request token-level stopping (max tokens, EOS unless ignored, cancellation) and
 //! the serving metrics. It knows nothing of HTTP, JSON or text: the server turns text into token ids and
 //! back, and handles stop strings.
@@ -12,27 +12,39 @@
 //! all, but always at least one chunk so prefill progresses), run it, stream the sampled tokens.
 //! When nothing runs or waits, the loop blocks on the channel; when every handle is dropped, it ends.
 //!
-//! Prefix caching (`EngineConfig::prefix_caching`, on by default, as in vLLM and llama-server): a
-//! released slot keeps its KV entries and the engine remembers which tokens they hold. A new request
-//! takes the free slot whose remembered tokens share the longest prefix with its prompt and starts
-//! its prefill after that prefix (always recomputing at least the prompt's last token, whose logits
-//! it needs). The KV entries of a position depend only on the tokens up to it, so the answer is the
-//! same as without the cache up to the numerics of the path that computed them (prefill or decode).
+//! KV blocks ([`blocks`]): the backend's KV cache is one pool of blocks of `KV_BLOCK` tokens; a
+//! running sequence holds a block table covering its positions. A request is admitted when a slot is
+//! free and the pool can give its whole prompt's blocks (FIFO: the oldest waits first); a decode that
+//! needs a new block when none is left preempts the most recently admitted sequence (its blocks go
+//! back to the pool, it goes back to the front of the queue with everything generated so far and is
+//! recomputed when blocks free up, as vLLM's recompute preemption does). Nothing is refused for want
+//! of blocks and nothing runs out of memory: the pool holds at least one sequence of full context.
+//!
+//! Prefix caching (`EngineConfig::prefix_caching`, on by default, as in vLLM and llama-server): every
+//! full block is registered under its tokens and its predecessors' (`blocks::BlockKey`); a new
+//! request takes the registered blocks that hold its prompt's leading full blocks and starts its
+//! prefill after them (always recomputing at least the prompt's last token, whose logits it needs).
+//! Released blocks stay registered until the pool needs them (least recently released first). The KV
+//! entries of a position depend only on the tokens up to it, so the answer is the same as without the
+//! cache up to the numerics of the path that computed them (prefill or decode).
 //! A step the backend refuses is re-run entry by entry so that only the offending request gets an
 //! `Error`; a backend panic ends every request and the engine (submit then answers `Stopped`).
 //!
-//! Invariants: a request owns exactly one slot from admission to its end, and the slot is released
-//! exactly once; `start_pos` given to the backend is always the number of tokens already in the
-//! slot; a request that ends sends exactly one `Done` or `Error` (unless its receiver is gone);
+//! Invariants: a running request owns exactly one slot, released exactly once per admission; it holds
+//! each block of its table once, released when it ends or is preempted; it writes only blocks no
+//! other sequence holds; `start_pos` given to the backend is always the number of its tokens already
+//! in its blocks; a request that ends sends exactly one `Done` or `Error` (unless its receiver is gone);
 //! stop tokens are not streamed as `Token` events but count in `completion_tokens`; generation never
 //! needs more positions than the slot holds (`max_tokens` is clipped at submit time).
 
+pub mod blocks;
 pub mod metrics;
 
 pub use metrale_backend::BackendInfo;
 pub use metrics::{Histogram, MetricsSnapshot};
 
-use metrale_backend::{Backend, SeqOutput, SeqStep};
+use blocks::{BlockKey, BlockPool};
+use metrale_backend::{blocks_for, Backend, SeqOutput, SeqStep, KV_BLOCK};
 use metrale_core::BackendError;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -98,7 +110,7 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Most tokens (decode + prefill) per step, unless one decode token per running sequence needs more.
     pub max_step_tokens: usize,
-    /// Reuse a free slot's KV entries for a prompt that starts with the tokens they hold (module docs).
+    /// Reuse registered KV blocks for a prompt that starts with the tokens they hold (module docs).
     pub prefix_caching: bool,
 }
 
@@ -244,18 +256,44 @@ struct Seq {
     slot: usize,
     /// prompt + generated (the last generated token is fed at the next decode).
     history: Vec<u32>,
-    /// Tokens of `history` already in the slot's KV cache.
+    /// Tokens of `history` already in the KV cache (in `blocks`).
     cached: usize,
-    /// Prompt tokens taken from the prefix cache at admission.
+    /// The history length prefilled before sampling: the prompt, or after a preemption everything
+    /// up to the last generated token.
+    prefill_end: usize,
+    /// The block table: position p is in `blocks[p / KV_BLOCK]`.
+    blocks: Vec<u32>,
+    /// Key ids of the leading full blocks registered (or found) in the prefix cache.
+    keys: Vec<u64>,
+    /// Prompt tokens taken from the prefix cache at (first) admission.
     reused: usize,
     generated: usize,
     submitted: Instant,
     last_token_at: Option<Instant>,
+    /// Admission order (preemption takes the latest).
+    order: u64,
 }
 
 impl Seq {
     fn prefilling(&self) -> bool {
-        self.cached < self.req.prompt.len()
+        self.cached < self.prefill_end
+    }
+}
+
+/// A request waiting for a slot: new; new and already tried but short of blocks; or preempted
+/// (its state kept, its blocks given back).
+enum Waiting {
+    New(Submitted),
+    Blocked(Seq),
+    Preempted(Seq),
+}
+
+impl Waiting {
+    fn closed(&self) -> bool {
+        match self {
+            Waiting::New(s) => s.tx.is_closed(),
+            Waiting::Blocked(s) | Waiting::Preempted(s) => s.tx.is_closed(),
+        }
     }
 }
 
@@ -264,15 +302,11 @@ struct Loop {
     cfg: EngineConfig,
     rx: mpsc::Receiver<Submitted>,
     shared: std::sync::Weak<Shared>,
-    waiting: VecDeque<Submitted>,
+    waiting: VecDeque<Waiting>,
     running: Vec<Seq>,
     free: Vec<usize>,
-    /// Per slot: the tokens whose KV entries the slot holds while it is free (prefix caching), and
-    /// when it was freed (the least recently freed is reused first when no prefix matches).
-    kept: Vec<Vec<u32>>,
-    freed_at: Vec<u64>,
-    frees: u64,
-    slots: usize,
+    pool: BlockPool,
+    admissions: u64,
     capacity: usize,
     m: MetricsSnapshot,
     /// Events of this iteration, sent after the metrics are published (so a client that has seen
@@ -307,10 +341,8 @@ impl Loop {
             waiting: VecDeque::new(),
             running: Vec::new(),
             free: (0..info.slots).rev().collect(),
-            kept: vec![Vec::new(); info.slots],
-            freed_at: vec![0; info.slots],
-            frees: 0,
-            slots: info.slots,
+            pool: BlockPool::new(info.kv_blocks),
+            admissions: 0,
             capacity: info.slot_capacity,
             m: MetricsSnapshot::default(),
             outbox: Vec::new(),
@@ -325,8 +357,7 @@ impl Loop {
 
     fn publish(&mut self) {
         self.m.num_requests_running = self.running.len();
-        let used: usize = self.running.iter().map(|s| s.cached).sum();
-        self.m.kv_cache_usage_perc = used as f64 / (self.slots * self.capacity).max(1) as f64;
+        self.m.kv_cache_usage_perc = self.pool.held() as f64 / self.pool.total().max(1) as f64;
         if let Some(sh) = self.shared.upgrade() {
             *sh.metrics.lock().unwrap() = self.m.clone();
         }
@@ -343,53 +374,26 @@ impl Loop {
             // Intake: block only when idle.
             if self.running.is_empty() && self.waiting.is_empty() {
                 match self.rx.recv() {
-                    Ok(s) => self.waiting.push_back(s),
+                    Ok(s) => self.waiting.push_back(Waiting::New(s)),
                     Err(_) => return, // every handle is gone
                 }
             }
             while let Ok(s) = self.rx.try_recv() {
-                self.waiting.push_back(s);
+                self.waiting.push_back(Waiting::New(s));
             }
-            // Cancelled before admission.
-            let before = self.waiting.len();
-            self.waiting.retain(|s| !s.tx.is_closed());
-            let gone = before - self.waiting.len();
-            if gone > 0 {
-                self.admitted(gone);
-                self.m.request_success_total[2].1 += gone as u64;
-            }
-            // Admission.
-            while let (Some(_), false) = (self.free.last(), self.waiting.is_empty()) {
-                let s = self.waiting.pop_front().unwrap();
-                self.admitted(1);
-                if s.req.max_tokens == 0 {
-                    let ev = Event::Done {
-                        reason: FinishReason::Length,
-                        prompt_tokens: s.req.prompt.len(),
-                        completion_tokens: 0,
-                        cached_tokens: 0,
-                    };
-                    self.outbox.push((s.tx, ev));
-                    self.m.request_success_total[1].1 += 1;
+            // Cancelled while waiting.
+            let mut i = 0;
+            while i < self.waiting.len() {
+                if !self.waiting[i].closed() {
+                    i += 1;
                     continue;
                 }
-                let (slot, reused) = self.take_slot(&s.req.prompt);
-                self.m.prompt_tokens_total += reused as u64;
-                self.m.prefix_cache_queries_total += s.req.prompt.len() as u64;
-                self.m.prefix_cache_hits_total += reused as u64;
-                let history = s.req.prompt.clone();
-                self.running.push(Seq {
-                    req: s.req,
-                    tx: s.tx,
-                    slot,
-                    history,
-                    cached: reused,
-                    reused,
-                    generated: 0,
-                    submitted: s.at,
-                    last_token_at: None,
-                });
+                if let Some(Waiting::New(_) | Waiting::Blocked(_)) = self.waiting.remove(i) {
+                    self.admitted(1);
+                }
+                self.m.request_success_total[2].1 += 1;
             }
+            self.admit();
             // Cancelled while running.
             let mut i = 0;
             while i < self.running.len() {
@@ -407,32 +411,162 @@ impl Loop {
         }
     }
 
-    /// Take a free slot for `prompt`: the one whose kept tokens share the longest prefix with it
-    /// (prefix caching), else the least recently freed. Returns the slot and how many prompt tokens
-    /// its KV entries already hold (at most all but the last: its logits are needed).
-    fn take_slot(&mut self, prompt: &[u32]) -> (usize, usize) {
-        let lcp = |slot: usize| {
-            self.kept[slot]
+    /// Admit waiting requests, oldest first, while a slot is free and the pool can give the blocks
+    /// of the tokens each must prefill (prefix-cache hits taken first).
+    fn admit(&mut self) {
+        while !self.free.is_empty() {
+            let (mut seq, fresh) = match self.waiting.pop_front() {
+                None => return,
+                Some(Waiting::New(s)) if s.req.max_tokens == 0 => {
+                    self.admitted(1);
+                    let ev = Event::Done {
+                        reason: FinishReason::Length,
+                        prompt_tokens: s.req.prompt.len(),
+                        completion_tokens: 0,
+                        cached_tokens: 0,
+                    };
+                    self.outbox.push((s.tx, ev));
+                    self.m.request_success_total[1].1 += 1;
+                    continue;
+                }
+                Some(Waiting::New(s)) => {
+                    let history = s.req.prompt.clone();
+                    let seq = Seq {
+                        prefill_end: history.len(),
+                        history,
+                        req: s.req,
+                        tx: s.tx,
+                        slot: usize::MAX,
+                        cached: 0,
+                        blocks: Vec::new(),
+                        keys: Vec::new(),
+                        reused: 0,
+                        generated: 0,
+                        submitted: s.at,
+                        last_token_at: None,
+                        order: 0,
+                    };
+                    (seq, true)
+                }
+                Some(Waiting::Blocked(s)) => (s, true),
+                Some(Waiting::Preempted(s)) => (s, false),
+            };
+            // the prefix cache: whole registered blocks, leaving at least the last token to compute
+            let end = seq.prefill_end;
+            let (found, keys) = if self.cfg.prefix_caching {
+                self.pool.lookup(&seq.history[..end], (end - 1) / KV_BLOCK)
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let need = blocks_for(end) - found.len();
+            if self.pool.available() < need {
+                for b in found {
+                    self.pool.release(b);
+                }
+                self.waiting.push_front(if fresh {
+                    Waiting::Blocked(seq)
+                } else {
+                    Waiting::Preempted(seq)
+                });
+                return;
+            }
+            seq.cached = found.len() * KV_BLOCK;
+            seq.blocks = found;
+            seq.keys = keys;
+            for _ in 0..need {
+                let b = self.pool.alloc().expect("checked available");
+                seq.blocks.push(b);
+            }
+            if fresh {
+                seq.reused = seq.cached;
+                self.admitted(1);
+                self.m.prompt_tokens_total += seq.cached as u64;
+                self.m.prefix_cache_queries_total += end as u64;
+                self.m.prefix_cache_hits_total += seq.cached as u64;
+            }
+            seq.slot = self.free.pop().expect("checked free");
+            self.admissions += 1;
+            seq.order = self.admissions;
+            self.running.push(seq);
+        }
+    }
+
+    /// Give the running sequence admitted as `order` blocks for one more position (and one more
+    /// for a backend that runs a decode step ahead), preempting the most recently admitted
+    /// sequences while the pool is empty (possibly that sequence itself).
+    fn grow(&mut self, order: u64) {
+        loop {
+            let Some(at) = self.running.iter().position(|s| s.order == order) else {
+                return; // preempted
+            };
+            let s = &self.running[at];
+            if s.blocks.len() >= blocks_for((s.cached + 2).min(self.capacity)) {
+                return;
+            }
+            if let Some(b) = self.pool.alloc() {
+                self.running[at].blocks.push(b);
+                continue;
+            }
+            let victim = self
+                .running
                 .iter()
-                .zip(prompt)
-                .take_while(|(a, b)| a == b)
-                .count()
-        };
-        let ((shared, _), i) = self
-            .free
-            .iter()
-            .enumerate()
-            .map(|(i, &slot)| ((lcp(slot), std::cmp::Reverse(self.freed_at[slot])), i))
-            .max()
-            .expect("called with a free slot");
-        let slot = self.free.swap_remove(i);
-        let reused = shared.min(prompt.len() - 1);
-        self.kept[slot].clear();
-        (slot, reused)
+                .enumerate()
+                .max_by_key(|(_, s)| s.order)
+                .map(|(v, _)| v)
+                .expect("at least the sequence that grows");
+            self.preempt(victim);
+        }
+    }
+
+    /// Preempt running sequence `v`: its blocks back to the pool, its slot freed, itself to the
+    /// front of the queue to be recomputed from its history.
+    fn preempt(&mut self, v: usize) {
+        let mut s = self.running.swap_remove(v);
+        for &b in &s.blocks {
+            self.pool.release(b);
+        }
+        s.blocks.clear();
+        s.keys.clear();
+        s.cached = 0;
+        // recompute everything but the last generated token, which the next decode feeds
+        s.prefill_end = s.history.len();
+        self.backend.release(s.slot);
+        self.free.push(s.slot);
+        self.m.num_preemptions_total += 1;
+        self.waiting.push_front(Waiting::Preempted(s));
+    }
+
+    /// Register the full blocks a step completed (prefix caching).
+    fn register_full_blocks(&mut self, i: usize) {
+        if !self.cfg.prefix_caching {
+            return;
+        }
+        let s = &mut self.running[i];
+        while s.keys.len() < s.cached / KV_BLOCK {
+            let k = s.keys.len();
+            let parent = if k == 0 { 0 } else { s.keys[k - 1] };
+            let key = BlockKey::new(parent, &s.history[k * KV_BLOCK..(k + 1) * KV_BLOCK]);
+            s.keys.push(key.id());
+            self.pool.register(s.blocks[k], key);
+        }
     }
 
     /// Build and run one backend step, then stream its tokens.
     fn step(&mut self) {
+        // blocks for this step's decodes, oldest first (a short pool preempts the newest)
+        let mut decoding: Vec<u64> = self
+            .running
+            .iter()
+            .filter(|s| !s.prefilling())
+            .map(|s| s.order)
+            .collect();
+        decoding.sort_unstable();
+        for order in decoding {
+            self.grow(order);
+        }
+        if self.running.is_empty() {
+            return;
+        }
         // (running index, tokens range in history) per batch entry: decodes first, then prefill chunks.
         let mut plan: Vec<(usize, usize, usize)> = Vec::new();
         let mut budget = self.cfg.max_step_tokens;
@@ -445,7 +579,7 @@ impl Loop {
         let mut any_prefill = false;
         for (i, s) in self.running.iter().enumerate() {
             if s.prefilling() {
-                let left = s.req.prompt.len() - s.cached;
+                let left = s.prefill_end - s.cached;
                 let n = left.min(self.cfg.prefill_chunk).min(budget);
                 let n = if n == 0 && !any_prefill && plan.is_empty() {
                     left.min(self.cfg.prefill_chunk)
@@ -498,10 +632,14 @@ impl Loop {
                 }
             };
             let s = &mut self.running[i];
-            let was_prefill = a < s.req.prompt.len();
+            let was_prefill = a < s.prefill_end;
+            let prompt_len = s.req.prompt.len();
             s.cached = b;
+            self.register_full_blocks(i);
+            let s = &mut self.running[i];
             if was_prefill {
-                self.m.prompt_tokens_total += (b - a) as u64;
+                // prompt tokens computed (a preempted sequence's recomputation counts once more)
+                self.m.prompt_tokens_total += (b.min(prompt_len).saturating_sub(a)) as u64;
                 if s.prefilling() {
                     continue; // an intermediate chunk: its sample is not a generated token
                 }
@@ -554,6 +692,7 @@ impl Loop {
                     slot: s.slot,
                     start_pos: a,
                     tokens: &s.history[a..b],
+                    blocks: &s.blocks,
                     history: &s.history[..b],
                     sampling: &s.req.sampling,
                     draw: s.generated as u64,
@@ -582,10 +721,19 @@ impl Loop {
         for i in (0..self.running.len()).rev() {
             self.finish(i, End::Error(msg.clone()));
         }
-        let waiting = std::mem::take(&mut self.waiting);
-        self.admitted(waiting.len());
-        for s in waiting {
-            self.outbox.push((s.tx, Event::Error(msg.clone())));
+        for w in std::mem::take(&mut self.waiting) {
+            let tx = match w {
+                Waiting::New(s) => {
+                    self.admitted(1);
+                    s.tx
+                }
+                Waiting::Blocked(s) => {
+                    self.admitted(1);
+                    s.tx
+                }
+                Waiting::Preempted(s) => s.tx,
+            };
+            self.outbox.push((tx, Event::Error(msg.clone())));
         }
     }
 
@@ -594,11 +742,9 @@ impl Loop {
         let s = self.running.swap_remove(i);
         self.backend.release(s.slot);
         self.free.push(s.slot);
-        self.frees += 1;
-        self.freed_at[s.slot] = self.frees;
-        if self.cfg.prefix_caching && !matches!(end, End::Error(_)) {
-            // the slot's KV entries hold exactly the first `cached` tokens of the history
-            self.kept[s.slot] = s.history[..s.cached].to_vec();
+        // registered full blocks stay cached for later prompts; the others are free again
+        for &b in &s.blocks {
+            self.pool.release(b);
         }
         let (prompt_tokens, completion_tokens) = (s.req.prompt.len(), s.generated);
         let (k, ev) = match end {

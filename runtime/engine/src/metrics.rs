@@ -79,8 +79,10 @@ impl Histogram {
 pub struct MetricsSnapshot {
     pub num_requests_running: usize,
     pub num_requests_waiting: usize,
-    /// Fraction (0..=1) of the KV cache's token capacity in use, as vLLM reports it.
+    /// Fraction (0..=1) of the KV cache's blocks held by running sequences, as vLLM reports it.
     pub kv_cache_usage_perc: f64,
+    /// Sequences preempted (their blocks taken back, recomputed later) for want of KV blocks.
+    pub num_preemptions_total: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     /// Prompt tokens looked up in the prefix cache, and those found (their KV entries reused).
@@ -99,6 +101,7 @@ impl Default for MetricsSnapshot {
             num_requests_running: 0,
             num_requests_waiting: 0,
             kv_cache_usage_perc: 0.0,
+            num_preemptions_total: 0,
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             prefix_cache_queries_total: 0,
@@ -188,6 +191,13 @@ impl MetricsSnapshot {
             "counter",
             "Prefix cache hits, in terms of number of cached tokens.",
             self.prefix_cache_hits_total.to_string(),
+        );
+        scalar(
+            &mut s,
+            "num_preemptions_total",
+            "counter",
+            "Cumulative number of preemptions from the engine.",
+            self.num_preemptions_total.to_string(),
         );
         let _ = writeln!(
             s,

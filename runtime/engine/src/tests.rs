@@ -1,6 +1,6 @@
 //! Engine tests on the real CPU backend with a small random-weight model (no model file needed).
 use super::*;
-use metrale_backend::cpu::synthetic::tiny_backend;
+use metrale_backend::cpu::synthetic::tiny_backend_kv;
 use metrale_core::dtype::DType;
 
 fn engine(slots: usize, capacity: usize) -> EngineHandle {
@@ -8,8 +8,19 @@ fn engine(slots: usize, capacity: usize) -> EngineHandle {
 }
 
 fn engine_with(slots: usize, capacity: usize, prefix_caching: bool) -> EngineHandle {
+    engine_kv(slots, capacity, 0, prefix_caching)
+}
+
+/// An engine over a KV pool of `blocks` blocks (0: every slot at full capacity).
+fn engine_kv(slots: usize, capacity: usize, blocks: usize, prefix_caching: bool) -> EngineHandle {
+    let kv = metrale_backend::KvConfig {
+        slots,
+        slot_capacity: capacity,
+        blocks,
+        dtype: metrale_backend::KvDtype::F32,
+    };
     Engine::spawn(
-        Box::new(tiny_backend(DType::Q4_1, 3, slots, capacity, 2)),
+        Box::new(tiny_backend_kv(DType::Q4_1, 3, kv, 2)),
         EngineConfig {
             prefill_chunk: 4,
             max_step_tokens: 6,
@@ -239,15 +250,15 @@ fn a_bad_request_fails_alone_and_its_batch_mates_finish() {
     assert_eq!(collect(e.submit(req(vec![7], 2)).unwrap()).0.len(), 2);
 }
 
-/// Prefix caching: the same prompt again, and a follow-up turn that extends prompt + answer, reuse
-/// the slot's KV entries (counted in `cached_tokens` and the metrics) and answer exactly as an engine
-/// without the cache; a different prompt takes the other slot and keeps the first one's entries.
+/// Prefix caching by block: the same prompt again, and a follow-up turn that extends prompt +
+/// answer, reuse the registered full blocks (counted in `cached_tokens` and the metrics) and answer
+/// exactly as an engine without the cache; a different prompt in between changes nothing.
 #[test]
-fn prefix_cache_reuses_a_free_slots_entries_with_identical_answers() {
-    let p: Vec<u32> = (0..10u32).map(|j| (j * 11 + 3) % 50).collect();
+fn prefix_cache_reuses_full_blocks_with_identical_answers() {
+    let p: Vec<u32> = (0..40u32).map(|j| (j * 11 + 3) % 50).collect();
     let other: Vec<u32> = (0..6u32).map(|j| (j * 5 + 1) % 50).collect();
     let run = |e: &EngineHandle, prompt: &[u32]| match collect(
-        e.submit(req(prompt.to_vec(), 5)).unwrap(),
+        e.submit(req(prompt.to_vec(), 12)).unwrap(),
     ) {
         (ids, Event::Done { cached_tokens, .. }) => (ids, cached_tokens),
         (_, other) => panic!("{other:?}"),
@@ -256,18 +267,17 @@ fn prefix_cache_reuses_a_free_slots_entries_with_identical_answers() {
     let warm = engine(2, 64);
     let (a, c0) = run(&warm, &p);
     assert_eq!((a.clone(), 0), (run(&cold, &p).0, c0));
-    // another prompt in between: it takes the other free slot
     assert_eq!(run(&warm, &other).1, 0);
-    // the same prompt: everything but its last token comes from the cache
+    // the same prompt: its two full blocks (positions 0..32) come from the cache
     let (again, c1) = run(&warm, &p);
-    assert_eq!((again, c1), (a.clone(), p.len() - 1));
-    // a follow-up: prompt + answer + 2 new tokens; the slot holds the prompt and the 4 answer
-    // tokens that were fed back (the 5th was sampled last and never fed)
+    assert_eq!((again, c1), (a.clone(), 32));
+    // a follow-up: prompt + answer + 2 new tokens (54); the first run wrote 40 + 11 fed answer
+    // tokens, so three full blocks (0..48, answer tokens in the third) are registered
     let mut follow = p.clone();
     follow.extend(&a);
     follow.extend([7, 9]);
     let (f, c2) = run(&warm, &follow);
-    assert_eq!(c2, p.len() + a.len() - 1);
+    assert_eq!(c2, 48);
     assert_eq!(f, run(&cold, &follow).0, "answer with the cache differs");
     let m = warm.metrics();
     assert_eq!(m.prefix_cache_hits_total, (c1 + c2) as u64);
@@ -280,4 +290,42 @@ fn prefix_cache_reuses_a_free_slots_entries_with_identical_answers() {
         (2 * p.len() + other.len() + follow.len()) as u64,
         "prompt tokens count cached ones too, as vLLM does"
     );
+    assert_eq!(m.kv_cache_usage_perc, 0.0, "nothing held once all ended");
+}
+
+/// A pool of 4 blocks (one sequence of full context) under 4 slots: requests that together need
+/// 3x the pool all finish with the answers they give alone; sequences are preempted (recomputed
+/// later) instead of failing, and every block is given back at the end.
+#[test]
+fn a_short_pool_preempts_and_every_request_finishes_as_alone() {
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..10u32).map(|j| (i * 13 + j * 7 + 1) % 50).collect())
+        .collect();
+    let solo = engine_with(1, 64, false);
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| collect(solo.submit(req(p.clone(), 30)).unwrap()).0)
+        .collect();
+    for prefix in [false, true] {
+        let e = engine_kv(4, 64, 4, prefix);
+        let rxs: Vec<_> = prompts
+            .iter()
+            .map(|p| e.submit(req(p.clone(), 30)).unwrap())
+            .collect();
+        for (rx, w) in rxs.into_iter().zip(&want) {
+            let (ids, done) = collect(rx);
+            assert!(matches!(done, Event::Done { .. }), "{done:?}");
+            assert_eq!(
+                &ids, w,
+                "preempted answers differ (prefix caching {prefix})"
+            );
+        }
+        let m = e.metrics();
+        assert!(
+            m.num_preemptions_total > 0,
+            "40-token sequences x 4 in 64 tokens: some preempted"
+        );
+        assert_eq!(m.kv_cache_usage_perc, 0.0);
+        assert_eq!(m.request_success_total[1], ("length", 4));
+    }
 }

@@ -34,6 +34,17 @@ pub struct Cli {
     #[arg(long, visible_alias = "max-num-seqs", alias = "np")]
     pub parallel: Option<usize>,
 
+    /// Tokens of the KV cache pool shared by all sequences, in blocks of 16 (default: the cpu backend
+    /// holds every sequence at full context, `--parallel x --ctx-size`; the cuda backend takes that
+    /// or what fits in `--gpu-memory-utilization` of the GPU's memory after the weights, whichever is
+    /// less). When it runs short, the newest sequences wait (or are recomputed later).
+    #[arg(long, visible_alias = "num-gpu-blocks-override-tokens")]
+    pub kv_cache_tokens: Option<usize>,
+
+    /// Fraction of the GPU's memory the cuda backend may use in all (weights, buffers, KV cache).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+
     /// CPU threads for the cpu backend (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
@@ -95,6 +106,15 @@ pub struct Cli {
 pub fn check(cli: &Cli) -> anyhow::Result<()> {
     if cli.ctx_size == Some(0) {
         anyhow::bail!("--ctx-size must be at least 2 tokens (got 0)");
+    }
+    if !(cli.gpu_memory_utilization > 0.0 && cli.gpu_memory_utilization <= 1.0) {
+        anyhow::bail!(
+            "--gpu-memory-utilization must be in (0, 1] (got {})",
+            cli.gpu_memory_utilization
+        );
+    }
+    if cli.kv_cache_tokens == Some(0) {
+        anyhow::bail!("--kv-cache-tokens must be at least one sequence's context (got 0)");
     }
     if cli.parallel == Some(0) {
         anyhow::bail!("--parallel must be at least 1 (got 0)");

@@ -5,16 +5,17 @@
 
 use anyhow::{Context, Result};
 use metrale_backend::cuda::{CudaBackend, CudaOptions, Tuning};
-use metrale_backend::Backend;
+use metrale_backend::{Backend, KvConfig};
 use metrale_core::target::TargetSpec;
 use metrale_model::Model;
 
 pub fn load(
     target: &TargetSpec,
     model: &Model,
-    slots: usize,
-    ctx: usize,
+    kv: KvConfig,
+    cli: &crate::cli::Cli,
 ) -> Result<Box<dyn Backend>> {
+    let (slots, ctx) = (kv.slots, kv.slot_capacity);
     // the runtime choices: the measured defaults, with METRALE_CUDA_TUNING on top (start-up is the
     // one place the server reads it)
     let tuning = Tuning::default()
@@ -24,6 +25,9 @@ pub fn load(
         device: 0,
         slots,
         slot_capacity: ctx,
+        // 0: every slot at full context, or what fits in the memory fraction
+        kv_blocks: kv.blocks,
+        memory_fraction: cli.gpu_memory_utilization,
         tuning,
         ..CudaOptions::default()
     };

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use metrale_backend::Backend;
+use metrale_backend::{Backend, KvConfig, KV_BLOCK};
 use metrale_core::target::{SamplingPreset as TomlPreset, TargetSpec};
 use metrale_engine::{Engine, EngineConfig};
 use metrale_model::{ChatMessage, ChatTemplate, Model, RenderError, RenderLimits};
@@ -94,22 +94,30 @@ pub fn check_target(target: Option<&TargetSpec>, model: &Model) -> Result<()> {
 fn load_backend(
     target: Option<&TargetSpec>,
     model: &Model,
-    slots: usize,
-    ctx: usize,
-    threads: usize,
+    kv: KvConfig,
+    cli: &Cli,
 ) -> Result<Box<dyn Backend>> {
     let backend = target
         .map(|t| t.hardware.backend.to_string())
         .unwrap_or_else(|| "cpu".into());
+    let threads = cli
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     match backend.as_str() {
         "cpu" => {
-            check_host_memory(model, slots, ctx)?;
-            let b = metrale_backend::cpu::CpuBackend::load(model, slots, ctx, threads)
-                .with_context(|| format!("loading the cpu backend ({slots} slots x {ctx} tokens)"))?;
+            check_host_memory(model, kv)?;
+            let b = metrale_backend::cpu::CpuBackend::load_kv(model, kv, threads).with_context(|| {
+                format!(
+                    "loading the cpu backend ({} slots x {} tokens, a KV pool of {} tokens)",
+                    kv.slots,
+                    kv.slot_capacity,
+                    kv.pool_blocks() * KV_BLOCK
+                )
+            })?;
             Ok(Box::new(b))
         }
         #[cfg(feature = "cuda")]
-        "cuda" => crate::cuda::load(target.expect("cuda implies a target"), model, slots, ctx),
+        "cuda" => crate::cuda::load(target.expect("cuda implies a target"), model, kv, cli),
         other => bail!(
             "this binary's target uses the '{other}' backend, which this build does not include; rebuild it with \
              `cargo xtask build-target` (it enables the backend's feature)"
@@ -117,30 +125,31 @@ fn load_backend(
     }
 }
 
-/// Bytes per KV element in the cpu backend (f32 K and V).
-const CPU_KV_ELEM_BYTES: u64 = 4;
-
 /// Refuse a KV cache that does not fit in the host's available memory before allocating it (the
 /// kernel's OOM killer would otherwise end the process, or a neighbour, mid-start).
-fn check_host_memory(model: &Model, slots: usize, ctx: usize) -> Result<()> {
+fn check_host_memory(model: &Model, kv: KvConfig) -> Result<()> {
     let Some(avail) = crate::budget::host_available() else {
         return Ok(());
     };
-    let per_token = model.config.kv_elems_per_token() as u64 * CPU_KV_ELEM_BYTES;
-    let need = per_token
-        .saturating_mul(slots as u64)
-        .saturating_mul(ctx as u64);
+    let per_token = model.config.kv_elems_per_token() as u64 * kv.dtype.bytes() as u64;
+    let tokens = (kv.pool_blocks() * KV_BLOCK) as u64;
+    let need = per_token.saturating_mul(tokens);
     // Leave a tenth of what is free (and the weights' working set) to the rest of the process.
     let budget = (avail - avail / 10).saturating_sub(model.weights.total_bytes());
     if need > budget {
         let fit_tokens = budget / per_token.max(1);
+        let ctx = kv.slot_capacity;
         bail!(
-            "the KV cache for {slots} sequences x {ctx} tokens needs {}, but only {} of memory is available; \
-             lower --parallel or --ctx-size (about {fit_tokens} tokens fit in all, e.g. --parallel {} --ctx-size {})",
+            "the KV cache of {tokens} tokens ({} sequences x {ctx}) needs {}, but only {} of memory is available; \
+             lower --kv-cache-tokens, --parallel or --ctx-size (about {fit_tokens} tokens fit in all, e.g. \
+             --kv-cache-tokens {fit_tokens}, or --parallel {} --ctx-size {})",
+            kv.slots,
             human_bytes(need),
             human_bytes(budget),
-            (fit_tokens as usize / ctx).clamp(1, slots),
-            (fit_tokens as usize / slots.min((fit_tokens as usize / ctx).max(1))).min(ctx).max(2),
+            (fit_tokens as usize / ctx).clamp(1, kv.slots),
+            (fit_tokens as usize / kv.slots.min((fit_tokens as usize / ctx).max(1)))
+                .min(ctx)
+                .max(2),
         );
     }
     Ok(())
@@ -363,23 +372,41 @@ fn load(
         .parallel
         .or(behavior.parallel)
         .unwrap_or(DEFAULT_PARALLEL);
-    let threads = cli
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-
+    if let Some(t) = cli.kv_cache_tokens.filter(|&t| t < ctx) {
+        bail!(
+            "--kv-cache-tokens {t} cannot hold one sequence of the context ({ctx} tokens); give at least {ctx} \
+             or lower --ctx-size"
+        );
+    }
+    let kv = KvConfig {
+        slots: parallel,
+        slot_capacity: ctx,
+        blocks: cli.kv_cache_tokens.map_or(0, metrale_backend::blocks_for),
+        dtype: target
+            .as_ref()
+            .map(|t| t.quant.kv_dtype())
+            .unwrap_or_default(),
+    };
     let t = Instant::now();
-    let backend = load_backend(target.as_ref(), &model, parallel, ctx, threads)?;
+    let backend = load_backend(target.as_ref(), &model, kv, cli)?;
     let info = backend.info();
+    let kv_tokens = info.kv_blocks * KV_BLOCK;
     eprintln!(
-        "  backend: {} on {}, weights {}, KV cache {} ({} slots x {} tokens = {} tokens) [{:.1} s]",
+        "  backend: {} on {}, weights {} [{:.1} s]",
         info.name,
         info.device,
         human_bytes(info.weight_bytes),
-        human_bytes(info.kv_bytes),
-        info.slots,
-        info.slot_capacity,
-        info.slots * info.slot_capacity,
         t.elapsed().as_secs_f64()
+    );
+    eprintln!(
+        "  KV cache: {} blocks of {KV_BLOCK} tokens = {kv_tokens} tokens, {} {}; holds {} sequences at the full \
+         context of {} tokens; {} slots (more sequences than fit wait, or are recomputed later)",
+        info.kv_blocks,
+        human_bytes(info.kv_bytes),
+        info.kv_dtype,
+        kv_tokens / info.slot_capacity.max(1),
+        info.slot_capacity,
+        info.slots,
     );
 
     let chat_template = match template {
@@ -462,7 +489,7 @@ fn load(
         engine,
         name,
         ctx_size,
-        kv_tokens: info.slots * info.slot_capacity,
+        kv_tokens,
         parallel: info.slots,
         chat_preset,
         completion_preset,

@@ -1,7 +1,8 @@
 //! The CPU backend: the Llama-family forward pass on the host, the numerical reference of every other
 //! backend.
 //!
-//! Owns: a copy of the model's weights in their stored (quantized) form, an f32 KV cache per slot, a
+//! Owns: a copy of the model's weights in their stored (quantized) form, the paged KV pool (f32 or
+//! bf16, blocks of `KV_BLOCK` tokens addressed through each sequence's block table), a
 //! rayon pool of `threads` workers, and the forward pass of one [`Backend::step`]: every token of
 //! every sequence of the batch (prefill chunks and decode tokens alike) goes through each layer
 //! together, as one `[tokens, hidden]` activation matrix; matrix products run through fused
@@ -12,13 +13,14 @@
 //! Two numerics for the matrix products: by default the activations are quantized to 16-bit integer
 //! blocks and multiplied in exact integer arithmetic ([`qact`], AVX2; measured 1e-2 max logit
 //! difference to HF transformers on SmolLM2); `set_exact_activations(true)` runs the f32 reference
-//! ops of [`ops`] instead (5e-5). Everything else (norms, RoPE, attention, SwiGLU, residuals, the KV
-//! cache) is f32 on both.
+//! ops of [`ops`] instead (5e-5). Everything else (norms, RoPE, attention, SwiGLU, residuals) is f32
+//! on both; a bf16 KV cache rounds K and V to nearest even when they are written, and attention reads
+//! them back widened to f32 (each sequence's positions gathered from its blocks once per layer).
 //!
 //! Invariants: weights are never dequantized as a whole; accumulation is f32 (integer within a
-//! block); a slot's cache rows `0..start_pos` are whatever earlier steps of that slot wrote (the
-//! engine keeps `start_pos` honest; `release` forgets them); every input is validated and refused
-//! with `BackendError::Invalid` instead of panicking.
+//! block); a sequence's cache rows `0..start_pos` are whatever earlier steps wrote into its blocks
+//! (the engine keeps `start_pos` and the tables honest); every input is validated and refused with
+//! `BackendError::Invalid` instead of panicking.
 
 pub mod mat;
 pub mod ops;
@@ -26,7 +28,7 @@ pub mod qact;
 pub mod synthetic;
 
 use crate::sampler;
-use crate::{Backend, BackendInfo, SeqOutput, SeqStep, SlotId};
+use crate::{Backend, BackendInfo, KvConfig, KvDtype, SeqOutput, SeqStep, SlotId, KV_BLOCK};
 use metrale_core::dtype::{dequantize_row, DType};
 use metrale_core::BackendError;
 use metrale_model::Model;
@@ -81,8 +83,97 @@ struct Layer {
 
 use crate::Dims;
 
-/// One slot's KV cache: `[n_layers][capacity][kv_dim]` for K and for V.
-struct SlotCache {
+/// K or V of the whole pool: `[block][layer][KV_BLOCK][kv_dim]`, in the cache's element type.
+enum KvStore {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl KvStore {
+    fn new(dtype: KvDtype, n: usize) -> KvStore {
+        // zeroed allocations: pages are touched only as blocks are written
+        match dtype {
+            KvDtype::F32 => KvStore::F32(vec![0.0; n]),
+            KvDtype::Bf16 => KvStore::Bf16(vec![0; n]),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            KvStore::F32(v) => v.len() as u64 * 4,
+            KvStore::Bf16(v) => v.len() as u64 * 2,
+        }
+    }
+
+    fn write(&mut self, at: usize, src: &[f32]) {
+        match self {
+            KvStore::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+            KvStore::Bf16(v) => {
+                for (d, &x) in v[at..at + src.len()].iter_mut().zip(src) {
+                    *d = metrale_core::dtype::f32_to_bf16(x);
+                }
+            }
+        }
+    }
+
+    fn read(&self, at: usize, dst: &mut [f32]) {
+        match self {
+            KvStore::F32(v) => dst.copy_from_slice(&v[at..at + dst.len()]),
+            KvStore::Bf16(v) => {
+                let n = dst.len();
+                for (d, &x) in dst.iter_mut().zip(&v[at..at + n]) {
+                    *d = metrale_core::dtype::bf16_to_f32(x);
+                }
+            }
+        }
+    }
+}
+
+/// The paged KV cache (see the module docs).
+struct KvPool {
+    k: KvStore,
+    v: KvStore,
+    blocks: usize,
+    dtype: KvDtype,
+    /// Elements of one (block, layer): `KV_BLOCK x kv_dim`.
+    layer_elems: usize,
+    layers: usize,
+    kv_dim: usize,
+}
+
+impl KvPool {
+    /// Element offset of `pos` (of a sequence with block table `table`) in `layer`.
+    fn at(&self, table: &[u32], layer: usize, pos: usize) -> usize {
+        let b = table[pos / KV_BLOCK] as usize;
+        (b * self.layers + layer) * self.layer_elems + (pos % KV_BLOCK) * self.kv_dim
+    }
+
+    /// K and V of positions `0..n_pos` of `layer`, widened to f32 into `k`, `v` (`[n_pos][kv_dim]`).
+    fn gather(
+        &self,
+        table: &[u32],
+        layer: usize,
+        n_pos: usize,
+        k: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+    ) {
+        let kvd = self.kv_dim;
+        k.resize(n_pos * kvd, 0.0);
+        v.resize(n_pos * kvd, 0.0);
+        let mut p = 0;
+        while p < n_pos {
+            let run = (KV_BLOCK - p % KV_BLOCK).min(n_pos - p);
+            let at = self.at(table, layer, p);
+            self.k.read(at, &mut k[p * kvd..(p + run) * kvd]);
+            self.v.read(at, &mut v[p * kvd..(p + run) * kvd]);
+            p += run;
+        }
+    }
+}
+
+/// One sequence's K and V of the current layer, gathered from its blocks (`[n_pos][kv_dim]`).
+#[derive(Default)]
+struct SeqKv {
     k: Vec<f32>,
     v: Vec<f32>,
 }
@@ -108,7 +199,8 @@ pub struct CpuBackend {
     out_norm: Vec<f32>,
     layers: Vec<Layer>,
     inv_freq: Vec<f32>,
-    kv: Vec<SlotCache>,
+    kv: KvPool,
+    slots: usize,
     slot_capacity: usize,
     threads: usize,
     pool: rayon::ThreadPool,
@@ -166,21 +258,26 @@ fn load_vector(model: &Model, name: &str, n: usize) -> Result<Vec<f32>, BackendE
 }
 
 impl CpuBackend {
-    /// Copy the model's weights (in their stored form) and allocate `slots` KV caches of
-    /// `slot_capacity` tokens each (f32; pages are touched only when used). `threads` workers run the
-    /// matrix products (0 = one per available core).
+    /// [`CpuBackend::load_kv`] with an f32 pool that holds every slot at full capacity, each slot's
+    /// blocks its own run ([`crate::slot_blocks`]).
     pub fn load(
         model: &Model,
         slots: usize,
         slot_capacity: usize,
         threads: usize,
     ) -> Result<CpuBackend, BackendError> {
+        Self::load_kv(model, KvConfig::per_slot(slots, slot_capacity), threads)
+    }
+
+    /// Copy the model's weights (in their stored form) and allocate the KV pool `kv` describes
+    /// (pages are touched only when used). `threads` workers run the matrix products (0 = one per
+    /// available core).
+    pub fn load_kv(
+        model: &Model,
+        kvc: KvConfig,
+        threads: usize,
+    ) -> Result<CpuBackend, BackendError> {
         let c = &model.config;
-        if slots == 0 || slot_capacity == 0 {
-            return Err(BackendError::Invalid(format!(
-                "slots ({slots}) and slot capacity ({slot_capacity}) must both be at least 1"
-            )));
-        }
         if c.head_dim > 512 || c.n_kv_heads == 0 || !c.n_heads.is_multiple_of(c.n_kv_heads) {
             return Err(BackendError::Model(format!(
                 "unsupported head layout: {} heads of {} with {} KV heads",
@@ -219,16 +316,7 @@ impl CpuBackend {
             load_vector(model, "rope_freqs.weight", dims.head_dim / 2)
         })?;
         Self::from_parts(
-            dims,
-            c.norm_eps,
-            embd,
-            lm_head,
-            out_norm,
-            layers,
-            inv_freq,
-            slots,
-            slot_capacity,
-            threads,
+            dims, c.norm_eps, embd, lm_head, out_norm, layers, inv_freq, kvc, threads,
         )
     }
 
@@ -241,8 +329,7 @@ impl CpuBackend {
         out_norm: Vec<f32>,
         layers: Vec<Layer>,
         inv_freq: Vec<f32>,
-        slots: usize,
-        slot_capacity: usize,
+        kvc: KvConfig,
         threads: usize,
     ) -> Result<CpuBackend, BackendError> {
         let threads = if threads == 0 {
@@ -250,18 +337,30 @@ impl CpuBackend {
         } else {
             threads
         };
-        let per_slot = dims
-            .layers
-            .checked_mul(slot_capacity)
-            .and_then(|x| x.checked_mul(dims.kd()))
+        let (slots, slot_capacity) = (kvc.slots, kvc.slot_capacity);
+        if slots == 0 || slot_capacity == 0 {
+            return Err(BackendError::Invalid(format!(
+                "slots ({slots}) and slot capacity ({slot_capacity}) must both be at least 1"
+            )));
+        }
+        let blocks = kvc.pool_blocks();
+        if blocks < crate::blocks_for(slot_capacity) {
+            return Err(BackendError::Invalid(format!(
+                "a KV pool of {blocks} blocks ({} tokens) cannot hold one sequence of the context size \
+                 ({slot_capacity} tokens); give it more blocks or lower the context size",
+                blocks * KV_BLOCK
+            )));
+        }
+        let layer_elems = KV_BLOCK * dims.kd();
+        let elems = blocks
+            .checked_mul(dims.layers)
+            .and_then(|x| x.checked_mul(layer_elems))
             .ok_or_else(|| {
-                BackendError::Invalid(format!("KV cache of {slot_capacity} tokens overflows"))
+                BackendError::Invalid(format!("a KV pool of {blocks} blocks overflows"))
             })?;
-        // The whole cache must fit in available memory (it is allocated zeroed and lazily: pages
+        // The whole pool must fit in available memory (it is allocated zeroed and lazily: pages
         // are touched as sequences grow, so a too-large cache would fail late, mid-request).
-        let needed = (per_slot as u64)
-            .saturating_mul(4 * 2)
-            .saturating_mul(slots as u64);
+        let needed = (elems as u64).saturating_mul(2 * kvc.dtype.bytes() as u64);
         if let Some(free) = mem_available() {
             if needed > free {
                 return Err(BackendError::OutOfMemory {
@@ -269,17 +368,22 @@ impl CpuBackend {
                     needed,
                     free,
                     hint: format!(
-                        "the KV cache of {slots} slots x {slot_capacity} tokens does not fit; lower the context size or the number of parallel slots"
+                        "the KV cache of {blocks} blocks ({} tokens, {}) does not fit; lower the context size, the number of parallel slots or the KV cache size",
+                        blocks * KV_BLOCK,
+                        kvc.dtype
                     ),
                 });
             }
         }
-        let kv = (0..slots)
-            .map(|_| SlotCache {
-                k: vec![0.0; per_slot],
-                v: vec![0.0; per_slot],
-            })
-            .collect();
+        let kv = KvPool {
+            k: KvStore::new(kvc.dtype, elems),
+            v: KvStore::new(kvc.dtype, elems),
+            blocks,
+            dtype: kvc.dtype,
+            layer_elems,
+            layers: dims.layers,
+            kv_dim: dims.kd(),
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("metrale-cpu-{i}"))
@@ -296,6 +400,7 @@ impl CpuBackend {
             layers,
             inv_freq,
             kv,
+            slots,
             slot_capacity,
             threads,
             pool,
@@ -340,18 +445,18 @@ impl CpuBackend {
     fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
         let d = self.dims;
         let (h, qd, kvd, hd) = (d.hidden, d.qd(), d.kd(), d.head_dim);
-        let cap = self.slot_capacity;
-        // (slot, position) of every token, in batch order.
+        // (batch entry, position) of every token, in batch order.
         let mut tok_meta: Vec<(usize, usize)> = Vec::new();
         let mut ids: Vec<u32> = Vec::new();
         let mut last_rows = Vec::with_capacity(batch.len());
-        for s in batch {
+        for (e, s) in batch.iter().enumerate() {
             for (j, &t) in s.tokens.iter().enumerate() {
-                tok_meta.push((s.slot, s.start_pos + j));
+                tok_meta.push((e, s.start_pos + j));
                 ids.push(t);
             }
             last_rows.push(ids.len() - 1);
         }
+        let mut seq_kv: Vec<SeqKv> = batch.iter().map(|_| SeqKv::default()).collect();
         let n = ids.len();
         // Attention blocks: runs of at most ATT_BLOCK consecutive tokens of one sequence.
         const ATT_BLOCK: usize = 16;
@@ -408,21 +513,26 @@ impl CpuBackend {
                     n,
                     &mut [&mut q, &mut k, &mut v],
                 );
-                for (i, &(slot, pos)) in tok_meta.iter().enumerate() {
+                for (i, &(e, pos)) in tok_meta.iter().enumerate() {
                     crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
                     crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);
-                    let at = (li * cap + pos) * kvd;
-                    kv[slot].k[at..at + kvd].copy_from_slice(&k[i * kvd..(i + 1) * kvd]);
-                    kv[slot].v[at..at + kvd].copy_from_slice(&v[i * kvd..(i + 1) * kvd]);
+                    let at = kv.at(batch[e].blocks, li, pos);
+                    kv.k.write(at, &k[i * kvd..(i + 1) * kvd]);
+                    kv.v.write(at, &v[i * kvd..(i + 1) * kvd]);
                 }
-                let kv_ro: &Vec<SlotCache> = kv;
+                // each sequence's positions 0..=its last, read back (widened) from its blocks
+                let kv_ro: &KvPool = kv;
+                seq_kv.par_iter_mut().zip(batch).for_each(|(sk, s)| {
+                    let n_pos = s.start_pos + s.tokens.len();
+                    kv_ro.gather(s.blocks, li, n_pos, &mut sk.k, &mut sk.v);
+                });
                 attention_layer(
                     &d,
                     &q,
-                    kv_ro,
+                    &seq_kv,
                     &tok_meta,
                     &blocks,
-                    (li * cap * kvd, scale),
+                    scale,
                     &mut att,
                     split_parts,
                 );
@@ -472,10 +582,10 @@ impl CpuBackend {
 fn attention_layer(
     d: &Dims,
     q: &[f32],
-    kv: &[SlotCache],
+    kv: &[SeqKv],
     tok_meta: &[(usize, usize)],
     blocks: &[(usize, usize)],
-    (base, scale): (usize, f32),
+    scale: f32,
     att: &mut [f32],
     parts: &mut Vec<f32>,
 ) {
@@ -530,8 +640,8 @@ fn attention_layer(
     let kv_of = |ti: usize, g: usize, n_pos: usize| {
         let c = &kv[tok_meta[ti].0];
         ops::KvHead {
-            k: &c.k[base..base + n_pos * kvd],
-            v: &c.v[base..base + n_pos * kvd],
+            k: &c.k[..n_pos * kvd],
+            v: &c.v[..n_pos * kvd],
             kv_dim: kvd,
             g,
             head_dim: hd,
@@ -586,11 +696,7 @@ fn attention_layer(
 
 impl Backend for CpuBackend {
     fn info(&self) -> BackendInfo {
-        let kv_bytes = self
-            .kv
-            .iter()
-            .map(|c| (c.k.len() + c.v.len()) as u64 * 4)
-            .sum();
+        let kv_bytes = self.kv.k.bytes() + self.kv.v.bytes();
         BackendInfo {
             name: "cpu".into(),
             device: format!(
@@ -599,8 +705,10 @@ impl Backend for CpuBackend {
                 ops::simd_level(),
                 if self.exact { "f32" } else { "16-bit integer" }
             ),
-            slots: self.kv.len(),
+            slots: self.slots,
             slot_capacity: self.slot_capacity,
+            kv_blocks: self.kv.blocks,
+            kv_dtype: self.kv.dtype,
             weight_bytes: self.weight_bytes(),
             kv_bytes,
         }
@@ -610,7 +718,13 @@ impl Backend for CpuBackend {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        crate::validate_batch(batch, self.kv.len(), self.slot_capacity, self.dims.vocab)?;
+        crate::validate_batch(
+            batch,
+            self.slots,
+            self.slot_capacity,
+            self.kv.blocks,
+            self.dims.vocab,
+        )?;
         let hidden = self.forward_hidden(batch);
         let logits = self.lm_head(&hidden, batch.len());
         let vocab = self.dims.vocab;
@@ -633,8 +747,8 @@ impl Backend for CpuBackend {
     }
 
     fn release(&mut self, _slot: SlotId) {
-        // Nothing to do: the slot's cache rows stay (the engine's prefix caching resumes from the
-        // ones it shares with the next prompt; every other row is written before it is read).
+        // Nothing to do: no per-slot state; the blocks are the caller's (the engine's prefix
+        // caching hands full ones to later prompts; every other row is written before it is read).
     }
 }
 

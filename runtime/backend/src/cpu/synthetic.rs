@@ -66,6 +66,16 @@ pub fn tiny_backend(
     slot_capacity: usize,
     threads: usize,
 ) -> CpuBackend {
+    tiny_backend_kv(
+        dtype,
+        seed,
+        crate::KvConfig::per_slot(slots, slot_capacity),
+        threads,
+    )
+}
+
+/// [`tiny_backend`] with the KV pool `kv` describes.
+pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: usize) -> CpuBackend {
     let dims = Dims {
         layers: 2,
         hidden: 64,
@@ -115,8 +125,7 @@ pub fn tiny_backend(
         vec![1.0; 64],
         layers,
         inv,
-        slots,
-        slot_capacity,
+        kv,
         threads,
     )
     .expect("tiny model sizes are valid")

@@ -14,6 +14,7 @@ fn run(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]
         slot,
         start_pos: start,
         tokens: toks,
+        blocks: &crate::slot_blocks(slot, 32),
         history: hist,
         sampling: &p,
         draw: 0,
@@ -67,6 +68,7 @@ fn prefill_chunks_decode_and_batching_agree() {
                     slot: 0,
                     start_pos: prompt.len(),
                     tokens: &next,
+                    blocks: &crate::slot_blocks(0, 32),
                     history: &h0,
                     sampling: &p,
                     draw: 0,
@@ -76,6 +78,7 @@ fn prefill_chunks_decode_and_batching_agree() {
                     slot: 1,
                     start_pos: 0,
                     tokens: &other,
+                    blocks: &crate::slot_blocks(1, 32),
                     history: &other,
                     sampling: &p,
                     draw: 0,
@@ -95,10 +98,12 @@ fn prefill_chunks_decode_and_batching_agree() {
 fn invalid_steps_are_refused() {
     let mut b = tiny(DType::Q4_1);
     let p = SamplingParams::default();
-    let bad = |slot, start, toks: &'static [u32]| SeqStep {
+    let tables: Vec<Vec<u32>> = (0..4).map(|s| crate::slot_blocks(s, 32)).collect();
+    let bad = |slot: usize, start, toks: &'static [u32]| SeqStep {
         slot,
         start_pos: start,
         tokens: toks,
+        blocks: &tables[slot],
         history: toks,
         sampling: &p,
         draw: 0,
@@ -136,8 +141,7 @@ fn a_kv_cache_larger_than_memory_is_refused() {
         vec![1.0; 64],
         Vec::new(),
         vec![1.0; 8],
-        1 << 20,
-        1 << 20,
+        crate::KvConfig::per_slot(1 << 20, 1 << 20),
         1,
     );
     match b {
@@ -145,4 +149,76 @@ fn a_kv_cache_larger_than_memory_is_refused() {
         Err(e) => panic!("wrong error: {e}"),
         Ok(_) => panic!("a 32 TiB cache was accepted"),
     }
+}
+
+/// Logits of `toks` at `start` for a sequence whose block table is `table`.
+fn run_table(
+    b: &mut CpuBackend,
+    table: &[u32],
+    start: usize,
+    toks: &[u32],
+    hist: &[u32],
+) -> Vec<f32> {
+    let p = SamplingParams::default();
+    let s = SeqStep {
+        slot: 0,
+        start_pos: start,
+        tokens: toks,
+        blocks: table,
+        history: hist,
+        sampling: &p,
+        draw: 0,
+        want_logits: true,
+    };
+    b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
+}
+
+/// A 40-token prompt (3 blocks) with blocks scattered over the pool gives the bits a contiguous
+/// table gives; a second sequence whose table starts with the first one's two full blocks (a shared
+/// prefix) and is prefilled only from position 32 gives the bits of computing it from scratch.
+#[test]
+fn paged_tables_scattered_and_shared_give_the_same_bits() {
+    let kv = crate::KvConfig {
+        slots: 2,
+        slot_capacity: 64,
+        blocks: 12,
+        dtype: KvDtype::F32,
+    };
+    let mut b = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv, 2);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 50).collect();
+    let contiguous = run_table(&mut b, &[0, 1, 2], 0, &prompt, &prompt);
+    let scattered = run_table(&mut b, &[9, 4, 11], 0, &prompt, &prompt);
+    assert_eq!(contiguous, scattered);
+    // shares blocks 9 and 4 (positions 0..32), its own block 6 for 32..40
+    let mut other = prompt[..32].to_vec();
+    other.extend([5u32, 6, 7, 8, 9, 10, 11, 12]);
+    let shared = run_table(&mut b, &[9, 4, 6], 32, &other[32..], &other);
+    let fresh = run_table(&mut b, &[7, 8, 10], 0, &other, &other);
+    assert_eq!(shared, fresh);
+}
+
+/// A bf16 KV cache: the same logits as f32 up to the rounding of K and V (2^-9 relative), and
+/// prefilled at once or token by token within the f32 cache's bound (1e-4: each K/V row is rounded
+/// once, when written, so only the grouping of the sums differs).
+#[test]
+fn bf16_kv_cache_is_f32_up_to_rounding() {
+    let kv = |dtype| crate::KvConfig {
+        slots: 2,
+        slot_capacity: 64,
+        blocks: 0,
+        dtype,
+    };
+    let mut f = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(KvDtype::F32), 2);
+    let mut h = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(KvDtype::Bf16), 2);
+    assert_eq!(h.info().kv_bytes * 2, f.info().kv_bytes);
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 11 + 1) % 50).collect();
+    let a = run_table(&mut f, &[0, 1], 0, &prompt, &prompt);
+    let c = run_table(&mut h, &[0, 1], 0, &prompt, &prompt);
+    assert_ne!(a, c, "bf16 rounding changes something");
+    close(&a, &c, 2e-2);
+    let mut last = Vec::new();
+    for i in 0..prompt.len() {
+        last = run_table(&mut h, &[2, 3], i, &prompt[i..=i], &prompt[..=i]);
+    }
+    close(&c, &last, 1e-4);
 }

@@ -46,14 +46,11 @@ pub(super) struct Bufs {
     /// sample_probs: parameters in, (token | logprob | status) out, one row per output
     pub samp_params: DevBuf,
     pub samp_out: DevBuf,
-    pub kc: DevBuf,
-    pub vc: DevBuf,
 }
 
 impl Bufs {
-    /// Buffers for chunks of up to `maxt` tokens, `nout` outputs per chunk, and a KV cache of
-    /// `kv_elems` f32 elements for K and for V.
-    pub fn new(gpu: &Gpu, maxt: usize, nout: usize, kv_elems: usize) -> Result<Bufs, BackendError> {
+    /// Buffers for chunks of up to `maxt` tokens and `nout` outputs per chunk.
+    pub fn new(gpu: &Gpu, maxt: usize, nout: usize) -> Result<Bufs, BackendError> {
         let d = gpu.dims;
         let f = 4usize;
         let io_in = gpu.alloc((3 * maxt + nout) * 4)?;
@@ -80,8 +77,6 @@ impl Bufs {
             lm_counter: gpu.alloc(counter_bytes)?,
             samp_params: gpu.alloc(nout * std::mem::size_of::<abi::device::SampleParams>())?,
             samp_out: gpu.alloc(3 * nout * 4)?,
-            kc: gpu.alloc(kv_elems * f)?,
-            vc: gpu.alloc(kv_elems * f)?,
         })
     }
 }
@@ -125,7 +120,8 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let g = &self.gpu;
         let b = &self.b;
-        let ctx = self.opts.slot_capacity as i32;
+        let kv = &self.kv;
+        let max_blocks = kv.max_blocks as i32;
         let n = ntok as i32;
         let w = || &self.w.layers[l]; // layer stages only
         match (stage, pf) {
@@ -144,12 +140,13 @@ impl CudaBackend {
                 QkvOut {
                     rope: self.w.rope.ptr,
                     q: b.q.ptr,
-                    kc: b.kc.ptr,
-                    vc: b.vc.ptr,
+                    kc: kv.kc.ptr,
+                    vc: kv.vc.ptr,
                     pos: b.pos,
                     slot: b.slot,
+                    tables: kv.tables.ptr,
                     layer: l as i32,
-                    ctx,
+                    max_blocks,
                 },
                 ntok,
             ),
@@ -160,23 +157,25 @@ impl CudaBackend {
                 wsc: w().wqkv.sc_ptr(),
                 rope: self.w.rope.ptr,
                 q: b.q.ptr,
-                kc: b.kc.ptr,
-                vc: b.vc.ptr,
+                kc: kv.kc.ptr,
+                vc: kv.vc.ptr,
                 pos: b.pos,
                 slot: b.slot,
+                tables: kv.tables.ptr,
                 layer: l as i32,
-                ctx,
+                max_blocks,
                 ntok: n,
             }),
             (Stage::Attention, _) => g.attention(
                 abi::Attention {
                     q: b.q.ptr,
-                    kc: b.kc.ptr,
-                    vc: b.vc.ptr,
+                    kc: kv.kc.ptr,
+                    vc: kv.vc.ptr,
                     pos: b.pos,
                     slot: b.slot,
+                    tables: kv.tables.ptr,
                     layer: l as i32,
-                    ctx,
+                    max_blocks,
                     nsplit: nsplit as i32,
                     part_ml: b.part_ml.ptr,
                     part_acc: b.part_acc.ptr,

@@ -11,8 +11,9 @@
 //! - this module: [`CudaBackend`], the scheduling of a step (chunks, graphs, run-ahead, sampling),
 //!   with the per-stage forward pass in `forward.rs` and bench-only timing in `profile.rs`.
 //!
-//! Owns: the weights on the device, the f32 KV cache `[slot][layer][kv_head][pos][head_dim]`, the
-//! activation buffers (allocated once for `max_step_tokens`), the decode CUDA graphs.
+//! Owns: the weights on the device, the paged KV cache ([`kv`]: one pool of blocks in the target's
+//! KV type, the block tables the engine's `SeqStep::blocks` are mirrored into), the activation
+//! buffers (allocated once for `max_step_tokens`), the decode CUDA graphs.
 //! Entry points: [`CudaBackend::from_registry`] (a built binary: embedded, attestation-checked
 //! kernels) and [`CudaBackend::new`] (any [`KernelSet`], e.g. a dist/ folder, for tests and tools).
 //! Not here: a tensor-core prefill attention, a persistent kernel for batched decode
@@ -28,7 +29,9 @@
 //!   enqueued before the host waits for this one, so the host's and the engine's work between
 //!   tokens overlap the GPU's. When the engine's next call is exactly that step, it only collects
 //!   it; otherwise the run-ahead launch was spare work whose only writes are the scratch outputs and
-//!   the KV entry at that position, which every later step writes before it reads it.
+//!   the KV entry at that position, which every later step writes before it reads it. It runs ahead
+//!   only when the sequence's block table already covers that position (the engine allocates one
+//!   position ahead), and that block is the sequence's own: no other sequence reads it.
 //! - A pure decode step (every sequence one token) of `n` sequences otherwise replays a graph
 //!   captured for (n, attention splits).
 //! - Requests without penalties, logit bias or logprob lists are sampled on the device: greedy inside
@@ -42,6 +45,7 @@ pub mod decode1;
 pub mod device;
 mod forward;
 pub mod kernels;
+pub mod kv;
 pub mod launch;
 pub mod plan;
 pub mod prefill;
@@ -56,11 +60,12 @@ pub use metrale_abi as abi;
 use metrale_core::BackendError;
 use metrale_model::{ModelConfig, Weights};
 
-use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId};
+use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId, KV_BLOCK};
 use decode1::{Decode1, Step};
 pub use device::{device_count, DevBuf, Device, HostStage};
 use forward::Bufs;
 pub use kernels::{KernelBlob, KernelSet};
+use kv::KvCache;
 pub use launch::Gpu;
 use prefill::Prefill;
 use weights::{DevFormat, ModelWeights};
@@ -137,8 +142,13 @@ pub struct CudaOptions {
     pub device: usize,
     /// KV-cache slots (concurrent sequences).
     pub slots: usize,
-    /// Tokens per slot.
+    /// Most positions of one sequence.
     pub slot_capacity: usize,
+    /// Blocks of the KV pool; 0: every slot at full context, or what fits in `memory_fraction`
+    /// ([`kv::pool_blocks`]).
+    pub kv_blocks: usize,
+    /// Fraction of the device's memory the backend may use in all when it sizes the KV pool.
+    pub memory_fraction: f64,
     /// Most tokens one launch sequence processes (prefill chunks are split to this).
     pub max_step_tokens: usize,
     pub tuning: Tuning,
@@ -150,6 +160,8 @@ impl Default for CudaOptions {
             device: 0,
             slots: 8,
             slot_capacity: 4096,
+            kv_blocks: 0,
+            memory_fraction: 0.9,
             max_step_tokens: 512,
             tuning: Tuning::default(),
         }
@@ -163,6 +175,7 @@ pub struct CudaBackend {
     target: String,
     w: ModelWeights,
     b: Bufs,
+    kv: KvCache,
     graphs: HashMap<(usize, usize), CudaGraph>,
     prefill: Prefill,
     /// The persistent batch-1 decode kernel (`None` when `Tuning::persistent_decode` is off or
@@ -178,7 +191,6 @@ pub struct CudaBackend {
     out_stage: Option<HostStage>,
     /// (tokens, splits) of the last chunk run
     last_key: Option<(usize, usize)>,
-    kv_bytes: u64,
     /// Counters for tests and benchmarks.
     pub stats: Stats,
 }
@@ -230,19 +242,19 @@ impl CudaBackend {
         }
         let gpu = Gpu::open(opts.device, set)?;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
-        let kv_elems = opts
-            .slots
-            .checked_mul(opts.slot_capacity)
-            .and_then(|n| n.checked_mul(d.kv_per_token()))
-            .ok_or_else(|| BackendError::Invalid("KV cache size overflows".into()))?;
         // at most one output per sequence (= slot) of a chunk
-        let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots, kv_elems)?;
+        let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
         let prefill = Prefill::new(&gpu, opts.max_step_tokens)?;
         let out_stage = if opts.tuning.run_ahead {
             Some(gpu.host_stage(2 * opts.slots)?)
         } else {
             None
         };
+        // the KV pool last: it takes what the weights and buffers left
+        let shape = (opts.slots, crate::blocks_for(opts.slot_capacity));
+        let dtype = spec.quant.kv_dtype();
+        let blocks = kv::pool_blocks(&gpu, &d, dtype, shape, opts.kv_blocks, opts.memory_fraction)?;
+        let kv = KvCache::new(&gpu, dtype, blocks, shape)?;
         let decode1 = if opts.tuning.persistent_decode {
             let ptrs: Vec<_> = w.layers.iter().map(|l| l.ptrs()).collect();
             let [len, max] = spec.hardware.decode_split.ok_or_else(|| {
@@ -259,9 +271,10 @@ impl CudaBackend {
                 head_sc: head.sc_ptr(),
                 out_norm: w.out_norm.ptr,
                 rope: w.rope.ptr,
-                kc: b.kc.ptr,
-                vc: b.vc.ptr,
-                ctx: opts.slot_capacity as i32,
+                kc: kv.kc.ptr,
+                vc: kv.vc.ptr,
+                tables: kv.tables.ptr,
+                max_blocks: kv.max_blocks as i32,
                 logits: b.logits.ptr,
                 part: b.lm_part.ptr,
                 counter: b.lm_counter.ptr,
@@ -278,8 +291,8 @@ impl CudaBackend {
             opts,
             target: set.target.clone(),
             w,
-            kv_bytes: 2 * (kv_elems * 4) as u64,
             b,
+            kv,
             graphs: HashMap::new(),
             prefill,
             decode1,
@@ -416,7 +429,9 @@ impl CudaBackend {
         let stage = self.out_stage.as_mut().expect("checked by the caller");
         self.gpu.read_staged(&self.b.io_out, stage)?;
         self.last_key = None;
-        let run_ahead = s.start_pos + 2 <= self.opts.slot_capacity;
+        // the next position must be in this sequence's own table (module docs)
+        let run_ahead = s.start_pos + 2 <= self.opts.slot_capacity
+            && s.blocks.len().min(self.kv.max_blocks) * KV_BLOCK >= s.start_pos + 2;
         if run_ahead {
             self.launch_decode1(Step {
                 token: Step::FROM_DEVICE,
@@ -562,8 +577,10 @@ impl Backend for CudaBackend {
             device: format!("{} (sm_{}{}, {} SMs)", g.name, g.cc.0, g.cc.1, g.sm_count),
             slots: self.opts.slots,
             slot_capacity: self.opts.slot_capacity,
+            kv_blocks: self.kv.blocks,
+            kv_dtype: self.kv.dtype,
             weight_bytes: self.w.bytes(),
-            kv_bytes: self.kv_bytes,
+            kv_bytes: self.kv.bytes(),
         }
     }
 
@@ -572,8 +589,13 @@ impl Backend for CudaBackend {
             batch,
             self.opts.slots,
             self.opts.slot_capacity,
+            self.kv.blocks,
             self.gpu.dims.vocab,
         )?;
+        // block tables first, in stream order before any launch of this step
+        for s in batch {
+            self.kv.sync(&self.gpu, s.slot, s.blocks)?;
+        }
         let ahead = self.ahead.take();
         if let [s] = batch {
             if s.tokens.len() == 1
@@ -631,8 +653,8 @@ impl Backend for CudaBackend {
         if self.ahead.is_some_and(|a| a.0 == slot as i32) {
             self.ahead = None; // its launch is spare work now (module docs)
         }
-        // The slot's KV entries stay (the engine's prefix caching resumes from the ones it shares
-        // with the next prompt; every other entry is written before it is read): nothing to clear.
+        // The blocks are the engine's (its prefix caching hands full ones to later prompts; every
+        // other entry is written before it is read): nothing to clear.
     }
 }
 

@@ -31,8 +31,9 @@ pub struct QkvOut {
     pub vc: u64,
     pub pos: u64,
     pub slot: u64,
+    pub tables: u64,
     pub layer: i32,
-    pub ctx: i32,
+    pub max_blocks: i32,
 }
 
 /// The split scratch of the prefill GEMMs.
@@ -98,8 +99,9 @@ impl Prefill {
             vc: o.vc,
             pos: o.pos,
             slot: o.slot,
+            tables: o.tables,
             layer: o.layer,
-            ctx: o.ctx,
+            max_blocks: o.max_blocks,
             ntok,
         })
     }

@@ -1,5 +1,6 @@
 //! The contract every `Backend` keeps, as one test body run on each backend (`tests/contract.rs`):
-//! bad batches are refused with the shared messages and leave the backend working; a released slot
+//! bad batches are refused with the shared messages (block tables included) and leave the backend
+//! working; a released slot
 //! serves a new sequence as a fresh one would, and resumes a shared prefix; the same seed gives the
 //! same tokens, and a device sampler picks what the host sampler picks on the same logits; a
 //! sequence's tokens do not depend on its batch-mates.
@@ -11,6 +12,17 @@ use metrale_backend::{Backend, SeqStep};
 pub const SLOTS: usize = 4;
 pub const CAPACITY: usize = 96;
 
+/// The block table of `slot` in a pool laid out `KvConfig::per_slot(SLOTS, CAPACITY)` (slots past
+/// SLOTS too, for the refusal checks).
+fn blocks(slot: usize) -> &'static [u32] {
+    static TABLES: std::sync::OnceLock<Vec<Vec<u32>>> = std::sync::OnceLock::new();
+    &TABLES.get_or_init(|| {
+        (0..2 * SLOTS)
+            .map(|s| metrale_backend::slot_blocks(s, CAPACITY))
+            .collect()
+    })[slot.min(2 * SLOTS - 1)]
+}
+
 fn step<'a>(
     slot: usize,
     start_pos: usize,
@@ -20,6 +32,7 @@ fn step<'a>(
 ) -> SeqStep<'a> {
     SeqStep {
         slot,
+        blocks: blocks(slot),
         start_pos,
         tokens,
         history,
@@ -53,6 +66,7 @@ fn generate(
                 };
                 SeqStep {
                     slot,
+                    blocks: blocks(slot),
                     start_pos: start,
                     tokens: toks,
                     history: h,
@@ -123,6 +137,21 @@ pub fn check(b: &mut dyn Backend, vocab: usize, a: &[u32], c: &[u32]) {
         &[step(2, cap - 1, &a[..2], &a[..2], g)],
         &format!("exceed the slot capacity of {cap} tokens"),
     );
+    let mut short = step(2, 0, &a[..2], &a[..2], g);
+    short.blocks = &[];
+    refused(
+        b,
+        &[short],
+        "entry 0: a block table of 0 blocks does not cover positions 0..2",
+    );
+    let far = [u32::MAX];
+    let mut outside = step(2, 0, &a[..2], &a[..2], g);
+    outside.blocks = &far;
+    refused(
+        b,
+        &[outside],
+        &format!("entry 0: block {} is outside the KV pool", u32::MAX),
+    );
     let bad = [a[0], vocab as u32];
     refused(
         b,
@@ -156,6 +185,7 @@ pub fn check(b: &mut dyn Backend, vocab: usize, a: &[u32], c: &[u32]) {
         let r = b
             .step(&[SeqStep {
                 slot: 2,
+                blocks: blocks(2),
                 start_pos: start,
                 tokens: &tok,
                 history: &hist,
