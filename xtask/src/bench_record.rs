@@ -11,8 +11,21 @@
 //!   over the request's wall time (HTTP overhead included, so a lower bound). Each repetition
 //!   rotates the prompt so that the server's prefix cache cannot serve it, and any token the cache
 //!   did serve (`vllm:prefix_cache_hits_total`) is left out of the count;
-//! - `concurrent`: for each `--concurrency` value c, c simultaneous streams of `--gen-tokens` tokens:
-//!   total generated tokens over wall time, and the median per-stream inter-token latency.
+//! - `concurrent`: for each `--concurrency` value c (default 1, 16, 64, 256), c simultaneous streams
+//!   of `--gen-tokens` tokens after prompts of `--stream-prompt-tokens` token ids (each stream's
+//!   prompt rotated so that no two share a prefix): total generated tokens over wall time, the
+//!   median inter-token latency and time to first token, and the streams that failed (counted and
+//!   the first error kept, not hidden).
+//!
+//! With `--peer DIR` (llama.cpp's `llama-bench` and `llama-batched-bench` in DIR), the same run then
+//! benchmarks llama.cpp on the same GGUF (`--peer-model`, default `--model`) after our server has
+//! stopped: `llama-bench` pp and tg (the same prompt and generation lengths, `--reps` repetitions),
+//! and `llama-batched-bench` at the concurrency levels (prompt `--stream-prompt-tokens`, generation
+//! `--gen-tokens`). The record keeps the peer's build (from llama-bench's JSON), its exact command
+//! lines, its figures, and our figure over theirs for each (`peer.ratios`).
+//!
+//! `--memory-bandwidth-gbs B` adds the batch-1 floor: a decode step reads every weight byte once, so
+//! decode is at most B / (the model file's bytes) tokens per second (`floors`).
 //!
 //! Everything goes over loopback HTTP to the real binary: the numbers are what a client sees. The
 //! server inherits this process's environment, so the record lists the variables that steer it
@@ -50,8 +63,24 @@ pub struct Args {
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
     /// Concurrency levels for the throughput measurement, comma-separated (empty: skip).
-    #[arg(long, value_delimiter = ',', default_value = "1,8")]
-    pub concurrency: Vec<usize>,
+    #[arg(long, default_value = "1,16,64,256")]
+    pub concurrency: String,
+    /// Prompt length of each concurrent stream, in tokens.
+    #[arg(long, default_value_t = 128)]
+    pub stream_prompt_tokens: usize,
+    /// llama.cpp's binaries folder (llama-bench, llama-batched-bench): run the peer in the same run
+    /// and write its figures beside ours.
+    #[arg(long)]
+    pub peer: Option<PathBuf>,
+    /// The GGUF the peer runs (default: --model, which must then be a GGUF file).
+    #[arg(long)]
+    pub peer_model: Option<PathBuf>,
+    /// Extra arguments for both peer benchmarks (e.g. "-t 16"); the defaults are `-ngl 99 -fa 1`.
+    #[arg(long, allow_hyphen_values = true)]
+    pub peer_args: Option<String>,
+    /// Measured memory bandwidth in GB/s: adds the batch-1 decode floor (weight bytes / bandwidth).
+    #[arg(long)]
+    pub memory_bandwidth_gbs: Option<f64>,
     /// Folder for the record.
     #[arg(long, default_value = "bench/records")]
     pub out: PathBuf,
@@ -108,7 +137,36 @@ fn file_name(p: &Path) -> String {
         .unwrap_or_else(|| p.display().to_string())
 }
 
+/// The `--concurrency` list: comma-separated positive integers, empty for none.
+fn parse_concurrency(text: &str) -> Result<Vec<usize>> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| match s.parse::<usize>() {
+            Ok(c) if c > 0 => Ok(c),
+            _ => bail!("--concurrency: `{s}` is not a positive integer (give e.g. 1,16,64,256, or \"\" for none)"),
+        })
+        .collect()
+}
+
 pub fn run(args: Args) -> Result<()> {
+    let levels = parse_concurrency(&args.concurrency)?;
+    let peer_model = match (&args.peer, &args.peer_model) {
+        (None, _) => None,
+        (Some(_), Some(m)) => Some(m.clone()),
+        (Some(_), None) if args.model.is_file() => Some(args.model.clone()),
+        (Some(_), None) => bail!(
+            "--peer needs a GGUF: --model {} is not a file; give --peer-model FILE.gguf",
+            args.model.display()
+        ),
+    };
+    if let Some(dir) = &args.peer {
+        for b in ["llama-bench", "llama-batched-bench"] {
+            if !dir.join(b).is_file() {
+                bail!("--peer {}: no {b} there (build llama.cpp's llama-bench and llama-batched-bench targets)", dir.display());
+            }
+        }
+    }
     let binary = args.binary.canonicalize().with_context(|| {
         format!(
             "server binary {} not found; build one with `cargo xtask build-target`",
@@ -122,7 +180,7 @@ pub fn run(args: Args) -> Result<()> {
     let binary_sha256 = hex::encode(Sha256::digest(std::fs::read(&binary)?));
 
     let mut server_args: Vec<String> = vec!["--model".into(), args.model.display().to_string()];
-    let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
+    let max_c = levels.iter().copied().max().unwrap_or(1);
     if let Some(extra) = &args.server_args {
         server_args.extend(extra.split_whitespace().map(String::from));
     } else if max_c > 1 {
@@ -192,11 +250,18 @@ pub fn run(args: Args) -> Result<()> {
         prefill_cached.push(cached);
     }
     let mut concurrent = Vec::new();
-    for &c in args.concurrency.iter().filter(|&&c| c > 0) {
+    let stream_prompt = prompt_tokens(&base, args.stream_prompt_tokens)?;
+    for &c in &levels {
         let t = Instant::now();
         let results: Vec<Result<Stream>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..c)
-                .map(|_| s.spawn(|| stream_completion(&base, short_prompt, args.gen_tokens)))
+                .map(|i| {
+                    let mut p = stream_prompt.clone();
+                    let n = p.len().max(1);
+                    p.rotate_left(i % n);
+                    let base = &base;
+                    s.spawn(move || stream_completion(base, &p, args.gen_tokens))
+                })
                 .collect();
             handles
                 .into_iter()
@@ -204,17 +269,62 @@ pub fn run(args: Args) -> Result<()> {
                 .collect()
         });
         let wall = t.elapsed().as_secs_f64();
-        let streams = results.into_iter().collect::<Result<Vec<_>>>()?;
+        let mut errors = Vec::new();
+        let mut streams = Vec::new();
+        for r in results {
+            match r {
+                Ok(s) => streams.push(s),
+                Err(e) => errors.push(format!("{e:#}")),
+            }
+        }
         let tokens: usize = streams.iter().map(|s| s.tokens).sum();
         let mut itl: Vec<f64> = streams.iter().flat_map(|s| s.gaps()).collect();
+        let mut ttft: Vec<f64> = streams.iter().map(|s| s.first_token_s).collect();
+        eprintln!(
+            "{c} streams: {:.1} tok/s, {} failed",
+            tokens as f64 / wall,
+            errors.len()
+        );
         concurrent.push(json!({
             "concurrency": c,
+            "prompt_tokens": stream_prompt.len(),
             "output_tok_s": tokens as f64 / wall,
             "median_itl_ms": median(&mut itl) * 1e3,
-            "median_ttft_ms": median(&mut streams.iter().map(|s| s.first_token_s).collect::<Vec<_>>()) * 1e3,
+            "median_ttft_ms": median(&mut ttft) * 1e3,
+            "max_ttft_ms": ttft.iter().copied().fold(0.0, f64::max) * 1e3,
+            "streams_ok": streams.len(),
+            "streams_failed": errors.len(),
+            "first_error": errors.first(),
         }));
     }
     drop(server);
+
+    let decode_med = median(&mut decode.clone());
+    let prefill_med = median(&mut prefill.clone());
+    let peer = match (&args.peer, &peer_model) {
+        (Some(dir), Some(gguf)) => Some(run_peer(
+            dir,
+            gguf,
+            &args,
+            &levels,
+            (decode_med, prefill_med, &concurrent),
+        )?),
+        _ => None,
+    };
+    let model_bytes = std::fs::metadata(&args.model)
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.len());
+    let floors = match (args.memory_bandwidth_gbs, model_bytes) {
+        (Some(bw), Some(bytes)) => json!({
+            "memory_bandwidth_gbs": bw,
+            "weight_bytes": bytes,
+            "decode_tok_s": bw * 1e9 / bytes as f64,
+            "decode_us_per_token": bytes as f64 / (bw * 1e9) * 1e6,
+            "decode_fraction_of_floor": decode_med / (bw * 1e9 / bytes as f64),
+        }),
+        _ => Value::Null,
+    };
 
     let target = attestation_target(&attestation).unwrap_or_else(|| "unknown".into());
     let lock = args.lock.clone().unwrap_or_else(|| {
@@ -240,7 +350,7 @@ pub fn run(args: Args) -> Result<()> {
         .collect();
     let date = time::OffsetDateTime::now_utc();
     let record = json!({
-        "schema": "metrale.bench-record/v2",
+        "schema": "metrale.bench-record/v3",
         "date": date.format(&time::format_description::well_known::Rfc3339)?,
         "target": target,
         "binary": {"file": file_name(&binary), "sha256": binary_sha256},
@@ -248,15 +358,18 @@ pub fn run(args: Args) -> Result<()> {
         "kernels_lock": kernels_lock,
         "machine": machine(),
         "settings": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "reps": args.reps,
+                     "stream_prompt_tokens": args.stream_prompt_tokens,
                      "server_args": shown_args, "server_env": server_env(std::env::vars())},
         "metrics": {
             "cold_start_s": cold_start_s,
             "health_s": health_s,
-            "decode_tok_s": median(&mut decode.clone()),
-            "decode_us_per_token": 1e6 / median(&mut decode.clone()),
-            "prefill_tok_s": median(&mut prefill.clone()),
+            "decode_tok_s": decode_med,
+            "decode_us_per_token": 1e6 / decode_med,
+            "prefill_tok_s": prefill_med,
             "concurrent": concurrent,
         },
+        "floors": floors,
+        "peer": peer,
         "raw": {"decode_tok_s": decode, "prefill_tok_s": prefill, "prefill_cached_tokens": prefill_cached},
         "target_info": target_info,
         "attestation": attestation,
@@ -274,6 +387,176 @@ pub fn run(args: Args) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(&record["metrics"])?);
     println!("{}", file.display());
     Ok(())
+}
+
+/// llama.cpp on the same GGUF (module docs): llama-bench (pp, tg) and llama-batched-bench at the
+/// concurrency levels; `ours` = (decode tok/s, prefill tok/s, the concurrent entries) for the ratios.
+fn run_peer(
+    dir: &Path,
+    gguf: &Path,
+    args: &Args,
+    levels: &[usize],
+    (decode, prefill, concurrent): (f64, f64, &[Value]),
+) -> Result<Value> {
+    let extra: Vec<String> = match &args.peer_args {
+        Some(a) => a.split_whitespace().map(String::from).collect(),
+        None => vec!["-ngl".into(), "99".into(), "-fa".into(), "1".into()],
+    };
+    let model = gguf.display().to_string();
+    let run = |bin: &str, a: &[String]| -> Result<String> {
+        eprintln!("peer: {bin} {}", a.join(" "));
+        let out = Command::new(dir.join(bin))
+            .args(a)
+            .output()
+            .with_context(|| format!("running {bin}"))?;
+        if !out.status.success() {
+            bail!(
+                "{bin} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .rev()
+                    .take(5)
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    // the command lines as the record shows them: the model by file name
+    let shown = |a: &[String]| -> Vec<String> {
+        a.iter()
+            .map(|x| {
+                if *x == model {
+                    file_name(gguf)
+                } else {
+                    x.clone()
+                }
+            })
+            .collect()
+    };
+    let mut bench_args: Vec<String> = vec!["-m".into(), model.clone()];
+    bench_args.extend(extra.iter().cloned());
+    bench_args.extend(
+        [
+            "-p",
+            &args.prompt_tokens.to_string(),
+            "-n",
+            &args.gen_tokens.to_string(),
+            "-r",
+            &args.reps.to_string(),
+            "-o",
+            "json",
+        ]
+        .map(String::from),
+    );
+    let bench: Value = serde_json::from_str(&run("llama-bench", &bench_args)?)
+        .context("llama-bench -o json printed no JSON")?;
+    let rows = bench.as_array().cloned().unwrap_or_default();
+    let pick = |pp: usize, tg: usize| {
+        rows.iter()
+            .find(|r| {
+                r["n_prompt"].as_u64() == Some(pp as u64) && r["n_gen"].as_u64() == Some(tg as u64)
+            })
+            .map(|r| {
+                (
+                    r["avg_ts"].as_f64().unwrap_or(f64::NAN),
+                    r["stddev_ts"].as_f64().unwrap_or(f64::NAN),
+                )
+            })
+    };
+    let pp = pick(args.prompt_tokens, 0);
+    let tg = pick(0, args.gen_tokens);
+    let build = rows.first().map(|r| {
+        json!({"commit": r["build_commit"], "number": r["build_number"], "backends": r["backends"],
+               "gpu_info": r["gpu_info"], "cpu_info": r["cpu_info"]})
+    });
+    let mut batched = Value::Null;
+    let mut batched_rows = Vec::new();
+    if !levels.is_empty() {
+        let (npp, ntg) = (args.stream_prompt_tokens, args.gen_tokens);
+        let ctx = levels.iter().max().unwrap_or(&1) * (npp + ntg) + 256;
+        let mut a: Vec<String> = vec!["-m".into(), model.clone()];
+        a.extend(extra.iter().cloned());
+        a.extend([
+            "-c".to_string(),
+            ctx.to_string(),
+            "-b".into(),
+            "2048".into(),
+            "-ub".into(),
+            "512".into(),
+            "-npp".into(),
+            npp.to_string(),
+            "-ntg".into(),
+            ntg.to_string(),
+            "-npl".into(),
+            levels
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        ]);
+        let text = run("llama-batched-bench", &a)?;
+        batched_rows = parse_batched(&text);
+        batched = json!({"args": shown(&a), "rows": batched_rows});
+    }
+    let ratio = |ours: f64, theirs: Option<f64>| theirs.map(|t| ours / t);
+    let per_level: Vec<Value> = concurrent
+        .iter()
+        .map(|c| {
+            let n = c["concurrency"].as_u64().unwrap_or(0);
+            let theirs = batched_rows
+                .iter()
+                .find(|r| r["b"].as_u64() == Some(n))
+                .and_then(|r| r["s_tg"].as_f64());
+            json!({"concurrency": n, "ours_output_tok_s": c["output_tok_s"], "peer_s_tg": theirs,
+                   "ratio": ratio(c["output_tok_s"].as_f64().unwrap_or(f64::NAN), theirs)})
+        })
+        .collect();
+    Ok(json!({
+        "name": "llama.cpp",
+        "build": build,
+        "model": {"file": file_name(gguf)},
+        "llama_bench": {"args": shown(&bench_args), "results": rows.iter().map(|r| json!({
+            "n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"],
+            "samples_ts": r["samples_ts"]})).collect::<Vec<_>>()},
+        "batched_bench": batched,
+        "ratios": {
+            "decode_vs_tg": ratio(decode, tg.map(|t| t.0)),
+            "prefill_vs_pp": ratio(prefill, pp.map(|t| t.0)),
+            "concurrent_vs_batched_s_tg": per_level,
+            "note": "ours over HTTP (streams of the stated prompt and generation lengths, wall time); \
+                     batched-bench in process (S_TG: its generation phase alone)",
+        },
+    }))
+}
+
+/// The rows of llama-batched-bench's table (`|  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s |
+/// S_TG t/s | T s | S t/s |`), as objects; other lines are ignored.
+fn parse_batched(text: &str) -> Vec<Value> {
+    const KEYS: [&str; 10] = [
+        "pp", "tg", "b", "n_kv", "t_pp", "s_pp", "t_tg", "s_tg", "t", "s",
+    ];
+    text.lines()
+        .filter_map(|l| {
+            let cells: Vec<f64> = l
+                .trim()
+                .strip_prefix('|')?
+                .strip_suffix('|')?
+                .split('|')
+                .map(|c| c.trim().parse::<f64>())
+                .collect::<Result<_, _>>()
+                .ok()?;
+            (cells.len() == KEYS.len()).then(|| {
+                let m: serde_json::Map<String, Value> = KEYS
+                    .iter()
+                    .zip(&cells)
+                    .map(|(k, v)| (k.to_string(), json!(v)))
+                    .collect();
+                Value::Object(m)
+            })
+        })
+        .collect()
 }
 
 /// The environment variables that change what the server runs (its backend's runtime choices and
@@ -519,6 +802,28 @@ mod tests {
         let none =
             super::lock_check(&lock, "cpu/m/q", &serde_json::json!({"subject": []})).unwrap();
         assert_eq!(none["matches_binary"], true);
+    }
+
+    #[test]
+    fn concurrency_lists_parse_and_empty_means_none() {
+        assert_eq!(
+            super::parse_concurrency("1,16, 64,256").unwrap(),
+            vec![1, 16, 64, 256]
+        );
+        assert!(super::parse_concurrency("").unwrap().is_empty());
+        assert!(super::parse_concurrency(" ").unwrap().is_empty());
+        let e = super::parse_concurrency("1,x").unwrap_err().to_string();
+        assert!(e.contains("`x` is not a positive integer"), "{e}");
+        assert!(super::parse_concurrency("0").is_err());
+    }
+
+    #[test]
+    fn batched_bench_table_rows_parse() {
+        let text = "main: n_kv_max = 4096\n\n|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n|   128 |    128 |    1 |    256 |    0.011 | 11636.36 |    0.291 |   439.86 |    0.302 |   847.68 |\n|   128 |    128 |   16 |   4096 |    0.120 | 17066.67 |    1.000 |  2048.00 |    1.120 |  3657.14 |\n";
+        let rows = super::parse_batched(text);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1]["b"], 16.0);
+        assert_eq!(rows[0]["s_tg"], 439.86);
     }
 
     #[test]
