@@ -10,7 +10,10 @@ folder (bf16 safetensors widened to f32). Nobody in this project wrote it. The s
 last position and of each of the 16 decode positions.
 
 Usage (venv with torch, transformers, gguf, numpy):
-    python make_synth_golden_hf.py DIR [FILE.gguf]
+    python make_synth_golden_hf.py DIR [FILE.gguf] [--out PREFIX] [--device cpu|cuda]
+--out PREFIX writes PREFIX.json and PREFIX_last.f32 instead of the test's golden (any synthetic model:
+the 8B ones on the GPU machine, checked with runtime/backend/examples/golden_check.rs); --device runs
+the reference there (f32 throughout either way).
 With FILE.gguf it also loads the GGUF through transformers' GGUF reader (gguf-py) and records how
 far its logits are from the folder's (transformers' GGUF reader ignores rope_freqs, so the llama3
 scaling is lost there; recorded, not asserted), and from the folder loaded without its rope scaling
@@ -43,19 +46,38 @@ DECODE_STEPS = 16
 
 
 def main():
-    d = os.path.abspath(sys.argv[1])
+    argv = sys.argv[1:]
+    out_prefix = None
+    device = "cpu"
+    if "--out" in argv:
+        i = argv.index("--out")
+        out_prefix = argv[i + 1]
+        del argv[i:i + 2]
+    if "--device" in argv:
+        i = argv.index("--device")
+        device = argv[i + 1]
+        del argv[i:i + 2]
+    d = os.path.abspath(argv[0])
     here = os.path.dirname(os.path.abspath(__file__))
+    if out_prefix is None:
+        json_path = os.path.join(here, "tiny_llama3_hf.json")
+        last_path = os.path.join(here, "tiny_llama3_hf_last.f32")
+    else:
+        json_path = out_prefix + ".json"
+        last_path = out_prefix + "_last.f32"
     sha = hashlib.sha256(open(os.path.join(d, "model.safetensors"), "rb").read()).hexdigest()
+    cfg_json = json.load(open(os.path.join(d, "config.json")))
     tok = AutoTokenizer.from_pretrained(d)
     prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
     cont = tok(CONTINUATION, add_special_tokens=False)["input_ids"][:DECODE_STEPS]
     assert len(prompt) >= 100 and len(cont) == DECODE_STEPS, (len(prompt), len(cont))
     ids = prompt + cont
     model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32,
-                                                 attn_implementation="eager")
+                                                 attn_implementation="eager").to(device)
     model.eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float().numpy()
+        logits = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
+    del model
     # the prompt's last position, then each teacher-forced decode position
     checked = logits[len(prompt) - 1: len(prompt) - 1 + DECODE_STEPS + 1]
     top = []
@@ -63,9 +85,11 @@ def main():
         order = np.argsort(-row, kind="stable")[:20]
         top.append([[int(i), float(row[i])] for i in order])
     out = {
-        "reference": "HF transformers %s, torch %s, float32 eager, HF folder (bf16 safetensors)" % (
-            transformers.__version__, torch.__version__),
-        "model": "tests/golden/tiny-llama3.toml, seed 0",
+        "reference": "HF transformers %s, torch %s, float32 eager on %s, HF folder (bf16 safetensors)" % (
+            transformers.__version__, torch.__version__, device),
+        "model": {k: cfg_json.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                "num_key_value_heads", "head_dim", "vocab_size",
+                                                "rope_scaling", "tie_word_embeddings")},
         "safetensors_sha256": sha,
         "prompt": PROMPT,
         "continuation": CONTINUATION,
@@ -73,10 +97,10 @@ def main():
         "decode_tokens": [int(i) for i in cont],
         "top20": top,
         "logit_std": float(checked.std()),
-        "last_row_file": "tiny_llama3_hf_last.f32",
+        "last_row_file": os.path.basename(last_path),
     }
-    if len(sys.argv) > 2:
-        g = os.path.abspath(sys.argv[2])
+    if len(argv) > 1:
+        g = os.path.abspath(argv[1])
         gm = AutoModelForCausalLM.from_pretrained(os.path.dirname(g), gguf_file=os.path.basename(g),
                                                   torch_dtype=torch.float32,
                                                   attn_implementation="eager")
@@ -97,9 +121,9 @@ def main():
         with torch.no_grad():
             ul = um(torch.tensor([ids])).logits[0].float().numpy()
         out["gguf_via_transformers_vs_unscaled_folder_max_abs_diff"] = float(np.abs(gl - ul).max())
-    with open(os.path.join(here, "tiny_llama3_hf.json"), "w") as fh:
+    with open(json_path, "w") as fh:
         json.dump(out, fh, indent=None)
-    checked[-1].astype("<f4").tofile(os.path.join(here, "tiny_llama3_hf_last.f32"))
+    checked[-1].astype("<f4").tofile(last_path)
     print("prompt tokens", len(prompt), "decode tokens", len(cont))
     print("logit std", checked.std(), "argmax", [int(np.argmax(r)) for r in checked])
     for k in ("gguf_via_transformers_max_abs_diff", "gguf_via_transformers_same_argmax",

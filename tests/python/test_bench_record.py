@@ -80,16 +80,18 @@ def test_bench_record_runs_the_peer_in_the_same_run(tmp_path):
     xtask = REPO / "target/release/xtask"
     args = [str(xtask), "bench-record", binary, "--model", model, "--reps", "2", "--gen-tokens", "16",
             "--prompt-tokens", "64", "--stream-prompt-tokens", "32", "--concurrency", "1,4",
-            "--peer", os.path.dirname(llama_bench), "--peer-args", "-t 2", "--out", str(tmp_path)]
+            "--peer", os.path.dirname(llama_bench), "--peer-args", "-t 2", "--peer-source", "test build",
+            "--out", str(tmp_path)]
     p = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr
     rec = json.loads(next(tmp_path.glob("*.json")).read_text())
     peer = rec["peer"]
-    assert peer["name"] == "llama.cpp" and peer["build"]["commit"], peer
+    assert peer["name"] == "llama.cpp" and peer["build"]["commit"] and peer["source"] == "test build", peer
     tests = {(r["n_prompt"], r["n_gen"]) for r in peer["llama_bench"]["results"]}
     assert tests == {(64, 0), (0, 16)}, tests
     assert [r["b"] for r in peer["batched_bench"]["rows"]] == [1, 4]
     assert peer["ratios"]["decode_vs_tg"] > 0 and peer["ratios"]["prefill_vs_pp"] > 0
     assert [c["concurrency"] for c in peer["ratios"]["concurrent_vs_batched_s_tg"]] == [1, 4]
+    assert all(c["peer_s_tg"] > 0 and c["ratio"] > 0 for c in peer["ratios"]["concurrent_vs_batched_s_tg"])
     assert pathlib.Path(model).name in peer["llama_bench"]["args"]
     assert str(os.path.dirname(os.path.abspath(model))) not in json.dumps(peer)

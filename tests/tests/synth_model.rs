@@ -226,3 +226,40 @@ fn gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     // the weights' spread) through 2 layers, the 8-bit LM head ~0.4%; measured ~0.1
     assert!(rel <= 0.25, "q4_1 logits are {rel} (relative L2) from bf16");
 }
+
+/// `--format vocab` writes the padded tokenizer alone (a vocab-only GGUF, ~4 MB for 128k tokens):
+/// a checkpoint made with it as `--tokenizer` is byte for byte the one made from the default model.
+#[test]
+fn a_vocab_only_gguf_stands_in_for_the_default_model() {
+    let Some(f) = files() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let toml = repo().join("tests/golden/tiny-llama3.toml");
+    let (vocab, again) = (dir.path().join("vocab.gguf"), dir.path().join("again.gguf"));
+    let tok = std::env::var("METRALE_MODEL").unwrap();
+    let t = toml.to_str().unwrap();
+    let out = run_xtask(&[
+        "synth-model",
+        t,
+        "--tokenizer",
+        &tok,
+        "--format",
+        "vocab",
+        "--out",
+        vocab.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    assert!(std::fs::metadata(&vocab).unwrap().len() < 8 << 20);
+    let out = run_xtask(&[
+        "synth-model",
+        t,
+        "--tokenizer",
+        vocab.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    assert!(
+        std::fs::read(&again).unwrap() == std::fs::read(&f.bf16).unwrap(),
+        "the GGUF made from the vocab file differs"
+    );
+}

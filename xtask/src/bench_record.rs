@@ -78,6 +78,10 @@ pub struct Args {
     /// Extra arguments for both peer benchmarks (e.g. "-t 16"); the defaults are `-ngl 99 -fa 1`.
     #[arg(long, allow_hyphen_values = true)]
     pub peer_args: Option<String>,
+    /// Where the peer's build came from, recorded as given (its binaries may not know their commit,
+    /// e.g. "llama.cpp vendored in llama-cpp-python 0.3.36 (ggml 0.25.3)").
+    #[arg(long)]
+    pub peer_source: Option<String>,
     /// Measured memory bandwidth in GB/s: adds the batch-1 decode floor (weight bytes / bandwidth).
     #[arg(long)]
     pub memory_bandwidth_gbs: Option<f64>,
@@ -516,6 +520,7 @@ fn run_peer(
     Ok(json!({
         "name": "llama.cpp",
         "build": build,
+        "source": args.peer_source,
         "model": {"file": file_name(gguf)},
         "llama_bench": {"args": shown(&bench_args), "results": rows.iter().map(|r| json!({
             "n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"],
@@ -548,10 +553,15 @@ fn parse_batched(text: &str) -> Vec<Value> {
                 .collect::<Result<_, _>>()
                 .ok()?;
             (cells.len() == KEYS.len()).then(|| {
+                // the first four columns are counts
                 let m: serde_json::Map<String, Value> = KEYS
                     .iter()
                     .zip(&cells)
-                    .map(|(k, v)| (k.to_string(), json!(v)))
+                    .enumerate()
+                    .map(|(i, (k, &v))| {
+                        let v = if i < 4 { json!(v as u64) } else { json!(v) };
+                        (k.to_string(), v)
+                    })
                     .collect();
                 Value::Object(m)
             })
@@ -822,7 +832,7 @@ mod tests {
         let text = "main: n_kv_max = 4096\n\n|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n|   128 |    128 |    1 |    256 |    0.011 | 11636.36 |    0.291 |   439.86 |    0.302 |   847.68 |\n|   128 |    128 |   16 |   4096 |    0.120 | 17066.67 |    1.000 |  2048.00 |    1.120 |  3657.14 |\n";
         let rows = super::parse_batched(text);
         assert_eq!(rows.len(), 2);
-        assert_eq!(rows[1]["b"], 16.0);
+        assert_eq!(rows[1]["b"].as_u64(), Some(16));
         assert_eq!(rows[0]["s_tg"], 439.86);
     }
 

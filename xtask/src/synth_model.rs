@@ -41,6 +41,9 @@ pub enum Format {
     Gguf,
     /// An HF folder: config.json, model.safetensors (bf16), tokenizer.json, tokenizer_config.json.
     Hf,
+    /// A vocab-only GGUF (as llama.cpp's `ggml-vocab-*.gguf`): the padded tokenizer and chat
+    /// template, no tensors; what `--tokenizer` reads, small enough to carry.
+    Vocab,
 }
 
 #[derive(clap::Args)]
@@ -111,7 +114,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let (wt, et) = match (args.quant.as_str(), args.format) {
         ("bf16", _) => (DType::BF16, DType::BF16),
-        ("q4_1", Format::Gguf) => (DType::Q4_1, DType::Q8_0),
+        ("q4_1", Format::Gguf | Format::Vocab) => (DType::Q4_1, DType::Q8_0),
         ("q4_1", Format::Hf) => {
             bail!("--format hf writes bf16 safetensors; q4_1 is a GGUF type (use --format gguf)")
         }
@@ -130,6 +133,18 @@ pub fn run(args: Args) -> Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
     let bytes = match args.format {
+        Format::Vocab => {
+            let mut meta = vec![(
+                "general.architecture".to_string(),
+                Value::String("llama".into()),
+            )];
+            meta.extend(tok_meta);
+            let l = gguf_writer::layout(&meta, &[]).map_err(anyhow::Error::msg)?;
+            std::fs::write(&args.out, &l.header)
+                .with_context(|| format!("writing {}", args.out.display()))?;
+            println!("{}", args.out.display());
+            return Ok(());
+        }
         Format::Gguf => write_gguf(&args, &shape, &tensors, tok_meta, threads)?,
         Format::Hf => write_hf(&args, &shape, &tensors, tok_meta, &tok_path, threads)?,
     };

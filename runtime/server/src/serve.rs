@@ -391,12 +391,13 @@ fn load(
     let backend = load_backend(target.as_ref(), &model, kv, cli)?;
     let info = backend.info();
     let kv_tokens = info.kv_blocks * KV_BLOCK;
+    let load_s = t.elapsed().as_secs_f64();
     eprintln!(
-        "  backend: {} on {}, weights {} [{:.1} s]",
+        "  backend: {} on {}, weights {} loaded in {load_s:.2} s ({:.1} GB/s: read, repacked, uploaded)",
         info.name,
         info.device,
         human_bytes(info.weight_bytes),
-        t.elapsed().as_secs_f64()
+        info.weight_bytes as f64 / 1e9 / load_s.max(1e-9),
     );
     eprintln!(
         "  KV cache: {} blocks of {KV_BLOCK} tokens = {kv_tokens} tokens, {} {}; holds {} sequences at the full \

@@ -1,0 +1,239 @@
+//! A backend's logits on a checkpoint against a golden made by an independent implementation
+//! (tests/golden/make_synth_golden_hf.py: HF transformers in f32 on the same files), and optionally
+//! against the CPU backend on the same file. Prints one JSON object; exits 1 when a bound is broken.
+//!
+//! The golden holds a prompt (>= 100 token ids), 16 teacher-forced decode tokens, the reference's
+//! top-20 (id, logit) at the prompt's last position and at each decode position, and the full last
+//! row (`last_row_file`, little-endian f32, next to the golden). This tool prefills the prompt in one
+//! step, then feeds each decode token alone (the decode path), and compares: the top-1 token at every
+//! checked position, max |logit - reference| over the reference's top-20 of each and over the full
+//! last row.
+//!
+//! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact]
+//!                     [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu]
+//! - default backend: cpu (`--kv`: its KV cache type, default f32; `--exact`: f32 activations);
+//! - `--cuda`: the CUDA backend with a target's kernels (its KV type is the target's); reads
+//!   METRALE_TARGETS (the targets/ folder, default `targets`); needs the `cuda` feature;
+//! - `--vs-cpu`: also run the CPU backend (with the same KV type) and report the largest difference
+//!   between the two backends' logit rows and whether their greedy tokens agree.
+
+use metrale_backend::sampler::SamplingParams;
+use metrale_backend::{Backend, KvConfig, KvDtype, SeqStep};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of token ids")
+        .iter()
+        .map(|x| x.as_u64().expect("a token id") as u32)
+        .collect()
+}
+
+/// Logits rows: the prompt's last position, then each teacher-forced decode position.
+fn run(b: &mut dyn Backend, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
+    let cap = b.info().slot_capacity;
+    let table = metrale_backend::slot_blocks(0, cap);
+    let p = SamplingParams::default();
+    let mut hist = prompt.to_vec();
+    let mut rows = Vec::new();
+    let step = |b: &mut dyn Backend, start: usize, toks: &[u32], hist: &[u32]| {
+        let s = SeqStep {
+            slot: 0,
+            blocks: &table,
+            start_pos: start,
+            tokens: toks,
+            history: hist,
+            sampling: &p,
+            draw: 0,
+            want_logits: true,
+        };
+        b.step(&[s]).expect("step").pop().unwrap().logits.unwrap()
+    };
+    rows.push(step(b, 0, prompt, &hist));
+    for (i, &t) in decode.iter().enumerate() {
+        hist.push(t);
+        rows.push(step(b, prompt.len() + i, &[t], &hist));
+    }
+    rows
+}
+
+fn argmax(r: &[f32]) -> usize {
+    metrale_backend::cpu::ops::argmax(r)
+}
+
+fn cpu_backend(m: &metrale_model::Model, kv: KvDtype, exact: bool, cap: usize) -> Box<dyn Backend> {
+    let mut b = metrale_backend::cpu::CpuBackend::load_kv(
+        m,
+        KvConfig {
+            dtype: kv,
+            ..KvConfig::per_slot(1, cap)
+        },
+        0,
+    )
+    .expect("cpu backend");
+    b.set_exact_activations(exact);
+    Box::new(b)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    m: &metrale_model::Model,
+    dir: &str,
+    target: &str,
+    cap: usize,
+) -> (Box<dyn Backend>, KvDtype) {
+    use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
+    use metrale_core::target::{TargetId, TargetSpec};
+    let p: Vec<&str> = target.split('/').collect();
+    let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
+    let spec =
+        TargetSpec::load(Path::new(&root), &TargetId::new(p[0], p[1], p[2])).expect("target");
+    let kv = spec.quant.kv_dtype();
+    let set = KernelSet::from_dir(Path::new(dir), &spec).expect("kernels");
+    let b = CudaBackend::new(
+        &set,
+        &m.config,
+        &m.weights,
+        CudaOptions {
+            slots: 1,
+            slot_capacity: cap,
+            kv_blocks: metrale_backend::blocks_for(cap),
+            ..Default::default()
+        },
+    )
+    .expect("cuda backend");
+    (Box::new(b), kv)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(
+    _: &metrale_model::Model,
+    _: &str,
+    _: &str,
+    _: usize,
+) -> (Box<dyn Backend>, KvDtype) {
+    eprintln!("--cuda needs this example built with --features cuda");
+    std::process::exit(2)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        eprintln!("usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu]");
+        std::process::exit(2);
+    }
+    let model_path = PathBuf::from(&args[1]);
+    let golden_path = PathBuf::from(&args[2]);
+    let tol: f32 = opt(&args, "--tol").map_or(1e-3, |t| t.parse().expect("--tol number"));
+    let exact = args.iter().any(|a| a == "--exact");
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(&golden_path).expect("read golden"))
+            .expect("golden JSON");
+    let prompt = ids(&g["prompt_tokens"]);
+    let decode = ids(&g["decode_tokens"]);
+    let last_file = golden_path
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join(g["last_row_file"].as_str().expect("last_row_file"));
+    let last_ref: Vec<f32> = std::fs::read(&last_file)
+        .expect("read the golden's last row")
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let m = metrale_model::Model::load(&model_path).expect("model");
+    let load_s = t0.elapsed().as_secs_f64();
+    let cap = (prompt.len() + decode.len() + 16).next_multiple_of(16);
+    let idx = args.iter().position(|a| a == "--cuda");
+    let (mut b, kv) = match idx {
+        Some(i) => cuda_backend(&m, &args[i + 1], &args[i + 2], cap),
+        None => {
+            let kv = match opt(&args, "--kv") {
+                Some(k) => KvDtype::parse(k).expect("--kv f32 or bf16"),
+                None => KvDtype::F32,
+            };
+            (cpu_backend(&m, kv, exact, cap), kv)
+        }
+    };
+    let info = b.info();
+    let t1 = std::time::Instant::now();
+    let rows = run(b.as_mut(), &prompt, &decode);
+    let run_s = t1.elapsed().as_secs_f64();
+    let tops = g["top20"].as_array().expect("top20");
+    let mut worst_top20 = 0f32;
+    let mut top1_agree = 0;
+    let mut top1_margin_min = f32::INFINITY;
+    for (row, top) in rows.iter().zip(tops) {
+        let top = top.as_array().unwrap();
+        let ref_top1 = top[0][0].as_u64().unwrap() as usize;
+        if argmax(row) == ref_top1 {
+            top1_agree += 1;
+        }
+        let l0 = top[0][1].as_f64().unwrap() as f32;
+        let l1 = top[1][1].as_f64().unwrap() as f32;
+        top1_margin_min = top1_margin_min.min(l0 - l1);
+        for e in top {
+            let (id, l) = (
+                e[0].as_u64().unwrap() as usize,
+                e[1].as_f64().unwrap() as f32,
+            );
+            worst_top20 = worst_top20.max((row[id] - l).abs());
+        }
+    }
+    let worst_last = rows
+        .last()
+        .unwrap()
+        .iter()
+        .zip(&last_ref)
+        .map(|(a, r)| (a - r).abs())
+        .fold(0f32, f32::max);
+    let mut out = json!({
+        "model": model_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "golden": golden_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "reference": g["reference"],
+        "backend": info.name,
+        "device": info.device,
+        "kv_dtype": kv.name(),
+        "exact_activations": exact,
+        "prompt_tokens": prompt.len(),
+        "decode_steps": decode.len(),
+        "positions_checked": rows.len(),
+        "top1_agree": top1_agree,
+        "reference_min_top1_margin": top1_margin_min,
+        "max_abs_diff_top20": worst_top20,
+        "max_abs_diff_last_row": worst_last,
+        "tolerance": tol,
+        "load_s": load_s,
+        "run_s": run_s,
+    });
+    let mut ok = worst_top20 <= tol && worst_last <= tol && top1_agree == rows.len();
+    if args.iter().any(|a| a == "--vs-cpu") && idx.is_some() {
+        let mut c = cpu_backend(&m, kv, true, cap);
+        let crows = run(c.as_mut(), &prompt, &decode);
+        let diff = rows
+            .iter()
+            .zip(&crows)
+            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+            .fold(0f32, f32::max);
+        let same = rows
+            .iter()
+            .zip(&crows)
+            .filter(|(a, b)| argmax(a) == argmax(b))
+            .count();
+        out["vs_cpu"] = json!({"max_abs_diff": diff, "top1_agree": same, "positions": rows.len()});
+        ok &= diff <= tol && same == rows.len();
+    }
+    out["pass"] = json!(ok);
+    println!("{}", serde_json::to_string(&out).unwrap());
+    if !ok {
+        std::process::exit(1);
+    }
+}
