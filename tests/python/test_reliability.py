@@ -483,3 +483,20 @@ def test_a_kv_pool_smaller_than_one_context_is_refused_at_start(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--kv-cache-tokens 100 cannot hold one sequence of the context (512 tokens)" in out.stderr, out.stderr
+
+
+def test_the_load_script_counts_every_outcome(tmp_path):
+    # bench/load/load.py (the GPU machine's 256/512-stream check) against a small pool: all 8 finish.
+    s = start_server(tmp_path / "log", ["--ctx-size", "256", "--parallel", "4", "--kv-cache-tokens", "512"])
+    try:
+        out = tmp_path / "load.json"
+        script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "load", "load.py")
+        p = subprocess.run(["python3", script, "--base", s.base, "--streams", "8", "--prompt-words", "40",
+                            "--max-tokens", "16", "--expect-all-ok", "--out", str(out)],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr
+        r = json.loads(out.read_text())
+        assert r["outcomes"] == {"ok": 8} and r["health_after"] == 200, r
+        assert r["output_tok_s"] > 0
+    finally:
+        stop_server(s.proc)

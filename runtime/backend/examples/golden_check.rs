@@ -10,12 +10,13 @@
 //! last row.
 //!
 //! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact]
-//!                     [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu]
+//!                     [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]
 //! - default backend: cpu (`--kv`: its KV cache type, default f32; `--exact`: f32 activations);
 //! - `--cuda`: the CUDA backend with a target's kernels (its KV type is the target's); reads
 //!   METRALE_TARGETS (the targets/ folder, default `targets`); needs the `cuda` feature;
-//! - `--vs-cpu`: also run the CPU backend (with the same KV type) and report the largest difference
-//!   between the two backends' logit rows and whether their greedy tokens agree.
+//! - `--vs-cpu`: also run the CPU backend (with the same KV type, f32 activations) and report the
+//!   largest difference between the two backends' logit rows and whether their greedy tokens agree
+//!   (bounded by `--cpu-tol`, default `--tol`).
 
 use metrale_backend::sampler::SamplingParams;
 use metrale_backend::{Backend, KvConfig, KvDtype, SeqStep};
@@ -229,7 +230,10 @@ fn main() {
             .filter(|(a, b)| argmax(a) == argmax(b))
             .count();
         out["vs_cpu"] = json!({"max_abs_diff": diff, "top1_agree": same, "positions": rows.len()});
-        ok &= diff <= tol && same == rows.len();
+        let cpu_tol: f32 =
+            opt(&args, "--cpu-tol").map_or(tol, |t| t.parse().expect("--cpu-tol number"));
+        out["vs_cpu"]["tolerance"] = json!(cpu_tol);
+        ok &= diff <= cpu_tol && same == rows.len();
     }
     out["pass"] = json!(ok);
     println!("{}", serde_json::to_string(&out).unwrap());

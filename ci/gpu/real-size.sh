@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The real-size checks on the H200 machine (the llama-3.1-8b targets on synthetic checkpoints made
+# there), in four calls made back to back (the machine keeps ~/ while warm: ~30 s between calls).
+# ci/gpu/README.md ("Real-size checks") says what each call carries, runs and predicts.
+#
+#   bash ci/gpu/real-size.sh prepare MODEL.gguf   CPU machine: build and pack .real1/, .real2/ (and
+#                                                 .carry1/, .carry2/: the default model's halves, and
+#                                                 .peer/: llama.cpp's source)
+#   bash ci/gpu/real-size.sh call1   carry .real1 .peer    unpack; llama.cpp's build in the background;
+#                                    load check and per-kernel tests of the three h200 targets; make the
+#                                    8B checkpoints
+#   bash ci/gpu/real-size.sh call2   carry .real2 .carry1  HF goldens (2 and 32 layers, f32 on the GPU);
+#                                    CUDA against them (and against the CPU on 2 layers); the 8B bf16
+#                                    server under 256 and 512 streams
+#   bash ci/gpu/real-size.sh call3   carry .carry2         the SmolLM2 regression tests (cuda_model,
+#                                    contract: paging); bench-record with llama.cpp for
+#                                    h200/llama-3.1-8b/bf16
+#   bash ci/gpu/real-size.sh call4   (carry nothing)       bench-record with llama.cpp for
+#                                    h200/llama-3.1-8b/q4_1 and h200/smollm2-135m/q4_1
+# Each call leaves $OUT/<call>.tgz (its results folder).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+H=$HOME
+R=$H/results
+SRC="llama.cpp vendored in llama-cpp-python 0.3.36 (ggml 0.25.3), CUDA sm_90 build (ci/gpu/llamacpp.sh)"
+T8=h200/llama-3.1-8b
+step() { echo "== $(date +%T) $*" | tee -a "$R/steps.txt"; }
+finish() { tar czf "$OUT/$1.tgz" -C "$H" results; }
+
+case "${1:-}" in
+prepare)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/real-size.sh prepare MODEL.gguf" >&2; exit 2; }
+  rm -rf .real1 .real2 && mkdir -p .real1/bin .real1/k .real2/srv .carry1 .carry2
+  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
+    m=${t%/*} q=${t#*/}
+    cargo xtask build-target --hw h200 --model "$m" --quant "$q" --kernels-only --out ".real1/k/h200-$m-$q" 2>&1 | tail -1
+    cargo xtask build-target --hw h200 --model "$m" --quant "$q" --out ".real2/srv/h200-$m-$q" 2>&1 | tail -1
+    rm -rf ".real2/srv/h200-$m-$q/kernels"
+  done
+  exe() { cargo "$@" --release -p metrale-backend --features cuda --message-format=json 2>/dev/null \
+    | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
+  for t in cuda_kernels cuda_model contract; do cp "$(exe test --no-run --test $t)" .real1/bin/$t; done
+  for e in cuda_load_check cuda_bench golden_check; do cp "$(exe build --example $e)" .real1/bin/$e; done
+  cp "$(cargo build --release -p xtask --message-format=json 2>/dev/null | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1)" .real1/bin/xtask
+  strip .real1/bin/*
+  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .real1/vocab-8b.gguf >/dev/null
+  tar cJf .real1/bin.tar.xz -C .real1 bin k vocab-8b.gguf && rm -rf .real1/bin .real1/k .real1/vocab-8b.gguf
+  tar cJf .real2/srv.tar.xz -C .real2 srv && rm -rf .real2/srv
+  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
+  head -c 40000000 "$model" > .carry1/part.aa
+  tail -c +40000001 "$model" > .carry2/part.ab
+  sha256sum "$model" | cut -d' ' -f1 > .carry2/model.sha256
+  for c in ".real1 .peer" ".real2 .carry1" ".carry2"; do
+    echo "carry $c: $(du -cb $c | tail -1 | cut -f1) bytes (at most 67108864)"
+  done
+  ;;
+call1)
+  rm -rf "$R" "$H/b" && mkdir -p "$R" "$H/b" "$H/s"
+  tar xJf .real1/bin.tar.xz -C "$H/b"
+  step "llama.cpp build (background)"
+  bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  step "load check"
+  "$H/b/bin/cuda_load_check" "$H"/b/k/h200-*/kernels > "$R/load-check.txt" 2>&1; echo "rc=$?" | tee -a "$R/load-check.txt"
+  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
+    step "cuda_kernels h200/$t"
+    f=$R/kernel-tests-${t//\//-}.txt
+    METRALE_CUDA_TARGET=h200/$t METRALE_CUDA_KERNELS=$H/b/k/h200-${t//\//-}/kernels \
+      timeout 240 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
+    echo "cuda_kernels h200/$t rc=$?" | tee -a "$f"; grep -E "test result|panicked" "$f"
+  done
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 GGUF (the issue: under a minute on 16 cores)"
+  { time $X --out "$H/s/l8b-bf16.gguf" ; } > "$R/synth-bf16.txt" 2>&1; grep -E "synth-model|real" "$R/synth-bf16.txt"
+  step "synth-model: 8B q4_1 GGUF, 8B HF folder, 2-layer HF folder and bf16 GGUF"
+  $X --quant q4_1 --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --format hf --out "$H/s/l8b-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --layers 2 --format hf --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --layers 2 --out "$H/s/l8b2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  df -h "$H" | tail -1 | tee -a "$R/synth.txt"
+  finish call1
+  ;;
+call2)
+  mkdir -p "$R" && cp .carry1/part.aa "$H/b/" && tar xJf .real2/srv.tar.xz -C "$H/b"
+  G=tests/golden/make_synth_golden_hf.py
+  step "HF goldens (f32 on the GPU): 2 layers, then 32"
+  python3 $G "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1; tail -2 "$R/golden2.txt"
+  python3 $G "$H/s/l8b-hf" --device cuda --out "$R/l8b_golden" > "$R/golden32.txt" 2>&1; tail -2 "$R/golden32.txt"
+  export METRALE_TARGETS=$PWD/targets
+  C="$H/b/bin/golden_check"
+  step "CUDA vs HF and vs CPU: 2 layers (bf16 KV)"
+  $C "$H/s/l8b2-hf" "$R/l8b2_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --vs-cpu --tol 0.05 | tee "$R/check-2l-hf.json"
+  $C "$H/s/l8b2-bf16.gguf" "$R/l8b2_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --vs-cpu --tol 0.05 | tee "$R/check-2l-gguf.json"
+  step "CUDA vs HF: 32 layers bf16 (GGUF and HF folder), q4_1 (quantised: reported, bound loose)"
+  $C "$H/s/l8b-bf16.gguf" "$R/l8b_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --tol 0.1 | tee "$R/check-32l-gguf.json"
+  $C "$H/s/l8b-hf" "$R/l8b_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --tol 0.1 | tee "$R/check-32l-hf.json"
+  $C "$H/s/l8b-q4_1.gguf" "$R/l8b_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --tol 100 \
+    --vs-cpu --cpu-tol 0.1 | tee "$R/check-32l-q4_1.json"
+  S="$H/b/srv/h200-llama-3.1-8b-bf16/metrale-server"
+  step "8B bf16 server: 256 streams (>= 128 prompt tokens, 256 generated each), all must finish"
+  "$S" --model "$H/s/l8b-bf16.gguf" --port 8091 --parallel 256 --ctx-size 4096 > "$R/serve-256.log" 2>&1 &
+  SP=$!
+  for i in $(seq 600); do curl -sf localhost:8091/health >/dev/null && break; sleep 0.2; done
+  grep -E "backend:|KV cache|ready in" "$R/serve-256.log"
+  python3 bench/load/load.py --base http://127.0.0.1:8091 --streams 256 --prompt-words 140 --max-tokens 256 \
+    --expect-all-ok --out "$R/load-256.json" | tail -12; echo "load-256 rc=$?"
+  curl -s localhost:8091/metrics | grep -E "^vllm:(num_preemptions|kv_cache_usage|request_success)" | tee "$R/metrics-256.txt"
+  kill $SP; wait $SP
+  step "8B bf16 server: 512 streams into 256 slots and a pool of 64k tokens (cannot all fit): finish or 429/503"
+  "$S" --model "$H/s/l8b-bf16.gguf" --port 8092 --parallel 256 --ctx-size 4096 --kv-cache-tokens 65536 > "$R/serve-512.log" 2>&1 &
+  SP=$!
+  for i in $(seq 600); do curl -sf localhost:8092/health >/dev/null && break; sleep 0.2; done
+  python3 bench/load/load.py --base http://127.0.0.1:8092 --streams 512 --prompt-words 140 --max-tokens 256 \
+    --out "$R/load-512.json" | tail -12; echo "load-512 rc=$?"
+  curl -s localhost:8092/metrics | grep -E "^vllm:(num_preemptions|request_success)|rejected" | tee "$R/metrics-512.txt"
+  kill $SP; wait $SP
+  finish call2
+  ;;
+call3)
+  mkdir -p "$R"
+  cat "$H/b/part.aa" .carry2/part.ab > "$H/s/smollm2.gguf"
+  echo "$(cat .carry2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c | tee "$R/model-sha256.txt" || exit 1
+  export METRALE_MODEL=$H/s/smollm2.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels
+  export METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets
+  step "SmolLM2 regression: cuda_model and the contract on the paged cache"
+  timeout 300 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
+  timeout 120 "$H/b/bin/contract" --nocapture --test-threads=1 > "$R/contract.txt" 2>&1; echo "contract rc=$?" | tee -a "$R/contract.txt"
+  grep -E "test result|panicked" "$R/model-test.txt" "$R/contract.txt"
+  step "llama.cpp build (started by call1) done?"
+  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  cat "$H/llamacpp/build.done"
+  step "bench-record h200/llama-3.1-8b/bf16 with llama.cpp"
+  "$H/b/bin/xtask" bench-record "$H/b/srv/h200-llama-3.1-8b-bf16/metrale-server" --model "$H/s/l8b-bf16.gguf" \
+    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size 4096" \
+    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
+    > "$R/record-8b-bf16.log" 2>&1; tail -3 "$R/record-8b-bf16.log"
+  finish call3
+  ;;
+call4)
+  mkdir -p "$R"
+  step "bench-record h200/llama-3.1-8b/q4_1 with llama.cpp"
+  "$H/b/bin/xtask" bench-record "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" --model "$H/s/l8b-q4_1.gguf" \
+    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size 4096" \
+    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
+    > "$R/record-8b-q4_1.log" 2>&1; tail -3 "$R/record-8b-q4_1.log"
+  step "bench-record h200/smollm2-135m/q4_1 with llama.cpp"
+  "$H/b/bin/xtask" bench-record "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" --model "$H/s/smollm2.gguf" \
+    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size 2048" \
+    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
+    > "$R/record-smollm2.log" 2>&1; tail -3 "$R/record-smollm2.log"
+  finish call4
+  ;;
+*)
+  sed -n 2,24p "$0"; exit 2 ;;
+esac
