@@ -63,6 +63,30 @@ pub struct GenerateRequest {
     /// Token ids that end generation (EOS and the like). Ignored when `ignore_eos`.
     pub stop_tokens: Vec<u32>,
     pub ignore_eos: bool,
+    /// What the engine and the caller share while the request runs (`RequestLink`).
+    pub link: Arc<RequestLink>,
+}
+
+/// What the engine and the caller share about one running request, besides its events: the
+/// prompt tokens the prefix cache served (set at admission, readable before `Done`), and whether
+/// the caller ended it on a stop string (then the dropped receiver counts as a `stop`, not an
+/// abort, in the metrics).
+#[derive(Debug, Default)]
+pub struct RequestLink {
+    cached_tokens: AtomicUsize,
+    stop_string: std::sync::atomic::AtomicBool,
+}
+
+impl RequestLink {
+    /// Prompt tokens whose KV entries came from the prefix cache (0 until admitted).
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Say that the caller ended the request on a stop string; then drop its receiver.
+    pub fn end_on_stop_string(&self) {
+        self.stop_string.store(true, Ordering::Release);
+    }
 }
 
 /// Why a sequence ended.
@@ -479,6 +503,10 @@ impl Loop {
             }
             if fresh {
                 seq.reused = seq.cached;
+                seq.req
+                    .link
+                    .cached_tokens
+                    .store(seq.cached, Ordering::Relaxed);
                 self.admitted(1);
                 self.m.prompt_tokens_total += seq.cached as u64;
                 self.m.prefix_cache_queries_total += end as u64;
@@ -766,6 +794,8 @@ impl Loop {
                     cached_tokens: s.reused,
                 }),
             ),
+            // the caller's receiver is gone: a stop string it matched, or a cancellation
+            End::Abort if s.req.link.stop_string.load(Ordering::Acquire) => (0, None),
             End::Abort => (2, None),
             End::Error(msg) => (3, Some(Event::Error(msg))),
         };

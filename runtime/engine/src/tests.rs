@@ -36,6 +36,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         sampling: SamplingParams::default(),
         stop_tokens: vec![],
         ignore_eos: false,
+        link: Default::default(),
     }
 }
 
@@ -123,6 +124,19 @@ fn dropping_the_receiver_cancels_and_frees_the_slot() {
     // The only slot must come free for the next request.
     let (ids, done) = collect(e.submit(req(vec![4, 5], 3)).unwrap());
     assert_eq!(ids.len(), 3);
+    // a caller that ended its request on a stop string: counted as stop, not abort
+    let r = GenerateRequest {
+        ignore_eos: true,
+        ..req(vec![6, 7, 8], 500)
+    };
+    let link = r.link.clone();
+    let mut rx = e.submit(r).unwrap();
+    assert!(matches!(rx.blocking_recv(), Some(Event::Token { .. })));
+    link.end_on_stop_string();
+    drop(rx);
+    let _ = collect(e.submit(req(vec![4], 1)).unwrap());
+    let m = e.metrics();
+    assert_eq!(m.request_success_total[0].1, 1, "{m:?}");
     assert!(matches!(
         done,
         Event::Done {

@@ -44,6 +44,7 @@ fn concurrent_chats_on_the_real_model() {
                 sampling: SamplingParams::default(),
                 stop_tokens: m.config.eos.clone(),
                 ignore_eos: false,
+                link: Default::default(),
             }
         })
         .collect();

@@ -49,9 +49,29 @@ pub struct Cli {
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
 
-    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize; several keys are
+    /// separated by commas (any one is accepted).
     #[arg(long, env = "METRALE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+
+    /// A file of API keys, one per line (blank lines and lines starting with # are skipped); with
+    /// --api-key, the keys of both are accepted.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+
+    /// Origins allowed to call the API from a browser (CORS), comma-separated, or `*` for any;
+    /// preflight requests are answered. Default: none (no CORS headers).
+    #[arg(long, value_delimiter = ',')]
+    pub cors_origins: Vec<String>,
+
+    /// Seconds of silence after which a stream sends an SSE comment (`: keep-alive`), so that
+    /// proxies and clients do not time out during a long prefill or queue wait (0: never).
+    #[arg(long, default_value_t = 10)]
+    pub sse_keepalive: u64,
+
+    /// The per-request log line on stderr: text, or one JSON object per line.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 
     /// The model name clients see (default: the model's own name).
     #[arg(short = 'a', long, visible_alias = "served-model-name")]
@@ -131,8 +151,14 @@ pub fn check(cli: &Cli) -> anyhow::Result<()> {
     if cli.client_timeout == 0 {
         anyhow::bail!("--client-timeout must be at least 1 second (got 0)");
     }
-    if cli.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
-        anyhow::bail!("--api-key is empty; give a non-empty key or leave the flag out");
+    if cli
+        .api_key
+        .as_deref()
+        .is_some_and(|k| k.split(',').any(|k| k.trim().is_empty()))
+    {
+        anyhow::bail!(
+            "--api-key has an empty key; give non-empty keys separated by commas, or leave the flag out"
+        );
     }
     if let Some(m) = &cli.model {
         if !m.exists() {
@@ -191,4 +217,41 @@ mod tests {
             Cli::try_parse_from(["metrale-server", "--model", "/", "--port", "99999"]).is_err()
         );
     }
+}
+
+/// How the per-request log line is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Every API key the server accepts: `--api-key` (comma-separated) and `--api-key-file` (one per
+/// line; blank lines and `#` comments skipped). An empty list means no key is required; a key file
+/// that holds no key is an error (it would silently open the server).
+pub fn api_keys(cli: &Cli) -> anyhow::Result<Vec<String>> {
+    let mut keys: Vec<String> = cli
+        .api_key
+        .iter()
+        .flat_map(|k| k.split(','))
+        .map(|k| k.trim().to_string())
+        .collect();
+    if let Some(p) = &cli.api_key_file {
+        let text = metrale_model::files::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("reading --api-key-file {}: {e}", p.display()))?;
+        let before = keys.len();
+        keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(String::from),
+        );
+        if keys.len() == before {
+            anyhow::bail!(
+                "--api-key-file {} holds no key (one per line); add keys or leave the flag out",
+                p.display()
+            );
+        }
+    }
+    Ok(keys)
 }

@@ -28,6 +28,79 @@ use crate::sse::{self, Header, Kind, TokenLogprob, Usage};
 use crate::state::{Served, Ticket};
 use crate::textstream::TextStreamer;
 
+/// The one line a request leaves on stderr when it ends (`--log-format text|json`): its id, the
+/// tokens in (and from the prefix cache) and out, time to the first token and in all (from the
+/// start of generation), each choice's finish reason, and how it ended: `ok`, `error`, or
+/// `cancelled` (the client went away: written when the response is dropped).
+struct RequestLog {
+    id: String,
+    kind: Kind,
+    json: bool,
+    started: std::time::Instant,
+    first_token: Option<std::time::Duration>,
+    usage: Usage,
+    finish: Vec<&'static str>,
+    written: bool,
+}
+
+impl RequestLog {
+    fn new(header: &Header, json: bool, n: usize) -> RequestLog {
+        RequestLog {
+            id: header.id.clone(),
+            kind: header.kind,
+            json,
+            started: std::time::Instant::now(),
+            first_token: None,
+            usage: Usage::default(),
+            finish: vec![""; n],
+            written: false,
+        }
+    }
+
+    fn token(&mut self) {
+        self.first_token
+            .get_or_insert_with(|| self.started.elapsed());
+    }
+
+    fn end(&mut self, outcome: &str) {
+        if std::mem::replace(&mut self.written, true) {
+            return;
+        }
+        let total = self.started.elapsed().as_secs_f64();
+        let ttft = self.first_token.map(|d| d.as_secs_f64());
+        let u = self.usage;
+        let kind = match self.kind {
+            Kind::Chat => "chat",
+            Kind::Completion => "completion",
+        };
+        if self.json {
+            let line = serde_json::json!({
+                "event": "request", "id": self.id, "kind": kind, "outcome": outcome,
+                "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+                "completion_tokens": u.completion_tokens, "ttft_s": ttft, "duration_s": total,
+                "finish_reasons": self.finish,
+            });
+            eprintln!("{line}");
+        } else {
+            eprintln!(
+                "request {} {kind} {outcome}: prompt {} (cached {}), completion {}, ttft {}, total {total:.3} s, finish {}",
+                self.id,
+                u.prompt_tokens,
+                u.cached_tokens,
+                u.completion_tokens,
+                ttft.map_or("-".into(), |t| format!("{t:.3} s")),
+                self.finish.join(",")
+            );
+        }
+    }
+}
+
+impl Drop for RequestLog {
+    fn drop(&mut self) {
+        self.end("cancelled");
+    }
+}
+
 /// Map an engine refusal to the client-facing error.
 pub fn submit_error(e: SubmitError) -> ApiError {
     match e {
@@ -64,6 +137,8 @@ enum ChoiceOut {
         logprobs: Vec<TokenLogprob>,
         reason: &'static str,
         completion_tokens: usize,
+        /// Prompt tokens the prefix cache served this choice.
+        cached_tokens: usize,
     },
     Error {
         error: ApiError,
@@ -81,6 +156,7 @@ struct Choice {
     ignore_eos: bool,
     tokens: usize,
     pending_logprobs: Vec<TokenLogprob>,
+    link: Arc<metrale_engine::RequestLink>,
 }
 
 impl Choice {
@@ -132,13 +208,17 @@ impl Choice {
                     };
                     let r = self.streamer.push(&bytes);
                     if r.stopped {
-                        self.rx = None; // cancels the rest of this sequence
+                        // a stop string: the engine counts it as a stop, then the dropped
+                        // receiver cancels the rest of this sequence
+                        self.link.end_on_stop_string();
+                        self.rx = None;
                         return Some(ChoiceOut::Finish {
                             index,
                             text: r.text,
                             logprobs: std::mem::take(&mut self.pending_logprobs),
                             reason: "stop",
                             completion_tokens: self.tokens,
+                            cached_tokens: self.link.cached_tokens(),
                         });
                     }
                     if !r.text.is_empty() {
@@ -152,6 +232,7 @@ impl Choice {
                 Some(Event::Done {
                     reason,
                     completion_tokens,
+                    cached_tokens,
                     ..
                 }) => {
                     self.rx = None;
@@ -164,6 +245,7 @@ impl Choice {
                             FinishReason::Length => "length",
                         },
                         completion_tokens: completion_tokens.max(self.tokens),
+                        cached_tokens,
                     });
                 }
                 Some(Event::Error(m)) => {
@@ -234,12 +316,14 @@ fn start(
         for j in 0..p.n {
             let mut sampling = p.sampling.clone();
             sampling.seed = sampling.seed.wrapping_add(j as u64);
+            let link = Arc::new(metrale_engine::RequestLink::default());
             let req = GenerateRequest {
                 prompt: prompt.clone(),
                 max_tokens,
                 sampling,
                 stop_tokens: served.stop_tokens.clone(),
                 ignore_eos: p.ignore_eos,
+                link: link.clone(),
             };
             let rx = served.engine.submit(req).map_err(submit_error)?;
             all.push(
@@ -253,6 +337,7 @@ fn start(
                     ignore_eos: p.ignore_eos,
                     tokens: 0,
                     pending_logprobs: Vec::new(),
+                    link,
                 }
                 .into_stream(),
             );
@@ -307,12 +392,14 @@ pub async fn respond(
         include_usage: job.params.include_usage,
     };
     let n_choices = job.prompts.len() * job.params.n;
+    let mut log = RequestLog::new(&header, served.log_json, n_choices);
+    log.usage.prompt_tokens = prompt_tokens;
     if job.params.stream {
         Ok(stream_response(
             header,
             choices,
-            n_choices,
-            prompt_tokens,
+            (served.sse_keepalive, log),
+            (n_choices, job.params.n),
             job.params.logprobs.is_some(),
             ticket,
             abort,
@@ -323,7 +410,8 @@ pub async fn respond(
             r = whole_response(
                 header,
                 choices,
-                n_choices,
+                &mut log,
+                (n_choices, job.params.n),
                 prompt_tokens,
                 job.params.logprobs.is_some(),
                 ticket,
@@ -333,10 +421,12 @@ pub async fn respond(
     }
 }
 
+/// `(n, per_prompt)`: the choices in all, and per prompt.
 async fn whole_response(
     header: Header,
     mut choices: SelectAll<BoxStream<'static, ChoiceOut>>,
-    n: usize,
+    log: &mut RequestLog,
+    (n, per_prompt): (usize, usize),
     prompt_tokens: usize,
     logprobs: bool,
     mut ticket: Option<Ticket>,
@@ -345,8 +435,10 @@ async fn whole_response(
     let mut lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
     let mut finish = vec![String::from("stop"); n];
     let mut completion_tokens = 0;
+    let mut cached = 0;
     while let Some(out) = choices.next().await {
         drop(ticket.take()); // running now
+        log.token();
         match out {
             ChoiceOut::Delta {
                 index,
@@ -362,13 +454,21 @@ async fn whole_response(
                 logprobs: l,
                 reason,
                 completion_tokens: c,
+                cached_tokens,
             } => {
                 text[index].push_str(&t);
                 lps[index].extend(l);
                 finish[index] = reason.to_owned();
+                log.finish[index] = reason;
                 completion_tokens += c;
+                if index % per_prompt.max(1) == 0 {
+                    cached += cached_tokens;
+                }
             }
-            ChoiceOut::Error { error, .. } => return Err(error),
+            ChoiceOut::Error { error, .. } => {
+                log.end("error");
+                return Err(error);
+            }
         }
     }
     let out: Vec<(String, Option<Value>, String)> = text
@@ -383,13 +483,14 @@ async fn whole_response(
             )
         })
         .collect();
-    let body = header.full(
-        out,
-        Usage {
-            prompt_tokens,
-            completion_tokens,
-        },
-    );
+    let usage = Usage {
+        prompt_tokens,
+        completion_tokens,
+        cached_tokens: cached,
+    };
+    log.usage = usage;
+    log.end("ok");
+    let body = header.full(out, usage);
     Ok(axum::Json(body).into_response())
 }
 
@@ -401,6 +502,9 @@ struct StreamState {
     logprobs: bool,
     /// Characters sent so far per choice (completion logprobs' text_offset).
     sent_chars: Vec<usize>,
+    /// Choices per prompt (`n`).
+    per_prompt: usize,
+    log: RequestLog,
     finished: bool,
     abort: watch::Receiver<bool>,
     ticket: Option<Ticket>,
@@ -417,6 +521,7 @@ impl StreamState {
 
     fn handle(&mut self, out: ChoiceOut) {
         self.ticket = None; // running now
+        self.log.token();
         match out {
             ChoiceOut::Delta {
                 index,
@@ -429,8 +534,13 @@ impl StreamState {
                 logprobs,
                 reason,
                 completion_tokens,
+                cached_tokens,
             } => {
                 self.usage.completion_tokens += completion_tokens;
+                if index % self.per_prompt.max(1) == 0 {
+                    self.usage.cached_tokens += cached_tokens;
+                }
+                self.log.finish[index] = reason;
                 if !text.is_empty() || !logprobs.is_empty() {
                     self.emit(index, &text, &logprobs, None);
                 }
@@ -439,12 +549,16 @@ impl StreamState {
             ChoiceOut::Error { error, .. } => {
                 // Headers are gone: report in-band, then end the stream.
                 self.queue.push_back(sse::data(&error.to_json()));
+                self.log.usage = self.usage;
+                self.log.end("error");
                 self.close();
             }
         }
     }
 
     fn close(&mut self) {
+        self.log.usage = self.usage;
+        self.log.end("ok");
         if self.header.include_usage {
             let u = self.header.usage_chunk(self.usage);
             self.queue.push_back(sse::data(&u));
@@ -454,26 +568,31 @@ impl StreamState {
     }
 }
 
+/// `log` carries the prompt tokens (its usage so far).
 fn stream_response(
     header: Header,
     choices: SelectAll<BoxStream<'static, ChoiceOut>>,
-    n: usize,
-    prompt_tokens: usize,
+    (served_keepalive, log): (Option<std::time::Duration>, RequestLog),
+    (n, per_prompt): (usize, usize),
     logprobs: bool,
     ticket: Option<Ticket>,
     abort: watch::Receiver<bool>,
 ) -> Response {
+    let keepalive = served_keepalive;
     let mut st = StreamState {
         abort,
         ticket,
         queue: VecDeque::new(),
         choices,
         usage: Usage {
-            prompt_tokens,
+            prompt_tokens: log.usage.prompt_tokens,
+            cached_tokens: 0,
             completion_tokens: 0,
         },
         logprobs,
         sent_chars: vec![0; n],
+        per_prompt,
+        log,
         finished: false,
         header,
     };
@@ -484,27 +603,44 @@ fn stream_response(
             st.queue.push_back(sse::data(&c));
         }
     }
-    let body = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(b) = st.queue.pop_front() {
-                return Some((Ok::<Bytes, Infallible>(b), st));
-            }
-            if st.finished {
-                return None;
-            }
-            tokio::select! {
-                out = st.choices.next() => match out {
-                    Some(out) => st.handle(out),
-                    None => st.close(),
-                },
-                _ = aborted(&mut st.abort) => {
-                    // Dropping the choices cancels their sequences in the engine.
-                    st.choices = SelectAll::new();
-                    st.handle(ChoiceOut::Error { error: shut_down() });
+    let body = stream::unfold(
+        (st, tokio::time::Instant::now()),
+        move |(mut st, mut sent)| async move {
+            loop {
+                if let Some(b) = st.queue.pop_front() {
+                    return Some((
+                        Ok::<Bytes, Infallible>(b),
+                        (st, tokio::time::Instant::now()),
+                    ));
+                }
+                if st.finished {
+                    return None;
+                }
+                // a comment after `keepalive` of silence (a long prefill, a wait for a slot)
+                let quiet = async {
+                    match keepalive {
+                        Some(k) => tokio::time::sleep_until(sent + k).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    out = st.choices.next() => match out {
+                        Some(out) => st.handle(out),
+                        None => st.close(),
+                    },
+                    _ = quiet => {
+                        sent = tokio::time::Instant::now();
+                        return Some((Ok(Bytes::from_static(sse::KEEPALIVE)), (st, sent)));
+                    }
+                    _ = aborted(&mut st.abort) => {
+                        // Dropping the choices cancels their sequences in the engine.
+                        st.choices = SelectAll::new();
+                        st.handle(ChoiceOut::Error { error: shut_down() });
+                    }
                 }
             }
-        }
-    });
+        },
+    );
     (
         [
             (header::CONTENT_TYPE, "text/event-stream"),

@@ -46,7 +46,58 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             count_refusals,
         ))
+        .layer(middleware::from_fn_with_state(state.clone(), cors))
         .with_state(state)
+}
+
+/// CORS (`--cors-origins`): a request from an allowed origin gets `Access-Control-Allow-Origin`;
+/// its preflight (OPTIONS with `Access-Control-Request-Method`) is answered here, before the API
+/// key is asked for (browsers send preflights without credentials). Other origins get no CORS
+/// headers, so browsers refuse them.
+async fn cors(State(s): St, req: Request, next: Next) -> Response {
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let allowed = match &origin {
+        Some(o) if s.cors_origins.iter().any(|a| a == "*" || a == o) => o.clone(),
+        _ => return next.run(req).await,
+    };
+    let preflight = req.method() == Method::OPTIONS
+        && req
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let mut resp = if preflight {
+        let asked = req
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("authorization, content-type")
+            .to_string();
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            header::HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        if let Ok(v) = header::HeaderValue::from_str(&asked) {
+            h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, v);
+        }
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            header::HeaderValue::from_static("600"),
+        );
+        r
+    } else {
+        next.run(req).await
+    };
+    let h = resp.headers_mut();
+    if let Ok(v) = header::HeaderValue::from_str(&allowed) {
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+    }
+    h.append(header::VARY, header::HeaderValue::from_static("Origin"));
+    resp
 }
 
 fn served(s: &AppState) -> Result<Arc<Served>, ApiError> {
@@ -56,14 +107,20 @@ fn served(s: &AppState) -> Result<Arc<Served>, ApiError> {
 }
 
 async fn auth(State(s): St, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.api_key {
+    if !s.api_keys.is_empty() {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+        // every key compared, each in constant time: the answer's timing says nothing of which
+        let ok = given.is_some_and(|g| {
+            s.api_keys.iter().fold(false, |ok, k| {
+                ok | constant_time_eq(g.as_bytes(), k.as_bytes())
+            })
+        });
+        if !ok {
             return closing(ApiError::unauthorized());
         }
     }

@@ -216,7 +216,14 @@ pub async fn run(cli: Cli) -> Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let (abort_tx, abort_rx) = watch::channel(false);
     let state = AppState::new(
-        cli.api_key.clone(),
+        (
+            crate::cli::api_keys(&cli)?,
+            cli.cors_origins
+                .iter()
+                .map(|o| o.trim().to_string())
+                .filter(|o| !o.is_empty())
+                .collect(),
+        ),
         Limits {
             max_queue: cli.max_queue,
             client_timeout,
@@ -500,6 +507,8 @@ fn load(
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        sse_keepalive: (cli.sse_keepalive > 0).then(|| Duration::from_secs(cli.sse_keepalive)),
+        log_json: cli.log_format == crate::cli::LogFormat::Json,
     })
 }
 

@@ -10,6 +10,8 @@ use serde_json::{json, Value};
 
 /// The terminator of every stream.
 pub const DONE: &[u8] = b"data: [DONE]\n\n";
+/// An SSE comment: keeps an idle stream's connection alive; clients ignore it.
+pub const KEEPALIVE: &[u8] = b": keep-alive\n\n";
 
 /// Frame one JSON value as an SSE data event.
 pub fn data(v: &Value) -> Bytes {
@@ -42,6 +44,9 @@ pub struct Header {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens the prefix cache served (for n > 1, the first choice of each prompt's):
+    /// `prompt_tokens_details.cached_tokens`, as OpenAI reports it.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
@@ -50,6 +55,7 @@ impl Usage {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 }
@@ -242,9 +248,11 @@ mod tests {
         let u = h.usage_chunk(Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
+            cached_tokens: 2,
         });
         assert_eq!(u["choices"], json!([]));
         assert_eq!(u["usage"]["total_tokens"], 7);
+        assert_eq!(u["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
     }
 
     #[test]
@@ -259,6 +267,7 @@ mod tests {
             Usage {
                 prompt_tokens: 1,
                 completion_tokens: 1,
+                cached_tokens: 0,
             },
         );
         assert_eq!(full["choices"][0]["text"], "a");

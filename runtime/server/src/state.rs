@@ -42,6 +42,10 @@ pub struct Served {
     pub pool: Pool,
     /// What requests may reserve of the process's memory.
     pub budget: Arc<MemoryBudget>,
+    /// Silence after which a stream sends `: keep-alive` (None: never).
+    pub sse_keepalive: Option<Duration>,
+    /// The per-request log line as JSON (else text).
+    pub log_json: bool,
 }
 
 impl Served {
@@ -111,7 +115,10 @@ impl Queue {
 /// The axum state.
 pub struct AppState {
     pub ready: OnceLock<Arc<Served>>,
-    pub api_key: Option<String>,
+    /// The accepted API keys (empty: none required).
+    pub api_keys: Vec<String>,
+    /// Origins allowed by CORS (`*`: any; empty: no CORS headers).
+    pub cors_origins: Vec<String>,
     pub limits: Limits,
     pub conns: Arc<Connections>,
     /// Turns true when the shutdown deadline has passed: open generations end with an error.
@@ -123,14 +130,15 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(
-        api_key: Option<String>,
+        (api_keys, cors_origins): (Vec<String>, Vec<String>),
         limits: Limits,
         conns: Arc<Connections>,
         abort: watch::Receiver<bool>,
     ) -> Arc<Self> {
         Arc::new(Self {
             ready: OnceLock::new(),
-            api_key,
+            api_keys,
+            cors_origins,
             limits,
             conns,
             abort,
