@@ -88,6 +88,8 @@ fuzz_target!(|data: &[u8]| {
         completion_preset: &sv.preset,
         vocab: sv.model.config.vocab,
         ctx_size: CTX,
+        // structured output off: the grammar fields are still parsed and checked (ours), not compiled
+        grammars: None,
     };
     // A budget of 256 MiB: the harness's heap cap is 512 MiB, so a reservation that let a request
     // past its worst case would show as an abort here.

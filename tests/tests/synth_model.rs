@@ -101,6 +101,7 @@ fn run(m: &Model, exact: bool, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> 
             sampling: &p,
             draw: 0,
             want_logits: true,
+            allowed: None,
         };
         b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
     };

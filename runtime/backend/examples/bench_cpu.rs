@@ -120,6 +120,7 @@ fn main() {
             sampling: &p,
             draw: 0,
             want_logits: false,
+            allowed: None,
         };
         b.step(&[s]).expect("step");
     };

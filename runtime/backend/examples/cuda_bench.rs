@@ -103,6 +103,7 @@ fn main() {
             sampling: &greedy,
             draw: 0,
             want_logits: false,
+            allowed: None,
         }])
         .unwrap();
     let ttft_ms = t_first.elapsed().as_secs_f64() * 1e3;
@@ -122,6 +123,7 @@ fn main() {
                 sampling: &greedy,
                 draw: s as u64,
                 want_logits: false,
+                allowed: None,
             }])
             .unwrap();
         times.push(t.elapsed().as_secs_f64() * 1e6);
@@ -205,6 +207,7 @@ fn main() {
                     sampling: &greedy,
                     draw: s as u64,
                     want_logits: false,
+                    allowed: None,
                 }])
                 .unwrap();
             h.push(r[0].token);
@@ -233,6 +236,7 @@ fn main() {
             sampling: &greedy,
             draw: 0,
             want_logits: false,
+            allowed: None,
         }])
         .unwrap();
         if rep > 0 {
@@ -280,6 +284,7 @@ fn main() {
                         sampling: &greedy,
                         draw: s as u64,
                         want_logits: false,
+                        allowed: None,
                     }
                 })
                 .collect();

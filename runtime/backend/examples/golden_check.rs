@@ -55,6 +55,7 @@ fn run(b: &mut dyn Backend, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
             sampling: &p,
             draw: 0,
             want_logits: true,
+            allowed: None,
         };
         b.step(&[s]).expect("step").pop().unwrap().logits.unwrap()
     };

@@ -99,6 +99,9 @@ pub struct SeqStep<'a> {
     pub draw: u64,
     /// Return the full logits row of the last position (tests and logprob-heavy callers only).
     pub want_logits: bool,
+    /// The tokens the next one may be (a grammar's mask: bit `t % 32` of word `t / 32`), applied to
+    /// the logits before sampling ([`sampler::apply_mask`]); `None`: any token.
+    pub allowed: Option<&'a [u32]>,
 }
 
 /// The backend's answer for one `SeqStep`.
@@ -203,6 +206,15 @@ pub fn validate_batch(
             return bad(
                 i,
                 format!("block {b} is outside the KV pool ({kv_blocks} blocks)"),
+            );
+        }
+        if s.allowed.is_some_and(|m| m.len() < vocab.div_ceil(32)) {
+            return bad(
+                i,
+                format!(
+                    "an allowed-token mask of {} words does not cover the vocabulary ({vocab} tokens)",
+                    s.allowed.map_or(0, <[u32]>::len)
+                ),
             );
         }
         if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {

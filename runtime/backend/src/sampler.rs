@@ -344,6 +344,18 @@ pub fn candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
 /// Sample one token from `logits` (see the module docs for the pipeline). `history` is every token of
 /// the sequence so far (prompt and generated); its last `draw` entries are the generated ones, and
 /// `draw` is the index of this draw in the sequence.
+/// Set the logits of the tokens `allowed` does not hold to -inf (bit `t % 32` of word `t / 32`;
+/// tokens past the mask's end are disallowed): a grammar's constraint on the next token, applied
+/// before any sampling setting, so every setting samples among the allowed tokens only.
+pub fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (t, l) in logits.iter_mut().enumerate() {
+        let ok = allowed.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+        if !ok {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
 pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u64) -> Sampled {
     if logits.is_empty() {
         return Sampled {

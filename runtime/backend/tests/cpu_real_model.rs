@@ -49,6 +49,7 @@ fn step_logits(
         sampling: &p,
         draw: 0,
         want_logits: true,
+        allowed: None,
     };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
@@ -158,6 +159,7 @@ fn greedy_answer_names_paris() {
             sampling: &p,
             draw,
             want_logits: false,
+            allowed: None,
         };
         let t = b.step(&[s]).unwrap()[0].token;
         start += new.len();

@@ -112,6 +112,7 @@ fn generate_logits(
                     sampling: greedy,
                     draw: step as u64,
                     want_logits: step == 0 || every_step,
+                    allowed: None,
                 }
             })
             .collect();

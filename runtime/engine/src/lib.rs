@@ -54,8 +54,29 @@ use tokio::sync::mpsc as tmpsc;
 
 use metrale_backend::sampler::SamplingParams;
 
+/// A constraint on the tokens a sequence may generate (a grammar): before each sampled token the
+/// engine asks for the allowed set, and tells it the token sampled. Built by the caller (which knows
+/// the tokenizer); the engine stays token-level.
+pub trait TokenConstraint: Send {
+    /// The tokens the next one may be, as a bitmask (bit `t % 32` of word `t / 32`).
+    fn allowed(&mut self) -> Result<Vec<u32>, String>;
+    /// The token sampled (one the last mask allowed).
+    fn commit(&mut self, token: u32) -> Result<(), String>;
+    /// Whether the constraint is complete: nothing more may follow (the sequence ends with `Stop`).
+    fn finished(&self) -> bool;
+}
+
+/// A request's constraint (a box, so a request stays one value).
+pub struct Constraint(pub Box<dyn TokenConstraint>);
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
+    }
+}
+
 /// One generation request, already tokenized.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
@@ -65,6 +86,8 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// What the engine and the caller share while the request runs (`RequestLink`).
     pub link: Arc<RequestLink>,
+    /// The grammar every generated token must follow (`None`: any token).
+    pub constraint: Option<Constraint>,
 }
 
 /// What the engine and the caller share about one running request, besides its events: the
@@ -622,7 +645,31 @@ impl Loop {
                 any_prefill = true;
             }
         }
-        let outs: Vec<Result<SeqOutput, String>> = match self.run_plan(&plan) {
+        // grammar masks of the entries whose sample is a generated token (decodes, last chunks)
+        let mut masks: Vec<Option<Vec<u32>>> = Vec::with_capacity(plan.len());
+        let mut bad_mask: Vec<(usize, String)> = Vec::new();
+        for &(i, _, b) in &plan {
+            let s = &mut self.running[i];
+            let samples = b >= s.prefill_end;
+            masks.push(match (&mut s.req.constraint, samples) {
+                (Some(c), true) => match c.0.allowed() {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        bad_mask.push((i, format!("the grammar failed: {e}")));
+                        None
+                    }
+                },
+                _ => None,
+            });
+        }
+        if !bad_mask.is_empty() {
+            bad_mask.sort_by_key(|e| std::cmp::Reverse(e.0));
+            for (i, msg) in bad_mask {
+                self.finish(i, End::Error(msg));
+            }
+            return; // the plan's indices moved: the next iteration plans again
+        }
+        let outs: Vec<Result<SeqOutput, String>> = match self.run_plan(&plan, &masks) {
             Ok(Ok(outs)) if outs.len() == plan.len() => outs.into_iter().map(Ok).collect(),
             Ok(Ok(outs)) => {
                 let msg = format!(
@@ -636,13 +683,15 @@ impl Loop {
             // the backend refused the whole step before writing anything, so run each alone.
             Ok(Err(_)) if plan.len() > 1 => {
                 let mut outs = Vec::with_capacity(plan.len());
-                for p in &plan {
-                    outs.push(match self.run_plan(std::slice::from_ref(p)) {
-                        Ok(Ok(mut o)) if o.len() == 1 => Ok(o.pop().unwrap()),
-                        Ok(Ok(_)) => Err("backend returned no output".to_string()),
-                        Ok(Err(e)) => Err(format!("backend error: {e}")),
-                        Err(msg) => return self.die(msg),
-                    });
+                for (p, m) in plan.iter().zip(&masks) {
+                    outs.push(
+                        match self.run_plan(std::slice::from_ref(p), std::slice::from_ref(m)) {
+                            Ok(Ok(mut o)) if o.len() == 1 => Ok(o.pop().unwrap()),
+                            Ok(Ok(_)) => Err("backend returned no output".to_string()),
+                            Ok(Err(e)) => Err(format!("backend error: {e}")),
+                            Err(msg) => return self.die(msg),
+                        },
+                    );
                 }
                 outs
             }
@@ -686,6 +735,14 @@ impl Loop {
             }
             s.last_token_at = Some(now);
             let is_stop = !s.req.ignore_eos && s.req.stop_tokens.contains(&out.token);
+            let mut grammar_done = false;
+            if let (Some(c), false) = (&mut s.req.constraint, is_stop) {
+                if let Err(e) = c.0.commit(out.token) {
+                    ended.push((i, End::Error(format!("the grammar failed: {e}"))));
+                    continue;
+                }
+                grammar_done = c.0.finished();
+            }
             if is_stop {
                 ended.push((i, End::Stop));
                 continue;
@@ -697,7 +754,9 @@ impl Loop {
                 top_logprobs: out.top_logprobs,
             };
             self.outbox.push((s.tx.clone(), ev));
-            if s.generated >= s.req.max_tokens {
+            if grammar_done {
+                ended.push((i, End::Stop)); // the grammar is complete: nothing may follow
+            } else if s.generated >= s.req.max_tokens {
                 ended.push((i, End::Length));
             }
         }
@@ -707,14 +766,17 @@ impl Loop {
         }
     }
 
-    /// Run one backend step over `plan`; `Err` carries a panic message.
+    /// Run one backend step over `plan` (with each entry's grammar mask); `Err` carries a panic
+    /// message.
     fn run_plan(
         &mut self,
         plan: &[(usize, usize, usize)],
+        masks: &[Option<Vec<u32>>],
     ) -> Result<Result<Vec<SeqOutput>, BackendError>, String> {
         let steps: Vec<SeqStep<'_>> = plan
             .iter()
-            .map(|&(i, a, b)| {
+            .zip(masks)
+            .map(|(&(i, a, b), mask)| {
                 let s = &self.running[i];
                 SeqStep {
                     slot: s.slot,
@@ -725,6 +787,7 @@ impl Loop {
                     sampling: &s.req.sampling,
                     draw: s.generated as u64,
                     want_logits: false,
+                    allowed: mask.as_deref(),
                 }
             })
             .collect();

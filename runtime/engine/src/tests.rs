@@ -37,6 +37,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         stop_tokens: vec![],
         ignore_eos: false,
         link: Default::default(),
+        constraint: None,
     }
 }
 
@@ -342,4 +343,72 @@ fn a_short_pool_preempts_and_every_request_finishes_as_alone() {
         assert_eq!(m.kv_cache_usage_perc, 0.0);
         assert_eq!(m.request_success_total[1], ("length", 4));
     }
+}
+
+/// A constraint that allows exactly one token at each step (a script) and finishes at its end.
+struct Script(Vec<u32>, usize);
+
+impl TokenConstraint for Script {
+    fn allowed(&mut self) -> Result<Vec<u32>, String> {
+        let t = *self.0.get(self.1).ok_or("past the end")?;
+        let mut m = vec![0u32; 2];
+        m[t as usize / 32] |= 1 << (t % 32);
+        Ok(m)
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        if self.0.get(self.1) != Some(&token) {
+            return Err(format!("token {token} was not allowed"));
+        }
+        self.1 += 1;
+        Ok(())
+    }
+    fn finished(&self) -> bool {
+        self.1 == self.0.len()
+    }
+}
+
+/// The engine asks a request's constraint before every generated token (prefill's last chunk
+/// included) and the backend samples only what it allows, under any sampling setting; a complete
+/// constraint ends the sequence with Stop; a constraint's failure is that request's error alone.
+#[test]
+fn a_constraint_decides_every_token_and_ends_the_sequence() {
+    let e = engine(2, 64);
+    let script = vec![7u32, 41, 3, 3, 19];
+    let hot = SamplingParams {
+        temperature: 1.5,
+        top_k: 40,
+        seed: 9,
+        ..Default::default()
+    };
+    let r = GenerateRequest {
+        sampling: hot,
+        constraint: Some(Constraint(Box::new(Script(script.clone(), 0)))),
+        ..req((0..20).collect(), 50)
+    };
+    let other = e.submit(req(vec![1, 2, 3], 6)).unwrap();
+    let (ids, done) = collect(e.submit(r).unwrap());
+    assert_eq!(ids, script);
+    assert!(
+        matches!(
+            done,
+            Event::Done {
+                reason: FinishReason::Stop,
+                completion_tokens: 5,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    assert_eq!(collect(other).0.len(), 6);
+    // a constraint that fails: an error for that request, the engine keeps serving
+    let broken = GenerateRequest {
+        constraint: Some(Constraint(Box::new(Script(vec![], 0)))),
+        ..req(vec![1, 2], 5)
+    };
+    let (_, done) = collect(e.submit(broken).unwrap());
+    assert!(
+        matches!(&done, Event::Error(m) if m.contains("past the end")),
+        "{done:?}"
+    );
+    assert_eq!(collect(e.submit(req(vec![4], 2)).unwrap()).0.len(), 2);
 }

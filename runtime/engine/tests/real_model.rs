@@ -31,30 +31,31 @@ fn concurrent_chats_on_the_real_model() {
         "Write a haiku about the sea.",
         "What is 2 + 2?",
     ];
-    let reqs: Vec<GenerateRequest> = questions
+    let prompts: Vec<Vec<u32>> = questions
         .iter()
         .map(|q| {
             let text = tpl.render(&[ChatMessage::new("user", *q)], true).unwrap();
-            GenerateRequest {
-                prompt: m
-                    .tokenizer
-                    .encode(&text, m.tokenizer.add_bos(), true)
-                    .unwrap(),
-                max_tokens: 24,
-                sampling: SamplingParams::default(),
-                stop_tokens: m.config.eos.clone(),
-                ignore_eos: false,
-                link: Default::default(),
-            }
+            m.tokenizer
+                .encode(&text, m.tokenizer.add_bos(), true)
+                .unwrap()
         })
         .collect();
+    let req = |prompt: &Vec<u32>| GenerateRequest {
+        prompt: prompt.clone(),
+        max_tokens: 24,
+        sampling: SamplingParams::default(),
+        stop_tokens: m.config.eos.clone(),
+        ignore_eos: false,
+        link: Default::default(),
+        constraint: None,
+    };
     let solo = Engine::spawn(
         Box::new(CpuBackend::load(&m, 1, 256, 2).unwrap()),
         EngineConfig::default(),
     );
-    let want: Vec<Vec<u32>> = reqs
+    let want: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|r| collect(solo.submit(r.clone()).unwrap()).0)
+        .map(|p| collect(solo.submit(req(p)).unwrap()).0)
         .collect();
     drop(solo);
     let e = Engine::spawn(
@@ -65,7 +66,7 @@ fn concurrent_chats_on_the_real_model() {
             ..EngineConfig::default()
         },
     );
-    let rxs: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    let rxs: Vec<_> = prompts.iter().map(|p| e.submit(req(p)).unwrap()).collect();
     for (i, rx) in rxs.into_iter().enumerate() {
         let (ids, done) = collect(rx);
         let text = m.tokenizer.decode(&ids, true);
@@ -97,6 +98,6 @@ fn concurrent_chats_on_the_real_model() {
     );
     assert_eq!(
         metrics.prompt_tokens_total,
-        reqs.iter().map(|r| r.prompt.len() as u64).sum::<u64>()
+        prompts.iter().map(|p| p.len() as u64).sum::<u64>()
     );
 }

@@ -66,7 +66,8 @@ pub fn parse_request<T: WithCommon>(body: &[u8]) -> Result<T, ApiError> {
             None,
         ));
     }
-    let common: CommonParams = parse_body(body)?;
+    let mut common: CommonParams = parse_body(body)?;
+    common.grammar = parse_body(body)?;
     let mut r: T = parse_body(body)?;
     r.set_common(common);
     Ok(r)
@@ -107,6 +108,9 @@ pub struct CommonParams {
     pub user: Option<String>,
     /// Token id (a decimal string) -> bias in [-100, 100]; checked by `parse_logit_bias`.
     pub logit_bias: Option<serde_json::Value>,
+    /// The structured-output fields (`crate::grammar`), parsed in a pass of their own.
+    #[serde(skip)]
+    pub grammar: crate::grammar::GrammarFields,
 }
 
 /// Message content: a string or a list of parts (only text parts are supported).
@@ -140,7 +144,6 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub tools: Option<serde_json::Value>,
-    pub response_format: Option<serde_json::Value>,
 }
 
 /// `prompt` of /v1/completions: text, token ids, or a batch of either.
@@ -216,6 +219,8 @@ pub struct GenParams {
     pub stream: bool,
     pub include_usage: bool,
     pub logprobs: Option<LogprobsSpec>,
+    /// The structured-output grammar, compiled (`crate::grammar`); set by `prepare`.
+    pub grammar: Option<crate::grammar::Compiled>,
 }
 
 fn check_range(v: Option<f32>, name: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
@@ -418,6 +423,7 @@ pub fn validate_common(
         stream,
         include_usage,
         logprobs,
+        grammar: None,
     })
 }
 
@@ -441,15 +447,6 @@ pub fn validate_chat(
             "tool calling is not supported by this server",
             Some("tools"),
         ));
-    }
-    if let Some(rf) = &r.response_format {
-        let kind = rf.get("type").and_then(|t| t.as_str());
-        if !rf.is_null() && kind != Some("text") {
-            return Err(ApiError::invalid(
-                "only response_format {\"type\": \"text\"} is supported",
-                Some("response_format"),
-            ));
-        }
     }
     let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (_, Some(k)) if k < 0 || k as usize > MAX_TOP_LOGPROBS => {

@@ -37,6 +37,26 @@ pub struct Prep<'a> {
     pub vocab: usize,
     /// Tokens one sequence holds.
     pub ctx_size: usize,
+    /// The structured-output grammars' factory.
+    pub grammars: Option<&'a crate::grammar::Grammars>,
+}
+
+/// Compile the request's structured-output constraint, if it asks for one (a 400 names the field
+/// when it cannot be compiled, or when this server has no grammar support).
+fn compile_grammar(
+    p: &Prep,
+    fields: &crate::grammar::GrammarFields,
+) -> Result<Option<crate::grammar::Compiled>, ApiError> {
+    let Some((g, param)) = fields.grammar()? else {
+        return Ok(None);
+    };
+    let grammars = p.grammars.ok_or_else(|| {
+        ApiError::invalid(
+            "structured output is unavailable: this server could not build its grammar tables at start-up (see its log)",
+            Some(param),
+        )
+    })?;
+    grammars.compile(g, param).map(Some)
 }
 
 impl Prep<'_> {
@@ -126,7 +146,8 @@ fn encode_prompt(
 pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
     reserve_parse(res, body)?;
     let r: ChatRequest = api::parse_request(body)?;
-    let params = api::validate_chat(&r, p.chat_preset, p.vocab)?;
+    let mut params = api::validate_chat(&r, p.chat_preset, p.vocab)?;
+    params.grammar = compile_grammar(p, &r.common.grammar)?;
     let template = p.template.ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; use /v1/completions, or restart the server with \
@@ -209,7 +230,8 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
 pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
     reserve_parse(res, body)?;
     let r: CompletionRequest = api::parse_request(body)?;
-    let params = api::validate_completion(&r, p.completion_preset, p.vocab)?;
+    let mut params = api::validate_completion(&r, p.completion_preset, p.vocab)?;
+    params.grammar = compile_grammar(p, &r.common.grammar)?;
     let n_prompts = match &r.prompt {
         PromptSpec::Texts(ts) => ts.len(),
         PromptSpec::TokenLists(l) => l.len(),

@@ -445,6 +445,30 @@ fn load(
     // Like llama-server: the file (or directory) name, which users recognise, unless --alias.
     let name = cli.alias.clone().unwrap_or_else(|| file_stem(path));
     let stop_tokens = c.eos.clone();
+    // structured output: the token trie of the tokenizer (a failure disables it, saying so)
+    let t = Instant::now();
+    let grammars = match c.eos.first() {
+        Some(&eos) => {
+            match crate::grammar::Grammars::new(&model.tokenizer, c.vocab, eos) {
+                Ok(g) => {
+                    eprintln!(
+                        "  structured output: grammar tables of {} tokens built in {:.2} s",
+                        c.vocab,
+                        t.elapsed().as_secs_f64()
+                    );
+                    Some(Arc::new(g))
+                }
+                Err(e) => {
+                    eprintln!("  note: structured output is off: building its grammar tables failed: {e:#}");
+                    None
+                }
+            }
+        }
+        None => {
+            eprintln!("  note: structured output is off: the model names no end-of-sequence token");
+            None
+        }
+    };
     let vocab = c.vocab;
     let engine = Engine::spawn(
         backend,
@@ -507,6 +531,7 @@ fn load(
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        grammars,
         sse_keepalive: (cli.sse_keepalive > 0).then(|| Duration::from_secs(cli.sse_keepalive)),
         log_json: cli.log_format == crate::cli::LogFormat::Json,
     })

@@ -42,6 +42,9 @@ pub struct Served {
     pub pool: Pool,
     /// What requests may reserve of the process's memory.
     pub budget: Arc<MemoryBudget>,
+    /// The structured-output grammars' factory (None: it could not be built at start-up; such
+    /// requests get a 400 saying so).
+    pub grammars: Option<Arc<crate::grammar::Grammars>>,
     /// Silence after which a stream sends `: keep-alive` (None: never).
     pub sse_keepalive: Option<Duration>,
     /// The per-request log line as JSON (else text).
@@ -58,6 +61,7 @@ impl Served {
             completion_preset: &self.completion_preset,
             vocab: self.vocab,
             ctx_size: self.ctx_size,
+            grammars: self.grammars.as_deref(),
         }
     }
 }

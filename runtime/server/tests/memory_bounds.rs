@@ -82,6 +82,7 @@ fn reservations_cover_the_heap_peak_of_adversarial_requests() {
         completion_preset: &preset,
         vocab: tk.vocab_size(),
         ctx_size: CTX,
+        grammars: None,
     };
     let digits = "7".repeat(cap - 64);
     let spaces = " ".repeat(cap - 64);

@@ -89,12 +89,32 @@ enum KvStore {
     Bf16(Vec<u16>),
 }
 
+/// Write one element of every 4 KiB page of `v`: the pages are committed now (a volatile write,
+/// so the compiler cannot drop it as a store of zero into zeroed memory).
+fn commit_pages<T: Copy + Default>(v: &mut [T]) {
+    let step = (4096 / std::mem::size_of::<T>()).max(1);
+    for i in (0..v.len()).step_by(step) {
+        // SAFETY: `i` is in bounds of `v`.
+        unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), T::default()) };
+    }
+}
+
 impl KvStore {
+    /// A zeroed store of `n` elements, its memory committed at once: the pool is the KV cache's
+    /// whole budget, taken at start (a pool that does not fit fails here, not mid-request, and the
+    /// process's memory stays flat as blocks come into use).
     fn new(dtype: KvDtype, n: usize) -> KvStore {
-        // zeroed allocations: pages are touched only as blocks are written
         match dtype {
-            KvDtype::F32 => KvStore::F32(vec![0.0; n]),
-            KvDtype::Bf16 => KvStore::Bf16(vec![0; n]),
+            KvDtype::F32 => {
+                let mut v = vec![0.0f32; n];
+                commit_pages(&mut v);
+                KvStore::F32(v)
+            }
+            KvDtype::Bf16 => {
+                let mut v = vec![0u16; n];
+                commit_pages(&mut v);
+                KvStore::Bf16(v)
+            }
         }
     }
 
@@ -358,8 +378,7 @@ impl CpuBackend {
             .ok_or_else(|| {
                 BackendError::Invalid(format!("a KV pool of {blocks} blocks overflows"))
             })?;
-        // The whole pool must fit in available memory (it is allocated zeroed and lazily: pages
-        // are touched as sequences grow, so a too-large cache would fail late, mid-request).
+        // The whole pool must fit in available memory (it is committed at once: `KvStore::new`).
         let needed = (elems as u64).saturating_mul(2 * kvc.dtype.bytes() as u64);
         if let Some(free) = mem_available() {
             if needed > free {
@@ -726,8 +745,13 @@ impl Backend for CpuBackend {
             self.dims.vocab,
         )?;
         let hidden = self.forward_hidden(batch);
-        let logits = self.lm_head(&hidden, batch.len());
+        let mut logits = self.lm_head(&hidden, batch.len());
         let vocab = self.dims.vocab;
+        for (s, row) in batch.iter().zip(logits.chunks_mut(vocab)) {
+            if let Some(m) = s.allowed {
+                sampler::apply_mask(row, m);
+            }
+        }
         let outs = self.pool.install(|| {
             batch
                 .par_iter()

@@ -19,6 +19,7 @@ fn run(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]
         sampling: &p,
         draw: 0,
         want_logits: true,
+        allowed: None,
     };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
@@ -73,6 +74,7 @@ fn prefill_chunks_decode_and_batching_agree() {
                     sampling: &p,
                     draw: 0,
                     want_logits: true,
+                    allowed: None,
                 },
                 SeqStep {
                     slot: 1,
@@ -83,6 +85,7 @@ fn prefill_chunks_decode_and_batching_agree() {
                     sampling: &p,
                     draw: 0,
                     want_logits: true,
+                    allowed: None,
                 },
             ])
             .unwrap();
@@ -108,6 +111,7 @@ fn invalid_steps_are_refused() {
         sampling: &p,
         draw: 0,
         want_logits: false,
+        allowed: None,
     };
     assert!(b.step(&[bad(3, 0, &[1])]).is_err());
     assert!(b.step(&[bad(0, 31, &[1, 2])]).is_err());
@@ -169,6 +173,7 @@ fn run_table(
         sampling: &p,
         draw: 0,
         want_logits: true,
+        allowed: None,
     };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }

@@ -525,6 +525,11 @@ impl CudaBackend {
             } else {
                 let mut row = vec![0f32; vocab];
                 self.gpu.read(&self.b.logits, k * vocab * 4, &mut row)?;
+                if let Some(m) = s.allowed {
+                    // a grammar's mask, on the host for now (the device path is the GPU half of
+                    // constrained decoding)
+                    sampler::apply_mask(&mut row, m);
+                }
                 let r = sampler::sample(&row, s.sampling, s.history, s.draw);
                 SeqOutput {
                     token: r.token,
@@ -539,11 +544,12 @@ impl CudaBackend {
     }
 }
 
-/// Whether a request needs nothing the device does not do: no logit bias, no penalties, no logprob
-/// list, no logits. The others copy their logits row back and use the host sampler.
+/// Whether a request needs nothing the device does not do: no grammar mask, no logit bias, no
+/// penalties, no logprob list, no logits. The others copy their logits row back and use the host sampler.
 fn device_only(s: &SeqStep<'_>) -> bool {
     let p = s.sampling;
-    p.logit_bias.is_empty()
+    s.allowed.is_none()
+        && p.logit_bias.is_empty()
         && p.repetition_penalty == 1.0
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0

@@ -39,6 +39,7 @@ fn step<'a>(
         sampling,
         draw: 0,
         want_logits: false,
+        allowed: None,
     }
 }
 
@@ -73,6 +74,7 @@ fn generate(
                     sampling: params,
                     draw: s as u64,
                     want_logits: logits_at == Some(s),
+                    allowed: None,
                 }
             })
             .collect();
@@ -192,6 +194,7 @@ pub fn check(b: &mut dyn Backend, vocab: usize, a: &[u32], c: &[u32]) {
                 sampling: &greedy,
                 draw: s as u64,
                 want_logits: false,
+                allowed: None,
             }])
             .expect("a resumed step");
         hist.push(r[0].token);
