@@ -90,6 +90,7 @@ fuzz_target!(|data: &[u8]| {
         ctx_size: CTX,
         // structured output off: the grammar fields are still parsed and checked (ours), not compiled
         grammars: None,
+        tool_format: metrale_server::tools::ToolFormat::Hermes,
     };
     // A budget of 256 MiB: the harness's heap cap is 512 MiB, so a reservation that let a request
     // past its worst case would show as an abort here.

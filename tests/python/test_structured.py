@@ -114,3 +114,63 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(synth):
     with pytest.raises(openai.BadRequestError) as e:
         ask(synth, 1, response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
     assert "give one structured-output constraint" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------- tool calling (the real model,
+# SmolLM2: the hermes `<tool_call>` syntax)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"]}}}
+
+
+def test_tool_calls_round_trip_through_two_turns(client):
+    import openai
+    q = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="m", messages=q, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_tokens=80)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    # second turn: the call and its answer go back; the model answers in text
+    turn2 = q + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    r2 = client.chat.completions.create(model="m", messages=turn2, tools=[WEATHER, TIME], tool_choice="none",
+                                        temperature=0, max_tokens=30)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
+    # a named choice calls that function; an unknown name is a 400
+    r3 = client.chat.completions.create(model="m", messages=q, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert [t.function.name for t in r3.choices[0].message.tool_calls] == ["get_time"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=q, tools=[WEATHER], max_tokens=5,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+
+
+def test_streamed_tool_calls_arrive_as_deltas(client):
+    q = [{"role": "user", "content": "What is the time in Tokyo?"}]
+    names, args, finish = [], "", None
+    for chunk in client.chat.completions.create(model="m", messages=q, tools=[TIME], tool_choice="required",
+                                                parallel_tool_calls=False, temperature=0, max_tokens=80,
+                                                stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                if tc.function.name:
+                    names.append(tc.function.name)
+                args += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert names == ["get_time"] and finish == "tool_calls"
+    jsonschema.validate(json.loads(args), TIME["function"]["parameters"])

@@ -284,6 +284,9 @@ pub struct Behavior {
     pub ctx_size: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallel: Option<usize>,
+    /// The syntax the model writes tool calls in: "hermes" (the default) | "llama3_json".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_format: Option<String>,
 }
 
 /// The resolved MODEL.toml (after `extends`), as parsed.
@@ -693,6 +696,16 @@ impl TargetSpec {
                     "quant.weights/embedding",
                     "one of q4_0, q4_1, q8_0, bf16, f16, f32".into(),
                     q.clone(),
+                ));
+            }
+        }
+        if let Some(f) = &self.behavior.tool_call_format {
+            if !["hermes", "llama3_json"].contains(&f.as_str()) {
+                return Err(inv(
+                    model_path,
+                    "behavior.tool_call_format",
+                    "hermes or llama3_json".into(),
+                    f.clone(),
                 ));
             }
         }

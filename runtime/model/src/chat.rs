@@ -8,7 +8,8 @@
 //! loop controls (`break`/`continue`), Python string/dict/list methods through minijinja-contrib's
 //! pycompat (`.strip()`, `.startswith()`, `.items()`...), `raise_exception(msg)` failing the render with
 //! the template's message, `strftime_now(fmt)`, and the variables `messages`, `add_generation_prompt`,
-//! `bos_token`, `eos_token`.
+//! `bos_token`, `eos_token`, and `tools` when the request offers tools (a message's `tool_calls`,
+//! `tool_call_id` and `name` pass through as structured data, as transformers passes them).
 //!
 //! Rendering is bounded ([`RenderLimits`]): a template gets a fixed number of VM instructions
 //! (minijinja's fuel) and its output a byte cap, so a template with runaway loops, from a model file
@@ -23,6 +24,14 @@ use std::path::Path;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls (`[{id, type, function: {name, arguments}}]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool message's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -30,6 +39,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -322,6 +334,17 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> std::result::Result<String, RenderError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render_bounded`] with the request's tools (`[{type, function: {name,
+    /// description, parameters}}]`) as the template's `tools` variable.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, RenderError> {
         let t = self
             .env
             .get_template("chat")
@@ -337,6 +360,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                tools => tools,
             },
             &mut w,
         );

@@ -133,6 +133,30 @@ pub struct ChatMessageIn {
     pub role: String,
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// An assistant message's tool calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// A tool message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A tool call in an assistant message (`{id, type, function: {name, arguments}}`; `arguments` a
+/// JSON text, or an object as some clients send it).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallIn {
+    #[serde(default)]
+    pub id: Option<String>,
+    pub function: ToolCallFunctionIn,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallFunctionIn {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -143,7 +167,9 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
-    pub tools: Option<serde_json::Value>,
+    pub tools: Option<Vec<crate::tools::ToolIn>>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `prompt` of /v1/completions: text, token ids, or a batch of either.
@@ -221,6 +247,8 @@ pub struct GenParams {
     pub logprobs: Option<LogprobsSpec>,
     /// The structured-output grammar, compiled (`crate::grammar`); set by `prepare`.
     pub grammar: Option<crate::grammar::Compiled>,
+    /// The offered tools (`crate::tools`); set by `prepare`.
+    pub tools: Option<std::sync::Arc<crate::tools::Tools>>,
 }
 
 fn check_range(v: Option<f32>, name: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
@@ -424,6 +452,7 @@ pub fn validate_common(
         include_usage,
         logprobs,
         grammar: None,
+        tools: None,
     })
 }
 
@@ -437,15 +466,6 @@ pub fn validate_chat(
         return Err(ApiError::invalid(
             "'messages' must not be empty",
             Some("messages"),
-        ));
-    }
-    if r.tools
-        .as_ref()
-        .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
-    {
-        return Err(ApiError::invalid(
-            "tool calling is not supported by this server",
-            Some("tools"),
         ));
     }
     let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {

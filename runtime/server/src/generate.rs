@@ -18,7 +18,6 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, BoxStream, SelectAll, StreamExt};
 use metrale_engine::{Event, FinishReason, GenerateRequest, SubmitError};
-use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::watch;
 
@@ -139,6 +138,8 @@ enum ChoiceOut {
         completion_tokens: usize,
         /// Prompt tokens the prefix cache served this choice.
         cached_tokens: usize,
+        /// The tool calls the text made (then `text` is empty and `reason` "tool_calls").
+        tool_calls: Option<Vec<crate::tools::Call>>,
     },
     Error {
         error: ApiError,
@@ -157,9 +158,30 @@ struct Choice {
     tokens: usize,
     pending_logprobs: Vec<TokenLogprob>,
     link: Arc<metrale_engine::RequestLink>,
+    /// Offered tools: the text is held until the choice ends, then parsed for calls.
+    tools: Option<Arc<crate::tools::Tools>>,
+    held: String,
 }
 
 impl Choice {
+    /// The choice's last text and finish reason; with tools offered, the held text is parsed and
+    /// its calls returned instead (finish reason `tool_calls`).
+    fn end_text(
+        &mut self,
+        last: String,
+        reason: &'static str,
+    ) -> (String, Option<Vec<crate::tools::Call>>, &'static str) {
+        let Some(tools) = &self.tools else {
+            return (last, None, reason);
+        };
+        let mut text = std::mem::take(&mut self.held);
+        text.push_str(&last);
+        match tools.parse(&text) {
+            Some(calls) => (String::new(), Some(calls), "tool_calls"),
+            None => (text, None, reason),
+        }
+    }
+
     fn logprob_entry(&self, id: u32, logprob: f32, top: &[(u32, f32)]) -> TokenLogprob {
         let tk = &self.served.model.tokenizer;
         let piece = |id: u32| {
@@ -212,14 +234,20 @@ impl Choice {
                         // receiver cancels the rest of this sequence
                         self.link.end_on_stop_string();
                         self.rx = None;
+                        let (text, tool_calls, reason) = self.end_text(r.text, "stop");
                         return Some(ChoiceOut::Finish {
                             index,
-                            text: r.text,
+                            text,
                             logprobs: std::mem::take(&mut self.pending_logprobs),
-                            reason: "stop",
+                            reason,
                             completion_tokens: self.tokens,
                             cached_tokens: self.link.cached_tokens(),
+                            tool_calls,
                         });
+                    }
+                    if self.tools.is_some() {
+                        self.held.push_str(&r.text);
+                        continue;
                     }
                     if !r.text.is_empty() {
                         return Some(ChoiceOut::Delta {
@@ -236,16 +264,22 @@ impl Choice {
                     ..
                 }) => {
                     self.rx = None;
-                    return Some(ChoiceOut::Finish {
-                        index,
-                        text: self.streamer.finish(),
-                        logprobs: std::mem::take(&mut self.pending_logprobs),
-                        reason: match reason {
+                    let last = self.streamer.finish();
+                    let (text, tool_calls, reason) = self.end_text(
+                        last,
+                        match reason {
                             FinishReason::Stop => "stop",
                             FinishReason::Length => "length",
                         },
+                    );
+                    return Some(ChoiceOut::Finish {
+                        index,
+                        text,
+                        logprobs: std::mem::take(&mut self.pending_logprobs),
+                        reason,
                         completion_tokens: completion_tokens.max(self.tokens),
                         cached_tokens,
+                        tool_calls,
                     });
                 }
                 Some(Event::Error(m)) => {
@@ -339,6 +373,8 @@ fn start(
                     tokens: 0,
                     pending_logprobs: Vec::new(),
                     link,
+                    tools: p.tools.clone(),
+                    held: String::new(),
                 }
                 .into_stream(),
             );
@@ -435,6 +471,7 @@ async fn whole_response(
     let mut text = vec![String::new(); n];
     let mut lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
     let mut finish = vec![String::from("stop"); n];
+    let mut calls: Vec<Option<Vec<crate::tools::Call>>> = vec![None; n];
     let mut completion_tokens = 0;
     let mut cached = 0;
     while let Some(out) = choices.next().await {
@@ -456,7 +493,9 @@ async fn whole_response(
                 reason,
                 completion_tokens: c,
                 cached_tokens,
+                tool_calls,
             } => {
+                calls[index] = tool_calls;
                 text[index].push_str(&t);
                 lps[index].extend(l);
                 finish[index] = reason.to_owned();
@@ -472,16 +511,16 @@ async fn whole_response(
             }
         }
     }
-    let out: Vec<(String, Option<Value>, String)> = text
+    let out: Vec<sse::ChoiceBody> = text
         .into_iter()
         .zip(lps)
         .zip(finish)
-        .map(|((t, l), f)| {
-            (
-                t,
-                logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)),
-                f,
-            )
+        .zip(calls)
+        .map(|(((t, l), f), c)| sse::ChoiceBody {
+            text: t,
+            logprobs: logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)),
+            finish: f,
+            tool_calls: c.map(|c| sse::tool_calls_json(&header.id, &c)),
         })
         .collect();
     let usage = Usage {
@@ -536,8 +575,15 @@ impl StreamState {
                 reason,
                 completion_tokens,
                 cached_tokens,
+                tool_calls,
             } => {
                 self.usage.completion_tokens += completion_tokens;
+                if let Some(c) = tool_calls {
+                    let chunk = self
+                        .header
+                        .tool_calls_chunk(index, sse::tool_calls_json(&self.header.id, &c));
+                    self.queue.push_back(sse::data(&chunk));
+                }
                 if index % self.per_prompt.max(1) == 0 {
                     self.usage.cached_tokens += cached_tokens;
                 }

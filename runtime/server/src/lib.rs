@@ -14,7 +14,7 @@
 //! engine request per choice and turns each choice's token events into text through a
 //! [`textstream::TextStreamer`], answering whole or as SSE ([`sse`]).
 //!
-//! Modules: [`cli`] flags; [`grammar`] structured output (llguidance); [`serve`] start-up/drain; [`listen`] the accept loop; [`state`] what is
+//! Modules: [`cli`] flags; [`grammar`] structured output (llguidance); [`tools`] tool calling; [`serve`] start-up/drain; [`listen`] the accept loop; [`state`] what is
 //! shared; [`routes`] endpoints, API-key and admission checks; [`budget`] the memory budget;
 //! [`pool`] the preprocessing threads; [`prepare`] body to job; [`api`] request types and
 //! validation; [`generate`] running a request; [`textstream`] stop strings + UTF-8 holdback; [`sse`]
@@ -44,3 +44,4 @@ pub mod serve;
 pub mod sse;
 pub mod state;
 pub mod textstream;
+pub mod tools;

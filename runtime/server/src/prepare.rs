@@ -39,6 +39,8 @@ pub struct Prep<'a> {
     pub ctx_size: usize,
     /// The structured-output grammars' factory.
     pub grammars: Option<&'a crate::grammar::Grammars>,
+    /// The syntax this target's model writes tool calls in.
+    pub tool_format: crate::tools::ToolFormat,
 }
 
 /// Compile the request's structured-output constraint, if it asks for one (a 400 names the field
@@ -148,6 +150,28 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
     let r: ChatRequest = api::parse_request(body)?;
     let mut params = api::validate_chat(&r, p.chat_preset, p.vocab)?;
     params.grammar = compile_grammar(p, &r.common.grammar)?;
+    let tools = crate::tools::Tools::from_request(
+        r.tools.as_ref(),
+        r.tool_choice.as_ref(),
+        r.parallel_tool_calls,
+        p.tool_format,
+    )?;
+    if let Some(g) = tools.as_ref().and_then(|t| t.grammar()) {
+        if params.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "a required or named tool_choice cannot be combined with a structured-output constraint",
+                Some("tool_choice"),
+            ));
+        }
+        let grammars = p.grammars.ok_or_else(|| {
+            ApiError::invalid(
+                "tool_choice required or named is unavailable: this server could not build its grammar tables",
+                Some("tool_choice"),
+            )
+        })?;
+        params.grammar = Some(grammars.compile(g, "tool_choice")?);
+    }
+    params.tools = tools.map(std::sync::Arc::new);
     let template = p.template.ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; use /v1/completions, or restart the server with \
@@ -180,8 +204,46 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
                 ))
             }
         };
-        msgs.push(ChatMessage::new(role, api::message_text(m, i)?));
+        let mut msg = ChatMessage::new(role, api::message_text(m, i)?);
+        if let Some(calls) = &m.tool_calls {
+            let pairs: Vec<(String, String)> = calls
+                .iter()
+                .map(|c| {
+                    let args = match &c.function.arguments {
+                        Some(serde_json::Value::String(s)) => s.clone(),
+                        Some(v) => v.to_string(),
+                        None => "{}".into(),
+                    };
+                    (c.function.name.clone(), args)
+                })
+                .collect();
+            msg.tool_calls = Some(serde_json::Value::Array(
+                calls
+                    .iter()
+                    .zip(&pairs)
+                    .enumerate()
+                    .map(|(k, (c, (n, a)))| {
+                        serde_json::json!({"id": c.id.clone().unwrap_or_else(|| format!("call_{i}_{k}")),
+                                           "type": "function", "function": {"name": n, "arguments": a}})
+                    })
+                    .collect(),
+            ));
+            // for templates that read only `content`: the calls as the model writes them
+            if msg.content.is_empty() {
+                let t = crate::tools::Tools {
+                    list: Vec::new(),
+                    choice: crate::tools::Choice::Auto,
+                    parallel: true,
+                    format: p.tool_format,
+                };
+                msg.content = t.render(&pairs);
+            }
+        }
+        msg.tool_call_id = m.tool_call_id.clone();
+        msg.name = m.name.clone();
+        msgs.push(msg);
     }
+    let tools_value = params.tools.as_ref().map(|t| t.template_value());
     drop(r);
     // Every message's text is part of the prompt, so together they must fit before rendering
     // (rendering copies and concatenates them, whatever the output cap).
@@ -194,7 +256,9 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         cap as u64 * RENDER_BYTES_PER_CAP_BYTE,
         "to render the chat template",
     )?;
-    let text = template.render_bounded(&msgs, true).map_err(|e| match e {
+    let text = template
+        .render_with_tools(&msgs, tools_value.as_ref(), true)
+        .map_err(|e| match e {
         RenderError::TooLong { .. } => ApiError::invalid_code(
             format!(
                 "the rendered conversation is more than {cap} bytes: more than this model's context of {} \

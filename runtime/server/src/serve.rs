@@ -532,6 +532,8 @@ fn load(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         grammars,
+        tool_format: crate::tools::ToolFormat::parse(behavior.tool_call_format.as_deref())
+            .map_err(anyhow::Error::msg)?,
         sse_keepalive: (cli.sse_keepalive > 0).then(|| Duration::from_secs(cli.sse_keepalive)),
         log_json: cli.log_format == crate::cli::LogFormat::Json,
     })

@@ -39,6 +39,31 @@ pub struct Header {
     pub include_usage: bool,
 }
 
+/// One choice of a whole response.
+pub struct ChoiceBody {
+    pub text: String,
+    pub logprobs: Option<Value>,
+    pub finish: String,
+    /// The choice's tool calls (`tool_calls_json`): the message's content is then null.
+    pub tool_calls: Option<Value>,
+}
+
+/// The API's `tool_calls` list: `[{index, id, type, function: {name, arguments}}]`, ids derived from
+/// the response id.
+pub fn tool_calls_json(response_id: &str, calls: &[crate::tools::Call]) -> Value {
+    let tail = response_id.rsplit('-').next().unwrap_or(response_id);
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                json!({"index": k, "id": format!("call_{}_{k}", &tail[..tail.len().min(12)]), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}})
+            })
+            .collect(),
+    )
+}
+
 /// Token counts of a response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -120,22 +145,46 @@ impl Header {
     }
 
     /// A whole (non-streamed) response. `choices`: (text, logprobs, finish_reason) per choice.
-    pub fn full(&self, choices: Vec<(String, Option<Value>, String)>, usage: Usage) -> Value {
+    /// A chunk whose delta carries a choice's tool calls (chat).
+    pub fn tool_calls_chunk(&self, index: usize, calls: Value) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": null,
+                         "finish_reason": null}],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    pub fn full(&self, choices: Vec<ChoiceBody>, usage: Usage) -> Value {
         let choices: Vec<Value> = choices
             .into_iter()
             .enumerate()
-            .map(|(index, (text, logprobs, finish))| match self.kind {
-                Kind::Chat => json!({
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }),
+            .map(|(index, c)| match self.kind {
+                Kind::Chat => {
+                    let message = match c.tool_calls {
+                        Some(calls) => {
+                            json!({"role": "assistant", "content": null, "tool_calls": calls})
+                        }
+                        None => json!({"role": "assistant", "content": c.text}),
+                    };
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": c.logprobs,
+                        "finish_reason": c.finish,
+                    })
+                }
                 Kind::Completion => json!({
                     "index": index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
+                    "text": c.text,
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish,
                 }),
             })
             .collect();
@@ -263,7 +312,12 @@ mod tests {
         assert_eq!(c["choices"][0]["text"], "hi");
         assert_eq!(c["choices"][0]["index"], 1);
         let full = h.full(
-            vec![("a".into(), None, "stop".into())],
+            vec![ChoiceBody {
+                text: "a".into(),
+                logprobs: None,
+                finish: "stop".into(),
+                tool_calls: None,
+            }],
             Usage {
                 prompt_tokens: 1,
                 completion_tokens: 1,
@@ -273,9 +327,37 @@ mod tests {
         assert_eq!(full["choices"][0]["text"], "a");
         assert_eq!(full["usage"]["total_tokens"], 2);
         let hc = header(Kind::Chat, false);
-        let full = hc.full(vec![("a".into(), None, "stop".into())], Usage::default());
+        let full = hc.full(
+            vec![ChoiceBody {
+                text: "a".into(),
+                logprobs: None,
+                finish: "stop".into(),
+                tool_calls: None,
+            }],
+            Usage::default(),
+        );
         assert_eq!(full["object"], "chat.completion");
         assert_eq!(full["choices"][0]["message"]["role"], "assistant");
+        let calls = tool_calls_json(
+            "chatcmpl-abc",
+            &[crate::tools::Call {
+                name: "f".into(),
+                arguments: "{}".into(),
+            }],
+        );
+        let full = hc.full(
+            vec![ChoiceBody {
+                text: String::new(),
+                logprobs: None,
+                finish: "tool_calls".into(),
+                tool_calls: Some(calls),
+            }],
+            Usage::default(),
+        );
+        let m = &full["choices"][0]["message"];
+        assert!(m["content"].is_null());
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(m["tool_calls"][0]["id"], "call_abc_0");
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct Served {
     pub pool: Pool,
     /// What requests may reserve of the process's memory.
     pub budget: Arc<MemoryBudget>,
+    /// The syntax the model writes tool calls in (the target's `tool_call_format`).
+    pub tool_format: crate::tools::ToolFormat,
     /// The structured-output grammars' factory (None: it could not be built at start-up; such
     /// requests get a 400 saying so).
     pub grammars: Option<Arc<crate::grammar::Grammars>>,
@@ -62,6 +64,7 @@ impl Served {
             vocab: self.vocab,
             ctx_size: self.ctx_size,
             grammars: self.grammars.as_deref(),
+            tool_format: self.tool_format,
         }
     }
 }

@@ -83,6 +83,7 @@ fn reservations_cover_the_heap_peak_of_adversarial_requests() {
         vocab: tk.vocab_size(),
         ctx_size: CTX,
         grammars: None,
+        tool_format: metrale_server::tools::ToolFormat::Hermes,
     };
     let digits = "7".repeat(cap - 64);
     let spaces = " ".repeat(cap - 64);
