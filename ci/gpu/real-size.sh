@@ -26,6 +26,14 @@ SRC="llama.cpp vendored in llama-cpp-python 0.3.36 (ggml 0.25.3), CUDA sm_90 bui
 T8=h200/llama-3.1-8b
 step() { echo "== $(date +%T) $*" | tee -a "$R/steps.txt"; }
 finish() { tar czf "$OUT/$1.tgz" -C "$H" results; }
+# bench-record with llama.cpp in the same run: record TARGET_DIR_NAME MODEL CTX
+record() {
+  step "bench-record $1 with llama.cpp"
+  "$H/b/bin/xtask" bench-record "$H/b/srv/$1/metrale-server" --model "$2" \
+    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size $3" \
+    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
+    > "$R/record-$1.log" 2>&1; tail -3 "$R/record-$1.log"
+}
 
 case "${1:-}" in
 prepare)
@@ -131,25 +139,13 @@ call3)
   step "llama.cpp build (started by call1) done?"
   for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
   cat "$H/llamacpp/build.done"
-  step "bench-record h200/llama-3.1-8b/bf16 with llama.cpp"
-  "$H/b/bin/xtask" bench-record "$H/b/srv/h200-llama-3.1-8b-bf16/metrale-server" --model "$H/s/l8b-bf16.gguf" \
-    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size 4096" \
-    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
-    > "$R/record-8b-bf16.log" 2>&1; tail -3 "$R/record-8b-bf16.log"
+  record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
   finish call3
   ;;
 call4)
   mkdir -p "$R"
-  step "bench-record h200/llama-3.1-8b/q4_1 with llama.cpp"
-  "$H/b/bin/xtask" bench-record "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" --model "$H/s/l8b-q4_1.gguf" \
-    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size 4096" \
-    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
-    > "$R/record-8b-q4_1.log" 2>&1; tail -3 "$R/record-8b-q4_1.log"
-  step "bench-record h200/smollm2-135m/q4_1 with llama.cpp"
-  "$H/b/bin/xtask" bench-record "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" --model "$H/s/smollm2.gguf" \
-    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size 2048" \
-    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
-    > "$R/record-smollm2.log" 2>&1; tail -3 "$R/record-smollm2.log"
+  record h200-llama-3.1-8b-q4_1 "$H/s/l8b-q4_1.gguf" 4096
+  record h200-smollm2-135m-q4_1 "$H/s/smollm2.gguf" 2048
   finish call4
   ;;
 *)

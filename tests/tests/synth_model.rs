@@ -16,8 +16,6 @@
 mod toolchain_support;
 
 use metrale_backend::cpu::CpuBackend;
-use metrale_backend::sampler::SamplingParams;
-use metrale_backend::{Backend, SeqStep};
 use metrale_model::Model;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -87,30 +85,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 fn run(m: &Model, exact: bool, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
     let mut b = CpuBackend::load(m, 1, 256, 2).unwrap();
     b.set_exact_activations(exact);
-    let p = SamplingParams::default();
-    let mut hist = prompt.to_vec();
-    let mut rows = Vec::new();
-    let table = metrale_backend::slot_blocks(0, 256);
-    let mut step = |start: usize, toks: &[u32], hist: &[u32]| {
-        let s = SeqStep {
-            slot: 0,
-            blocks: &table,
-            start_pos: start,
-            tokens: toks,
-            history: hist,
-            sampling: &p,
-            draw: 0,
-            want_logits: true,
-            allowed: None,
-        };
-        b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
-    };
-    rows.push(step(0, prompt, &hist));
-    for (i, &t) in decode.iter().enumerate() {
-        hist.push(t);
-        rows.push(step(prompt.len() + i, &[t], &hist));
-    }
-    rows
+    metrale_backend::teacher_forced_logits(&mut b, prompt, decode).unwrap()
 }
 
 fn argmax(r: &[f32]) -> usize {

@@ -323,22 +323,17 @@ fn tensors(s: &ModelShape, wt: DType, et: DType, format: Format) -> Result<Vec<T
 /// frequencies, the factor for low ones, interpolated between), as llama.cpp's converter writes it.
 fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) -> Vec<f32> {
     let hd = s.head_dim as f64;
-    let old = r.original_max_position_embeddings as f64;
-    let (low_wl, high_wl) = (old / r.low_freq_factor, old / r.high_freq_factor);
     (0..s.head_dim as usize / 2)
         .map(|i| {
             let f = s.rope_theta.powf(-2.0 * i as f64 / hd);
-            let wl = 2.0 * std::f64::consts::PI / f;
-            let factor = if wl < high_wl {
-                1.0
-            } else if wl > low_wl {
-                r.factor
-            } else {
-                let smooth =
-                    (old / wl - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
-                1.0 / ((1.0 - smooth) / r.factor + smooth)
-            };
-            factor as f32
+            let scaled = metrale_core::shape::llama3_scaled_freq(
+                f,
+                r.factor,
+                r.low_freq_factor,
+                r.high_freq_factor,
+                r.original_max_position_embeddings as f64,
+            );
+            (f / scaled) as f32
         })
         .collect()
 }

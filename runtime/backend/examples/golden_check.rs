@@ -18,8 +18,7 @@
 //!   largest difference between the two backends' logit rows and whether their greedy tokens agree
 //!   (bounded by `--cpu-tol`, default `--tol`).
 
-use metrale_backend::sampler::SamplingParams;
-use metrale_backend::{Backend, KvConfig, KvDtype, SeqStep};
+use metrale_backend::{Backend, KvConfig, KvDtype};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -40,31 +39,7 @@ fn ids(v: &Value) -> Vec<u32> {
 
 /// Logits rows: the prompt's last position, then each teacher-forced decode position.
 fn run(b: &mut dyn Backend, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
-    let cap = b.info().slot_capacity;
-    let table = metrale_backend::slot_blocks(0, cap);
-    let p = SamplingParams::default();
-    let mut hist = prompt.to_vec();
-    let mut rows = Vec::new();
-    let step = |b: &mut dyn Backend, start: usize, toks: &[u32], hist: &[u32]| {
-        let s = SeqStep {
-            slot: 0,
-            blocks: &table,
-            start_pos: start,
-            tokens: toks,
-            history: hist,
-            sampling: &p,
-            draw: 0,
-            want_logits: true,
-            allowed: None,
-        };
-        b.step(&[s]).expect("step").pop().unwrap().logits.unwrap()
-    };
-    rows.push(step(b, 0, prompt, &hist));
-    for (i, &t) in decode.iter().enumerate() {
-        hist.push(t);
-        rows.push(step(b, prompt.len() + i, &[t], &hist));
-    }
-    rows
+    metrale_backend::teacher_forced_logits(b, prompt, decode).expect("step")
 }
 
 fn argmax(r: &[f32]) -> usize {

@@ -138,6 +138,47 @@ pub struct BackendInfo {
     pub kv_bytes: u64,
 }
 
+/// Logits of a prompt prefilled in one step, then of each token of `decode` fed alone (teacher
+/// forcing), greedy, in slot 0 of a pool laid out [`KvConfig::per_slot`]: the rows a reference
+/// implementation's golden is compared with (tests and tools).
+pub fn teacher_forced_logits(
+    b: &mut dyn Backend,
+    prompt: &[u32],
+    decode: &[u32],
+) -> Result<Vec<Vec<f32>>, BackendError> {
+    let table = slot_blocks(0, b.info().slot_capacity);
+    let p = sampler::SamplingParams::default();
+    let mut hist = prompt.to_vec();
+    let mut rows = Vec::with_capacity(decode.len() + 1);
+    let mut start = 0;
+    let mut toks = prompt.to_vec();
+    for i in 0..=decode.len() {
+        let s = SeqStep {
+            slot: 0,
+            blocks: &table,
+            start_pos: start,
+            tokens: &toks,
+            history: &hist,
+            sampling: &p,
+            draw: 0,
+            want_logits: true,
+            allowed: None,
+        };
+        let out = b.step(&[s])?.pop();
+        rows.push(
+            out.and_then(|o| o.logits).ok_or_else(|| {
+                BackendError::Invalid("the backend returned no logits row".into())
+            })?,
+        );
+        if let Some(&t) = decode.get(i) {
+            start = hist.len();
+            hist.push(t);
+            toks = vec![t];
+        }
+    }
+    Ok(rows)
+}
+
 /// A loaded model on a device.
 pub trait Backend: Send {
     fn info(&self) -> BackendInfo;

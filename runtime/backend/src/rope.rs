@@ -31,19 +31,13 @@ pub fn rope_inv_freq(
         .map(|i| {
             let mut f = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
             if let Some(s) = scaling {
-                let old = s.original_max_position_embeddings as f64;
-                let low_wl = old / s.low_freq_factor as f64;
-                let high_wl = old / s.high_freq_factor as f64;
-                let wl = 2.0 * std::f64::consts::PI / f;
-                f = if wl < high_wl {
-                    f
-                } else if wl > low_wl {
-                    f / s.factor as f64
-                } else {
-                    let smooth = (old / wl - s.low_freq_factor as f64)
-                        / (s.high_freq_factor as f64 - s.low_freq_factor as f64);
-                    (1.0 - smooth) * f / s.factor as f64 + smooth * f
-                };
+                f = metrale_core::shape::llama3_scaled_freq(
+                    f,
+                    s.factor as f64,
+                    s.low_freq_factor as f64,
+                    s.high_freq_factor as f64,
+                    s.original_max_position_embeddings as f64,
+                );
             }
             if let Some(ff) = freq_factors {
                 f /= ff[i] as f64;

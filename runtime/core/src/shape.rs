@@ -95,3 +95,20 @@ impl std::fmt::Display for KvDtype {
         f.write_str(self.name())
     }
 }
+
+/// Llama 3 RoPE scaling of one inverse frequency `f` (HF's `rope_type: "llama3"`): wavelengths
+/// shorter than `old / high` keep `f`, longer than `old / low` divide it by `factor`, and those
+/// between interpolate. The one formula the backends' rope table and `synth-model`'s GGUF
+/// `rope_freqs` use.
+pub fn llama3_scaled_freq(f: f64, factor: f64, low: f64, high: f64, old: f64) -> f64 {
+    let (low_wl, high_wl) = (old / low, old / high);
+    let wl = 2.0 * std::f64::consts::PI / f;
+    if wl < high_wl {
+        f
+    } else if wl > low_wl {
+        f / factor
+    } else {
+        let smooth = (old / wl - low) / (high - low);
+        (1.0 - smooth) * f / factor + smooth * f
+    }
+}

@@ -230,13 +230,7 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
             ));
             // for templates that read only `content`: the calls as the model writes them
             if msg.content.is_empty() {
-                let t = crate::tools::Tools {
-                    list: Vec::new(),
-                    choice: crate::tools::Choice::Auto,
-                    parallel: true,
-                    format: p.tool_format,
-                };
-                msg.content = t.render(&pairs);
+                msg.content = p.tool_format.render(&pairs);
             }
         }
         msg.tool_call_id = m.tool_call_id.clone();

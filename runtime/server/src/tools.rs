@@ -36,6 +36,29 @@ impl ToolFormat {
             )),
         }
     }
+
+    /// The text the model writes for `calls` (an assistant message that carries only tool calls is
+    /// rendered with it as its content, for templates that do not read `tool_calls`).
+    pub fn render(self, calls: &[(String, String)]) -> String {
+        let args = |a: &str| serde_json::from_str::<Value>(a).unwrap_or(json!({}));
+        match self {
+            ToolFormat::Hermes => calls
+                .iter()
+                .map(|(n, a)| {
+                    format!(
+                        "<tool_call>\n{}\n</tool_call>",
+                        json!({"name": n, "arguments": args(a)})
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+            ToolFormat::Llama3Json => calls
+                .iter()
+                .map(|(n, a)| json!({"name": n, "parameters": args(a)}).to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        }
+    }
 }
 
 /// One function the client offers.
@@ -292,29 +315,6 @@ impl Tools {
         };
         (!calls.is_empty()).then_some(calls)
     }
-
-    /// The text the model writes for `calls` (an assistant message that carries only tool calls is
-    /// rendered with it as its content, for templates that do not read `tool_calls`).
-    pub fn render(&self, calls: &[(String, String)]) -> String {
-        let args = |a: &str| serde_json::from_str::<Value>(a).unwrap_or(json!({}));
-        match self.format {
-            ToolFormat::Hermes => calls
-                .iter()
-                .map(|(n, a)| {
-                    format!(
-                        "<tool_call>\n{}\n</tool_call>",
-                        json!({"name": n, "arguments": args(a)})
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("\n"),
-            ToolFormat::Llama3Json => calls
-                .iter()
-                .map(|(n, a)| json!({"name": n, "parameters": args(a)}).to_string())
-                .collect::<Vec<_>>()
-                .join("; "),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -341,7 +341,7 @@ mod tests {
                 ("get_weather".to_string(), r#"{"city":"Paris"}"#.to_string()),
                 ("add".to_string(), r#"{"a":1,"b":2}"#.to_string()),
             ];
-            let text = t.render(&calls);
+            let text = f.render(&calls);
             let got = t.parse(&text).unwrap_or_else(|| panic!("{f:?}: {text}"));
             assert_eq!(got.len(), 2, "{text}");
             assert_eq!(got[0].name, "get_weather");
