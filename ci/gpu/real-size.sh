@@ -18,6 +18,15 @@
 #   bash ci/gpu/real-size.sh call4   (carry nothing)       bench-record with llama.cpp for
 #                                    h200/llama-3.1-8b/q4_1 and h200/smollm2-135m/q4_1
 # Each call leaves $OUT/<call>.tgz (its results folder).
+#
+# After a change to the CUDA decode path, a second cycle re-runs what depends on it, in two calls
+# (the 8B checkpoints are made again: a fresh machine has none):
+#   bash ci/gpu/real-size.sh prepare-verify MODEL.gguf   CPU machine: .v1/, .v2/ (and .peer/)
+#   bash ci/gpu/real-size.sh verify1  carry .v1 .peer    llama.cpp's build (background); the 8B files;
+#                                     the 2-layer checks (kernels built for 2 layers); the 8B bf16
+#                                     server under 256 then 512 streams; bench-record for 8B bf16
+#   bash ci/gpu/real-size.sh verify2  carry .v2          SmolLM2's cuda_model and contract; the other
+#                                     two records (and 8B bf16's if verify1 ran out of time)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 H=$HOME
@@ -35,7 +44,135 @@ record() {
     > "$R/record-$1.log" 2>&1; tail -3 "$R/record-$1.log"
 }
 
+T0=$(date +%s)
+# seconds left before this call should stop (a call may run 600 s; 40 s kept for packing)
+left() { echo $((560 - $(date +%s) + T0)); }
+# the executable a cargo command builds (the last one it names)
+exe() { cargo "$@" --message-format=json 2>/dev/null \
+  | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
+# make the 8B checkpoints from the carried vocabulary GGUF: bf16 and q4_1 GGUFs, 2-layer HF folder and GGUF
+synth8b() {
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 and q4_1 GGUFs, 2-layer HF folder and bf16 GGUF"
+  for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf" \
+           "--layers 2 --format hf --out $H/s/l8b2-hf" "--layers 2 --out $H/s/l8b2-bf16.gguf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+}
+# the 8B bf16 server: 256 streams that all fit (all must finish), then 512 that cannot
+serve8b() {
+  S="$H/b/srv/h200-llama-3.1-8b-bf16/metrale-server"
+  step "8B bf16 server, 256 slots, pool 131072 tokens: 256 streams (~160 prompt + 256 generated), all must finish"
+  "$S" --model "$H/s/l8b-bf16.gguf" --port 8091 --parallel 256 --ctx-size 4096 --kv-cache-tokens 131072 > "$R/serve.log" 2>&1 &
+  SP=$!
+  for _ in $(seq 600); do curl -sf localhost:8091/health >/dev/null && break; sleep 0.2; done
+  grep -E "backend:|decode:|KV cache|ready in" "$R/serve.log"
+  timeout 150 python3 bench/load/load.py --base http://127.0.0.1:8091 --streams 256 --prompt-words 140 \
+    --max-tokens 256 --expect-all-ok --out "$R/load-256.json" | tail -13; echo "load-256 rc=$?"
+  step "512 streams into the same server (256 slots; 512 x ~416 tokens > the pool): finish or 429/503"
+  timeout 200 python3 bench/load/load.py --base http://127.0.0.1:8091 --streams 512 --prompt-words 140 \
+    --max-tokens 256 --out "$R/load-512.json" | tail -13; echo "load-512 rc=$?"
+  curl -s localhost:8091/metrics | grep -E "^vllm:(num_preemptions|request_success)|rejected" | tee "$R/metrics.txt"
+  kill $SP; wait $SP
+}
+
 case "${1:-}" in
+prepare-verify)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/real-size.sh prepare-verify MODEL.gguf" >&2; exit 2; }
+  rm -rf .v1 .v2 && mkdir -p .v1/b/bin .v1/b/k .v1/b/srv .v2/b/srv .v2/b/k
+  # the 2-layer variant's kernels: the same target with layers = 2 (the KV layout and decode_1 depend on it)
+  t2=.v1/b/t2 && mkdir -p $t2 && cp -r kernels targets $t2/
+  sed -i 's/^layers = 32$/layers = 2/' $t2/targets/models/llama-3.1-8b.toml
+  grep -q '^layers = 2$' $t2/targets/models/llama-3.1-8b.toml
+  cargo xtask build-target --hw h200 --model llama-3.1-8b --quant bf16 --kernels-only --repo $t2 \
+    --out .v1/b/k/h200-llama-3.1-8b-2l-bf16 2>&1 | tail -1
+  rm -rf $t2/kernels
+  cargo xtask build-target --hw h200 --model smollm2-135m --quant q4_1 --kernels-only \
+    --out .v2/b/k/h200-smollm2-135m-q4_1 2>&1 | tail -1
+  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
+    m=${t%/*} q=${t#*/} d=.v2; [ "$t" = llama-3.1-8b/bf16 ] && d=.v1
+    cargo xtask build-target --hw h200 --model "$m" --quant "$q" --out "$d/b/srv/h200-$m-$q" 2>&1 | tail -1
+    rm -rf "$d/b/srv/h200-$m-$q/kernels"
+  done
+  for t in cuda_model contract; do cp "$(exe test --release -p metrale-backend --features cuda --no-run --test $t)" .v1/b/bin/$t; done
+  cp "$(exe build --release -p metrale-backend --features cuda --example golden_check)" .v1/b/bin/golden_check
+  cp "$(exe build --release -p xtask)" .v1/b/bin/xtask
+  strip .v1/b/bin/*
+  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .v1/b/vocab-8b.gguf >/dev/null
+  tar cJf .v1/b.tar.xz -C .v1 b && rm -rf .v1/b
+  tar cJf .v2/b.tar.xz -C .v2 b && rm -rf .v2/b
+  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
+  # the default model, xz-compressed (98.4 -> 90.5 MB), in two parts: as much in .v1 as fits
+  # beside the peer's source (1.5 MB kept in hand)
+  xz -T0 -6 -c "$model" > .v2/model.xz
+  n=$((67108864 - 1500000 - $(du -cb .v1 .peer | tail -1 | cut -f1) - $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)))
+  head -c $n .v2/model.xz > .v1/part.aa
+  tail -c +$((n + 1)) .v2/model.xz > .v2/part.ab && rm .v2/model.xz
+  sha256sum "$model" | cut -d' ' -f1 > .v2/model.sha256
+  for c in ".v1 .peer" ".v2"; do
+    echo "carry $c: $(du -cb $c | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  done
+  ;;
+verify1)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s"
+  tar xJf .v1/b.tar.xz -C "$H" && cp .v1/part.aa "$H/b/"
+  step "llama.cpp build (background)"
+  bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  synth8b
+  step "HF golden (f32 on the GPU), 2 layers"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
+  tail -2 "$R/golden2.txt"
+  step "CUDA vs HF and vs CPU: 2 layers (bf16 KV), HF folder and GGUF"
+  K2=$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels
+  for m in "$H/s/l8b2-hf" "$H/s/l8b2-bf16.gguf"; do
+    METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$m" "$R/l8b2_golden.json" --cuda "$K2" $T8/bf16 \
+      --vs-cpu --tol 0.05 | tee -a "$R/check-2l.json"
+  done
+  serve8b
+  for _ in $(seq 60); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  if [ "$(left)" -gt 170 ]; then record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096; fi
+  finish verify1
+  ;;
+check2l)
+  # the 2-layer comparison alone, per position, with the prompt prefilled in one GEMM step and in
+  # 32-token matrix-vector steps (carry .v3: golden_check, xtask, the 2-layer kernels and targets)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .v3/b.tar.xz -C "$H"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
+    --out "$H/s/l8b2-hf" 2>&1 | grep synth-model
+  step "HF golden (f32 on the GPU), 2 layers"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
+  tail -1 "$R/golden2.txt"
+  C="$H/b/bin/golden_check $H/s/l8b2-hf $R/l8b2_golden.json"
+  export METRALE_TARGETS=$H/b/t2/targets
+  K2=$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels
+  step "CUDA, prompt in one step (GEMM path), vs HF and vs CPU"
+  $C --cuda "$K2" $T8/bf16 --vs-cpu --tol 0.05 | tee "$R/check-2l-gemm.json"
+  step "CUDA, prompt in 32-token steps (matrix-vector path), vs HF and vs CPU"
+  $C --cuda "$K2" $T8/bf16 --vs-cpu --tol 0.05 --prefill-chunk 32 | tee "$R/check-2l-mv.json"
+  step "CPU alone vs HF: bf16 KV, f32 activations"
+  $C --kv bf16 --exact --tol 0.05 | tee "$R/check-2l-cpu.json"
+  finish check2l
+  ;;
+verify2)
+  mkdir -p "$R" && tar xJf .v2/b.tar.xz -C "$H"
+  cat "$H/b/part.aa" .v2/part.ab | xz -d > "$H/s/smollm2.gguf"
+  echo "$(cat .v2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c | tee "$R/model-sha256.txt" || exit 1
+  (
+    export METRALE_MODEL=$H/s/smollm2.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels
+    export METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets
+    step "SmolLM2 regression: cuda_model (64 sequences on the GEMM decode path too) and the contract"
+    timeout 200 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
+    timeout 100 "$H/b/bin/contract" --nocapture --test-threads=1 > "$R/contract.txt" 2>&1; echo "contract rc=$?" | tee -a "$R/contract.txt"
+    grep -E "test result|panicked|worst rel" "$R/model-test.txt" "$R/contract.txt"
+  )
+  ls "$R"/records/*llama-3.1-8b-bf16* >/dev/null 2>&1 || record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
+  record h200-llama-3.1-8b-q4_1 "$H/s/l8b-q4_1.gguf" 4096
+  record h200-smollm2-135m-q4_1 "$H/s/smollm2.gguf" 2048
+  finish verify2
+  ;;
 prepare)
   set -e
   model=${2:-${METRALE_MODEL:-}}
@@ -47,11 +184,10 @@ prepare)
     cargo xtask build-target --hw h200 --model "$m" --quant "$q" --out ".real2/srv/h200-$m-$q" 2>&1 | tail -1
     rm -rf ".real2/srv/h200-$m-$q/kernels"
   done
-  exe() { cargo "$@" --release -p metrale-backend --features cuda --message-format=json 2>/dev/null \
-    | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
-  for t in cuda_kernels cuda_model contract; do cp "$(exe test --no-run --test $t)" .real1/bin/$t; done
-  for e in cuda_load_check cuda_bench golden_check; do cp "$(exe build --example $e)" .real1/bin/$e; done
-  cp "$(cargo build --release -p xtask --message-format=json 2>/dev/null | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1)" .real1/bin/xtask
+  C="--release -p metrale-backend --features cuda"
+  for t in cuda_kernels cuda_model contract; do cp "$(exe test $C --no-run --test $t)" .real1/bin/$t; done
+  for e in cuda_load_check cuda_bench golden_check; do cp "$(exe build $C --example $e)" .real1/bin/$e; done
+  cp "$(exe build --release -p xtask)" .real1/bin/xtask
   strip .real1/bin/*
   cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .real1/vocab-8b.gguf >/dev/null
   tar cJf .real1/bin.tar.xz -C .real1 bin k vocab-8b.gguf && rm -rf .real1/bin .real1/k .real1/vocab-8b.gguf

@@ -85,7 +85,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 fn run(m: &Model, exact: bool, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
     let mut b = CpuBackend::load(m, 1, 256, 2).unwrap();
     b.set_exact_activations(exact);
-    metrale_backend::teacher_forced_logits(&mut b, prompt, decode).unwrap()
+    metrale_backend::teacher_forced_logits(&mut b, prompt, decode, None).unwrap()
 }
 
 fn argmax(r: &[f32]) -> usize {
@@ -152,6 +152,17 @@ fn hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
             if exact { "f32" } else { "16-bit integer" }
         );
         assert!(worst <= tol, "max diff {worst} > {tol}");
+    }
+    // the prompt prefilled in 7-token chunks (golden_check --prefill-chunk) gives the same rows
+    let mut b = CpuBackend::load(&m, 1, 256, 2).unwrap();
+    b.set_exact_activations(true);
+    let chunked =
+        metrale_backend::teacher_forced_logits(&mut b, &prompt, &decode, Some(7)).unwrap();
+    let whole = run(&m, true, &prompt, &decode);
+    assert_eq!(chunked.len(), whole.len());
+    for (i, (a, b)) in chunked.iter().zip(&whole).enumerate() {
+        let d = max_abs(a, b);
+        assert!(d < 1e-4, "position {i}: chunked prefill differs by {d}");
     }
 }
 

@@ -9,8 +9,10 @@
 //! checked position, max |logit - reference| over the reference's top-20 of each and over the full
 //! last row.
 //!
-//! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact]
+//! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N]
 //!                     [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]
+//! - `--prefill-chunk N`: prefill the prompt in steps of at most N tokens (default one step; on
+//!   CUDA, steps under 48 tokens take the matrix-vector kernels instead of the GEMMs);
 //! - default backend: cpu (`--kv`: its KV cache type, default f32; `--exact`: f32 activations);
 //! - `--cuda`: the CUDA backend with a target's kernels (its KV type is the target's); reads
 //!   METRALE_TARGETS (the targets/ folder, default `targets`); needs the `cuda` feature;
@@ -38,8 +40,8 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 /// Logits rows: the prompt's last position, then each teacher-forced decode position.
-fn run(b: &mut dyn Backend, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
-    metrale_backend::teacher_forced_logits(b, prompt, decode).expect("step")
+fn run(b: &mut dyn Backend, prompt: &[u32], decode: &[u32], chunk: Option<usize>) -> Vec<Vec<f32>> {
+    metrale_backend::teacher_forced_logits(b, prompt, decode, chunk).expect("step")
 }
 
 fn argmax(r: &[f32]) -> usize {
@@ -104,7 +106,7 @@ fn cuda_backend(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu]");
+        eprintln!("usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N] [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]");
         std::process::exit(2);
     }
     let model_path = PathBuf::from(&args[1]);
@@ -142,10 +144,12 @@ fn main() {
     };
     let info = b.info();
     let t1 = std::time::Instant::now();
-    let rows = run(b.as_mut(), &prompt, &decode);
+    let chunk = opt(&args, "--prefill-chunk").map(|c| c.parse().expect("--prefill-chunk N"));
+    let rows = run(b.as_mut(), &prompt, &decode, chunk);
     let run_s = t1.elapsed().as_secs_f64();
     let tops = g["top20"].as_array().expect("top20");
     let mut worst_top20 = 0f32;
+    let mut per_position = Vec::with_capacity(rows.len());
     let mut top1_agree = 0;
     let mut top1_margin_min = f32::INFINITY;
     for (row, top) in rows.iter().zip(tops) {
@@ -157,13 +161,16 @@ fn main() {
         let l0 = top[0][1].as_f64().unwrap() as f32;
         let l1 = top[1][1].as_f64().unwrap() as f32;
         top1_margin_min = top1_margin_min.min(l0 - l1);
+        let mut worst = 0f32;
         for e in top {
             let (id, l) = (
                 e[0].as_u64().unwrap() as usize,
                 e[1].as_f64().unwrap() as f32,
             );
-            worst_top20 = worst_top20.max((row[id] - l).abs());
+            worst = worst.max((row[id] - l).abs());
         }
+        per_position.push(worst);
+        worst_top20 = worst_top20.max(worst);
     }
     let worst_last = rows
         .last()
@@ -186,6 +193,8 @@ fn main() {
         "top1_agree": top1_agree,
         "reference_min_top1_margin": top1_margin_min,
         "max_abs_diff_top20": worst_top20,
+        "max_abs_diff_top20_per_position": per_position,
+        "prefill_chunk": chunk,
         "max_abs_diff_last_row": worst_last,
         "tolerance": tol,
         "load_s": load_s,
@@ -194,18 +203,24 @@ fn main() {
     let mut ok = worst_top20 <= tol && worst_last <= tol && top1_agree == rows.len();
     if args.iter().any(|a| a == "--vs-cpu") && idx.is_some() {
         let mut c = cpu_backend(&m, kv, true, cap);
-        let crows = run(c.as_mut(), &prompt, &decode);
-        let diff = rows
+        let crows = run(c.as_mut(), &prompt, &decode, None);
+        let per: Vec<f32> = rows
             .iter()
             .zip(&crows)
-            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
-            .fold(0f32, f32::max);
+            .map(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+            })
+            .collect();
+        let diff = per.iter().copied().fold(0f32, f32::max);
         let same = rows
             .iter()
             .zip(&crows)
             .filter(|(a, b)| argmax(a) == argmax(b))
             .count();
-        out["vs_cpu"] = json!({"max_abs_diff": diff, "top1_agree": same, "positions": rows.len()});
+        out["vs_cpu"] = json!({"max_abs_diff": diff, "max_abs_diff_per_position": per, "top1_agree": same, "positions": rows.len()});
         let cpu_tol: f32 =
             opt(&args, "--cpu-tol").map_or(tol, |t| t.parse().expect("--cpu-tol number"));
         out["vs_cpu"]["tolerance"] = json!(cpu_tol);

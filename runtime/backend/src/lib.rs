@@ -138,42 +138,45 @@ pub struct BackendInfo {
     pub kv_bytes: u64,
 }
 
-/// Logits of a prompt prefilled in one step, then of each token of `decode` fed alone (teacher
-/// forcing), greedy, in slot 0 of a pool laid out [`KvConfig::per_slot`]: the rows a reference
-/// implementation's golden is compared with (tests and tools).
+/// Logits of a prompt prefilled in steps of at most `chunk` tokens (`None`: one step), then of
+/// each token of `decode` fed alone (teacher forcing), greedy, in slot 0 of a pool laid out
+/// [`KvConfig::per_slot`]: the rows a reference implementation's golden is compared with (tests
+/// and tools). The first row is the prompt's last position.
 pub fn teacher_forced_logits(
     b: &mut dyn Backend,
     prompt: &[u32],
     decode: &[u32],
+    chunk: Option<usize>,
 ) -> Result<Vec<Vec<f32>>, BackendError> {
     let table = slot_blocks(0, b.info().slot_capacity);
     let p = sampler::SamplingParams::default();
-    let mut hist = prompt.to_vec();
+    let chunk = chunk.unwrap_or(prompt.len()).max(1);
+    let mut hist = Vec::with_capacity(prompt.len() + decode.len());
+    let mut pieces: Vec<&[u32]> = prompt.chunks(chunk).collect();
+    pieces.extend(decode.chunks(1));
     let mut rows = Vec::with_capacity(decode.len() + 1);
-    let mut start = 0;
-    let mut toks = prompt.to_vec();
-    for i in 0..=decode.len() {
+    let prompt_steps = prompt.len().div_ceil(chunk);
+    for (i, toks) in pieces.iter().enumerate() {
+        let start = hist.len();
+        hist.extend_from_slice(toks);
+        // the last prompt chunk gives the first row; each decode token's step the next
+        let want = i + 1 >= prompt_steps;
         let s = SeqStep {
             slot: 0,
             blocks: &table,
             start_pos: start,
-            tokens: &toks,
+            tokens: toks,
             history: &hist,
             sampling: &p,
             draw: 0,
-            want_logits: true,
+            want_logits: want,
             allowed: None,
         };
         let out = b.step(&[s])?.pop();
-        rows.push(
-            out.and_then(|o| o.logits).ok_or_else(|| {
+        if want {
+            rows.push(out.and_then(|o| o.logits).ok_or_else(|| {
                 BackendError::Invalid("the backend returned no logits row".into())
-            })?,
-        );
-        if let Some(&t) = decode.get(i) {
-            start = hist.len();
-            hist.push(t);
-            toks = vec![t];
+            })?);
         }
     }
     Ok(rows)

@@ -2,7 +2,8 @@
 //! reference). Greedy decoding must give identical tokens for 64 steps; the logits of the prompt's last
 //! position must agree to a relative L2 error below 1e-3 with the same top-1 token; a chunked prefill,
 //! two sequences decoded together (one graph of two tokens) and the graph path must all give the same
-//! tokens as the straightforward path. The persistent decode kernel (`decode_1`, every one-sequence
+//! tokens as the straightforward path; 64 sequences decoded together (the GEMM decode path) give
+//! the CPU's logits at every step. The persistent decode kernel (`decode_1`, every one-sequence
 //! decode step) is checked step by step: its logits against the CPU's at every step (rel L2 < 1e-3),
 //! at short and long (multi-tile, 8-split attention) contexts, and its tokens against the graph path.
 //!
@@ -420,5 +421,88 @@ fn long_prompt_gemm_prefill_matches_cpu_backend() {
         "decode logits, 12 steps from {} positions: worst rel L2 err {worst:.2e}; stats {:?}",
         p.len(),
         gpu2.stats
+    );
+}
+
+/// 64 sequences decoded together: a decode step of >= `MIN_TOKENS` tokens runs the layer products as
+/// tensor-core GEMMs (`Tuning::decode_gemm`). Teacher-forced with the CPU backend's greedy tokens
+/// (so a near-tie cannot make the histories differ), every step's logits of every sequence against
+/// the CPU's f32 path: rel L2 < 1e-3 (the bound of the one-sequence checks above) and the same top-1.
+#[test]
+fn batched_gemm_decode_matches_cpu_backend() {
+    let Some(s) = setup("cuda_model batched decode") else {
+        return;
+    };
+    const N: usize = 64;
+    const DECODE: usize = 6;
+    let subjects = [
+        "rivers", "bread", "stars", "trains", "music", "bees", "glass", "maps",
+    ];
+    let prompts: Vec<Vec<u32>> = (0..N)
+        .map(|i| {
+            let t = format!(
+                "Write {} short facts about {}.",
+                i / subjects.len() + 1,
+                subjects[i % subjects.len()]
+            );
+            prompt(&s, &t)
+        })
+        .collect();
+    let mut cpu = CpuBackend::load(&s.model, N, 256, 0).expect("cpu backend");
+    cpu.set_exact_activations(true);
+    let mut gpu = cuda(
+        &s,
+        CudaOptions {
+            slots: N,
+            slot_capacity: 256,
+            kv_blocks: N * metrale_backend::blocks_for(256),
+            ..Default::default()
+        },
+    );
+    let greedy = SamplingParams::default();
+    let tables: Vec<Vec<u32>> = (0..N)
+        .map(|i| metrale_backend::slot_blocks(i, 256))
+        .collect();
+    let mut hist = prompts.clone();
+    let mut worst = 0f64;
+    for step in 0..=DECODE {
+        let batch: Vec<SeqStep> = (0..N)
+            .map(|i| {
+                let start = if step == 0 { 0 } else { hist[i].len() - 1 };
+                SeqStep {
+                    slot: i,
+                    blocks: &tables[i],
+                    start_pos: start,
+                    tokens: &hist[i][start..],
+                    history: &hist[i],
+                    sampling: &greedy,
+                    draw: step as u64,
+                    want_logits: true,
+                    allowed: None,
+                }
+            })
+            .collect();
+        let want = cpu.step(&batch).expect("cpu step");
+        let got = gpu.step(&batch).expect("cuda step");
+        drop(batch);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (gl, wl) = (g.logits.as_ref().unwrap(), w.logits.as_ref().unwrap());
+            let rel = rel_l2(gl, wl);
+            worst = worst.max(rel);
+            assert!(
+                rel < 1e-3,
+                "sequence {i}, step {step}: logits rel L2 err {rel:.2e}"
+            );
+            assert_eq!(
+                metrale_backend::sampler::argmax(gl),
+                metrale_backend::sampler::argmax(wl),
+                "sequence {i}, step {step}: top-1 differs"
+            );
+            hist[i].push(w.token);
+        }
+    }
+    eprintln!(
+        "{N} sequences, prefill + {DECODE} batched decode steps: worst rel L2 err {worst:.2e}; stats {:?}",
+        gpu.stats
     );
 }

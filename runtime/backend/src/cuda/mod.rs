@@ -82,6 +82,10 @@ pub struct Tuning {
     pub run_ahead: bool,
     /// Capture and replay CUDA graphs for decode steps of several sequences (else direct launches).
     pub graphs: bool,
+    /// Decode steps of at least [`prefill::MIN_TOKENS`] sequences run their layer products as
+    /// tensor-core GEMMs, as prefill chunks do (else the matrix-vector kernels, which re-read the
+    /// weights once per 8-token tile).
+    pub decode_gemm: bool,
 }
 
 impl Default for Tuning {
@@ -90,6 +94,7 @@ impl Default for Tuning {
             persistent_decode: true,
             run_ahead: true,
             graphs: true,
+            decode_gemm: true,
         }
     }
 }
@@ -98,7 +103,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 3] = ["persistent_decode", "run_ahead", "graphs"];
+    pub const KEYS: [&'static str; 4] = ["persistent_decode", "run_ahead", "graphs", "decode_gemm"];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
     /// `run_ahead=off,graphs=on` (empty: no change). An unknown key or value is an error naming it
@@ -122,6 +127,7 @@ impl Tuning {
                 "persistent_decode" => self.persistent_decode = on,
                 "run_ahead" => self.run_ahead = on,
                 "graphs" => self.graphs = on,
+                "decode_gemm" => self.decode_gemm = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -339,8 +345,13 @@ impl CudaBackend {
         } else {
             "direct launches"
         };
+        let gemm = if self.opts.tuning.decode_gemm {
+            format!(", tensor-core GEMMs from {} sequences", prefill::MIN_TOKENS)
+        } else {
+            String::new()
+        };
         format!(
-            "decode: {one}; several sequences: per-stage kernels, {many} (kernels loaded from {}, {})",
+            "decode: {one}; several sequences: per-stage kernels{gemm}, {many} (kernels loaded from {}, {})",
             self.gpu.loaded_from(),
             self.target
         )
@@ -388,11 +399,13 @@ impl CudaBackend {
         io[3 * t..3 * t + nout].copy_from_slice(sel);
         self.gpu.write_async(&self.b.io_in, 0, &io)?;
         self.last_key = Some((ntok, nsplit));
+        // long chunks take the tensor-core GEMM path; decode steps too unless tuned off
+        let gemm = ntok >= prefill::MIN_TOKENS && (!decode || self.opts.tuning.decode_gemm);
         if decode && self.opts.tuning.graphs && nout == ntok {
             let key = (ntok, nsplit);
             if !self.graphs.contains_key(&key) {
                 self.gpu.begin_capture()?;
-                let r = self.enqueue(ntok, nout, nsplit, false);
+                let r = self.enqueue(ntok, nout, nsplit, gemm);
                 let graph = self.gpu.end_capture();
                 r?;
                 self.graphs.insert(key, graph?);
@@ -401,8 +414,7 @@ impl CudaBackend {
             self.gpu.replay(&self.graphs[&key])?;
             self.stats.graph_launches += 1;
         } else {
-            // not a pure decode step: long chunks take the tensor-core GEMM path
-            self.enqueue(ntok, nout, nsplit, !decode && ntok >= prefill::MIN_TOKENS)?;
+            self.enqueue(ntok, nout, nsplit, gemm)?;
             self.stats.direct_steps += 1;
         }
         Ok(())

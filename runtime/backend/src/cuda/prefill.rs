@@ -3,9 +3,11 @@
 //! activations split once into f16 hi/lo pairs and block sums (RMSNorm folded into the split), and
 //! the scratch they need.
 //!
-//! The backend uses this path for chunks that are not pure decode and hold at least [`MIN_TOKENS`]
-//! tokens; decode steps keep the matrix-vector kernels and their CUDA graphs. Attention, embedding
-//! and the LM head are the same kernels on both paths.
+//! The backend uses this path for chunks of at least [`MIN_TOKENS`] tokens, decode steps of that
+//! many sequences included (inside their CUDA graphs; `Tuning::decode_gemm` turns that off): the
+//! matrix-vector kernels re-read every weight once per 8-token tile, which at 8B and 256 sequences
+//! is 32 passes over 16 GB per step. Attention, embedding and the LM head are the same kernels on
+//! both paths.
 //!
 //! Invariants: the split scratch (`hi`, `lo`: f16 `[max_tokens][max K]`, `sx`: f32
 //! `[max_tokens][max K / 32]`) is written by a split kernel right before the GEMM that reads it, in
@@ -18,7 +20,7 @@ use super::device::DevBuf;
 use super::launch::Gpu;
 use super::weights::DevMat;
 
-/// Fewest tokens of a (non-decode) chunk that go through the GEMM path (below it the matvec kernels
+/// Fewest tokens of a chunk that go through the GEMM path (below it the matvec kernels
 /// over 8-token tiles are faster: bench/cuda/NOTES.md).
 pub const MIN_TOKENS: usize = 48;
 
