@@ -17,6 +17,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod numerics;
+pub mod pipeline;
 pub mod rope;
 pub mod sampler;
 
