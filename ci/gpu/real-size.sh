@@ -27,6 +27,10 @@
 #                                     server under 256 then 512 streams; bench-record for 8B bf16
 #   bash ci/gpu/real-size.sh verify2  carry .v2          SmolLM2's cuda_model and contract; the other
 #                                     two records (and 8B bf16's if verify1 ran out of time)
+# and the 2-layer comparison alone, position by position and repeated under each runtime choice
+# that could race (one call, ~2 min):
+#   bash ci/gpu/real-size.sh prepare-check2l MODEL.gguf   CPU machine: .v3/
+#   bash ci/gpu/real-size.sh check2l  carry .v3
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 H=$HOME
@@ -136,9 +140,30 @@ verify1)
   if [ "$(left)" -gt 170 ]; then record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096; fi
   finish verify1
   ;;
+prepare-check2l)
+  # .v3: golden_check, xtask, the 2-layer variant's kernels and targets, the vocabulary GGUF
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/real-size.sh prepare-check2l MODEL.gguf" >&2; exit 2; }
+  rm -rf .v3 && mkdir -p .v3/b/bin .v3/b/k
+  t2=.v3/b/t2 && mkdir -p $t2 && cp -r kernels targets $t2/
+  sed -i 's/^layers = 32$/layers = 2/' $t2/targets/models/llama-3.1-8b.toml
+  grep -q '^layers = 2$' $t2/targets/models/llama-3.1-8b.toml
+  cargo xtask build-target --hw h200 --model llama-3.1-8b --quant bf16 --kernels-only --repo $t2 \
+    --out .v3/b/k/h200-llama-3.1-8b-2l-bf16 2>&1 | tail -1
+  rm -rf $t2/kernels
+  cp "$(exe build --release -p metrale-backend --features cuda --example golden_check)" .v3/b/bin/golden_check
+  cp "$(exe build --release -p xtask)" .v3/b/bin/xtask
+  strip .v3/b/bin/*
+  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .v3/b/vocab-8b.gguf >/dev/null
+  tar cJf .v3/b.tar.xz -C .v3 b && rm -rf .v3/b
+  echo "carry .v3: $(du -cb .v3 | tail -1 | cut -f1) bytes"
+  ;;
 check2l)
-  # the 2-layer comparison alone, per position, with the prompt prefilled in one GEMM step and in
-  # 32-token matrix-vector steps (carry .v3: golden_check, xtask, the 2-layer kernels and targets)
+  # the 2-layer comparison alone, per position: the prompt in one GEMM step and in 32-token
+  # matrix-vector steps; then each run repeated 3 times on one backend (a deterministic backend
+  # gives the same rows) under the runtime choices that could race (METRALE_CUDA_TUNING), to find
+  # which one the run-to-run differences of one-sequence decode steps come from
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .v3/b.tar.xz -C "$H"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
     --out "$H/s/l8b2-hf" 2>&1 | grep synth-model
@@ -154,6 +179,12 @@ check2l)
   $C --cuda "$K2" $T8/bf16 --vs-cpu --tol 0.05 --prefill-chunk 32 | tee "$R/check-2l-mv.json"
   step "CPU alone vs HF: bf16 KV, f32 activations"
   $C --kv bf16 --exact --tol 0.05 | tee "$R/check-2l-cpu.json"
+  for t in "" graphs=off pdl=off attention_cluster=off lm_head_1=off pdl=off,graphs=off \
+           pdl=off,attention_cluster=off,lm_head_1=off; do
+    step "CUDA, 3 repeats, METRALE_CUDA_TUNING=$t"
+    METRALE_CUDA_TUNING=$t $C --cuda "$K2" $T8/bf16 --tol 0.05 --repeat 3 \
+      | tee -a "$R/repeat-2l.jsonl" | python3 -c 'import sys,json; d=json.load(sys.stdin); print(d["tuning"] or "default", "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"], [round(x, 3) for x in d["max_abs_diff_top20_per_position"]])'
+  done
   finish check2l
   ;;
 verify2)

@@ -9,10 +9,13 @@
 //! checked position, max |logit - reference| over the reference's top-20 of each and over the full
 //! last row.
 //!
-//! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N]
+//! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N] [--repeat N]
 //!                     [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]
 //! - `--prefill-chunk N`: prefill the prompt in steps of at most N tokens (default one step; on
 //!   CUDA, steps under 48 tokens take the matrix-vector kernels instead of the GEMMs);
+//! - `--repeat N`: run the same steps N more times on the same backend and report, per position,
+//!   the largest difference from the first run (a deterministic backend gives 0; any other value
+//!   fails); the CUDA backend takes `METRALE_CUDA_TUNING` (ARCHITECTURE.md, "Configuration");
 //! - default backend: cpu (`--kv`: its KV cache type, default f32; `--exact`: f32 activations);
 //! - `--cuda`: the CUDA backend with a target's kernels (its KV type is the target's); reads
 //!   METRALE_TARGETS (the targets/ folder, default `targets`); needs the `cuda` feature;
@@ -77,6 +80,12 @@ fn cuda_backend(
         TargetSpec::load(Path::new(&root), &TargetId::new(p[0], p[1], p[2])).expect("target");
     let kv = spec.quant.kv_dtype();
     let set = KernelSet::from_dir(Path::new(dir), &spec).expect("kernels");
+    let tuning = metrale_backend::cuda::Tuning::default()
+        .parse(&std::env::var(metrale_backend::cuda::Tuning::ENV).unwrap_or_default())
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            std::process::exit(2)
+        });
     let b = CudaBackend::new(
         &set,
         &m.config,
@@ -85,6 +94,7 @@ fn cuda_backend(
             slots: 1,
             slot_capacity: cap,
             kv_blocks: metrale_backend::blocks_for(cap),
+            tuning,
             ..Default::default()
         },
     )
@@ -106,7 +116,7 @@ fn cuda_backend(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N] [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]");
+        eprintln!("usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N] [--repeat N] [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]");
         std::process::exit(2);
     }
     let model_path = PathBuf::from(&args[1]);
@@ -147,6 +157,20 @@ fn main() {
     let chunk = opt(&args, "--prefill-chunk").map(|c| c.parse().expect("--prefill-chunk N"));
     let rows = run(b.as_mut(), &prompt, &decode, chunk);
     let run_s = t1.elapsed().as_secs_f64();
+    // the same run again on the same backend: a deterministic backend gives the same rows
+    let repeat: usize = opt(&args, "--repeat").map_or(0, |r| r.parse().expect("--repeat N"));
+    let mut rerun_diff = vec![0f32; rows.len()];
+    for _ in 0..repeat {
+        let again = run(b.as_mut(), &prompt, &decode, chunk);
+        for (d, (a, r)) in rerun_diff.iter_mut().zip(again.iter().zip(&rows)) {
+            let m = a
+                .iter()
+                .zip(r)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            *d = d.max(m);
+        }
+    }
     let tops = g["top20"].as_array().expect("top20");
     let mut worst_top20 = 0f32;
     let mut per_position = Vec::with_capacity(rows.len());
@@ -195,12 +219,19 @@ fn main() {
         "max_abs_diff_top20": worst_top20,
         "max_abs_diff_top20_per_position": per_position,
         "prefill_chunk": chunk,
+        "tuning": std::env::var("METRALE_CUDA_TUNING").unwrap_or_default(),
         "max_abs_diff_last_row": worst_last,
         "tolerance": tol,
         "load_s": load_s,
         "run_s": run_s,
     });
     let mut ok = worst_top20 <= tol && worst_last <= tol && top1_agree == rows.len();
+    if repeat > 0 {
+        let worst = rerun_diff.iter().copied().fold(0f32, f32::max);
+        out["repeat"] =
+            json!({"runs": repeat, "max_abs_diff_per_position": rerun_diff, "max_abs_diff": worst});
+        ok &= worst == 0.0;
+    }
     if args.iter().any(|a| a == "--vs-cpu") && idx.is_some() {
         let mut c = cpu_backend(&m, kv, true, cap);
         let crows = run(c.as_mut(), &prompt, &decode, None);

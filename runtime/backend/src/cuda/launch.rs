@@ -42,6 +42,8 @@ pub struct Gpu {
     pub cluster_max: usize,
     /// Resident blocks of `lm_head_1` per SM (the driver's occupancy for its registers).
     pub lm1_per_sm: usize,
+    /// One output's LM head by `lm_head_1` (else `lm_head`).
+    pub lm_head_1: bool,
 }
 
 impl Deref for Gpu {
@@ -78,6 +80,7 @@ impl Gpu {
             pdl: sm90,
             cluster_max,
             lm1_per_sm,
+            lm_head_1: true,
             kernels,
             dev,
         })
@@ -160,7 +163,7 @@ impl Gpu {
     /// row, the batch-1 decode path). `a.part` and `a.counter` are sized by
     /// [`Gpu::lm_head_scratch`]; the counters are zero between launches.
     pub fn lm_head(&self, a: abi::LmHead) -> Result<(), BackendError> {
-        if a.ntok == 1 {
+        if a.ntok == 1 && self.lm_head_1 {
             let grid = (
                 plan::lm_head1_blocks(self.dims.vocab, self.sm_count, self.lm1_per_sm),
                 1,

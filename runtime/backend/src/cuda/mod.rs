@@ -84,8 +84,16 @@ pub struct Tuning {
     pub graphs: bool,
     /// Decode steps of at least [`prefill::MIN_TOKENS`] sequences run their layer products as
     /// tensor-core GEMMs, as prefill chunks do (else the matrix-vector kernels, which re-read the
-    /// weights once per 8-token tile).
+    /// weights once per token tile).
     pub decode_gemm: bool,
+    /// Programmatic dependent launch between the per-stage kernels on sm_90+ (else plain stream
+    /// order).
+    pub pdl: bool,
+    /// Attention splits combined through a thread-block cluster where the target allows it (else
+    /// through global partials and a ticket).
+    pub attention_cluster: bool,
+    /// One output's LM head by `lm_head_1` (whole rows streamed per warp; else `lm_head`).
+    pub lm_head_1: bool,
 }
 
 impl Default for Tuning {
@@ -95,6 +103,9 @@ impl Default for Tuning {
             run_ahead: true,
             graphs: true,
             decode_gemm: true,
+            pdl: true,
+            attention_cluster: true,
+            lm_head_1: true,
         }
     }
 }
@@ -103,7 +114,15 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 4] = ["persistent_decode", "run_ahead", "graphs", "decode_gemm"];
+    pub const KEYS: [&'static str; 7] = [
+        "persistent_decode",
+        "run_ahead",
+        "graphs",
+        "decode_gemm",
+        "pdl",
+        "attention_cluster",
+        "lm_head_1",
+    ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
     /// `run_ahead=off,graphs=on` (empty: no change). An unknown key or value is an error naming it
@@ -128,6 +147,9 @@ impl Tuning {
                 "run_ahead" => self.run_ahead = on,
                 "graphs" => self.graphs = on,
                 "decode_gemm" => self.decode_gemm = on,
+                "pdl" => self.pdl = on,
+                "attention_cluster" => self.attention_cluster = on,
+                "lm_head_1" => self.lm_head_1 = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -246,7 +268,12 @@ impl CudaBackend {
                 "slots, slot capacity and max step tokens must be positive".into(),
             ));
         }
-        let gpu = Gpu::open(opts.device, set)?;
+        let mut gpu = Gpu::open(opts.device, set)?;
+        gpu.pdl &= opts.tuning.pdl;
+        if !opts.tuning.attention_cluster {
+            gpu.cluster_max = 0;
+        }
+        gpu.lm_head_1 = opts.tuning.lm_head_1;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
@@ -716,6 +743,11 @@ mod tests {
             .unwrap_err()
             .contains("unknown key `run_ahaed`; the keys are persistent_decode"));
         assert!(t.parse("graphs=maybe").unwrap_err().contains("on or off"));
+        let bisect = t
+            .parse("pdl=off,attention_cluster=off,lm_head_1=off")
+            .unwrap();
+        assert!(!bisect.pdl && !bisect.attention_cluster && !bisect.lm_head_1 && bisect.graphs);
+        assert!(t.decode_gemm && t.pdl && t.attention_cluster && t.lm_head_1);
         assert!(t.parse("graphs").unwrap_err().contains("key=on|off"));
     }
 }
