@@ -35,6 +35,9 @@ $venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirement
 step "cargo test (release)"
 cargo test --release --workspace
 
+step "structured output: the mask benchmark runs (bench/structured/README.md)"
+target/release/examples/mask_bench "$METRALE_MODEL" --streams 1,4 --tokens 16 --out target/mask-bench.json
+
 step "build the cpu target (the binary users run: embedded target, presets, model check)"
 cargo xtask build-target --hw cpu --model smollm2-135m --quant q4_1 --out target/ci-dist/cpu-smollm2-135m-q4_1
 

@@ -69,6 +69,19 @@ pub trait TokenConstraint: Send {
 /// A request's constraint (a box, so a request stays one value).
 pub struct Constraint(pub Box<dyn TokenConstraint>);
 
+/// The allowed-token masks of `cs` (plan entry, constraint), one after another. Measured
+/// (`runtime/server/examples/mask_bench.rs`, `bench/structured/`, 2-core machine): a nested JSON
+/// schema's mask takes 4-8 us at the median, 30-37 us on average and ~0.5 ms at the 99th
+/// percentile, on 49k and 128k vocabularies alike; 64 streams' masks ~1.5 ms a step. On two
+/// threads they were no faster (8 streams 0.19 against 0.09 ms, 64 streams 1.43 against 1.55 ms
+/// at the median), so they stay serial here; hiding them behind the device's forward pass is what
+/// makes them free.
+pub fn compute_masks(
+    cs: &mut [(usize, &mut Constraint)],
+) -> Vec<(usize, Result<Vec<u32>, String>)> {
+    cs.iter_mut().map(|(k, c)| (*k, c.0.allowed())).collect()
+}
+
 impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Constraint")
@@ -646,21 +659,26 @@ impl Loop {
             }
         }
         // grammar masks of the entries whose sample is a generated token (decodes, last chunks)
-        let mut masks: Vec<Option<Vec<u32>>> = Vec::with_capacity(plan.len());
+        let mut masks: Vec<Option<Vec<u32>>> = vec![None; plan.len()];
         let mut bad_mask: Vec<(usize, String)> = Vec::new();
-        for &(i, _, b) in &plan {
-            let s = &mut self.running[i];
-            let samples = b >= s.prefill_end;
-            masks.push(match (&mut s.req.constraint, samples) {
-                (Some(c), true) => match c.0.allowed() {
-                    Ok(m) => Some(m),
-                    Err(e) => {
-                        bad_mask.push((i, format!("the grammar failed: {e}")));
-                        None
-                    }
-                },
-                _ => None,
-            });
+        let mut entry_of = vec![usize::MAX; self.running.len()];
+        for (k, &(i, _, b)) in plan.iter().enumerate() {
+            if b >= self.running[i].prefill_end {
+                entry_of[i] = k;
+            }
+        }
+        let mut constrained: Vec<(usize, &mut Constraint)> = self
+            .running
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| Some((entry_of[i], s.req.constraint.as_mut()?)))
+            .filter(|(k, _)| *k != usize::MAX)
+            .collect();
+        for (k, r) in compute_masks(&mut constrained) {
+            match r {
+                Ok(m) => masks[k] = Some(m),
+                Err(e) => bad_mask.push((plan[k].0, format!("the grammar failed: {e}"))),
+            }
         }
         if !bad_mask.is_empty() {
             bad_mask.sort_by_key(|e| std::cmp::Reverse(e.0));

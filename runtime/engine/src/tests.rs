@@ -412,3 +412,44 @@ fn a_constraint_decides_every_token_and_ends_the_sequence() {
     );
     assert_eq!(collect(e.submit(req(vec![4], 2)).unwrap()).0.len(), 2);
 }
+
+/// Sixteen constrained requests at once: each decides its own tokens, and one failing among them is
+/// that request's error alone.
+#[test]
+fn many_constraints_at_once_each_decide_their_own_tokens() {
+    let e = engine(16, 64);
+    let scripts: Vec<Vec<u32>> = (0..16u32)
+        .map(|i| (0..6).map(|j| (i * 3 + j * 5) % 48 + 1).collect())
+        .collect();
+    let rxs: Vec<_> = scripts
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // request 5's grammar fails at its first token
+            let script = if i == 5 { Vec::new() } else { s.clone() };
+            let r = GenerateRequest {
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    seed: i as u64,
+                    ..Default::default()
+                },
+                constraint: Some(Constraint(Box::new(Script(script, 0)))),
+                ..req(vec![1, 2, 3, i as u32 + 4], 6)
+            };
+            e.submit(r).unwrap()
+        })
+        .collect();
+    for (i, (rx, s)) in rxs.into_iter().zip(&scripts).enumerate() {
+        let (ids, done) = collect(rx);
+        if i == 5 {
+            assert!(
+                matches!(&done, Event::Error(m) if m.contains("past the end")),
+                "{done:?}"
+            );
+            assert!(ids.is_empty(), "{ids:?}");
+        } else {
+            assert_eq!(&ids, s, "request {i}: {done:?}");
+            assert!(matches!(done, Event::Done { .. }), "{done:?}");
+        }
+    }
+}
