@@ -3,10 +3,11 @@
 //! activations split once into f16 hi/lo pairs and block sums (RMSNorm folded into the split), and
 //! the scratch they need.
 //!
-//! The backend uses this path for chunks of at least [`MIN_TOKENS`] tokens, decode steps of that
-//! many sequences included (inside their CUDA graphs; `Tuning::decode_gemm` turns that off): the
-//! matrix-vector kernels re-read every weight once per 8-token tile, which at 8B and 256 sequences
-//! is 32 passes over 16 GB per step. Attention, embedding and the LM head are the same kernels on
+//! The backend uses this path for chunks where it pays ([`gemm_pays`]: from [`MIN_TOKENS`] tokens,
+//! earlier where the matrix-vector tiles are short), decode steps of that many sequences included
+//! (inside their CUDA graphs; `Tuning::decode_gemm` turns that off): the matrix-vector kernels
+//! re-read every weight once per token tile, which at 8B and 256 sequences is ~160 passes over
+//! 16 GB per step. Attention, embedding and the LM head are the same kernels on
 //! both paths.
 //!
 //! Invariants: the split scratch (`hi`, `lo`: f16 `[max_tokens][max K]`, `sx`: f32
@@ -20,9 +21,49 @@ use super::device::DevBuf;
 use super::launch::Gpu;
 use super::weights::DevMat;
 
-/// Fewest tokens of a chunk that go through the GEMM path (below it the matvec kernels
-/// over 8-token tiles are faster: bench/cuda/NOTES.md).
+/// Chunks of this many tokens always take the GEMM path (measured on SmolLM2, where the
+/// matrix-vector kernels' tiles are 8 tokens: bench/cuda/NOTES.md, pf4).
 pub const MIN_TOKENS: usize = 48;
+
+/// Below [`MIN_TOKENS`], the GEMM path is taken once the matrix-vector kernels would stream the
+/// layer weights this many times (on average over the four products, by bytes). SmolLM2 never
+/// reaches it below 48 tokens (7.0 passes at 41-47), so its measured choice stands; the 8B shape,
+/// whose tiles are 2 tokens (K = 4096) and 1 (K = 14336), reaches it at 13 tokens, where the
+/// matrix-vector kernels measured ~43 ms a step at 16 sequences (10 passes over 16 GB) against
+/// ~10-14 ms for one 32-token GEMM tile (its 512-token prefill and 256-sequence steps).
+pub const GEMM_MIN_PASSES: f64 = 8.0;
+
+/// How many times the matrix-vector kernels read a layer's weights for a chunk of `ntok` tokens:
+/// each product once per token tile of its row length (`metrale_abi::layout::tok_tile`), averaged
+/// over the four products by their sizes.
+pub fn matvec_passes(d: &metrale_core::shape::Dims, ntok: usize) -> f64 {
+    use metrale_abi::layout::tok_tile;
+    let products = [
+        ((d.qd() + 2 * d.kd()) * d.hidden, d.hidden), // qkv
+        (d.hidden * d.qd(), d.qd()),                  // o
+        (2 * d.ffn * d.hidden, d.hidden),             // gate/up
+        (d.hidden * d.ffn, d.ffn),                    // down
+    ];
+    let total: usize = products.iter().map(|p| p.0).sum();
+    let reads: usize = products
+        .iter()
+        .map(|&(size, k)| size * ntok.max(1).div_ceil(tok_tile(k)))
+        .sum();
+    reads as f64 / total.max(1) as f64
+}
+
+/// Whether a chunk of `ntok` tokens runs its layer products as GEMMs: from [`MIN_TOKENS`], or
+/// earlier where the matrix-vector kernels would read the weights [`GEMM_MIN_PASSES`] times.
+pub fn gemm_pays(d: &metrale_core::shape::Dims, ntok: usize) -> bool {
+    ntok >= MIN_TOKENS || matvec_passes(d, ntok) >= GEMM_MIN_PASSES
+}
+
+/// The fewest tokens for which [`gemm_pays`] (for the start-up log).
+pub fn gemm_from(d: &metrale_core::shape::Dims) -> usize {
+    (1..MIN_TOKENS)
+        .find(|&n| gemm_pays(d, n))
+        .unwrap_or(MIN_TOKENS)
+}
 
 /// The inputs of the QKV product besides the activations and weights (what `attn_in` also takes).
 #[derive(Debug, Clone, Copy)]
@@ -195,5 +236,36 @@ impl Prefill {
             x,
             ntok,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrale_core::shape::Dims;
+
+    fn dims(hidden: usize, heads: usize, kv_heads: usize, ffn: usize) -> Dims {
+        Dims {
+            layers: 2,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads,
+            ffn,
+            vocab: 1000,
+        }
+    }
+
+    #[test]
+    fn gemm_threshold_keeps_smollm2s_measured_48_and_starts_the_8b_at_13() {
+        let smol = dims(576, 9, 3, 1536);
+        assert_eq!(gemm_from(&smol), 48);
+        assert!((matvec_passes(&smol, 47) - 7.0).abs() < 0.01);
+        let l8b = dims(4096, 32, 8, 14336);
+        assert_eq!(gemm_from(&l8b), 13);
+        // 16 sequences: ten passes over the weights on the matrix-vector kernels
+        assert!((matvec_passes(&l8b, 16) - 10.15).abs() < 0.01);
+        assert!((matvec_passes(&l8b, 1) - 1.0).abs() < 1e-9);
+        assert!(gemm_pays(&l8b, 256) && !gemm_pays(&l8b, 12) && gemm_pays(&smol, 48));
     }
 }
