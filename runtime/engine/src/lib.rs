@@ -71,11 +71,10 @@ pub struct Constraint(pub Box<dyn TokenConstraint>);
 
 /// The allowed-token masks of `cs` (plan entry, constraint), one after another. Measured
 /// (`runtime/server/examples/mask_bench.rs`, `bench/structured/`, 2-core machine): a nested JSON
-/// schema's mask takes 4-8 us at the median, 30-37 us on average and ~0.5 ms at the 99th
-/// percentile, on 49k and 128k vocabularies alike; 64 streams' masks ~1.5 ms a step. On two
-/// threads they were no faster (8 streams 0.19 against 0.09 ms, 64 streams 1.43 against 1.55 ms
-/// at the median), so they stay serial here; hiding them behind the device's forward pass is what
-/// makes them free.
+/// schema's mask takes 3-4 us at the median, ~20-27 us on average and ~0.5 ms at the 99th
+/// percentile, on 49k and 128k vocabularies alike; 64 streams' masks ~0.9 ms a step (median). On
+/// two threads they were slower (64 streams 1.2-1.3 ms), so they stay serial here; hiding them
+/// behind the device's forward pass is what makes them free.
 pub fn compute_masks(
     cs: &mut [(usize, &mut Constraint)],
 ) -> Vec<(usize, Result<Vec<u32>, String>)> {

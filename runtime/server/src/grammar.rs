@@ -15,7 +15,8 @@
 //! (padding) never allowed. A schema or grammar that does not compile is a 400 naming the field
 //! and llguidance's message.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -25,10 +26,18 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 
-/// The parser factory of the served model (its token trie).
+/// The parser factory of the served model (its token trie) and the grammars compiled lately.
 pub struct Grammars {
     factory: ParserFactory,
+    /// Compiled grammars by their JSON form, the most recent first (at most [`CACHED`]): an
+    /// application that sends the same schema with every request compiles it once, and its
+    /// requests share one lexer cache, warm after the first.
+    cache: Mutex<Vec<(String, Compiled)>>,
+    hits: AtomicU64,
 }
+
+/// Compiled grammars kept for reuse.
+const CACHED: usize = 32;
 
 impl Grammars {
     /// Build the token trie of `tk` for a logits row of `vocab` and the factory over it (`eos`:
@@ -54,11 +63,43 @@ impl Grammars {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.quiet();
-        Ok(Grammars { factory })
+        Ok(Grammars {
+            factory,
+            cache: Mutex::new(Vec::new()),
+            hits: AtomicU64::new(0),
+        })
     }
 
-    /// Compile `g`: a 400 naming `param` when llguidance refuses it.
+    /// Compile `g`, or take it from the cache: a 400 naming `param` when llguidance refuses it
+    /// (refusals are not cached: they cost a compile each time).
     pub fn compile(&self, g: TopLevelGrammar, param: &str) -> Result<Compiled, ApiError> {
+        let key = serde_json::to_string(&g).ok();
+        let lock = || self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = &key {
+            let mut cache = lock();
+            if let Some(i) = cache.iter().position(|(ck, _)| ck == k) {
+                let hit = cache.remove(i);
+                let c = hit.1.clone();
+                cache.insert(0, hit);
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(c);
+            }
+        }
+        let c = self.compile_new(g, param)?;
+        if let Some(k) = key {
+            let mut cache = lock();
+            cache.insert(0, (k, c.clone()));
+            cache.truncate(CACHED);
+        }
+        Ok(c)
+    }
+
+    /// How many compiles the cache answered.
+    pub fn cache_hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    fn compile_new(&self, g: TopLevelGrammar, param: &str) -> Result<Compiled, ApiError> {
         let parser = self.factory.create_parser(g).map_err(|e| {
             ApiError::invalid(
                 format!("'{param}' cannot be compiled into a grammar: {e}"),
@@ -76,7 +117,9 @@ impl Grammars {
     }
 }
 
-/// A compiled grammar, ready to constrain one choice (clone it per choice).
+/// A compiled grammar, ready to constrain choices. Its clones, and the constraints made from it,
+/// share one lexer cache (llguidance's `Clone`; the engine thread is the only one asking for
+/// masks, so the cache's lock is never contended).
 #[derive(Clone)]
 pub struct Compiled(Matcher);
 
@@ -87,9 +130,11 @@ impl std::fmt::Debug for Compiled {
 }
 
 impl Compiled {
-    /// One choice's constraint.
+    /// One choice's constraint, sharing the lexer cache (`bench/structured/`, 64 streams: the
+    /// p90 mask 5.7 us against 40 with a copy each, a step's masks 0.9 against 1.5 ms at the
+    /// median).
     pub fn constraint(&self) -> metrale_engine::Constraint {
-        metrale_engine::Constraint(Box::new(Constraint(self.0.deep_clone())))
+        metrale_engine::Constraint(Box::new(Constraint(self.0.clone())))
     }
 }
 
@@ -263,5 +308,50 @@ impl GrammarFields {
                 Some(found[1].1),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default model's token trie (the cache is keyed by the grammar alone).
+    fn grammars() -> Option<Grammars> {
+        let path = std::env::var("METRALE_MODEL").ok()?;
+        let m = metrale_model::Model::load(std::path::Path::new(&path)).ok()?;
+        let eos = m.tokenizer.eos().first().copied().unwrap_or(0);
+        Grammars::new(&m.tokenizer, m.config.vocab, eos).ok()
+    }
+
+    #[test]
+    fn a_grammar_sent_again_is_taken_from_the_cache_and_refusals_are_not_kept() {
+        let Some(g) = grammars() else {
+            eprintln!("skipped: METRALE_MODEL (the default model) is needed for a token trie");
+            return;
+        };
+        let schema =
+            json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+        let a = g
+            .compile(json_grammar(schema.clone()), "json_schema")
+            .unwrap();
+        assert_eq!(g.cache_hits(), 0);
+        let b = g.compile(json_grammar(schema), "json_schema").unwrap();
+        assert_eq!(g.cache_hits(), 1);
+        // both constrain alike: the first token may only open the object
+        let (mut ca, mut cb) = (a.constraint(), b.constraint());
+        assert_eq!(ca.0.allowed().unwrap(), cb.0.allowed().unwrap());
+        let other = json!({"type": "array", "items": {"type": "string"}});
+        g.compile(json_grammar(other), "json_schema").unwrap();
+        assert_eq!(g.cache_hits(), 1);
+        for _ in 0..2 {
+            let bad = g.compile(json_grammar(json!({"$ref": "#/nowhere"})), "json_schema");
+            assert!(bad.is_err());
+        }
+        assert_eq!(g.cache_hits(), 1);
+        for i in 0..(CACHED + 5) {
+            g.compile(TopLevelGrammar::from_regex(&format!("x{i}")), "regex")
+                .unwrap();
+        }
+        assert!(g.cache.lock().unwrap().len() <= CACHED);
     }
 }
