@@ -77,7 +77,7 @@ pub fn slot_blocks(slot: SlotId, slot_capacity: usize) -> Vec<u32> {
 }
 
 /// What the engine asks of the backend for one sequence in one step.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub struct SeqStep<'a> {
     /// KV-cache slot of the sequence.
     pub slot: SlotId,
@@ -183,11 +183,58 @@ pub fn teacher_forced_logits(
     Ok(rows)
 }
 
+/// Where the grammar masks of a step's entries come from when they are computed on demand
+/// ([`Backend::step_masked`]).
+pub trait MaskSource {
+    /// Entry `i`'s allowed-token mask (as [`SeqStep::allowed`]); `None` leaves it unconstrained
+    /// (a grammar that failed: the source keeps the error for its caller).
+    fn mask(&mut self, i: usize) -> Option<Vec<u32>>;
+}
+
+/// No entry is constrained on demand.
+pub struct NoMasks;
+
+impl MaskSource for NoMasks {
+    fn mask(&mut self, _: usize) -> Option<Vec<u32>> {
+        None
+    }
+}
+
 /// A loaded model on a device.
 pub trait Backend: Send {
     fn info(&self) -> BackendInfo;
     /// Run the batch and sample one token per entry. Entries use distinct slots.
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError>;
+    /// [`Backend::step`], where the entries flagged in `lazy` take their grammar mask from `masks`
+    /// (each asked at most once per call). A backend that computes asynchronously asks for a mask
+    /// after queuing the forward pass that samples its entry, so the host's grammar work overlaps
+    /// the device's (a mask depends only on the tokens before it); this default asks for them all
+    /// first.
+    fn step_masked(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        lazy: &[bool],
+        masks: &mut dyn MaskSource,
+    ) -> Result<Vec<SeqOutput>, BackendError> {
+        let owned: Vec<Option<Vec<u32>>> = (0..batch.len())
+            .map(|i| {
+                if lazy.get(i) == Some(&true) {
+                    masks.mask(i)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let steps: Vec<SeqStep<'_>> = batch
+            .iter()
+            .zip(&owned)
+            .map(|(s, m)| SeqStep {
+                allowed: m.as_deref().or(s.allowed),
+                ..*s
+            })
+            .collect();
+        self.step(&steps)
+    }
     /// The slot's sequence has ended: the slot is free for a new one. KV blocks belong to the
     /// caller's allocator; their entries stay as they are until a later step overwrites them (the
     /// engine's prefix caching hands full blocks to later sequences that share their tokens).

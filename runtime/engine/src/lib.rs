@@ -69,12 +69,40 @@ pub trait TokenConstraint: Send {
 /// A request's constraint (a box, so a request stays one value).
 pub struct Constraint(pub Box<dyn TokenConstraint>);
 
+/// A step's grammars, taken out of their sequences while the backend runs the step, and the masks
+/// (or errors) computed from them, by plan entry.
+struct StepMasks {
+    constraints: Vec<Option<Constraint>>,
+    done: Vec<Option<Result<Vec<u32>, String>>>,
+}
+
+impl metrale_backend::MaskSource for StepMasks {
+    fn mask(&mut self, k: usize) -> Option<Vec<u32>> {
+        if self.done[k].is_none() {
+            let c = self.constraints[k].as_mut()?;
+            let (_, r) = compute_masks(&mut [(k, c)]).pop()?;
+            self.done[k] = Some(r);
+        }
+        self.done[k].as_ref().and_then(|r| r.as_ref().ok()).cloned()
+    }
+}
+
+/// A one-entry retry of a step asks for plan entry `.1`'s mask as entry 0.
+struct Retry<'g>(&'g mut StepMasks, Option<usize>);
+
+impl metrale_backend::MaskSource for Retry<'_> {
+    fn mask(&mut self, i: usize) -> Option<Vec<u32>> {
+        self.0.mask(self.1.unwrap_or(i))
+    }
+}
+
 /// The allowed-token masks of `cs` (plan entry, constraint), one after another. Measured
 /// (`runtime/server/examples/mask_bench.rs`, `bench/structured/`, 2-core machine): a nested JSON
 /// schema's mask takes 3-4 us at the median, ~20-27 us on average and ~0.5 ms at the 99th
 /// percentile, on 49k and 128k vocabularies alike; 64 streams' masks ~0.9 ms a step (median). On
 /// two threads they were slower (64 streams 1.2-1.3 ms), so they stay serial here; hiding them
-/// behind the device's forward pass is what makes them free.
+/// behind the device's forward pass ([`metrale_backend::Backend::step_masked`]) is what makes them
+/// free.
 pub fn compute_masks(
     cs: &mut [(usize, &mut Constraint)],
 ) -> Vec<(usize, Result<Vec<u32>, String>)> {
@@ -657,64 +685,77 @@ impl Loop {
                 any_prefill = true;
             }
         }
-        // grammar masks of the entries whose sample is a generated token (decodes, last chunks)
-        let mut masks: Vec<Option<Vec<u32>>> = vec![None; plan.len()];
-        let mut bad_mask: Vec<(usize, String)> = Vec::new();
-        let mut entry_of = vec![usize::MAX; self.running.len()];
-        for (k, &(i, _, b)) in plan.iter().enumerate() {
-            if b >= self.running[i].prefill_end {
-                entry_of[i] = k;
-            }
-        }
-        let mut constrained: Vec<(usize, &mut Constraint)> = self
-            .running
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, s)| Some((entry_of[i], s.req.constraint.as_mut()?)))
-            .filter(|(k, _)| *k != usize::MAX)
-            .collect();
-        for (k, r) in compute_masks(&mut constrained) {
-            match r {
-                Ok(m) => masks[k] = Some(m),
-                Err(e) => bad_mask.push((plan[k].0, format!("the grammar failed: {e}"))),
-            }
-        }
-        if !bad_mask.is_empty() {
-            bad_mask.sort_by_key(|e| std::cmp::Reverse(e.0));
-            for (i, msg) in bad_mask {
-                self.finish(i, End::Error(msg));
-            }
-            return; // the plan's indices moved: the next iteration plans again
-        }
-        let outs: Vec<Result<SeqOutput, String>> = match self.run_plan(&plan, &masks) {
-            Ok(Ok(outs)) if outs.len() == plan.len() => outs.into_iter().map(Ok).collect(),
-            Ok(Ok(outs)) => {
-                let msg = format!(
-                    "backend returned {} outputs for {} sequences",
-                    outs.len(),
-                    plan.len()
-                );
-                plan.iter().map(|_| Err(msg.clone())).collect()
-            }
-            // One bad entry (say, a token id outside the vocabulary) must not fail its batch-mates:
-            // the backend refused the whole step before writing anything, so run each alone.
-            Ok(Err(_)) if plan.len() > 1 => {
-                let mut outs = Vec::with_capacity(plan.len());
-                for (p, m) in plan.iter().zip(&masks) {
-                    outs.push(
-                        match self.run_plan(std::slice::from_ref(p), std::slice::from_ref(m)) {
+        // the grammars of the entries whose sample is a generated token (decodes, last chunks),
+        // taken out of their sequences for the step: the backend asks for their masks once it has
+        // queued the forward pass (`Backend::step_masked`)
+        let mut grammars = StepMasks {
+            constraints: plan
+                .iter()
+                .map(|&(i, _, b)| {
+                    let s = &mut self.running[i];
+                    if b >= s.prefill_end {
+                        s.req.constraint.take()
+                    } else {
+                        None
+                    }
+                })
+                .collect(),
+            done: vec![None; plan.len()],
+        };
+        let lazy: Vec<bool> = grammars.constraints.iter().map(Option::is_some).collect();
+        let outs: Vec<Result<SeqOutput, String>> =
+            match self.run_plan(&plan, &lazy, &mut grammars, None) {
+                Ok(Ok(outs)) if outs.len() == plan.len() => outs.into_iter().map(Ok).collect(),
+                Ok(Ok(outs)) => {
+                    let msg = format!(
+                        "backend returned {} outputs for {} sequences",
+                        outs.len(),
+                        plan.len()
+                    );
+                    plan.iter().map(|_| Err(msg.clone())).collect()
+                }
+                // One bad entry (say, a token id outside the vocabulary) must not fail its
+                // batch-mates: the backend refused the whole step before writing anything, so run
+                // each alone (masks already computed are not computed again).
+                Ok(Err(_)) if plan.len() > 1 => {
+                    let mut outs = Vec::with_capacity(plan.len());
+                    for (k, p) in plan.iter().enumerate() {
+                        let one = self.run_plan(
+                            std::slice::from_ref(p),
+                            &lazy[k..=k],
+                            &mut grammars,
+                            Some(k),
+                        );
+                        outs.push(match one {
                             Ok(Ok(mut o)) if o.len() == 1 => Ok(o.pop().unwrap()),
                             Ok(Ok(_)) => Err("backend returned no output".to_string()),
                             Ok(Err(e)) => Err(format!("backend error: {e}")),
                             Err(msg) => return self.die(msg),
-                        },
-                    );
+                        });
+                    }
+                    outs
                 }
-                outs
+                Ok(Err(e)) => vec![Err(format!("backend error: {e}")); plan.len()],
+                Err(msg) => return self.die(msg),
+            };
+        // the grammars back into their sequences; one that failed ends its request alone
+        let mut failed: Vec<Option<String>> = vec![None; plan.len()];
+        for (k, (&(i, _, _), c)) in plan.iter().zip(grammars.constraints).enumerate() {
+            if c.is_some() {
+                self.running[i].req.constraint = c;
             }
-            Ok(Err(e)) => vec![Err(format!("backend error: {e}"))],
-            Err(msg) => return self.die(msg),
-        };
+            if let Some(Err(e)) = &grammars.done[k] {
+                failed[k] = Some(format!("the grammar failed: {e}"));
+            }
+        }
+        let outs: Vec<Result<SeqOutput, String>> = outs
+            .into_iter()
+            .zip(failed)
+            .map(|(o, f)| match f {
+                Some(msg) => Err(msg),
+                None => o,
+            })
+            .collect();
         let now = Instant::now();
         let mut ended: Vec<(usize, End)> = Vec::new();
         for (&(i, a, b), out) in plan.iter().zip(outs) {
@@ -783,17 +824,18 @@ impl Loop {
         }
     }
 
-    /// Run one backend step over `plan` (with each entry's grammar mask); `Err` carries a panic
-    /// message.
+    /// Run one backend step over `plan`, the entries flagged in `lazy` asking `grammars` for their
+    /// masks (`entry`: the plan index of a one-entry retry); `Err` carries a panic message.
     fn run_plan(
         &mut self,
         plan: &[(usize, usize, usize)],
-        masks: &[Option<Vec<u32>>],
+        lazy: &[bool],
+        grammars: &mut StepMasks,
+        entry: Option<usize>,
     ) -> Result<Result<Vec<SeqOutput>, BackendError>, String> {
         let steps: Vec<SeqStep<'_>> = plan
             .iter()
-            .zip(masks)
-            .map(|(&(i, a, b), mask)| {
+            .map(|&(i, a, b)| {
                 let s = &self.running[i];
                 SeqStep {
                     slot: s.slot,
@@ -804,21 +846,23 @@ impl Loop {
                     sampling: &s.req.sampling,
                     draw: s.generated as u64,
                     want_logits: false,
-                    allowed: mask.as_deref(),
+                    allowed: None,
                 }
             })
             .collect();
         let backend = &mut self.backend;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps))).map_err(
-            |p| {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown panic".into());
-                format!("the backend panicked: {msg}")
-            },
-        )
+        let mut masks = Retry(grammars, entry);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            backend.step_masked(&steps, lazy, &mut masks)
+        }))
+        .map_err(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            format!("the backend panicked: {msg}")
+        })
     }
 
     /// The backend panicked: its state is unknown, so end every request and refuse new ones.

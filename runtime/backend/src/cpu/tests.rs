@@ -227,3 +227,46 @@ fn bf16_kv_cache_is_f32_up_to_rounding() {
     }
     close(&c, &last, 1e-4);
 }
+
+/// `step_masked` (the default, as the CPU backend runs it): the lazy entries' masks are asked once
+/// each, the others' never, and each lazy entry samples only what its mask allows.
+#[test]
+fn masks_asked_on_demand_constrain_only_their_entries() {
+    struct Only(Vec<usize>, Vec<u32>);
+    impl crate::MaskSource for Only {
+        fn mask(&mut self, i: usize) -> Option<Vec<u32>> {
+            self.0.push(i);
+            let mut m = vec![0u32; 2];
+            let t = self.1[i];
+            m[t as usize / 32] |= 1 << (t % 32);
+            Some(m)
+        }
+    }
+    let mut b = tiny(DType::Q4_1);
+    let hot = SamplingParams {
+        temperature: 1.5,
+        seed: 3,
+        ..Default::default()
+    };
+    let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5], &[6]];
+    let tables: Vec<Vec<u32>> = (0..3).map(|i| crate::slot_blocks(i, 32)).collect();
+    let batch: Vec<SeqStep> = (0..3)
+        .map(|i| SeqStep {
+            slot: i,
+            start_pos: 0,
+            tokens: prompts[i],
+            blocks: &tables[i],
+            history: prompts[i],
+            sampling: &hot,
+            draw: 0,
+            want_logits: false,
+            allowed: None,
+        })
+        .collect();
+    let mut src = Only(Vec::new(), vec![0, 41, 7]);
+    let out = b
+        .step_masked(&batch, &[false, true, true], &mut src)
+        .unwrap();
+    assert_eq!(src.0, vec![1, 2], "asked for the lazy entries, once each");
+    assert_eq!((out[1].token, out[2].token), (41, 7));
+}

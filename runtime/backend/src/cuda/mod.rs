@@ -504,12 +504,16 @@ impl CudaBackend {
     }
 
     /// Turn the device outputs of a chunk into `SeqOutput`s for the sequences it finished.
+    /// `masks[k]`: the grammar mask of output `k` asked on demand (`Backend::step_masked`), which
+    /// `lazy` flags by batch entry: such an entry is sampled on the host like one with `allowed`.
     fn collect(
         &self,
         batch: &[SeqStep<'_>],
         sel_seq: &[usize],
         outputs: &mut [Option<SeqOutput>],
+        (masks, lazy): (&[Option<Vec<u32>>], &[bool]),
     ) -> Result<(), BackendError> {
+        let on_host = |i: usize| lazy.get(i) == Some(&true);
         let n = sel_seq.len();
         if n == 0 {
             return Ok(());
@@ -530,7 +534,7 @@ impl CudaBackend {
         // temperature sampling on the device for the rows that need nothing else (one extra launch)
         let sampled = sel_seq
             .iter()
-            .any(|&i| device_only(&batch[i]) && !batch[i].sampling.is_greedy());
+            .any(|&i| device_only(&batch[i]) && !on_host(i) && !batch[i].sampling.is_greedy());
         let mut samp = vec![0u32; 3 * nout];
         if sampled {
             let params: Vec<abi::device::SampleParams> =
@@ -549,9 +553,12 @@ impl CudaBackend {
         }
         for (k, &i) in sel_seq.iter().enumerate() {
             let s = &batch[i];
-            let on_device =
-                sampled && device_only(s) && !s.sampling.is_greedy() && samp[2 * nout + k] == 1;
-            let out = if device_greedy(s) {
+            let on_device = sampled
+                && device_only(s)
+                && !on_host(i)
+                && !s.sampling.is_greedy()
+                && samp[2 * nout + k] == 1;
+            let out = if device_greedy(s) && !on_host(i) {
                 SeqOutput {
                     token: tok[k] as u32,
                     logprob: lp[k],
@@ -568,7 +575,7 @@ impl CudaBackend {
             } else {
                 let mut row = vec![0f32; vocab];
                 self.gpu.read(&self.b.logits, k * vocab * 4, &mut row)?;
-                if let Some(m) = s.allowed {
+                if let Some(m) = masks.get(k).and_then(|m| m.as_deref()).or(s.allowed) {
                     // a grammar's mask, on the host for now (the device path is the GPU half of
                     // constrained decoding)
                     sampler::apply_mask(&mut row, m);
@@ -634,6 +641,39 @@ impl Backend for CudaBackend {
     }
 
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError> {
+        self.run_step(batch, &[], &mut crate::NoMasks)
+    }
+
+    /// The masks of the flagged entries are asked after each chunk's forward pass is queued, so
+    /// the host computes them while the device runs the chunk.
+    fn step_masked(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        lazy: &[bool],
+        masks: &mut dyn crate::MaskSource,
+    ) -> Result<Vec<SeqOutput>, BackendError> {
+        self.run_step(batch, lazy, masks)
+    }
+
+    fn release(&mut self, slot: SlotId) {
+        if self.ahead.is_some_and(|a| a.0 == slot as i32) {
+            self.ahead = None; // its launch is spare work now (module docs)
+        }
+        // The blocks are the engine's (its prefix caching hands full ones to later prompts; every
+        // other entry is written before it is read): nothing to clear.
+    }
+}
+
+impl CudaBackend {
+    /// One step (`Backend::step` and `step_masked`): `lazy` flags the entries whose grammar mask
+    /// `masks` gives once their chunk is queued.
+    fn run_step(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        lazy: &[bool],
+        masks: &mut dyn crate::MaskSource,
+    ) -> Result<Vec<SeqOutput>, BackendError> {
+        let is_lazy = |i: usize| lazy.get(i) == Some(&true);
         crate::validate_batch(
             batch,
             self.opts.slots,
@@ -649,6 +689,7 @@ impl Backend for CudaBackend {
         if let [s] = batch {
             if s.tokens.len() == 1
                 && device_greedy(s)
+                && !is_lazy(0)
                 && self.decode1.is_some()
                 && self.out_stage.is_some()
             {
@@ -684,7 +725,12 @@ impl Backend for CudaBackend {
             }
             if tokens.len() == maxt || pending.is_empty() {
                 self.run_chunk(&tokens, &pos, &slot, &sel, decode)?;
-                self.collect(batch, &sel_seq, &mut outputs)?;
+                // the device runs the chunk while the host computes its grammar masks
+                let chunk_masks: Vec<Option<Vec<u32>>> = sel_seq
+                    .iter()
+                    .map(|&i| if is_lazy(i) { masks.mask(i) } else { None })
+                    .collect();
+                self.collect(batch, &sel_seq, &mut outputs, (&chunk_masks, lazy))?;
                 tokens.clear();
                 pos.clear();
                 slot.clear();
@@ -696,14 +742,6 @@ impl Backend for CudaBackend {
             .into_iter()
             .map(|o| o.expect("every sequence's last token was in a chunk"))
             .collect())
-    }
-
-    fn release(&mut self, slot: SlotId) {
-        if self.ahead.is_some_and(|a| a.0 == slot as i32) {
-            self.ahead = None; // its launch is spare work now (module docs)
-        }
-        // The blocks are the engine's (its prefix caching hands full ones to later prompts; every
-        // other entry is written before it is read): nothing to clear.
     }
 }
 
