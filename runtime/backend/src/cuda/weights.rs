@@ -466,7 +466,8 @@ impl ModelWeights {
                 _ => HostPart::Layer(Box::new(HostLayer::read(weights, d, wf, i - first_layer)?)),
             })
         };
-        // four threads hold at most five items: ~2.2 GB of host memory for the bf16 8B
+        // four threads hold at most five items: for the bf16 8B, 2-3 GB of host memory (1 GB each
+        // for the embedding and the head, 0.44 GB a layer)
         let workers = std::thread::available_parallelism().map_or(4, |n| n.get().min(4));
         let (mut emb, mut out) = (None, None);
         let mut layers = Vec::with_capacity(d.layers);
