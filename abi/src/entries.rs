@@ -180,6 +180,15 @@ entries! {
         out_logprob: ptr<"float">,
         ntok: i32,
     }
+    /// Grammar masks applied to logits rows in place: row `t` takes mask row `rows[t]` (`-1`:
+    /// none) of `masks` (`ceil(VOCAB / 32)` words each, bit `v % 32` of word `v / 32` allowing
+    /// token `v`); a token not allowed gets -inf. grid = (nout).
+    MaskLogits = "sample" / "mask_logits", threads SAMPLE_THREADS, {
+        logits: ptr<"float">,
+        masks: ptr<"const unsigned int">,
+        rows: ptr<"const int">,
+        nout: i32,
+    }
     /// Temperature / top-k / top-p / min-p sampling with the seeded draw, one row per block.
     SampleProbs = "sample" / "sample_probs", threads SAMPLE_THREADS, {
         logits: ptr<"const float">,

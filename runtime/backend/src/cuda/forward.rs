@@ -46,6 +46,11 @@ pub(super) struct Bufs {
     /// sample_probs: parameters in, (token | logprob | status) out, one row per output
     pub samp_params: DevBuf,
     pub samp_out: DevBuf,
+    /// grammar masks: the constrained outputs' rows (`ceil(vocab / 32)` words each), each output's
+    /// mask row or -1, and the greedy choice under the masks (token | logprob), one per output
+    pub masks: DevBuf,
+    pub mask_rows: DevBuf,
+    pub mask_out: DevBuf,
 }
 
 impl Bufs {
@@ -77,6 +82,9 @@ impl Bufs {
             lm_counter: gpu.alloc(counter_bytes)?,
             samp_params: gpu.alloc(nout * std::mem::size_of::<abi::device::SampleParams>())?,
             samp_out: gpu.alloc(3 * nout * 4)?,
+            masks: gpu.alloc(nout * d.vocab.div_ceil(32) * 4)?,
+            mask_rows: gpu.alloc(nout * 4)?,
+            mask_out: gpu.alloc(2 * nout * 4)?,
         })
     }
 }

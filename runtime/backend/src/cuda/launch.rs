@@ -206,6 +206,11 @@ impl Gpu {
         self.launch((a.ntok as u32, 1, 1), self.plain(), a)
     }
 
+    /// Grammar masks applied in place to `a.nout` logits rows.
+    pub fn mask_logits(&self, a: abi::MaskLogits) -> Result<(), BackendError> {
+        self.launch((a.nout.max(1) as u32, 1, 1), self.plain(), a)
+    }
+
     /// Seeded sampling of `a.nout` logits rows.
     pub fn sample_probs(&self, a: abi::SampleProbs) -> Result<(), BackendError> {
         self.launch((a.nout as u32, 1, 1), self.plain(), a)

@@ -505,7 +505,9 @@ impl CudaBackend {
 
     /// Turn the device outputs of a chunk into `SeqOutput`s for the sequences it finished.
     /// `masks[k]`: the grammar mask of output `k` asked on demand (`Backend::step_masked`), which
-    /// `lazy` flags by batch entry: such an entry is sampled on the host like one with `allowed`.
+    /// `lazy` flags by batch entry. Constrained rows (those and entries with `allowed`) are masked
+    /// on the device (`mask_logits`), then take the arg-max of the masked row or `sample_probs`
+    /// like any other row: only ids and logprobs cross to the host unless a row needs the host.
     fn collect(
         &self,
         batch: &[SeqStep<'_>],
@@ -513,13 +515,54 @@ impl CudaBackend {
         outputs: &mut [Option<SeqOutput>],
         (masks, lazy): (&[Option<Vec<u32>>], &[bool]),
     ) -> Result<(), BackendError> {
-        let on_host = |i: usize| lazy.get(i) == Some(&true);
         let n = sel_seq.len();
         if n == 0 {
             return Ok(());
         }
-        // one copy back (it waits for the chunk's kernels)
         let nout = self.opts.slots;
+        let vocab = self.gpu.dims.vocab;
+        let mask_of = |k: usize, i: usize| -> Option<&[u32]> {
+            let lazy_mask = if lazy.get(i) == Some(&true) {
+                masks.get(k).and_then(|m| m.as_deref())
+            } else {
+                None
+            };
+            lazy_mask.or(batch[i].allowed)
+        };
+        let masked: Vec<bool> = sel_seq
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| mask_of(k, i).is_some())
+            .collect();
+        if masked.contains(&true) {
+            let words = vocab.div_ceil(32);
+            let mut rows = vec![-1i32; n];
+            let mut packed: Vec<u32> = Vec::new();
+            for (k, &i) in sel_seq.iter().enumerate() {
+                if let Some(m) = mask_of(k, i) {
+                    rows[k] = (packed.len() / words) as i32;
+                    let take = m.len().min(words);
+                    packed.extend_from_slice(&m[..take]);
+                    packed.resize(packed.len() + words - take, 0);
+                }
+            }
+            self.gpu.write_async(&self.b.masks, 0, &packed)?;
+            self.gpu.write_async(&self.b.mask_rows, 0, &rows)?;
+            self.gpu.mask_logits(abi::MaskLogits {
+                logits: self.b.logits.ptr,
+                masks: self.b.masks.ptr,
+                rows: self.b.mask_rows.ptr,
+                nout: n as i32,
+            })?;
+            let mo = self.b.mask_out.ptr;
+            self.gpu.argmax(abi::ArgmaxLogprob {
+                logits: self.b.logits.ptr,
+                out_tok: mo,
+                out_logprob: mo + (nout * 4) as u64,
+                ntok: n as i32,
+            })?;
+        }
+        // one copy back (it waits for the chunk's kernels)
         let mut io = vec![0u32; 2 * nout];
         self.gpu.read(&self.b.io_out, 0, &mut io)?;
         let tok: Vec<i32> = io[..n].iter().map(|&v| v as i32).collect();
@@ -530,11 +573,14 @@ impl CudaBackend {
             .iter()
             .map(|&v| f32::from_bits(v))
             .collect();
-        let vocab = self.gpu.dims.vocab;
+        let mut masked_pick = vec![0u32; 2 * nout];
+        if masked.contains(&true) {
+            self.gpu.read(&self.b.mask_out, 0, &mut masked_pick)?;
+        }
         // temperature sampling on the device for the rows that need nothing else (one extra launch)
         let sampled = sel_seq
             .iter()
-            .any(|&i| device_only(&batch[i]) && !on_host(i) && !batch[i].sampling.is_greedy());
+            .any(|&i| device_only(&batch[i]) && !batch[i].sampling.is_greedy());
         let mut samp = vec![0u32; 3 * nout];
         if sampled {
             let params: Vec<abi::device::SampleParams> =
@@ -553,31 +599,26 @@ impl CudaBackend {
         }
         for (k, &i) in sel_seq.iter().enumerate() {
             let s = &batch[i];
-            let on_device = sampled
-                && device_only(s)
-                && !on_host(i)
-                && !s.sampling.is_greedy()
-                && samp[2 * nout + k] == 1;
-            let out = if device_greedy(s) && !on_host(i) {
-                SeqOutput {
-                    token: tok[k] as u32,
-                    logprob: lp[k],
-                    top_logprobs: Vec::new(),
-                    logits: None,
-                }
-            } else if on_device {
-                SeqOutput {
-                    token: samp[k],
-                    logprob: f32::from_bits(samp[nout + k]),
-                    top_logprobs: Vec::new(),
-                    logits: None,
-                }
+            let device = device_only(s);
+            let greedy = s.sampling.is_greedy();
+            let pick = |t: u32, l: u32| SeqOutput {
+                token: t,
+                logprob: f32::from_bits(l),
+                top_logprobs: Vec::new(),
+                logits: None,
+            };
+            let out = if device && greedy && masked[k] {
+                pick(masked_pick[k], masked_pick[nout + k])
+            } else if device && greedy {
+                pick(tok[k] as u32, lp[k].to_bits())
+            } else if device && sampled && samp[2 * nout + k] == 1 {
+                pick(samp[k], samp[nout + k])
             } else {
+                // the host sampler (the row is masked on the device already; masking again is
+                // idempotent and covers a mask shorter than the row)
                 let mut row = vec![0f32; vocab];
                 self.gpu.read(&self.b.logits, k * vocab * 4, &mut row)?;
-                if let Some(m) = masks.get(k).and_then(|m| m.as_deref()).or(s.allowed) {
-                    // a grammar's mask, on the host for now (the device path is the GPU half of
-                    // constrained decoding)
+                if let Some(m) = mask_of(k, i) {
                     sampler::apply_mask(&mut row, m);
                 }
                 let r = sampler::sample(&row, s.sampling, s.history, s.draw);
@@ -594,12 +635,12 @@ impl CudaBackend {
     }
 }
 
-/// Whether a request needs nothing the device does not do: no grammar mask, no logit bias, no
-/// penalties, no logprob list, no logits. The others copy their logits row back and use the host sampler.
+/// Whether a request needs nothing the device does not do (a grammar mask it does): no logit
+/// bias, no penalties, no logprob list, no logits. The others copy their logits row back and use
+/// the host sampler.
 fn device_only(s: &SeqStep<'_>) -> bool {
     let p = s.sampling;
-    s.allowed.is_none()
-        && p.logit_bias.is_empty()
+    p.logit_bias.is_empty()
         && p.repetition_penalty == 1.0
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
@@ -607,9 +648,10 @@ fn device_only(s: &SeqStep<'_>) -> bool {
         && !s.want_logits
 }
 
-/// Whether a request's token can be taken from the device's greedy pick (fused in lm_head).
+/// Whether a request's token can be taken from the device's greedy pick (fused in lm_head): greedy,
+/// device-only and unconstrained.
 fn device_greedy(s: &SeqStep<'_>) -> bool {
-    s.sampling.is_greedy() && device_only(s)
+    s.sampling.is_greedy() && device_only(s) && s.allowed.is_none()
 }
 
 /// The device sampler's parameters for one request (`sample_probs`).
