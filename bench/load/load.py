@@ -7,8 +7,13 @@ decode rate and time-to-first-token percentiles.
 Standard library only (it runs on machines without the openai package).
 
 Usage: python3 bench/load/load.py --base http://127.0.0.1:8080 --streams 256 \
-           --prompt-words 140 --max-tokens 256 [--api-key K] [--out FILE.json] [--expect-all-ok]
+           --prompt-words 140 --max-tokens 256 [--api-key K] [--schema FILE.json] [--out FILE.json]
+           [--expect-all-ok]
 --expect-all-ok: exit 1 unless every request finished (no refusals either).
+--schema: every request asks for JSON output under this JSON schema (OpenAI response_format
+json_schema); each answer must then parse as JSON (counted in "invalid_json"), and a request ends
+when its JSON is complete. bench/structured/long-array.json keeps answers ~200 tokens long, so
+constrained and unconstrained decode rates compare.
 """
 
 import argparse
@@ -30,12 +35,16 @@ def prompt(i, n_words):
 
 def one(base, i, args, results):
     u = urllib.parse.urlparse(base)
-    body = json.dumps({
+    req = {
         "model": "m",
         "messages": [{"role": "user", "content": prompt(i, args.prompt_words)}],
         "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
-    })
+    }
+    if args.schema_value is not None:
+        req["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "bench", "schema": args.schema_value, "strict": True}}
+    body = json.dumps(req)
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
@@ -59,6 +68,7 @@ def one(base, i, args, results):
             results[i] = r
             return
         first = None
+        text = []
         done = False
         usage = None
         finish = None
@@ -76,8 +86,11 @@ def one(base, i, args, results):
             if ev.get("usage"):
                 usage = ev["usage"]
             for ch in ev.get("choices") or []:
-                if ch.get("delta", {}).get("content") and first is None:
-                    first = time.perf_counter() - t0
+                piece = ch.get("delta", {}).get("content")
+                if piece:
+                    text.append(piece)
+                    if first is None:
+                        first = time.perf_counter() - t0
                 if ch.get("finish_reason"):
                     finish = ch["finish_reason"]
         r["ttft_s"] = first
@@ -85,6 +98,11 @@ def one(base, i, args, results):
         r["completion_tokens"] = (usage or {}).get("completion_tokens")
         r["finish_reason"] = finish
         ok = done and finish in ("length", "stop") and usage is not None and "stream_error" not in r
+        if ok and args.schema_value is not None and finish == "stop":
+            try:
+                json.loads("".join(text))
+            except ValueError:
+                r["invalid_json"] = "".join(text)[:200]
         r["outcome"] = "ok" if ok else "error"
     except Exception as e:  # a reset, a timeout: the failures this script exists to find
         r["outcome"] = "error"
@@ -107,7 +125,12 @@ def main():
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out")
     ap.add_argument("--expect-all-ok", action="store_true")
+    ap.add_argument("--schema", help="a JSON schema file: every answer is constrained to it")
     args = ap.parse_args()
+    args.schema_value = None
+    if args.schema:
+        with open(args.schema) as f:
+            args.schema_value = json.load(f)
     results = [None] * args.streams
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(args.base, i, args, results)) for i in range(args.streams)]
@@ -133,6 +156,8 @@ def main():
         "outcomes": counts,
         "refusal_codes": sorted({f'{r["status"]} {r.get("code")}' for r in results if r["outcome"] == "refused"}),
         "errors": [r for r in results if r["outcome"] == "error"][:5],
+        "schema": args.schema,
+        "invalid_json": sum(1 for r in ok if "invalid_json" in r),
         "wall_s": wall, "output_tok_s": tokens / wall,
         "ttft_p50_s": pct([r["ttft_s"] for r in ok], 0.5), "ttft_p99_s": pct([r["ttft_s"] for r in ok], 0.99),
         "health_after": health,
@@ -142,7 +167,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    failed = counts.get("error", 0) > 0 or health != 200
+    failed = counts.get("error", 0) > 0 or health != 200 or summary["invalid_json"] > 0
     if args.expect_all_ok and counts.get("ok", 0) != args.streams:
         failed = True
     sys.exit(1 if failed else 0)
