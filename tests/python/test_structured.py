@@ -20,24 +20,8 @@ from conftest import start_server, stop_server
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 12},
-        "kind": {"enum": ["river", "lake", "sea"]},
-        "depth_m": {"type": "integer", "minimum": 0, "maximum": 11000},
-        "tags": {"type": "array", "items": {"enum": ["cold", "salt", "fresh", "deep"]},
-                 "minItems": 1, "maxItems": 3},
-        "source": {
-            "type": "object",
-            "properties": {"country": {"type": "string", "maxLength": 10}, "verified": {"type": "boolean"}},
-            "required": ["country", "verified"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "kind", "tags", "source"],
-    "additionalProperties": False,
-}
+# nested objects, enums, a bounded array, required keys (runtime/server/examples/mask_bench.rs reads it too)
+SCHEMA = json.loads((REPO / "tests/python/water-schema.json").read_text())
 
 
 @pytest.fixture(scope="module")

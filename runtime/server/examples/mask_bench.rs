@@ -1,6 +1,6 @@
 //! What structured output costs the host per generated token: llguidance's allowed-token mask for
-//! a nested JSON schema (the one `tests/python/test_structured.py` holds the server to), over a
-//! model's real vocabulary, on the CPU that feeds the GPU. The engine asks for one mask per
+//! a nested JSON schema (`tests/python/water-schema.json`, which `test_structured.py` holds the
+//! server to), over a model's real vocabulary, on the CPU that feeds the GPU. The engine asks for one mask per
 //! constrained sequence per step (`metrale_engine::compute_masks`); this measures a mask alone and
 //! a whole step's masks, as the engine computes them and on `--threads` threads (to see whether
 //! spreading them pays on this machine).
@@ -18,25 +18,10 @@ use metrale_engine::{compute_masks, Constraint};
 use metrale_server::grammar::{Compiled, GrammarFields, Grammars};
 use serde_json::{json, Value};
 
+/// The schema `tests/python/test_structured.py` holds the server to.
 fn schema() -> Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 12},
-            "kind": {"enum": ["river", "lake", "sea"]},
-            "depth_m": {"type": "integer", "minimum": 0, "maximum": 11000},
-            "tags": {"type": "array", "items": {"enum": ["cold", "salt", "fresh", "deep"]},
-                     "minItems": 1, "maxItems": 3},
-            "source": {
-                "type": "object",
-                "properties": {"country": {"type": "string", "maxLength": 10}, "verified": {"type": "boolean"}},
-                "required": ["country", "verified"],
-                "additionalProperties": false
-            }
-        },
-        "required": ["name", "kind", "tags", "source"],
-        "additionalProperties": false
-    })
+    serde_json::from_str(include_str!("../../../tests/python/water-schema.json"))
+        .expect("schema JSON")
 }
 
 fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
