@@ -76,12 +76,16 @@ struct StepMasks {
     done: Vec<Option<Result<Vec<u32>, String>>>,
 }
 
+/// A step's masks are computed one after another, as the backend asks. Measured
+/// (`runtime/server/examples/mask_bench.rs`, `bench/structured/`, 2-core machine): a nested JSON
+/// schema's mask takes 3-4 us at the median, ~20-27 us on average and ~0.5 ms at the 99th
+/// percentile, on 49k and 128k vocabularies alike; 64 streams' masks ~0.9 ms a step (median). On
+/// two threads they were slower (64 streams 1.2-1.3 ms); hiding them behind the device's forward
+/// pass ([`metrale_backend::Backend::step_masked`]) is what makes them free.
 impl metrale_backend::MaskSource for StepMasks {
     fn mask(&mut self, k: usize) -> Option<Vec<u32>> {
         if self.done[k].is_none() {
-            let c = self.constraints[k].as_mut()?;
-            let (_, r) = compute_masks(&mut [(k, c)]).pop()?;
-            self.done[k] = Some(r);
+            self.done[k] = Some(self.constraints[k].as_mut()?.0.allowed());
         }
         self.done[k].as_ref().and_then(|r| r.as_ref().ok()).cloned()
     }
@@ -94,19 +98,6 @@ impl metrale_backend::MaskSource for Retry<'_> {
     fn mask(&mut self, i: usize) -> Option<Vec<u32>> {
         self.0.mask(self.1.unwrap_or(i))
     }
-}
-
-/// The allowed-token masks of `cs` (plan entry, constraint), one after another. Measured
-/// (`runtime/server/examples/mask_bench.rs`, `bench/structured/`, 2-core machine): a nested JSON
-/// schema's mask takes 3-4 us at the median, ~20-27 us on average and ~0.5 ms at the 99th
-/// percentile, on 49k and 128k vocabularies alike; 64 streams' masks ~0.9 ms a step (median). On
-/// two threads they were slower (64 streams 1.2-1.3 ms), so they stay serial here; hiding them
-/// behind the device's forward pass ([`metrale_backend::Backend::step_masked`]) is what makes them
-/// free.
-pub fn compute_masks(
-    cs: &mut [(usize, &mut Constraint)],
-) -> Vec<(usize, Result<Vec<u32>, String>)> {
-    cs.iter_mut().map(|(k, c)| (*k, c.0.allowed())).collect()
 }
 
 impl std::fmt::Debug for Constraint {

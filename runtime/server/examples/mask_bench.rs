@@ -1,9 +1,9 @@
 //! What structured output costs the host per generated token: llguidance's allowed-token mask for
 //! a nested JSON schema (`tests/python/water-schema.json`, which `test_structured.py` holds the
-//! server to), over a model's real vocabulary, on the CPU that feeds the GPU. The engine asks for one mask per
-//! constrained sequence per step (`metrale_engine::compute_masks`); this measures a mask alone and
-//! a whole step's masks, as the engine computes them and on `--threads` threads (to see whether
-//! spreading them pays on this machine).
+//! server to), over a model's real vocabulary, on the CPU that feeds the GPU. The engine asks for
+//! one mask per constrained sequence per step, in turn (`TokenConstraint::allowed`); this measures
+//! a mask alone and a whole step's masks, as the engine computes them and on `--threads` threads
+//! (to see whether spreading them pays on this machine).
 //!
 //! Each stream walks the grammar: ask the mask, take a seeded random allowed token, commit it, until
 //! the grammar completes (then a fresh copy starts) or `--tokens` masks were asked.
@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use metrale_engine::{compute_masks, Constraint};
+use metrale_engine::Constraint;
 use metrale_server::grammar::{Compiled, GrammarFields, Grammars};
 use serde_json::{json, Value};
 
@@ -76,12 +76,10 @@ fn on_threads(cs: &mut [Constraint], threads: usize) -> Vec<(usize, Result<Vec<u
             .enumerate()
             .map(|(j, part)| {
                 s.spawn(move || {
-                    let mut refs: Vec<(usize, &mut Constraint)> = part
-                        .iter_mut()
+                    part.iter_mut()
                         .enumerate()
-                        .map(|(k, c)| (j * per + k, c))
-                        .collect();
-                    compute_masks(&mut refs)
+                        .map(|(k, c)| (j * per + k, c.0.allowed()))
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
@@ -109,13 +107,13 @@ fn run(
         let out: Vec<(usize, Result<Vec<u32>, String>)> = if threads > 0 {
             on_threads(&mut cs, threads)
         } else {
-            let mut refs: Vec<(usize, &mut Constraint)> = cs.iter_mut().enumerate().collect();
-            refs.iter_mut()
-                .map(|e| {
+            cs.iter_mut()
+                .enumerate()
+                .map(|(k, c)| {
                     let t1 = Instant::now();
-                    let m = compute_masks(std::slice::from_mut(e)).pop().unwrap();
+                    let m = c.0.allowed();
                     masks.push(t1.elapsed().as_secs_f64() * 1e6);
-                    m
+                    (k, m)
                 })
                 .collect()
         };

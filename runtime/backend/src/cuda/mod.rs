@@ -683,18 +683,7 @@ impl Backend for CudaBackend {
     }
 
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError> {
-        self.run_step(batch, &[], &mut crate::NoMasks)
-    }
-
-    /// The masks of the flagged entries are asked after each chunk's forward pass is queued, so
-    /// the host computes them while the device runs the chunk.
-    fn step_masked(
-        &mut self,
-        batch: &[SeqStep<'_>],
-        lazy: &[bool],
-        masks: &mut dyn crate::MaskSource,
-    ) -> Result<Vec<SeqOutput>, BackendError> {
-        self.run_step(batch, lazy, masks)
+        self.step_masked(batch, &[], &mut crate::NoMasks)
     }
 
     fn release(&mut self, slot: SlotId) {
@@ -704,12 +693,10 @@ impl Backend for CudaBackend {
         // The blocks are the engine's (its prefix caching hands full ones to later prompts; every
         // other entry is written before it is read): nothing to clear.
     }
-}
 
-impl CudaBackend {
-    /// One step (`Backend::step` and `step_masked`): `lazy` flags the entries whose grammar mask
-    /// `masks` gives once their chunk is queued.
-    fn run_step(
+    /// The masks of the entries `lazy` flags are asked after each chunk's forward pass is queued,
+    /// so the host computes them while the device runs the chunk.
+    fn step_masked(
         &mut self,
         batch: &[SeqStep<'_>],
         lazy: &[bool],
