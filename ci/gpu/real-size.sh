@@ -93,6 +93,18 @@ kernels2l() {
   rm -rf "$t2/kernels"
 }
 
+# SmolLM2's whole-model checks on the paged cache ($H/s/smollm2.gguf, assembled and checked first)
+smollm2_regression() {
+  (
+    export METRALE_MODEL=$H/s/smollm2.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels
+    export METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets
+    step "SmolLM2 regression: cuda_model (64 sequences on the GEMM decode path too) and the contract"
+    timeout 200 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
+    timeout 100 "$H/b/bin/contract" --nocapture --test-threads=1 > "$R/contract.txt" 2>&1; echo "contract rc=$?" | tee -a "$R/contract.txt"
+    grep -E "test result|panicked|worst rel" "$R/model-test.txt" "$R/contract.txt"
+  )
+}
+
 case "${1:-}" in
 prepare-verify)
   set -e
@@ -193,14 +205,7 @@ verify2)
   mkdir -p "$R" && tar xJf .v2/b.tar.xz -C "$H"
   cat "$H/b/part.aa" .v2/part.ab | xz -d > "$H/s/smollm2.gguf"
   echo "$(cat .v2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c | tee "$R/model-sha256.txt" || exit 1
-  (
-    export METRALE_MODEL=$H/s/smollm2.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels
-    export METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets
-    step "SmolLM2 regression: cuda_model (64 sequences on the GEMM decode path too) and the contract"
-    timeout 200 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
-    timeout 100 "$H/b/bin/contract" --nocapture --test-threads=1 > "$R/contract.txt" 2>&1; echo "contract rc=$?" | tee -a "$R/contract.txt"
-    grep -E "test result|panicked|worst rel" "$R/model-test.txt" "$R/contract.txt"
-  )
+  smollm2_regression
   ls "$R"/records/*llama-3.1-8b-bf16* >/dev/null 2>&1 || record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
   record h200-llama-3.1-8b-q4_1 "$H/s/l8b-q4_1.gguf" 4096
   record h200-smollm2-135m-q4_1 "$H/s/smollm2.gguf" 2048
@@ -278,36 +283,14 @@ call2)
   $C "$H/s/l8b-hf" "$R/l8b_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --tol 0.1 | tee "$R/check-32l-hf.json"
   $C "$H/s/l8b-q4_1.gguf" "$R/l8b_golden.json" --cuda "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --tol 100 \
     --vs-cpu --cpu-tol 0.1 | tee "$R/check-32l-q4_1.json"
-  S="$H/b/srv/h200-llama-3.1-8b-bf16/metrale-server"
-  step "8B bf16 server: 256 streams (>= 128 prompt tokens, 256 generated each), all must finish"
-  "$S" --model "$H/s/l8b-bf16.gguf" --port 8091 --parallel 256 --ctx-size 4096 > "$R/serve-256.log" 2>&1 &
-  SP=$!
-  for i in $(seq 600); do curl -sf localhost:8091/health >/dev/null && break; sleep 0.2; done
-  grep -E "backend:|KV cache|ready in" "$R/serve-256.log"
-  python3 bench/load/load.py --base http://127.0.0.1:8091 --streams 256 --prompt-words 140 --max-tokens 256 \
-    --expect-all-ok --out "$R/load-256.json" | tail -12; echo "load-256 rc=$?"
-  curl -s localhost:8091/metrics | grep -E "^vllm:(num_preemptions|kv_cache_usage|request_success)" | tee "$R/metrics-256.txt"
-  kill $SP; wait $SP
-  step "8B bf16 server: 512 streams into 256 slots and a pool of 64k tokens (cannot all fit): finish or 429/503"
-  "$S" --model "$H/s/l8b-bf16.gguf" --port 8092 --parallel 256 --ctx-size 4096 --kv-cache-tokens 65536 > "$R/serve-512.log" 2>&1 &
-  SP=$!
-  for i in $(seq 600); do curl -sf localhost:8092/health >/dev/null && break; sleep 0.2; done
-  python3 bench/load/load.py --base http://127.0.0.1:8092 --streams 512 --prompt-words 140 --max-tokens 256 \
-    --out "$R/load-512.json" | tail -12; echo "load-512 rc=$?"
-  curl -s localhost:8092/metrics | grep -E "^vllm:(num_preemptions|request_success)|rejected" | tee "$R/metrics-512.txt"
-  kill $SP; wait $SP
+  serve8b
   finish call2
   ;;
 call3)
   mkdir -p "$R"
   cat "$H/b/part.aa" .carry2/part.ab > "$H/s/smollm2.gguf"
   echo "$(cat .carry2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c | tee "$R/model-sha256.txt" || exit 1
-  export METRALE_MODEL=$H/s/smollm2.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels
-  export METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets
-  step "SmolLM2 regression: cuda_model and the contract on the paged cache"
-  timeout 300 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
-  timeout 120 "$H/b/bin/contract" --nocapture --test-threads=1 > "$R/contract.txt" 2>&1; echo "contract rc=$?" | tee -a "$R/contract.txt"
-  grep -E "test result|panicked" "$R/model-test.txt" "$R/contract.txt"
+  smollm2_regression
   step "llama.cpp build (started by call1) done?"
   for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
   cat "$H/llamacpp/build.done"
