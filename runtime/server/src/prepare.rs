@@ -339,8 +339,10 @@ pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, A
     })
 }
 
-/// POST /tokenize: the ids of `content` (at most the prompt byte cap).
-pub fn tokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Vec<u32>, ApiError> {
+/// POST /tokenize: the response body `{"tokens": [...]}` with the ids of `content` (at most the
+/// prompt byte cap). The body is serialized here, on the pool: at the cap it is megabytes of JSON,
+/// tens of milliseconds of CPU that must not run on an async worker.
+pub fn tokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Vec<u8>, ApiError> {
     reserve_parse(res, body)?;
     let r: TokenizeRequest = api::parse_body(body)?;
     let cap = p.prompt_byte_cap();
@@ -360,12 +362,27 @@ pub fn tokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Vec<u32>
         &format!("to tokenize {} bytes", r.content.len()),
     )?;
     let tk = p.tokenizer;
-    tk.encode(&r.content, r.add_special && tk.add_bos(), true)
-        .map_err(|e| ApiError::invalid(format!("cannot tokenize 'content': {e}"), Some("content")))
+    let tokens = tk
+        .encode(&r.content, r.add_special && tk.add_bos(), true)
+        .map_err(|e| {
+            ApiError::invalid(format!("cannot tokenize 'content': {e}"), Some("content"))
+        })?;
+    drop(r);
+    #[derive(serde::Serialize)]
+    struct Tokens {
+        tokens: Vec<u32>,
+    }
+    response_json(&Tokens { tokens })
 }
 
-/// POST /detokenize: the text of `tokens`.
-pub fn detokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<String, ApiError> {
+fn response_json(v: &impl serde::Serialize) -> Result<Vec<u8>, ApiError> {
+    serde_json::to_vec(v)
+        .map_err(|e| ApiError::internal(format!("cannot serialize the response: {e}")))
+}
+
+/// POST /detokenize: the response body `{"content": "..."}` with the text of `tokens`, serialized
+/// on the pool like [`tokenize`]'s.
+pub fn detokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Vec<u8>, ApiError> {
     reserve_parse(res, body)?;
     let r: DetokenizeRequest = api::parse_body(body)?;
     let ids = api::check_token_ids(&r.tokens, p.vocab, "tokens")?;
@@ -379,5 +396,11 @@ pub fn detokenize(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<String
         bytes as u64 * 8,
         &format!("to detokenize {} ids", ids.len()),
     )?;
-    Ok(p.tokenizer.decode(&ids, false))
+    let content = p.tokenizer.decode(&ids, false);
+    drop(ids);
+    #[derive(serde::Serialize)]
+    struct Content {
+        content: String,
+    }
+    response_json(&Content { content })
 }

@@ -416,14 +416,19 @@ async fn model(State(s): St, Path(id): Path<String>) -> Result<Json<serde_json::
     Ok(Json(model_object(&sv)))
 }
 
-async fn tokenize(body: RequestBody) -> Result<Json<serde_json::Value>, ApiError> {
-    let (_, tokens, _) = prepare_on_pool(body, prepare::tokenize).await?;
-    Ok(Json(json!({ "tokens": tokens })))
+async fn tokenize(body: RequestBody) -> Result<Response, ApiError> {
+    let (_, json, _) = prepare_on_pool(body, prepare::tokenize).await?;
+    Ok(json_body(json))
 }
 
-async fn detokenize(body: RequestBody) -> Result<Json<serde_json::Value>, ApiError> {
-    let (_, content, _) = prepare_on_pool(body, prepare::detokenize).await?;
-    Ok(Json(json!({ "content": content })))
+async fn detokenize(body: RequestBody) -> Result<Response, ApiError> {
+    let (_, json, _) = prepare_on_pool(body, prepare::detokenize).await?;
+    Ok(json_body(json))
+}
+
+/// A 200 with a JSON body serialized elsewhere (on the preprocessing pool).
+fn json_body(json: Vec<u8>) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], json).into_response()
 }
 
 async fn chat(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
