@@ -65,9 +65,15 @@ pub struct Param {
 }
 
 impl Param {
-    /// Its C declaration in the kernel's signature (every pointer is `__restrict__`).
+    /// Its C declaration in the kernel's signature. Pointers the kernel writes are `__restrict__`;
+    /// read-only ones are not, because `const` and `__restrict__` together let the compiler read
+    /// through the non-coherent cache (`ld.global.nc`), which requires the data not to change while
+    /// the kernel lives. Under programmatic dependent launch the previous kernel is still writing
+    /// the activations when this one starts, so they must be read coherently; the weights, which
+    /// nothing writes, are read with explicit `__ldg`.
     pub fn c_decl(&self) -> String {
         match self.ty {
+            Ty::Ptr(t) if t.starts_with("const ") => format!("{t}* {}", self.name),
             Ty::Ptr(t) => format!("{t}* __restrict__ {}", self.name),
             Ty::I32 => format!("int {}", self.name),
             Ty::U32 => format!("unsigned int {}", self.name),

@@ -49,6 +49,10 @@ MT_INLINE float warp_max(float v) {
 // must write nothing; pdl_wait() returns once every earlier kernel has completed and its writes are
 // visible. pdl_launch() lets the next kernel start its own prologue. Both are no-ops before sm_90
 // and when the launch did not ask for PDL.
+// Since the kernels' lifetimes overlap, activations are never read through the non-coherent
+// read-only path (ld.global.nc: `__ldg`, or a `const __restrict__` pointer), which assumes the data
+// does not change while the kernel lives: read-only parameters and helper arguments that point at
+// activations are plain `const T*`, and only weights use `__ldg`.
 MT_INLINE void pdl_wait() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -135,7 +139,7 @@ template <int K> struct NormW {
 // weights nw. Every load of x is issued before the first use (one memory round trip). Needs
 // blockDim.x == abi::MV_THREADS.
 template <int K, bool NORM>
-MT_INLINE void stage_row(const float* __restrict__ x, const NormW<K>& nw, float eps, float* xs, float* red) {
+MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* xs, float* red) {
     constexpr int IT = NormW<K>::IT;
     float v[IT];
 #pragma unroll
