@@ -169,8 +169,9 @@ prepare-check2l)
   kernels2l .v3/b
   # BASE=REV: the same kernels as revision REV builds them (its own xtask), run beside this tree's
   if [ -n "${BASE:-}" ]; then
-    rm -rf .v3/base && git worktree add --detach .v3/base "$BASE" >/dev/null
-    (cd .v3/base && CARGO_TARGET_DIR=$PWD/../../target/base kernels2l "$PWD/../b" h200-llama-3.1-8b-2l-bf16-base)
+    rm -rf .v3/base && git worktree prune && git worktree add --detach .v3/base "$BASE" >/dev/null
+    top=$PWD
+    (cd .v3/base && export METRALE_TOOLCHAIN=$top/.toolchain/cuda-13.0 CARGO_TARGET_DIR=$top/target/base && kernels2l "$top/.v3/b" h200-llama-3.1-8b-2l-bf16-base)
     git worktree remove --force .v3/base
   fi
   cp "$(exe build --release -p metrale-backend --features cuda --example golden_check)" .v3/b/bin/golden_check
