@@ -6,13 +6,20 @@
 //! (pp512 by default) into a fresh slot, median of 5 after one warm-up. Batched decode: `--batch`
 //! sequences stepped together. Writes one JSON object to `--out` (and prints it).
 //!
+//! Floors: the device-to-device copy rate is measured first (bytes read + written per second, 2 GiB
+//! copies); each decode figure is reported beside the time the bytes it must read take at that
+//! rate: the weights (`decode_weight_bytes`), plus at depth the KV rows of every cached position.
+//! `--depth 8192,32768` times batch-1 decode after that many cached positions (the slot's earlier
+//! positions hold zeros: the attention reads each of them whatever it holds, so the time is the
+//! same as after a real prefill, which at 32k positions would take most of a minute).
+//!
 //! `--trace FILE` also writes the persistent decode kernel's per-stage globaltimer stamps at the last
 //! step (raw u64, layout `metrale_abi::layout::decode_trace_words`; FILE.json says the shape).
 //!
 //! Reads `METRALE_TARGETS` (the targets/ folder, default `targets`) and `METRALE_CUDA_TUNING`
 //! (`Tuning::parse`: the runtime choices to compare, e.g. `run_ahead=off`).
 //!
-//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--out FILE] [--trace FILE]
+//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--depth N,N,...] [--out FILE] [--trace FILE]
 
 #[cfg(feature = "cuda")]
 fn main() {
@@ -40,6 +47,12 @@ fn main() {
         .split(',')
         .map(|s| s.parse().unwrap())
         .collect();
+    let depths: Vec<usize> = opt("--depth", "")
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let depth_steps = 64usize;
     let out = opt("--out", "");
     let target = &args[3];
     let p: Vec<&str> = target.split('/').collect();
@@ -59,15 +72,18 @@ fn main() {
     let t0 = Instant::now();
     let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
+    // slots 0..=maxb: 2048 positions each; slot maxb + 1: the depth runs
+    let depth_cap = depths.iter().max().map_or(0, |d| d + depth_steps + 1);
     let mut b = CudaBackend::new(
         &set,
         &model.config,
         &model.weights,
         CudaOptions {
-            slots: maxb + 1,
-            slot_capacity: 2048,
+            slots: maxb + 2,
+            slot_capacity: depth_cap.max(2048),
             // each slot its own run of blocks (metrale_backend::slot_blocks)
-            kv_blocks: (maxb + 1) * metrale_backend::blocks_for(2048),
+            kv_blocks: (maxb + 1) * metrale_backend::blocks_for(2048)
+                + metrale_backend::blocks_for(depth_cap),
             max_step_tokens: pp.max(512),
             tuning,
             ..Default::default()
@@ -80,6 +96,13 @@ fn main() {
         .collect();
     let info = b.info();
     eprintln!("{info:?} (model load + upload {load_s:.2} s)");
+    let copy_gbs = b.copy_rate_gbs(2 << 30).unwrap();
+    let wbytes = b.decode_weight_bytes();
+    let floor_us = |bytes: u64| bytes as f64 / (copy_gbs * 1e3);
+    eprintln!(
+        "device-to-device copy: {copy_gbs:.0} GB/s; a decode step reads {wbytes} weight bytes: {:.1} us at that rate",
+        floor_us(wbytes)
+    );
     let greedy = SamplingParams::default();
     let chat = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n";
     let prompt = model.tokenizer.encode(chat, false, true).unwrap();
@@ -184,7 +207,7 @@ fn main() {
     let warm: Vec<f64> = times.iter().skip(16).copied().collect();
     let (med, p10, p90) = median(&mut warm.clone());
     let text = model.tokenizer.decode(&hist[prompt.len()..], false);
-    eprintln!("decode b=1: median {med:.1} us/token ({:.0} tok/s), p10 {p10:.1}, p90 {p90:.1}; first step (prefill {} tokens) {ttft_ms:.2} ms", 1e6 / med, prompt.len());
+    eprintln!("decode b=1: median {med:.1} us/token ({:.0} tok/s), p10 {p10:.1}, p90 {p90:.1}; first step (prefill {} tokens) {ttft_ms:.2} ms; weight floor {:.1} us: {:.0}% of the copy rate", 1e6 / med, prompt.len(), floor_us(wbytes), 100.0 * floor_us(wbytes) / med);
     eprintln!("text: {text:?}");
 
     // tg128 as llama-bench defines it: 128 single-token steps at positions 0..127 from a one-token
@@ -258,6 +281,52 @@ fn main() {
         .map(|(n, us)| format!("\"{n}\": {us:.3}"))
         .collect();
 
+    // batch-1 decode after `depth` cached positions (zeros, see the module docs)
+    let depth_slot = maxb + 1;
+    let first = (maxb + 1) * metrale_backend::blocks_for(2048);
+    let depth_table: Vec<u32> = (first..first + metrale_backend::blocks_for(depth_cap))
+        .map(|x| x as u32)
+        .collect();
+    let mut depth_res = Vec::new();
+    for &d in &depths {
+        let mut h: Vec<u32> = vec![prompt[0]];
+        let mut ts = Vec::new();
+        for s in 0..depth_steps {
+            let tok = [h[s]];
+            let t = Instant::now();
+            let r = b
+                .step(&[SeqStep {
+                    slot: depth_slot,
+                    blocks: &depth_table,
+                    start_pos: d + s,
+                    tokens: &tok,
+                    history: &h,
+                    sampling: &greedy,
+                    draw: s as u64,
+                    want_logits: false,
+                    allowed: None,
+                }])
+                .unwrap();
+            if s >= 16 {
+                ts.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            h.push(r[0].token);
+        }
+        let (m, p10, p90) = median(&mut ts);
+        let kv = b.kv_bytes_read(d + depth_steps / 2);
+        let fl = floor_us(wbytes + kv);
+        eprintln!(
+            "decode b=1 at depth {d}: median {m:.1} us/token ({:.0} tok/s), p10 {p10:.1}, p90 {p90:.1}; floor {fl:.1} us (weights + {kv} KV bytes): {:.0}% of the copy rate",
+            1e6 / m,
+            100.0 * fl / m
+        );
+        depth_res.push(format!(
+            "{{\"depth\": {d}, \"us_per_token\": {m:.2}, \"p10\": {p10:.2}, \"p90\": {p90:.2}, \"tok_s\": {:.1}, \"kv_bytes\": {kv}, \"floor_us\": {fl:.2}, \"share_of_copy_rate\": {:.4}}}",
+            1e6 / m,
+            fl / m
+        ));
+    }
+
     // batched decode: every sequence starts from the prompt (prefilled together), then decodes
     let mut batch_res = Vec::new();
     for &nb in &batches {
@@ -311,10 +380,11 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"floor_bytes_us\": {:.2}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
-        info.weight_bytes as f64 / 4.2e12 * 1e6,
+        floor_us(wbytes),
+        floor_us(wbytes) / med,
         nodes as f64 * 0.9,
         1e6 / med,
         b.decode1_info(),
@@ -325,6 +395,7 @@ fn main() {
         prof_pp_json.join(", "),
         tuning,
         batch_res.join(", "),
+        depth_res.join(", "),
         b.stats
     );
     println!("{json}");

@@ -231,6 +231,18 @@ impl Device {
             .map_err(dev_err("record event"))
     }
 
+    /// Copy all of `src` into `dst` (at least as large) in stream order, on the device.
+    pub fn copy_async(&self, dst: &DevBuf, src: &DevBuf) -> Result<(), BackendError> {
+        if dst.bytes < src.bytes {
+            return Err(BackendError::Device(format!(
+                "copy of {} bytes into a buffer of {}",
+                src.bytes, dst.bytes
+            )));
+        }
+        unsafe { dres::memcpy_dtod_async(dst.ptr, src.ptr, src.bytes, self.stream.cu_stream()) }
+            .map_err(dev_err("device-to-device copy"))
+    }
+
     /// Zero `buf` in stream order.
     pub fn zero_async(&self, buf: &DevBuf) -> Result<(), BackendError> {
         unsafe { dres::memset_d8_async(buf.ptr, 0, buf.bytes, self.stream.cu_stream()) }

@@ -19,6 +19,41 @@ pub struct Decode1Info {
 }
 
 impl CudaBackend {
+    /// Device-to-device copy rate in GB/s (bytes read plus bytes written, per second) of a copy of
+    /// `bytes`: median of 7 samples of 5 back-to-back copies, after one warm-up copy. The
+    /// bandwidth floor the decode figures are compared with. Allocates two `bytes` buffers for the
+    /// measurement only.
+    pub fn copy_rate_gbs(&self, bytes: usize) -> Result<f64, BackendError> {
+        let g = &self.gpu;
+        let (a, b) = (g.alloc(bytes)?, g.alloc(bytes)?);
+        g.copy_async(&b, &a)?;
+        g.sync()?;
+        let mut rates = Vec::new();
+        for _ in 0..7 {
+            let t = std::time::Instant::now();
+            for _ in 0..5 {
+                g.copy_async(&b, &a)?;
+            }
+            g.sync()?;
+            rates.push(2.0 * 5.0 * bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        rates.sort_by(f64::total_cmp);
+        Ok(rates[rates.len() / 2])
+    }
+
+    /// Weight bytes one single-sequence decode step reads (the embedding table's one row, when the
+    /// LM head is a separate matrix).
+    pub fn decode_weight_bytes(&self) -> u64 {
+        self.w.decode_bytes()
+    }
+
+    /// KV bytes one single-sequence decode step reads at `positions` cached positions (every layer's
+    /// K and V rows of each KV head).
+    pub fn kv_bytes_read(&self, positions: usize) -> u64 {
+        let d = &self.gpu.dims;
+        (positions * 2 * d.layers * d.kd() * self.kv.dtype.bytes()) as u64
+    }
+
     /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
     /// launches of one kernel, replayed `rounds` times; microseconds per launch, graph-node overhead
     /// included.

@@ -506,6 +506,16 @@ impl ModelWeights {
         self.out.as_ref().unwrap_or(&self.emb)
     }
 
+    /// Bytes one single-sequence decode step reads: every weight once, but of an embedding table
+    /// separate from the LM head only the token's row.
+    pub fn decode_bytes(&self) -> u64 {
+        let unread = match &self.out {
+            Some(_) => self.emb.bytes() - self.emb.bytes() / self.emb.rows.max(1),
+            None => 0,
+        };
+        self.bytes() - unread as u64
+    }
+
     /// Bytes of weights on the device (the RoPE table not counted).
     pub fn bytes(&self) -> u64 {
         let mut n =
