@@ -135,33 +135,6 @@ template <int K> struct NormW {
     }
 };
 
-// Stage row x[K] into padded shared memory xs, optionally RMS-normalised and scaled by the norm
-// weights nw. Every load of x is issued before the first use (one memory round trip). Needs
-// blockDim.x == abi::MV_THREADS.
-template <int K, bool NORM>
-MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* xs, float* red) {
-    constexpr int IT = NormW<K>::IT;
-    float v[IT];
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        const int e = threadIdx.x + i * abi::MV_THREADS;
-        v[i] = e < K ? x[e] : 0.f;
-    }
-    float scale = 1.f;
-    if (NORM) {
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < IT; ++i) ss += v[i] * v[i];
-        const float tot = block_sum(ss, red);
-        scale = rsqrtf(tot / (float)K + eps);
-    }
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        const int e = threadIdx.x + i * abi::MV_THREADS;
-        if (e < K) xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
-    }
-}
-
 // ---- small integers to f32 without I2F (a quarter-rate conversion): the float with bits
 // 0x4B000000 | u is exactly 2^23 + u for u < 2^23, so subtracting 2^23 leaves u exactly. ----
 // byte i (0..3) of w as 2^23 + byte (one PRMT)
@@ -319,8 +292,82 @@ template <int K> struct TokTile {
     static constexpr int N = RAW < 1 ? 1 : (RAW > abi::TOK_TILE_MAX ? abi::TOK_TILE_MAX : RAW);
 };
 
+// ---- staged activation rows ----
+// A matrix-vector kernel stages each token's input row in shared memory once, in the form the dot
+// product of its weight format reads (XRow<W, K>):
+//   - bf16 and q8_0 weights: f32, each 32-element block padded to abi::PADDED_BLOCK floats (Padded);
+//   - q4_1 weights where the target asks for it ([quant] activations = "i16": the template defines
+//     METRALE_A_i16): 16-bit integer blocks, the CPU backend's quantized activations
+//     (runtime/backend/src/cpu/qact.rs): d = max|x| / 32767, q = round(x / d) (half away from
+//     zero), and the f32 sum s of the block's x. A block's dot product is then
+//     d_w * d * (sum of q_w * q, exact in integers: dp2a) + m_w * s, as on the CPU. Per block
+//     Q16_WORDS words: 16 words of i16 pairs (elements 2i and 2i+1 in the low and high halves of
+//     word i), d, s and two words of padding (lane L reading block L's four 16-byte words is then
+//     free of bank conflicts). Against the f32 dot product this moves a result by ~1.5e-5
+//     relative (half a step of 1/32767 of the block's largest value per element) and takes a
+//     quarter of the instructions: the f32 path spent ~4 per weight on unpacking and multiplying,
+//     which kept the q4_1 matrix-vector kernels instruction-bound at batch 1.
+constexpr int Q16_WORDS = 20;
+template <class W, int K> struct XRow {
+    static constexpr bool Q16 = false;
+    static constexpr int WORDS = Padded<K>::FLOATS;
+};
+#if defined(METRALE_A_i16)
+template <int K> struct XRow<WQ41, K> {
+    static_assert(K % 32 == 0, "row length must be a multiple of 32");
+    static constexpr bool Q16 = true;
+    static constexpr int WORDS = (K / 32) * Q16_WORDS;
+};
+#endif
+
+// Stage row x[K] into shared memory xs in W's form (XRow), optionally RMS-normalised and scaled by
+// the norm weights nw. Every load of x is issued before the first use (one memory round trip).
+// Needs blockDim.x == abi::MV_THREADS. Element e is thread e % MV_THREADS's, so each 32-element
+// block is one warp's (MV_THREADS is a multiple of 32).
+template <class W, int K, bool NORM>
+MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* xs, float* red) {
+    constexpr int IT = NormW<K>::IT;
+    float v[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        const int e = threadIdx.x + i * abi::MV_THREADS;
+        v[i] = e < K ? x[e] : 0.f;
+    }
+    float scale = 1.f;
+    if (NORM) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < IT; ++i) ss += v[i] * v[i];
+        const float tot = block_sum(ss, red);
+        scale = rsqrtf(tot / (float)K + eps);
+    }
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        const int e = threadIdx.x + i * abi::MV_THREADS;
+        if (e >= K) continue;  // whole warps: K is a multiple of 32
+        const float y = NORM ? v[i] * scale * nw.v[i] : v[i];
+        if constexpr (!XRow<W, K>::Q16) {
+            xs[pad_idx(e)] = y;
+        } else {
+            const int lane = threadIdx.x & 31;
+            const float d = warp_max(fabsf(y)) / 32767.f;
+            const float inv = d > 0.f ? 1.f / d : 0.f;
+            const float t = y * inv;
+            const int q = (int)fminf(fmaxf(t + copysignf(0.5f, t), -32767.f), 32767.f);
+            const float s = warp_sum(y);
+            const int q_odd = __shfl_down_sync(0xffffffffu, q, 1);
+            unsigned int* blk = reinterpret_cast<unsigned int*>(xs) + (e >> 5) * Q16_WORDS;
+            if ((lane & 1) == 0) blk[lane >> 1] = ((unsigned int)q & 0xffffu) | ((unsigned int)q_odd << 16);
+            if (lane == 0) {
+                reinterpret_cast<float*>(blk)[16] = d;
+                reinterpret_cast<float*>(blk)[17] = s;
+            }
+        }
+    }
+}
+
 // One warp computes rows r0 and r0+1 of W (K columns) against the nt (<= TB) staged activation rows
-// in xs (padded, stride Padded<K>::FLOATS). Result (already warp-reduced, valid on every lane) in acc.
+// in xs (stage_row's form for W, stride XRow<W, K>::WORDS; the generic version reads f32 rows). Result (already warp-reduced, valid on every lane) in acc.
 // p0/p1 hold the raw block `lane` of rows r0 and r0+1, fetched ahead by the caller (see
 // prefetch2); once consumed they are refilled with block `lane` of rows r_next, r_next+1 (r_next < 0:
 // none), so the next row pair's first loads are in flight while this one computes.
@@ -374,6 +421,90 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
 #pragma unroll
         for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
 }
+
+// rows2_dot for q4_1 weights against Q16 rows (XRow<WQ41, K>): integer block sums by dp2a (two
+// 16-bit activations times two weight nibbles widened to bytes), one scale per block and token.
+// Nibble byte j of a block holds element j (low) and j + 16 (high): word j of the 16 bytes,
+// masked, gives elements 4j..4j+3 as bytes; shifted by 4, elements 16+4j..16+4j+3.
+// A lane's blocks of the two rows are loaded G at a time (all four of a 4096-wide row at once), so
+// that each lane has G x 40 bytes in flight instead of 40: at 20 bytes per 32 weights a q4_1 lane
+// otherwise moves too little per memory round trip to keep up with the bandwidth.
+#if defined(METRALE_A_i16)
+template <int K, int TB>
+MT_INLINE void rows2_dot(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
+                         WQ41::Raw& p0, WQ41::Raw& p1) {
+    constexpr int NB = K / 32;
+    constexpr int NBL = (NB + 31) / 32;  // blocks per lane (lanes past NB % 32 have one fewer)
+    constexpr int G = NBL < 4 ? NBL : 4;
+    constexpr int XW = XRow<WQ41, K>::WORDS;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[r][t] = 0.f;
+    for (int g0 = 0; g0 < NBL; g0 += G) {
+        WQ41::Raw raw[G][2];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const int b = lane + 32 * (g0 + j);
+            if (g0 + j < NBL && b < NB) {
+                if (g0 + j == 0) {
+                    raw[j][0] = p0;
+                    raw[j][1] = p1;
+                } else {
+                    raw[j][0] = w.template fetch<K>(r0, b);
+                    raw[j][1] = w.template fetch<K>(r0 + 1, b);
+                }
+            }
+        }
+        if (g0 == 0) prefetch2<WQ41, K>(w, r_next, p0, p1);  // the next row pair's first blocks
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const int b = lane + 32 * (g0 + j);
+            if (g0 + j >= NBL || b >= NB) continue;
+            int lo[2][4], hi[2][4];
+            float2 dm[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const unsigned int wd[4] = {raw[j][r].q.x, raw[j][r].q.y, raw[j][r].q.z, raw[j][r].q.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    lo[r][i] = (int)(wd[i] & 0x0f0f0f0fu);
+                    hi[r][i] = (int)((wd[i] >> 4) & 0x0f0f0f0fu);
+                }
+                dm[r] = __half22float2(raw[j][r].dm);
+            }
+#pragma unroll
+            for (int t = 0; t < TB; ++t) {
+                if (t < nt) {
+                    const float* blk = xs + t * XW + b * Q16_WORDS;
+                    const uint4* xv = reinterpret_cast<const uint4*>(blk);
+                    const uint4 x0 = xv[0], x1 = xv[1], x2 = xv[2], x3 = xv[3];
+                    const float2 ds = *reinterpret_cast<const float2*>(blk + 16);
+                    const int xw[16] = {(int)x0.x, (int)x0.y, (int)x0.z, (int)x0.w, (int)x1.x, (int)x1.y, (int)x1.z, (int)x1.w,
+                                        (int)x2.x, (int)x2.y, (int)x2.z, (int)x2.w, (int)x3.x, (int)x3.y, (int)x3.z, (int)x3.w};
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        int is = 0;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            is = __dp2a_lo(xw[2 * i], lo[r][i], is);
+                            is = __dp2a_hi(xw[2 * i + 1], lo[r][i], is);
+                            is = __dp2a_lo(xw[8 + 2 * i], hi[r][i], is);
+                            is = __dp2a_hi(xw[8 + 2 * i + 1], hi[r][i], is);
+                        }
+                        acc[r][t] += dm[r].x * ds.x * (float)is + dm[r].y * ds.y;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
+#endif
 
 // Running (max, sum of exp(v - max), first index of the max) of a stream of values; NaN skipped.
 struct Acc {

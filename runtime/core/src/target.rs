@@ -227,9 +227,19 @@ pub struct Quant {
     /// dtype of the KV cache: "f32" (the default) | "bf16" (`shape::KvDtype`).
     #[serde(default = "default_kv")]
     pub kv: String,
+    /// How the CUDA matrix-vector kernels (small decode steps) take their input rows: "f32" (the
+    /// default) | "i16": 16-bit integer blocks with exact integer dot products, the CPU backend's
+    /// default scheme (q4_1 weights only; a quarter of the instructions per weight, ~1.5e-5
+    /// relative per product; kernels/cuda/common.cuh, `XRow`).
+    #[serde(default = "default_activations")]
+    pub activations: String,
 }
 
 fn default_kv() -> String {
+    "f32".into()
+}
+
+fn default_activations() -> String {
     "f32".into()
 }
 
@@ -717,6 +727,25 @@ impl TargetSpec {
                 self.quant.kv.clone(),
             ));
         }
+        match (self.quant.activations.as_str(), self.quant.weights.as_str()) {
+            ("f32", _) | ("i16", "q4_1") => {}
+            ("i16", w) => {
+                return Err(inv(
+                    model_path,
+                    "quant.activations",
+                    format!("f32 (16-bit activations need q4_1 weights, these are {w})"),
+                    self.quant.activations.clone(),
+                ))
+            }
+            (a, _) => {
+                return Err(inv(
+                    model_path,
+                    "quant.activations",
+                    "f32 or i16".into(),
+                    a.to_string(),
+                ))
+            }
+        }
         let mut seen = std::collections::BTreeSet::new();
         for k in &self.kernels {
             if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
@@ -793,8 +822,12 @@ impl TargetSpec {
             ));
         }
         s.push_str(&format!(
-            "quant:    {} (weights {}, embedding {}, KV cache {})\n",
-            self.quant.name, self.quant.weights, self.quant.embedding, self.quant.kv
+            "quant:    {} (weights {}, embedding {}, KV cache {}, activations {})\n",
+            self.quant.name,
+            self.quant.weights,
+            self.quant.embedding,
+            self.quant.kv,
+            self.quant.activations
         ));
         let pairs: Vec<String> = self
             .model_types
@@ -908,4 +941,59 @@ pub fn matrix(ids: &[TargetId]) -> BTreeMap<String, Vec<String>> {
             .push(format!("{}/{}", id.model, id.quant));
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy_dir(src: &Path, dst: &Path) {
+        std::fs::create_dir_all(dst).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            let to = dst.join(e.file_name());
+            if e.file_type().unwrap().is_dir() {
+                copy_dir(&e.path(), &to);
+            } else {
+                std::fs::copy(e.path(), &to).unwrap();
+            }
+        }
+    }
+
+    /// h200/llama-3.1-8b/`quant` loaded from a copy of the repository's targets/ whose MODEL.toml
+    /// `edit` rewrote.
+    fn load_edited(quant: &str, edit: impl Fn(&str) -> String) -> Result<TargetSpec, TargetError> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../targets");
+        let dir =
+            std::env::temp_dir().join(format!("metrale-targets-{}-{quant}", std::process::id()));
+        copy_dir(&src, &dir);
+        let p = dir.join(format!("h200/llama-3.1-8b/{quant}/MODEL.toml"));
+        std::fs::write(&p, edit(&std::fs::read_to_string(&p).unwrap())).unwrap();
+        let r = TargetSpec::load(&dir, &TargetId::new("h200", "llama-3.1-8b", quant));
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    }
+
+    #[test]
+    fn sixteen_bit_activations_need_q4_1_weights_and_a_known_name() {
+        let q = load_edited("q4_1", |s| s.to_string()).unwrap();
+        assert_eq!(q.quant.activations, "i16");
+        let b = load_edited("bf16", |s| s.to_string()).unwrap();
+        assert_eq!(b.quant.activations, "f32", "the default");
+        let err = load_edited("bf16", |s| {
+            s.replace("[quant]\n", "[quant]\nactivations = \"i16\"\n")
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("quant.activations") && err.contains("q4_1"),
+            "{err}"
+        );
+        let err = load_edited("q4_1", |s| {
+            s.replace("activations = \"i16\"", "activations = \"i8\"")
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("f32 or i16") && err.contains("i8"), "{err}");
+    }
 }
