@@ -81,6 +81,17 @@ serve8b() {
   kill $SP; wait $SP
 }
 
+# in_rev REV CMD...: run CMD in a worktree of revision REV (its own xtask, built in target/base,
+# with this checkout's pinned toolchain); CMD's paths must be absolute
+in_rev() {
+  local rev=$1 top=$PWD; shift
+  rm -rf "$top/.rev" && git worktree prune && git worktree add --detach "$top/.rev" "$rev" >/dev/null
+  (cd "$top/.rev" && export METRALE_TOOLCHAIN=$top/.toolchain/cuda-13.0 CARGO_TARGET_DIR=$top/target/base && "$@")
+  local rc=$?
+  git worktree remove --force "$top/.rev"
+  return $rc
+}
+
 # the 2-layer variant's kernels (the KV layout and decode_1 depend on the layer count): the same
 # target built from a copy of the targets with layers = 2, into $1/k/h200-llama-3.1-8b-2l-bf16, and
 # that copy's targets/ in $1/t2 (golden_check reads it through METRALE_TARGETS)
@@ -105,6 +116,9 @@ smollm2_regression() {
     grep -E "test result|panicked|worst rel" "$R/model-test.txt" "$R/contract.txt"
   )
 }
+
+# ci/gpu/floor.sh sources this file for the helpers above and stops here
+[ "${REAL_SIZE_LIB:-}" = 1 ] && return 0
 
 case "${1:-}" in
 prepare-verify)
@@ -168,12 +182,7 @@ prepare-check2l)
   rm -rf .v3 && mkdir -p .v3/b/bin .v3/b/k
   kernels2l .v3/b
   # BASE=REV: the same kernels as revision REV builds them (its own xtask), run beside this tree's
-  if [ -n "${BASE:-}" ]; then
-    rm -rf .v3/base && git worktree prune && git worktree add --detach .v3/base "$BASE" >/dev/null
-    top=$PWD
-    (cd .v3/base && export METRALE_TOOLCHAIN=$top/.toolchain/cuda-13.0 CARGO_TARGET_DIR=$top/target/base && kernels2l "$top/.v3/b" h200-llama-3.1-8b-2l-bf16-base)
-    git worktree remove --force .v3/base
-  fi
+  [ -z "${BASE:-}" ] || in_rev "$BASE" kernels2l "$PWD/.v3/b" h200-llama-3.1-8b-2l-bf16-base
   cp "$(exe build --release -p metrale-backend --features cuda --example golden_check)" .v3/b/bin/golden_check
   cp "$(exe build --release -p xtask)" .v3/b/bin/xtask
   strip .v3/b/bin/*

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Batch-1 decode at the bandwidth floor on the H200 machine (h200/llama-3.1-8b/{bf16,q4_1}, on
+# synthetic checkpoints made there): correctness after a decode-path change, the per-kernel and
+# per-token timings beside the copy-rate floor, at depths 0, 8192 and 32768, this tree's kernels
+# against a base revision's, and llama.cpp in the same run. Two calls made back to back.
+#
+#   bash ci/gpu/floor.sh prepare MODEL.gguf [BASE_REV]   CPU machine: .fl1/ (and .peer/)
+#   bash ci/gpu/floor.sh call1   carry .fl1 .peer   llama.cpp's build (background); the 8B
+#        checkpoints; cuda_kernels on both targets; the 2-layer check (this tree's kernels, default
+#        and pdl=off, and BASE's, 3 repeats each); cuda_bench on both targets: copy rate, batch-1
+#        decode and its kernels, pp512, depth 8192 and 32768; then BASE's kernels at depth 0
+#   bash ci/gpu/floor.sh call2   carry nothing      llama-bench tg128 at depths 0, 8192 and 32768 on
+#        the same GGUFs; each target's server at one stream over HTTP (load.py) to compare with the
+#        in-process figure; bench-record with llama.cpp for both targets
+# Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
+REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
+Q="bf16 q4_1"
+bench() {  # KERNEL_DIR QUANT NAME [cuda_bench args]: one cuda_bench run, its JSON to $R/NAME.json
+  local k=$1 q=$2 n=$3; shift 3
+  step "cuda_bench $n"
+  METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_bench" "$H/s/l8b-$q.gguf" "$k" $T8/$q --out "$R/$n.json" "$@" \
+    > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
+  grep -E "copy:|decode b=1|tg128|prefill 512:|sum of kernels|rc=" "$R/$n.txt"
+}
+
+case "${1:-}" in
+prepare)
+  set -e
+  model=${2:-${METRALE_MODEL:-}} base=${3:-}
+  [ -f "$model" ] || { echo "usage: ci/gpu/floor.sh prepare MODEL.gguf [BASE_REV]" >&2; exit 2; }
+  rm -rf .fl1 && mkdir -p .fl1/b/bin .fl1/b/k .fl1/b/srv
+  kernels2l .fl1/b
+  k32() {  # DIR SUFFIX: both 8B targets' kernels
+    for q in $Q; do
+      cargo xtask build-target --hw h200 --model llama-3.1-8b --quant $q --kernels-only --out "$1/k/h200-llama-3.1-8b-$q$2" 2>&1 | tail -1
+    done
+  }
+  k32 .fl1/b ""
+  if [ -n "$base" ]; then
+    in_rev "$base" kernels2l "$PWD/.fl1/b" h200-llama-3.1-8b-2l-bf16-base
+    in_rev "$base" k32 "$PWD/.fl1/b" -base
+    git rev-parse "$base" > .fl1/b/base-rev
+  fi
+  for q in $Q; do
+    cargo xtask build-target --hw h200 --model llama-3.1-8b --quant $q --out ".fl1/b/srv/h200-llama-3.1-8b-$q" 2>&1 | tail -1
+    rm -rf ".fl1/b/srv/h200-llama-3.1-8b-$q/kernels"
+  done
+  C="--release -p metrale-backend --features cuda"
+  cp "$(exe test $C --no-run --test cuda_kernels)" .fl1/b/bin/cuda_kernels
+  for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .fl1/b/bin/$e; done
+  cp "$(exe build --release -p xtask)" .fl1/b/bin/xtask
+  strip .fl1/b/bin/*
+  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .fl1/b/vocab-8b.gguf >/dev/null
+  tar cJf .fl1/b.tar.xz -C .fl1 b && rm -rf .fl1/b
+  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
+  echo "carry .fl1 .peer: $(du -cb .fl1 .peer | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  ;;
+call1)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
+  step "llama.cpp build (background)"
+  bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 and q4_1 GGUFs, 2-layer HF folder"
+  for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+  for q in $Q; do
+    step "cuda_kernels h200/llama-3.1-8b/$q"
+    f=$R/kernel-tests-$q.txt
+    METRALE_CUDA_TARGET=$T8/$q METRALE_CUDA_KERNELS=$H/b/k/h200-llama-3.1-8b-$q/kernels METRALE_TARGETS=$PWD/targets \
+      timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
+    echo "rc=$?" >> "$f"; grep -E "rel err|test result|panicked|rc=" "$f" | tail -12
+  done
+  step "2-layer check: HF golden (f32 on the GPU), then CUDA 3 times per kernel set and choice"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
+  tail -1 "$R/golden2.txt"
+  for run in "-:" "-:pdl=off" "-base:"; do
+    k=$H/b/k/h200-llama-3.1-8b-2l-bf16${run%%:*}/kernels; k=${k/-\//\/}; t=${run#*:}
+    [ -d "$k" ] || continue
+    METRALE_TARGETS=$H/b/t2/targets METRALE_CUDA_TUNING=$t "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
+      --cuda "$k" $T8/bf16 --tol 0.05 --repeat 3 | tee -a "$R/check-2l.jsonl" \
+      | python3 -c 'import sys,json; d=json.load(sys.stdin); print(sys.argv[1], d["tuning"] or "default", "pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])' "$run"
+  done
+  for q in q4_1 bf16; do
+    bench "$H/b/k/h200-llama-3.1-8b-$q/kernels" $q "bench-$q" --batch 1 --steps 128 --depth 8192,32768
+  done
+  for q in q4_1 bf16; do
+    k=$H/b/k/h200-llama-3.1-8b-$q-base/kernels
+    [ -d "$k" ] && bench "$k" $q "bench-$q-base" --batch 1 --steps 128
+  done
+  finish call1
+  ;;
+call2)
+  mkdir -p "$R"
+  step "llama.cpp build: waiting for it"
+  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  cat "$H/llamacpp/build.done"
+  B=$H/llamacpp/build/bin
+  for q in $Q; do
+    step "llama-bench tg128 at depths 0, 8192, 32768: $q"
+    timeout 240 "$B/llama-bench" -m "$H/s/l8b-$q.gguf" -ngl 99 -fa 1 -p 0 -n 128 -d 0,8192,32768 -r 3 -o md \
+      > "$R/llama-bench-depth-$q.md" 2> "$R/llama-bench-depth-$q.err"; echo "rc=$?"; cat "$R/llama-bench-depth-$q.md"
+  done
+  for q in $Q; do
+    step "server, one stream over HTTP: $q"
+    "$H/b/srv/h200-llama-3.1-8b-$q/metrale-server" --model "$H/s/l8b-$q.gguf" --port 8092 --parallel 4 --ctx-size 4096 \
+      > "$R/serve-$q.log" 2>&1 &
+    SP=$!
+    for _ in $(seq 600); do curl -sf localhost:8092/health >/dev/null && break; sleep 0.2; done
+    for rep in 1 2 3; do
+      timeout 60 python3 bench/load/load.py --base http://127.0.0.1:8092 --streams 1 --prompt-words 20 \
+        --max-tokens 256 --out "$R/http-1-$q-$rep.json" | grep -E "output_tok_s|stream_decode|outcomes"
+    done
+    kill $SP; wait $SP
+  done
+  for q in $Q; do record h200-llama-3.1-8b-$q "$H/s/l8b-$q.gguf" 4096; done
+  finish call2
+  ;;
+*)
+  sed -n 2,15p "$0"; exit 2
+  ;;
+esac
