@@ -145,16 +145,39 @@ def test_tool_calls_round_trip_through_two_turns(client):
 
 
 def test_streamed_tool_calls_arrive_as_deltas(client):
+    """The call's first delta carries its id and name, then the arguments come piece by piece as the
+    model writes them (as OpenAI streams them), and they concatenate to valid arguments."""
     q = [{"role": "user", "content": "What is the time in Tokyo?"}]
-    names, args, finish = [], "", None
+    names, ids, args, pieces, finish = [], [], "", 0, None
     for chunk in client.chat.completions.create(model="m", messages=q, tools=[TIME], tool_choice="required",
                                                 parallel_tool_calls=False, temperature=0, max_tokens=80,
                                                 stream=True):
         for ch in chunk.choices:
             for tc in ch.delta.tool_calls or []:
+                assert tc.index == 0
                 if tc.function.name:
                     names.append(tc.function.name)
-                args += tc.function.arguments or ""
+                    ids.append(tc.id)
+                    assert tc.function.arguments == "", "the start carries no arguments"
+                if tc.function.arguments:
+                    pieces += 1
+                    args += tc.function.arguments
             finish = ch.finish_reason or finish
-    assert names == ["get_time"] and finish == "tool_calls"
+    assert names == ["get_time"] and ids[0].startswith("call_") and finish == "tool_calls"
+    assert pieces >= 3, f"the arguments came in {pieces} piece(s): {args!r}"
     jsonschema.validate(json.loads(args), TIME["function"]["parameters"])
+
+
+def test_text_streams_as_it_comes_when_tools_are_offered(client):
+    """With tool_choice auto and an answer in text, the text is not held back until the end."""
+    q = [{"role": "user", "content": "Write one sentence about the sea."}]
+    texts, calls, finish = [], 0, None
+    for chunk in client.chat.completions.create(model="m", messages=q, tools=[TIME], tool_choice="auto",
+                                                temperature=0, max_tokens=24, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                texts.append(ch.delta.content)
+            calls += len(ch.delta.tool_calls or [])
+            finish = ch.finish_reason or finish
+    assert calls == 0 and finish in ("stop", "length"), (texts, calls, finish)
+    assert len(texts) >= 5, f"the text came in {len(texts)} piece(s): {texts}"

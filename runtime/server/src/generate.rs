@@ -138,8 +138,13 @@ enum ChoiceOut {
         completion_tokens: usize,
         /// Prompt tokens the prefix cache served this choice.
         cached_tokens: usize,
-        /// The tool calls the text made (then `text` is empty and `reason` "tool_calls").
+        /// The tool calls the text made (streamed already as `ToolCall`s; `reason` "tool_calls").
         tool_calls: Option<Vec<crate::tools::Call>>,
+    },
+    /// A piece of a tool call (tools offered): its start or more of its arguments.
+    ToolCall {
+        index: usize,
+        event: crate::tools::ToolEvent,
     },
     Error {
         error: ApiError,
@@ -158,27 +163,56 @@ struct Choice {
     tokens: usize,
     pending_logprobs: Vec<TokenLogprob>,
     link: Arc<metrale_engine::RequestLink>,
-    /// Offered tools: the text is held until the choice ends, then parsed for calls.
-    tools: Option<Arc<crate::tools::Tools>>,
-    held: String,
+    /// Offered tools: the text goes through the streaming reader of calls.
+    tools: Option<crate::tools::ToolStream>,
+    /// What the last text produced beyond the one item `next` returns.
+    queued: VecDeque<ChoiceOut>,
 }
 
 impl Choice {
-    /// The choice's last text and finish reason; with tools offered, the held text is parsed and
-    /// its calls returned instead (finish reason `tool_calls`).
-    fn end_text(
-        &mut self,
-        last: String,
-        reason: &'static str,
-    ) -> (String, Option<Vec<crate::tools::Call>>, &'static str) {
-        let Some(tools) = &self.tools else {
-            return (last, None, reason);
+    /// Queue what `text` makes (tools offered: content and call pieces); `finish`: the choice's
+    /// last text, then its `Finish` with `reason` (`tool_calls` when a call was made and the
+    /// generation was not cut by the length limit).
+    fn queue_text(&mut self, text: String, finish: Option<(&'static str, usize, usize)>) {
+        let index = self.index;
+        let mut events = match &mut self.tools {
+            Some(ts) => ts.push(&text),
+            None if text.is_empty() => Vec::new(),
+            None => vec![crate::tools::ToolEvent::Text(text)],
         };
-        let mut text = std::mem::take(&mut self.held);
-        text.push_str(&last);
-        match tools.parse(&text) {
-            Some(calls) => (String::new(), Some(calls), "tool_calls"),
-            None => (text, None, reason),
+        let mut calls = None;
+        if finish.is_some() {
+            if let Some(ts) = self.tools.take() {
+                let (last, c) = ts.finish();
+                events.extend(last);
+                calls = c;
+            }
+        }
+        for e in events {
+            self.queued.push_back(match e {
+                crate::tools::ToolEvent::Text(text) => ChoiceOut::Delta {
+                    index,
+                    text,
+                    logprobs: std::mem::take(&mut self.pending_logprobs),
+                },
+                event => ChoiceOut::ToolCall { index, event },
+            });
+        }
+        if let Some((reason, completion_tokens, cached_tokens)) = finish {
+            let reason = if calls.is_some() && reason != "length" {
+                "tool_calls"
+            } else {
+                reason
+            };
+            self.queued.push_back(ChoiceOut::Finish {
+                index,
+                text: String::new(),
+                logprobs: std::mem::take(&mut self.pending_logprobs),
+                reason,
+                completion_tokens,
+                cached_tokens,
+                tool_calls: calls,
+            });
         }
     }
 
@@ -204,8 +238,10 @@ impl Choice {
     }
 
     async fn next(&mut self) -> Option<ChoiceOut> {
-        let index = self.index;
         loop {
+            if let Some(out) = self.queued.pop_front() {
+                return Some(out);
+            }
             let ev = self.rx.as_mut()?.recv().await;
             match ev {
                 Some(Event::Token {
@@ -234,28 +270,11 @@ impl Choice {
                         // receiver cancels the rest of this sequence
                         self.link.end_on_stop_string();
                         self.rx = None;
-                        let (text, tool_calls, reason) = self.end_text(r.text, "stop");
-                        return Some(ChoiceOut::Finish {
-                            index,
-                            text,
-                            logprobs: std::mem::take(&mut self.pending_logprobs),
-                            reason,
-                            completion_tokens: self.tokens,
-                            cached_tokens: self.link.cached_tokens(),
-                            tool_calls,
-                        });
-                    }
-                    if self.tools.is_some() {
-                        self.held.push_str(&r.text);
+                        let end = ("stop", self.tokens, self.link.cached_tokens());
+                        self.queue_text(r.text, Some(end));
                         continue;
                     }
-                    if !r.text.is_empty() {
-                        return Some(ChoiceOut::Delta {
-                            index,
-                            text: r.text,
-                            logprobs: std::mem::take(&mut self.pending_logprobs),
-                        });
-                    }
+                    self.queue_text(r.text, None);
                 }
                 Some(Event::Done {
                     reason,
@@ -265,22 +284,12 @@ impl Choice {
                 }) => {
                     self.rx = None;
                     let last = self.streamer.finish();
-                    let (text, tool_calls, reason) = self.end_text(
-                        last,
-                        match reason {
-                            FinishReason::Stop => "stop",
-                            FinishReason::Length => "length",
-                        },
-                    );
-                    return Some(ChoiceOut::Finish {
-                        index,
-                        text,
-                        logprobs: std::mem::take(&mut self.pending_logprobs),
-                        reason,
-                        completion_tokens: completion_tokens.max(self.tokens),
-                        cached_tokens,
-                        tool_calls,
-                    });
+                    let reason = match reason {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                    };
+                    let end = (reason, completion_tokens.max(self.tokens), cached_tokens);
+                    self.queue_text(last, Some(end));
                 }
                 Some(Event::Error(m)) => {
                     self.rx = None;
@@ -373,8 +382,8 @@ fn start(
                     tokens: 0,
                     pending_logprobs: Vec::new(),
                     link,
-                    tools: p.tools.clone(),
-                    held: String::new(),
+                    tools: p.tools.clone().map(crate::tools::ToolStream::new),
+                    queued: VecDeque::new(),
                 }
                 .into_stream(),
             );
@@ -505,6 +514,7 @@ async fn whole_response(
                     cached += cached_tokens;
                 }
             }
+            ChoiceOut::ToolCall { .. } => {} // the calls come whole with the Finish
             ChoiceOut::Error { error, .. } => {
                 log.end("error");
                 return Err(error);
@@ -578,12 +588,7 @@ impl StreamState {
                 tool_calls,
             } => {
                 self.usage.completion_tokens += completion_tokens;
-                if let Some(c) = tool_calls {
-                    let chunk = self
-                        .header
-                        .tool_calls_chunk(index, sse::tool_calls_json(&self.header.id, &c));
-                    self.queue.push_back(sse::data(&chunk));
-                }
+                let _ = tool_calls; // streamed piece by piece as they came
                 if index % self.per_prompt.max(1) == 0 {
                     self.usage.cached_tokens += cached_tokens;
                 }
@@ -592,6 +597,11 @@ impl StreamState {
                     self.emit(index, &text, &logprobs, None);
                 }
                 self.emit(index, "", &[], Some(reason));
+            }
+            ChoiceOut::ToolCall { index, event } => {
+                let delta = sse::tool_call_delta(&self.header.id, &event);
+                let chunk = self.header.tool_calls_chunk(index, delta);
+                self.queue.push_back(sse::data(&chunk));
             }
             ChoiceOut::Error { error, .. } => {
                 // Headers are gone: report in-band, then end the stream.

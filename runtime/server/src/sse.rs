@@ -51,17 +51,38 @@ pub struct ChoiceBody {
 /// The API's `tool_calls` list: `[{index, id, type, function: {name, arguments}}]`, ids derived from
 /// the response id.
 pub fn tool_calls_json(response_id: &str, calls: &[crate::tools::Call]) -> Value {
-    let tail = response_id.rsplit('-').next().unwrap_or(response_id);
     Value::Array(
         calls
             .iter()
             .enumerate()
             .map(|(k, c)| {
-                json!({"index": k, "id": format!("call_{}_{k}", &tail[..tail.len().min(12)]), "type": "function",
+                json!({"index": k, "id": tool_call_id(response_id, k), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}})
             })
             .collect(),
     )
+}
+
+/// The id of call `k` of a response.
+fn tool_call_id(response_id: &str, k: usize) -> String {
+    let tail = response_id.rsplit('-').next().unwrap_or(response_id);
+    format!("call_{}_{k}", &tail[..tail.len().min(12)])
+}
+
+/// A streamed `delta.tool_calls` for one piece of a call: its start (id, type, name, empty
+/// arguments), then its arguments piece by piece, as OpenAI streams them.
+pub fn tool_call_delta(response_id: &str, e: &crate::tools::ToolEvent) -> Value {
+    use crate::tools::ToolEvent;
+    match e {
+        ToolEvent::Start { index, name } => {
+            json!([{"index": index, "id": tool_call_id(response_id, *index),
+            "type": "function", "function": {"name": name, "arguments": ""}}])
+        }
+        ToolEvent::Args { index, text } => {
+            json!([{"index": index, "function": {"arguments": text}}])
+        }
+        ToolEvent::Text(_) => json!([]),
+    }
 }
 
 /// Token counts of a response.
@@ -169,7 +190,8 @@ impl Header {
                 Kind::Chat => {
                     let message = match c.tool_calls {
                         Some(calls) => {
-                            json!({"role": "assistant", "content": null, "tool_calls": calls})
+                            let content = (!c.text.is_empty()).then_some(c.text);
+                            json!({"role": "assistant", "content": content, "tool_calls": calls})
                         }
                         None => json!({"role": "assistant", "content": c.text}),
                     };

@@ -9,8 +9,11 @@
 //! - `llama3_json` (Llama 3.1+): the answer is one JSON object `{"name": ..., "parameters": {...}}`
 //!   (several separated by `;` when parallel calls are allowed).
 //!
-//! With tools offered and a choice other than `none`, a choice's text is held until it finishes,
-//! then sent as `tool_calls` (finish reason `tool_calls`) when it parses as calls, else as text.
+//! With tools offered and a choice other than `none`, a choice's text goes through [`ToolStream`]:
+//! plain text streams as content at once (only a possible start of a call is held back); a call
+//! streams as `tool_calls` deltas, its name first and then its arguments piece by piece as the
+//! model writes them (when it writes the name first, as the forced grammar does; otherwise the call
+//! goes out whole once it closes). The finish reason is `tool_calls` when a call was made.
 
 use llguidance::api::TopLevelGrammar;
 use serde::Deserialize;
@@ -317,6 +320,389 @@ impl Tools {
     }
 }
 
+/// What [`ToolStream`] makes of the text so far, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolEvent {
+    /// Text for the message's `content`.
+    Text(String),
+    /// Call `index` (of this choice) begins: the function's name.
+    Start { index: usize, name: String },
+    /// More of call `index`'s arguments (JSON text; the pieces of a call concatenate to it).
+    Args { index: usize, text: String },
+}
+
+/// Where [`ToolStream`] is in the text (offsets are into all the text so far).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// Nothing but whitespace or a possible start of a call yet.
+    Undecided,
+    /// Content (hermes: a call may still start later).
+    Text,
+    /// In the calls part, before the next call's opening.
+    Between,
+    /// Call `index` (its object at `obj`) has its name sent and its arguments (from `args`)
+    /// streaming; `sent` bytes of them so far.
+    Args {
+        index: usize,
+        obj: usize,
+        args: usize,
+        sent: usize,
+    },
+    /// The call object at `obj` must close (hermes: and its tag); `index`: the call, if it streamed.
+    Close { obj: usize, index: Option<usize> },
+}
+
+/// The streaming reader of one choice's text with tools offered (module docs). Feed it the text
+/// as it comes ([`ToolStream::push`]), then [`ToolStream::finish`].
+///
+/// Invariant: `all[..pos]` has been sent as content or read as complete calls; nothing is lost:
+/// what does not read as calls ends up as content.
+pub struct ToolStream {
+    tools: std::sync::Arc<Tools>,
+    all: String,
+    state: State,
+    pos: usize,
+    calls: Vec<Call>,
+}
+
+const HERMES_OPEN: &str = "<tool_call>";
+const HERMES_CLOSE: &str = "</tool_call>";
+
+/// `t` is a proper beginning of `lit` (more text may complete it).
+fn partial(t: &str, lit: &str) -> bool {
+    t.len() < lit.len() && lit.starts_with(t)
+}
+
+/// Where a JSON object or array starting at `s[0]` ends (one past its last byte), or `None` if `s`
+/// holds only part of it (or does not start with one).
+fn json_end(s: &str) -> Option<usize> {
+    let b = s.as_bytes();
+    if !matches!(b.first(), Some(b'{') | Some(b'[')) {
+        return None;
+    }
+    let (mut depth, mut in_str, mut esc) = (0usize, false, false);
+    for (i, &c) in b.iter().enumerate() {
+        if in_str {
+            match c {
+                _ if esc => esc = false,
+                b'\\' => esc = true,
+                b'"' => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            b'"' => in_str = true,
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The start of a call written name first: `{"name": "NAME", "arguments": ` (or "parameters"),
+/// any whitespace between tokens. `Ok(Some((name, offset of the arguments)))` once the first
+/// character of the arguments is there, `Ok(None)` when `s` may still become one, `Err(())` when
+/// it cannot.
+fn call_head(s: &str) -> Result<Option<(String, usize)>, ()> {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    // Ok(true): matched and consumed; Ok(false): the text ends inside it
+    let lit = |i: &mut usize, l: &str| -> Result<bool, ()> {
+        let rest = &s[*i..];
+        if rest.starts_with(l) {
+            *i += l.len();
+            Ok(true)
+        } else if partial(rest, l) {
+            Ok(false)
+        } else {
+            Err(())
+        }
+    };
+    for l in ["{", "\"name\"", ":", "\""] {
+        ws(&mut i);
+        if !lit(&mut i, l)? {
+            return Ok(None);
+        }
+    }
+    let Some(len) = s[i..].find('"') else {
+        return Ok(None);
+    };
+    let name = s[i..i + len].to_string();
+    if name.contains('\\') {
+        return Err(()); // tool names are [A-Za-z0-9_-]: no escapes
+    }
+    i += len + 1;
+    ws(&mut i);
+    if !lit(&mut i, ",")? {
+        return Ok(None);
+    }
+    ws(&mut i);
+    let rest = &s[i..];
+    let key = ["\"arguments\"", "\"parameters\""]
+        .into_iter()
+        .find(|k| rest.starts_with(k) || partial(rest, k))
+        .ok_or(())?;
+    for l in [key, ":"] {
+        ws(&mut i);
+        if !lit(&mut i, l)? {
+            return Ok(None);
+        }
+    }
+    ws(&mut i);
+    Ok((i < s.len()).then_some((name, i)))
+}
+
+impl ToolStream {
+    pub fn new(tools: std::sync::Arc<Tools>) -> ToolStream {
+        ToolStream {
+            tools,
+            all: String::new(),
+            state: State::Undecided,
+            pos: 0,
+            calls: Vec::new(),
+        }
+    }
+
+    fn hermes(&self) -> bool {
+        self.tools.format == ToolFormat::Hermes
+    }
+
+    fn known(&self, name: &str) -> bool {
+        self.tools.list.iter().any(|t| t.function.name == name)
+    }
+
+    /// Take in `text`; the events it completes.
+    pub fn push(&mut self, text: &str) -> Vec<ToolEvent> {
+        self.all.push_str(text);
+        let mut ev = Vec::new();
+        while self.step(&mut ev) {}
+        ev
+    }
+
+    /// The text is complete: the last events, and the calls made (`None` if none was). A call the
+    /// text cut short keeps the arguments it streamed.
+    pub fn finish(mut self) -> (Vec<ToolEvent>, Option<Vec<Call>>) {
+        let mut ev = Vec::new();
+        while self.step(&mut ev) {}
+        let rest = &self.all[self.pos..];
+        match self.state {
+            State::Args { index, args, .. } => {
+                self.calls[index].arguments = self.all[args..].to_string();
+            }
+            State::Close { index: Some(_), .. } => {}
+            _ if !rest.trim().is_empty() || (self.state == State::Text && !rest.is_empty()) => {
+                ev.push(ToolEvent::Text(rest.to_string()));
+            }
+            _ => {}
+        }
+        let calls = (!self.calls.is_empty()).then_some(self.calls);
+        (ev, calls)
+    }
+
+    /// What was read as a possible call, up to `upto`, is content after all.
+    fn fall_back_to_text(&mut self, upto: usize, ev: &mut Vec<ToolEvent>) {
+        ev.push(ToolEvent::Text(self.all[self.pos..upto].to_string()));
+        self.pos = upto;
+        self.state = State::Text;
+    }
+
+    fn start_call(&mut self, name: String, ev: &mut Vec<ToolEvent>) -> usize {
+        let index = self.calls.len();
+        ev.push(ToolEvent::Start {
+            index,
+            name: name.clone(),
+        });
+        self.calls.push(Call {
+            name,
+            arguments: String::new(),
+        });
+        index
+    }
+
+    /// One step of reading; `false` when more text is needed.
+    fn step(&mut self, ev: &mut Vec<ToolEvent>) -> bool {
+        let rest = &self.all[self.pos..];
+        match self.state {
+            State::Undecided => {
+                let t = rest.trim_start();
+                let call = match self.tools.format {
+                    _ if t.is_empty() => return false,
+                    ToolFormat::Hermes if partial(t, HERMES_OPEN) => return false,
+                    ToolFormat::Hermes => t.starts_with(HERMES_OPEN),
+                    ToolFormat::Llama3Json => t.starts_with('{'),
+                };
+                self.state = if call { State::Between } else { State::Text };
+                true
+            }
+            State::Text => {
+                let (send, tag) = if !self.hermes() {
+                    (rest.len(), false)
+                } else if let Some(k) = rest.find(HERMES_OPEN) {
+                    (k, true)
+                } else {
+                    // keep back an end that could begin the tag
+                    let keep = (1..HERMES_OPEN.len().min(rest.len() + 1))
+                        .rev()
+                        .find(|&n| {
+                            rest.is_char_boundary(rest.len() - n)
+                                && HERMES_OPEN.starts_with(&rest[rest.len() - n..])
+                        })
+                        .unwrap_or(0);
+                    (rest.len() - keep, false)
+                };
+                if send > 0 {
+                    ev.push(ToolEvent::Text(rest[..send].to_string()));
+                    self.pos += send;
+                }
+                if tag {
+                    self.state = State::Between;
+                }
+                send > 0 || tag
+            }
+            State::Between => {
+                let mut t = rest.trim_start();
+                if !self.hermes() {
+                    if let Some(r) = t.strip_prefix(';') {
+                        t = r.trim_start(); // between llama3_json calls
+                    }
+                }
+                if t.is_empty() || (self.hermes() && partial(t, HERMES_OPEN)) {
+                    return false;
+                }
+                let body = if self.hermes() {
+                    match t.strip_prefix(HERMES_OPEN) {
+                        Some(b) => b.trim_start(),
+                        None => {
+                            self.state = State::Text; // content after the calls
+                            return true;
+                        }
+                    }
+                } else {
+                    t
+                };
+                if body.is_empty() {
+                    return false;
+                }
+                if !body.starts_with('{') {
+                    // a tag or text that is not a call object: content, the tag included
+                    let upto = self.all.len() - body.len();
+                    self.fall_back_to_text(upto, ev);
+                    return true;
+                }
+                let obj = self.all.len() - body.len();
+                match call_head(body) {
+                    Ok(None) => false,
+                    Ok(Some((name, off)))
+                        if self.known(&name) && body[off..].starts_with(['{', '[']) =>
+                    {
+                        let index = self.start_call(name, ev);
+                        self.state = State::Args {
+                            index,
+                            obj,
+                            args: obj + off,
+                            sent: 0,
+                        };
+                        true
+                    }
+                    _ => {
+                        // not name first (or not a known tool): read it whole once it closes
+                        self.state = State::Close { obj, index: None };
+                        true
+                    }
+                }
+            }
+            State::Args {
+                index,
+                obj,
+                args,
+                sent,
+            } => {
+                let a = &self.all[args..];
+                let (upto, done) = match json_end(a) {
+                    Some(end) => (end, true),
+                    None => (a.len(), false),
+                };
+                if upto > sent {
+                    ev.push(ToolEvent::Args {
+                        index,
+                        text: a[sent..upto].to_string(),
+                    });
+                }
+                if done {
+                    self.calls[index].arguments = a[..upto].to_string();
+                    self.state = State::Close {
+                        obj,
+                        index: Some(index),
+                    };
+                    return true;
+                }
+                self.state = State::Args {
+                    index,
+                    obj,
+                    args,
+                    sent: upto,
+                };
+                upto > sent
+            }
+            State::Close { obj, index } => {
+                let body = &self.all[obj..];
+                let Some(end) = json_end(body) else {
+                    return false;
+                };
+                let after = body[end..].trim_start();
+                let close_end = if self.hermes() {
+                    if partial(after, HERMES_CLOSE) {
+                        return false; // the closing tag may be coming
+                    }
+                    match after.strip_prefix(HERMES_CLOSE) {
+                        Some(r) => self.all.len() - r.len(),
+                        None => obj + end, // no closing tag: the object alone
+                    }
+                } else {
+                    obj + end
+                };
+                if index.is_none() {
+                    let v: Option<Value> = serde_json::from_str(&body[..end]).ok();
+                    let call = v.and_then(|v| {
+                        let name = v.get("name")?.as_str()?.to_string();
+                        let a = v.get("arguments").or_else(|| v.get("parameters"))?;
+                        Some((name, a.to_string()))
+                    });
+                    match call {
+                        Some((name, args)) if self.known(&name) => {
+                            let i = self.start_call(name, ev);
+                            ev.push(ToolEvent::Args {
+                                index: i,
+                                text: args.clone(),
+                            });
+                            self.calls[i].arguments = args;
+                        }
+                        _ => {
+                            self.fall_back_to_text(close_end, ev); // not a call: content
+                            return true;
+                        }
+                    }
+                }
+                self.pos = close_end;
+                self.state = State::Between;
+                true
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -382,5 +768,165 @@ mod tests {
             e.message
         );
         assert!(Tools::from_request(None, Some(&json!("required")), None, f).is_err());
+    }
+
+    /// What a fed ToolStream produced: the content, the calls (name, arguments) as its events
+    /// built them, the calls `finish` returned, and the number of argument events.
+    type Fed = (String, Vec<(String, String)>, Option<Vec<Call>>, usize);
+
+    /// Feed `text` to a ToolStream in pieces of `chunk` characters (0: whole).
+    fn stream(f: ToolFormat, text: &str, chunk: usize) -> Fed {
+        let mut ts = ToolStream::new(std::sync::Arc::new(tools(f)));
+        let chars: Vec<char> = text.chars().collect();
+        let pieces: Vec<String> = if chunk == 0 {
+            vec![text.to_string()]
+        } else {
+            chars.chunks(chunk).map(|c| c.iter().collect()).collect()
+        };
+        let mut ev = Vec::new();
+        for p in &pieces {
+            ev.extend(ts.push(p));
+        }
+        let (last, calls) = ts.finish();
+        ev.extend(last);
+        let (mut content, mut built, mut arg_events) =
+            (String::new(), Vec::<(String, String)>::new(), 0);
+        for e in ev {
+            match e {
+                ToolEvent::Text(t) => content.push_str(&t),
+                ToolEvent::Start { index, name } => {
+                    assert_eq!(index, built.len(), "calls start in order");
+                    built.push((name, String::new()));
+                }
+                ToolEvent::Args { index, text } => {
+                    built[index].1.push_str(&text);
+                    arg_events += 1;
+                }
+            }
+        }
+        (content, built, calls, arg_events)
+    }
+
+    /// Every chunking gives the same content and calls; returns them (and the args events of a
+    /// one-character feed).
+    fn stream_all(f: ToolFormat, text: &str) -> (String, Vec<(String, String)>, usize) {
+        let (c0, b0, k0, _) = stream(f, text, 0);
+        for chunk in [1, 2, 3, 7] {
+            let (c, b, k, _) = stream(f, text, chunk);
+            assert_eq!((&c, &b, &k), (&c0, &b0, &k0), "chunks of {chunk}: {text:?}");
+        }
+        let from_finish: Vec<(String, String)> = k0
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| (c.name, c.arguments))
+            .collect();
+        assert_eq!(from_finish, b0, "finish's calls are the streamed ones");
+        (c0, b0, stream(f, text, 1).3)
+    }
+
+    #[test]
+    fn streamed_calls_send_the_name_then_the_arguments_piece_by_piece() {
+        let one = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa}ris \\\"x\\\" {\"}}\n</tool_call>";
+        let (content, calls, arg_events) = stream_all(ToolFormat::Hermes, one);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            vec![("get_weather".into(), r#"{"city": "Pa}ris \"x\" {"}"#.into())]
+        );
+        assert!(
+            arg_events > 10,
+            "arguments streamed in pieces: {arg_events}"
+        );
+        // two calls, whitespace between
+        let two = format!("{one}\n{}", one.replace("get_weather", "add"));
+        let (content, calls, _) = stream_all(ToolFormat::Hermes, &two);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls.iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
+            ["get_weather", "add"]
+        );
+        // llama3_json, parallel calls separated by ';'
+        let l = r#"{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "add", "parameters": {"a": [1, 2]}}"#;
+        let (content, calls, arg_events) = stream_all(ToolFormat::Llama3Json, l);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            vec![
+                ("get_weather".into(), r#"{"city": "Paris"}"#.into()),
+                ("add".into(), r#"{"a": [1, 2]}"#.into())
+            ]
+        );
+        assert!(arg_events > 10);
+    }
+
+    #[test]
+    fn text_streams_at_once_and_only_a_possible_call_start_is_held() {
+        let f = ToolFormat::Hermes;
+        let mut ts = ToolStream::new(std::sync::Arc::new(tools(f)));
+        assert_eq!(
+            ts.push("The weather "),
+            vec![ToolEvent::Text("The weather ".into())]
+        );
+        assert_eq!(
+            ts.push("is <to"),
+            vec![ToolEvent::Text("is ".into())],
+            "'<to' may open a call"
+        );
+        assert_eq!(
+            ts.push("day> fine."),
+            vec![ToolEvent::Text("<today> fine.".into())]
+        );
+        let (ev, calls) = ts.finish();
+        assert!(ev.is_empty() && calls.is_none());
+        // text, then a call
+        let t = "Let me check.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>";
+        let (content, calls, _) = stream_all(f, t);
+        assert_eq!(content, "Let me check.\n");
+        assert_eq!(calls, vec![("add".into(), "{}".into())]);
+        // a partial tag at the very end is content
+        let (content, calls, _) = stream_all(f, "x <tool_c");
+        assert_eq!((content.as_str(), calls.len()), ("x <tool_c", 0));
+        // llama3_json: text that does not open with '{', and JSON that is not a call
+        for t in [
+            "It is sunny.",
+            r#"{"answer": 42}"#,
+            r#"{"name": "unknown_fn", "parameters": {}}"#,
+        ] {
+            let (content, calls, _) = stream_all(ToolFormat::Llama3Json, t);
+            assert_eq!((content.as_str(), calls.len()), (t, 0), "{t}");
+        }
+    }
+
+    #[test]
+    fn calls_not_written_name_first_go_out_whole_and_bad_ones_are_content() {
+        let f = ToolFormat::Hermes;
+        let t = "<tool_call>\n{\"arguments\": {\"a\": 1}, \"name\": \"add\"}\n</tool_call>";
+        let (content, calls, arg_events) = stream_all(f, t);
+        assert_eq!(content, "");
+        assert_eq!(calls, vec![("add".into(), r#"{"a":1}"#.into())]);
+        assert_eq!(arg_events, 1, "one piece: the whole arguments");
+        for bad in [
+            "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>",
+            "<tool_call>\nnot json\n</tool_call>",
+        ] {
+            let (content, calls, _) = stream_all(f, bad);
+            assert_eq!((content.as_str(), calls.len()), (bad, 0), "{bad}");
+        }
+        // content after the calls is kept
+        let t = "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>\nDone.";
+        let (content, calls, _) = stream_all(f, t);
+        assert_eq!((content.as_str(), calls.len()), ("\nDone.", 1));
+    }
+
+    #[test]
+    fn a_call_cut_short_keeps_the_arguments_it_streamed() {
+        let t = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par";
+        let (content, calls, finished, _) = stream(ToolFormat::Hermes, t, 1);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            vec![("get_weather".into(), r#"{"city": "Par"#.into())]
+        );
+        assert_eq!(finished.unwrap()[0].arguments, r#"{"city": "Par"#);
     }
 }
