@@ -11,7 +11,7 @@
 #        decode and its kernels, pp512, depth 8192 and 32768; then BASE's kernels at depth 0
 #   bash ci/gpu/floor.sh call2   carry nothing      llama-bench tg128 at depths 0, 8192 and 32768 on
 #        the same GGUFs; each target's server at one stream over HTTP (load.py) to compare with the
-#        in-process figure; bench-record with llama.cpp for both targets
+#        in-process figure; bench-record with llama.cpp for both targets (1 and 16 streams)
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 Q="bf16 q4_1"
@@ -114,7 +114,8 @@ call2)
     done
     kill $SP; wait $SP
   done
-  for q in $Q; do record h200-llama-3.1-8b-$q "$H/s/l8b-$q.gguf" 4096; done
+  # batch 1 and 16 streams (the 64- and 256-stream figures are the tensor-core work's)
+  for q in $Q; do RECORD_CONCURRENCY=1,16 record h200-llama-3.1-8b-$q "$H/s/l8b-$q.gguf" 4096; done
   finish call2
   ;;
 *)

@@ -44,7 +44,7 @@ finish() { tar czf "$OUT/$1.tgz" -C "$H" results; }
 record() {
   step "bench-record $1 with llama.cpp"
   "$H/b/bin/xtask" bench-record "$H/b/srv/$1/metrale-server" --model "$2" \
-    --gen-tokens 128 --concurrency 1,16,64,256 --server-args "--parallel 256 --ctx-size $3" \
+    --gen-tokens 128 --concurrency "${RECORD_CONCURRENCY:-1,16,64,256}" --server-args "--parallel 256 --ctx-size $3" \
     --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
     > "$R/record-$1.log" 2>&1; tail -3 "$R/record-$1.log"
 }
