@@ -521,27 +521,35 @@ async fn whole_response(
             }
         }
     }
-    let out: Vec<sse::ChoiceBody> = text
-        .into_iter()
-        .zip(lps)
-        .zip(finish)
-        .zip(calls)
-        .map(|(((t, l), f), c)| sse::ChoiceBody {
-            text: t,
-            logprobs: logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)),
-            finish: f,
-            tool_calls: c.map(|c| sse::tool_calls_json(&header.id, &c)),
-        })
-        .collect();
     let usage = Usage {
         prompt_tokens,
         completion_tokens,
         cached_tokens: cached,
     };
+    // The body is built and serialized on a blocking thread: with logprobs it can hold hundreds of
+    // thousands of entries (n x max_tokens x top_logprobs), tens of milliseconds of CPU that must
+    // not stall an async worker (and /health with it).
+    let json = tokio::task::spawn_blocking(move || {
+        let out: Vec<sse::ChoiceBody> = text
+            .into_iter()
+            .zip(lps)
+            .zip(finish)
+            .zip(calls)
+            .map(|(((t, l), f), c)| sse::ChoiceBody {
+                text: t,
+                logprobs: logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)),
+                finish: f,
+                tool_calls: c.map(|c| sse::tool_calls_json(&header.id, &c)),
+            })
+            .collect();
+        serde_json::to_vec(&header.full(out, usage))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("building the response failed: {e}")))?
+    .map_err(|e| ApiError::internal(format!("cannot serialize the response: {e}")))?;
     log.usage = usage;
     log.end("ok");
-    let body = header.full(out, usage);
-    Ok(axum::Json(body).into_response())
+    Ok(([(header::CONTENT_TYPE, "application/json")], json).into_response())
 }
 
 struct StreamState {
