@@ -315,13 +315,24 @@ fn main() {
         let (m, p10, p90) = median(&mut ts);
         let kv = b.kv_bytes_read(d + depth_steps / 2);
         let fl = floor_us(wbytes + kv);
+        // the attention alone at this depth (the last step's shape), against its KV bytes
+        let att_us = b
+            .profile_kernels(20, 5)
+            .unwrap()
+            .into_iter()
+            .find(|(n, _)| *n == "attention")
+            .map_or(f64::NAN, |(_, us)| us);
+        let att_floor = floor_us(kv / spec.model.layers as u64);
+        eprintln!(
+            "  attention alone at depth {d}: {att_us:.1} us per layer (its KV bytes at the copy rate: {att_floor:.1} us)"
+        );
         eprintln!(
             "decode b=1 at depth {d}: median {m:.1} us/token ({:.0} tok/s), p10 {p10:.1}, p90 {p90:.1}; floor {fl:.1} us (weights + {kv} KV bytes): {:.0}% of the copy rate",
             1e6 / m,
             100.0 * fl / m
         );
         depth_res.push(format!(
-            "{{\"depth\": {d}, \"us_per_token\": {m:.2}, \"p10\": {p10:.2}, \"p90\": {p90:.2}, \"tok_s\": {:.1}, \"kv_bytes\": {kv}, \"floor_us\": {fl:.2}, \"share_of_copy_rate\": {:.4}}}",
+            "{{\"depth\": {d}, \"us_per_token\": {m:.2}, \"p10\": {p10:.2}, \"p90\": {p90:.2}, \"tok_s\": {:.1}, \"kv_bytes\": {kv}, \"floor_us\": {fl:.2}, \"share_of_copy_rate\": {:.4}, \"attention_us_per_layer\": {att_us:.2}, \"attention_floor_us\": {att_floor:.2}}}",
             1e6 / m,
             fl / m
         ));
