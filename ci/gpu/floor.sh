@@ -75,8 +75,9 @@ call1)
   step "2-layer check: HF golden (f32 on the GPU), then CUDA 3 times per kernel set and choice"
   python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
   tail -1 "$R/golden2.txt"
-  for run in "-:" "-:pdl=off" "-base:"; do
-    k=$H/b/k/h200-llama-3.1-8b-2l-bf16${run%%:*}/kernels; k=${k/-\//\/}; t=${run#*:}
+  for run in "this:" "this:pdl=off" "base:"; do
+    k=$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels t=${run#*:}
+    [ "${run%%:*}" = base ] && k=$H/b/k/h200-llama-3.1-8b-2l-bf16-base/kernels
     [ -d "$k" ] || continue
     METRALE_TARGETS=$H/b/t2/targets METRALE_CUDA_TUNING=$t "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
       --cuda "$k" $T8/bf16 --tol 0.05 --repeat 3 | tee -a "$R/check-2l.jsonl" \
