@@ -130,9 +130,9 @@ enum ChoiceOut {
         text: String,
         logprobs: Vec<TokenLogprob>,
     },
+    /// The choice ended (its last text came as a `Delta` before this).
     Finish {
         index: usize,
-        text: String,
         logprobs: Vec<TokenLogprob>,
         reason: &'static str,
         completion_tokens: usize,
@@ -206,7 +206,6 @@ impl Choice {
             };
             self.queued.push_back(ChoiceOut::Finish {
                 index,
-                text: String::new(),
                 logprobs: std::mem::take(&mut self.pending_logprobs),
                 reason,
                 completion_tokens,
@@ -497,7 +496,6 @@ async fn whole_response(
             }
             ChoiceOut::Finish {
                 index,
-                text: t,
                 logprobs: l,
                 reason,
                 completion_tokens: c,
@@ -505,7 +503,6 @@ async fn whole_response(
                 tool_calls,
             } => {
                 calls[index] = tool_calls;
-                text[index].push_str(&t);
                 lps[index].extend(l);
                 finish[index] = reason.to_owned();
                 log.finish[index] = reason;
@@ -588,21 +585,19 @@ impl StreamState {
             } => self.emit(index, &text, &logprobs, None),
             ChoiceOut::Finish {
                 index,
-                text,
                 logprobs,
                 reason,
                 completion_tokens,
                 cached_tokens,
-                tool_calls,
+                tool_calls: _, // streamed piece by piece as they came
             } => {
                 self.usage.completion_tokens += completion_tokens;
-                let _ = tool_calls; // streamed piece by piece as they came
                 if index % self.per_prompt.max(1) == 0 {
                     self.usage.cached_tokens += cached_tokens;
                 }
                 self.log.finish[index] = reason;
-                if !text.is_empty() || !logprobs.is_empty() {
-                    self.emit(index, &text, &logprobs, None);
+                if !logprobs.is_empty() {
+                    self.emit(index, "", &logprobs, None);
                 }
                 self.emit(index, "", &[], Some(reason));
             }
