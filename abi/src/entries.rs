@@ -115,6 +115,7 @@ entries! {
         layer: i32,
         max_blocks: i32,
         nsplit: i32,
+        flags: i32,
         part_ml: ptr<"float2">,
         part_acc: ptr<"float">,
         counter: ptr<"unsigned int">,

@@ -140,6 +140,10 @@ pub const ATT_THREADS: u32 = 256;
 /// Most attention splits `attention` combines through one thread-block cluster (8 is the portable
 /// cluster size); launches with more splits use the global ticket combine.
 pub const ATT_MAX_CLUSTER: u32 = 8;
+/// `attention`'s `flags` bit that sums its scores by a transpose-reduce (16 shuffles for the GROUP x
+/// 4 scores of an iteration where one warp sum each takes 5, and one exp per lane instead of one per
+/// score; `METRALE_CUDA_TUNING=attention_transpose=on`), else one warp sum per score.
+pub const ATT_FLAG_TRANSPOSE: u32 = 1;
 /// Threads per block of `argmax_logprob` and `sample_probs`.
 pub const SAMPLE_THREADS: u32 = 1024;
 /// Floats of a 32-element block of an activation row staged in shared memory (padded from 32 so
@@ -187,6 +191,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("EMBED_THREADS", EMBED_THREADS as i64),
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
+    ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),
     ("SAMPLE_THREADS", SAMPLE_THREADS as i64),
     ("PADDED_BLOCK", PADDED_BLOCK as i64),
     ("TOK_TILE_BYTES", TOK_TILE_BYTES as i64),

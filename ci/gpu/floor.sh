@@ -8,7 +8,8 @@
 #   bash ci/gpu/floor.sh call1   carry .fl1 .peer   llama.cpp's build (background); the 8B
 #        checkpoints; cuda_kernels on both targets; the 2-layer check (this tree's kernels, default
 #        and pdl=off, and BASE's, 3 repeats each); cuda_bench on both targets: copy rate, batch-1
-#        decode and its kernels, pp512, depth 8192 and 32768; then BASE's kernels at depth 0
+#        decode and its kernels, pp512, depth 8192 and 32768 (q4_1 again with the attention's
+#        transpose-reduce on); then BASE's kernels at depth 0
 #   bash ci/gpu/floor.sh call2   carry nothing      llama-bench tg128 at depths 0, 8192 and 32768 on
 #        the same GGUFs; each target's server at one stream over HTTP (load.py) to compare with the
 #        in-process figure; bench-record with llama.cpp for both targets (1 and 16 streams)
@@ -20,7 +21,7 @@ bench() {  # KERNEL_DIR QUANT NAME [cuda_bench args]: one cuda_bench run, its JS
   step "cuda_bench $n"
   METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_bench" "$H/s/l8b-$q.gguf" "$k" $T8/$q --out "$R/$n.json" "$@" \
     > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
-  grep -E "copy:|decode b=1|tg128|prefill 512:|sum of kernels|rc=" "$R/$n.txt"
+  grep -E "copy:|decode b=1|attention alone|tg128|prefill 512:|sum of kernels|rc=" "$R/$n.txt"
 }
 
 case "${1:-}" in
@@ -86,6 +87,9 @@ call1)
   for q in q4_1 bf16; do
     bench "$H/b/k/h200-llama-3.1-8b-$q/kernels" $q "bench-$q" --batch 1 --steps 128 --depth 8192,32768
   done
+  # the attention's transpose-reduce (off by default until measured), where the KV dominates
+  METRALE_CUDA_TUNING=attention_transpose=on bench "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" q4_1 bench-q4_1-transpose \
+    --batch 1 --steps 64 --depth 8192,32768
   for q in q4_1 bf16; do
     k=$H/b/k/h200-llama-3.1-8b-$q-base/kernels
     [ -d "$k" ] && bench "$k" $q "bench-$q-base" --batch 1 --steps 128

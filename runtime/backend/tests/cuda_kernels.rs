@@ -513,8 +513,12 @@ fn attention_splits_combine_and_out_projection() {
     let counter = g.alloc(n * d.kv_heads * 4).unwrap();
     let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
     // on sm_90, 2..=attention_cluster splits (the target's HARDWARE.toml) run as one thread-block
-    // cluster combined through distributed shared memory; more use the ticket combine
-    for nsplit in [1usize, 2, 3, 4, 8, 32, auto] {
+    // cluster combined through distributed shared memory; more use the ticket combine. Each with
+    // the scores summed by warp sums and by the transpose-reduce (flags).
+    let runs = [1usize, 2, 3, 4, 8, 32, auto]
+        .into_iter()
+        .flat_map(|s| [(s, 0), (s, abi::ATT_FLAG_TRANSPOSE as i32)]);
+    for (nsplit, flags) in runs {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
         let launch = || {
@@ -529,6 +533,7 @@ fn attention_splits_combine_and_out_projection() {
                     layer: layer as i32,
                     max_blocks: pg.max_blocks as i32,
                     nsplit: nsplit as i32,
+                    flags,
                     part_ml: ml.ptr,
                     part_acc: acc.ptr,
                     counter: counter.ptr,
@@ -540,7 +545,7 @@ fn attention_splits_combine_and_out_projection() {
         };
         launch();
         check(
-            &format!("attention, {nsplit} splits"),
+            &format!("attention, {nsplit} splits, flags {flags}"),
             &read_f32(g, &att, n * qd),
             &want_att,
         );
@@ -556,7 +561,11 @@ fn attention_splits_combine_and_out_projection() {
         })
         .unwrap();
         let got = read_f32(g, &xb, n * d.hidden);
-        check(&format!("x + Wo*attention, {nsplit} splits"), &got, &want_x);
+        check(
+            &format!("x + Wo*attention, {nsplit} splits, flags {flags}"),
+            &got,
+            &want_x,
+        );
     }
 }
 

@@ -185,6 +185,7 @@ impl CudaBackend {
                     layer: l as i32,
                     max_blocks,
                     nsplit: nsplit as i32,
+                    flags: g.att_flags,
                     part_ml: b.part_ml.ptr,
                     part_acc: b.part_acc.ptr,
                     counter: b.att_counter.ptr,

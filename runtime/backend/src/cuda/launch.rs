@@ -44,6 +44,8 @@ pub struct Gpu {
     pub lm1_per_sm: usize,
     /// One output's LM head by `lm_head_1` (else `lm_head`).
     pub lm_head_1: bool,
+    /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
+    pub att_flags: i32,
 }
 
 impl Deref for Gpu {
@@ -81,6 +83,7 @@ impl Gpu {
             cluster_max,
             lm1_per_sm,
             lm_head_1: true,
+            att_flags: 0,
             kernels,
             dev,
         })

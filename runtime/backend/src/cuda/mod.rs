@@ -94,6 +94,9 @@ pub struct Tuning {
     pub attention_cluster: bool,
     /// One output's LM head by `lm_head_1` (whole rows streamed per warp; else `lm_head`).
     pub lm_head_1: bool,
+    /// `attention` sums its scores by a transpose-reduce (`abi::ATT_FLAG_TRANSPOSE`; off until
+    /// measured).
+    pub attention_transpose: bool,
 }
 
 impl Default for Tuning {
@@ -106,6 +109,7 @@ impl Default for Tuning {
             pdl: true,
             attention_cluster: true,
             lm_head_1: true,
+            attention_transpose: false,
         }
     }
 }
@@ -114,7 +118,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 7] = [
+    pub const KEYS: [&'static str; 8] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -122,6 +126,7 @@ impl Tuning {
         "pdl",
         "attention_cluster",
         "lm_head_1",
+        "attention_transpose",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -150,6 +155,7 @@ impl Tuning {
                 "pdl" => self.pdl = on,
                 "attention_cluster" => self.attention_cluster = on,
                 "lm_head_1" => self.lm_head_1 = on,
+                "attention_transpose" => self.attention_transpose = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -274,6 +280,9 @@ impl CudaBackend {
             gpu.cluster_max = 0;
         }
         gpu.lm_head_1 = opts.tuning.lm_head_1;
+        if opts.tuning.attention_transpose {
+            gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
+        }
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
