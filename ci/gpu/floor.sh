@@ -16,10 +16,13 @@
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 Q="bf16 q4_1"
-bench() {  # KERNEL_DIR QUANT NAME [cuda_bench args]: one cuda_bench run, its JSON to $R/NAME.json
-  local k=$1 q=$2 n=$3; shift 3
+# KERNEL_DIR QUANT NAME [cuda_bench args]: one cuda_bench run, its JSON to $R/NAME.json (BASE=1:
+# BASE's own cuda_bench and targets, which its kernels' ABI matches)
+bench() {
+  local k=$1 q=$2 n=$3 cb=$H/b/bin/cuda_bench tg=$PWD/targets; shift 3
+  [ "${BASE:-}" = 1 ] && cb=$H/b/base/bin/cuda_bench tg=$H/b/base/targets
   step "cuda_bench $n"
-  METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_bench" "$H/s/l8b-$q.gguf" "$k" $T8/$q --out "$R/$n.json" "$@" \
+  METRALE_TARGETS=$tg timeout 200 "$cb" "$H/s/l8b-$q.gguf" "$k" $T8/$q --out "$R/$n.json" "$@" \
     > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
   grep -E "copy:|decode b=1|attention alone|tg128|prefill 512:|sum of kernels|rc=" "$R/$n.txt"
 }
@@ -38,9 +41,18 @@ prepare)
   }
   k32 .fl1/b ""
   if [ -n "$base" ]; then
-    in_rev "$base" kernels2l "$PWD/.fl1/b" h200-llama-3.1-8b-2l-bf16-base
-    in_rev "$base" k32 "$PWD/.fl1/b" -base
-    git rev-parse "$base" > .fl1/b/base-rev
+    # BASE's kernels, and the binaries and targets of BASE that load them (the kernels' ABI is
+    # checked against the loading binary's)
+    base_bins() {
+      mkdir -p "$1/base/bin" "$1/base/t2"
+      local C="--release -p metrale-backend --features cuda"
+      for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" "$1/base/bin/$e"; done
+      cp -r targets "$1/base/"
+      kernels2l "$1/base" h200-llama-3.1-8b-2l-bf16
+      k32 "$1/base" ""
+    }
+    in_rev "$base" base_bins "$PWD/.fl1/b"
+    git rev-parse "$base" > .fl1/b/base/rev
   fi
   for q in $Q; do
     cargo xtask build-target --hw h200 --model llama-3.1-8b --quant $q --out ".fl1/b/srv/h200-llama-3.1-8b-$q" 2>&1 | tail -1
@@ -50,7 +62,7 @@ prepare)
   cp "$(exe test $C --no-run --test cuda_kernels)" .fl1/b/bin/cuda_kernels
   for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .fl1/b/bin/$e; done
   cp "$(exe build --release -p xtask)" .fl1/b/bin/xtask
-  strip .fl1/b/bin/*
+  strip .fl1/b/bin/* .fl1/b/base/bin/* 2>/dev/null || true
   cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .fl1/b/vocab-8b.gguf >/dev/null
   tar cJf .fl1/b.tar.xz -C .fl1 b && rm -rf .fl1/b
   [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
@@ -77,11 +89,11 @@ call1)
   python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
   tail -1 "$R/golden2.txt"
   for run in "this:" "this:pdl=off" "base:"; do
-    k=$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels t=${run#*:}
-    [ "${run%%:*}" = base ] && k=$H/b/k/h200-llama-3.1-8b-2l-bf16-base/kernels
-    [ -d "$k" ] || continue
-    METRALE_TARGETS=$H/b/t2/targets METRALE_CUDA_TUNING=$t "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
-      --cuda "$k" $T8/bf16 --tol 0.05 --repeat 3 | tee -a "$R/check-2l.jsonl" \
+    b=$H/b t=${run#*:}
+    [ "${run%%:*}" = base ] && b=$H/b/base
+    [ -d "$b/k" ] || continue
+    METRALE_TARGETS=$b/t2/targets METRALE_CUDA_TUNING=$t "$b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
+      --cuda "$b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --repeat 3 | tee -a "$R/check-2l.jsonl" \
       | python3 -c 'import sys,json; d=json.load(sys.stdin); print(sys.argv[1], d["tuning"] or "default", "pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])' "$run"
   done
   for q in q4_1 bf16; do
@@ -91,8 +103,8 @@ call1)
   METRALE_CUDA_TUNING=attention_transpose=on bench "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" q4_1 bench-q4_1-transpose \
     --batch 1 --steps 64 --depth 8192,32768
   for q in q4_1 bf16; do
-    k=$H/b/k/h200-llama-3.1-8b-$q-base/kernels
-    [ -d "$k" ] && bench "$k" $q "bench-$q-base" --batch 1 --steps 128
+    k=$H/b/base/k/h200-llama-3.1-8b-$q/kernels
+    [ -d "$k" ] && BASE=1 bench "$k" $q "bench-$q-base" --batch 1 --steps 128
   done
   finish call1
   ;;

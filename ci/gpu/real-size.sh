@@ -29,9 +29,9 @@
 #                                     two records (and 8B bf16's if verify1 ran out of time)
 # and the 2-layer comparison alone, position by position and repeated under each runtime choice
 # that could race (one call, ~2 min):
-#   [BASE=REV] bash ci/gpu/real-size.sh prepare-check2l MODEL.gguf   CPU machine: .v3/ (with
-#                                     BASE, also the kernels revision REV builds, run beside)
-#   bash ci/gpu/real-size.sh check2l  carry .v3
+#   bash ci/gpu/real-size.sh prepare-check2l MODEL.gguf   CPU machine: .v3/
+#   bash ci/gpu/real-size.sh check2l  carry .v3     (ci/gpu/floor.sh call1 runs the same check
+#                                     with a base revision's kernels beside this tree's)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 H=$HOME
@@ -181,8 +181,6 @@ prepare-check2l)
   [ -f "$model" ] || { echo "usage: ci/gpu/real-size.sh prepare-check2l MODEL.gguf" >&2; exit 2; }
   rm -rf .v3 && mkdir -p .v3/b/bin .v3/b/k
   kernels2l .v3/b
-  # BASE=REV: the same kernels as revision REV builds them (its own xtask), run beside this tree's
-  [ -z "${BASE:-}" ] || in_rev "$BASE" kernels2l "$PWD/.v3/b" h200-llama-3.1-8b-2l-bf16-base
   cp "$(exe build --release -p metrale-backend --features cuda --example golden_check)" .v3/b/bin/golden_check
   cp "$(exe build --release -p xtask)" .v3/b/bin/xtask
   strip .v3/b/bin/*
@@ -210,14 +208,6 @@ check2l)
   $C --cuda "$K2" $T8/bf16 --vs-cpu --tol 0.05 --prefill-chunk 32 | tee "$R/check-2l-mv.json"
   step "CPU alone vs HF: bf16 KV, f32 activations"
   $C --kv bf16 --exact --tol 0.05 | tee "$R/check-2l-cpu.json"
-  B=$H/b/k/h200-llama-3.1-8b-2l-bf16-base/kernels
-  if [ -d "$B" ]; then
-    for t in "" pdl=off; do
-      step "CUDA, BASE kernels, 3 repeats, METRALE_CUDA_TUNING=$t"
-      METRALE_CUDA_TUNING=$t $C --cuda "$B" $T8/bf16 --tol 0.05 --repeat 3 | tee -a "$R/repeat-2l-base.jsonl" \
-        | python3 -c 'import sys,json; d=json.load(sys.stdin); print("base", d["tuning"] or "default", "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
-    done
-  fi
   for t in "" graphs=off pdl=off attention_cluster=off lm_head_1=off pdl=off,graphs=off \
            pdl=off,attention_cluster=off,lm_head_1=off; do
     step "CUDA, 3 repeats, METRALE_CUDA_TUNING=$t"
