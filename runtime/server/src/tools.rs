@@ -268,56 +268,6 @@ impl Tools {
         };
         Some(TopLevelGrammar::from_lark(lark))
     }
-
-    /// The calls `text` makes, or `None` when it is not (only) tool calls.
-    pub fn parse(&self, text: &str) -> Option<Vec<Call>> {
-        let known = |n: &str| self.list.iter().any(|t| t.function.name == n);
-        let call = |v: &Value, args: &str| -> Option<Call> {
-            let name = v.get("name")?.as_str()?;
-            let a = v
-                .get(args)
-                .or_else(|| v.get("arguments"))
-                .or_else(|| v.get("parameters"))?;
-            known(name).then(|| Call {
-                name: name.to_string(),
-                arguments: a.to_string(),
-            })
-        };
-        let calls: Vec<Call> = match self.format {
-            ToolFormat::Hermes => {
-                let mut rest = text.trim();
-                let mut out = Vec::new();
-                while !rest.is_empty() {
-                    let body = rest.strip_prefix("<tool_call>")?;
-                    let end = body.find("</tool_call>")?;
-                    let v: Value = serde_json::from_str(body[..end].trim()).ok()?;
-                    out.push(call(&v, "arguments")?);
-                    rest = body[end + "</tool_call>".len()..].trim_start();
-                }
-                out
-            }
-            ToolFormat::Llama3Json => {
-                let t = text.trim();
-                if !t.starts_with('{') {
-                    return None;
-                }
-                let mut out = Vec::new();
-                let mut rest = t;
-                loop {
-                    let mut de = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-                    let v = de.next()?.ok()?;
-                    out.push(call(&v, "parameters")?);
-                    rest = rest[de.byte_offset()..].trim_start();
-                    if rest.is_empty() {
-                        break;
-                    }
-                    rest = rest.strip_prefix(';')?.trim_start();
-                }
-                out
-            }
-        };
-        (!calls.is_empty()).then_some(calls)
-    }
 }
 
 /// What [`ToolStream`] makes of the text so far, in order.
@@ -719,6 +669,23 @@ mod tests {
             .unwrap()
     }
 
+    /// The calls `text` makes read whole by the server's reader, or `None` when it is not (only)
+    /// tool calls.
+    fn parse(t: &Tools, text: &str) -> Option<Vec<Call>> {
+        let mut ts = ToolStream::new(std::sync::Arc::new(t.clone()));
+        let mut ev = ts.push(text);
+        let (last, calls) = ts.finish();
+        ev.extend(last);
+        let content = ev
+            .iter()
+            .any(|e| matches!(e, ToolEvent::Text(x) if !x.trim().is_empty()));
+        if content {
+            None
+        } else {
+            calls
+        }
+    }
+
     #[test]
     fn both_formats_parse_what_they_render() {
         for f in [ToolFormat::Hermes, ToolFormat::Llama3Json] {
@@ -728,7 +695,7 @@ mod tests {
                 ("add".to_string(), r#"{"a":1,"b":2}"#.to_string()),
             ];
             let text = f.render(&calls);
-            let got = t.parse(&text).unwrap_or_else(|| panic!("{f:?}: {text}"));
+            let got = parse(&t, &text).unwrap_or_else(|| panic!("{f:?}: {text}"));
             assert_eq!(got.len(), 2, "{text}");
             assert_eq!(got[0].name, "get_weather");
             assert_eq!(
@@ -737,10 +704,8 @@ mod tests {
             );
             assert_eq!(got[1].name, "add");
             // text that is not calls
-            assert!(t.parse("The weather is fine.").is_none());
-            assert!(t
-                .parse(&text.replace("get_weather", "unknown_fn"))
-                .is_none());
+            assert!(parse(&t, "The weather is fine.").is_none());
+            assert!(parse(&t, &text.replace("get_weather", "unknown_fn")).is_none());
         }
     }
 
