@@ -107,6 +107,29 @@ fn main() {
     let chat = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n";
     let prompt = model.tokenizer.encode(chat, false, true).unwrap();
 
+    // one sequence's greedy step (device pick, no logits): the token it picks
+    let step1 = |b: &mut CudaBackend,
+                 (slot, blocks): (usize, &[u32]),
+                 start_pos: usize,
+                 tokens: &[u32],
+                 history: &[u32],
+                 draw: u64|
+     -> u32 {
+        b.step(&[SeqStep {
+            slot,
+            blocks,
+            start_pos,
+            tokens,
+            history,
+            sampling: &greedy,
+            draw,
+            want_logits: false,
+            allowed: None,
+        }])
+        .unwrap()[0]
+            .token
+    };
+
     let median = |v: &mut Vec<f64>| -> (f64, f64, f64) {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let q = |f: f64| v[((v.len() - 1) as f64 * f) as usize];
@@ -116,41 +139,17 @@ fn main() {
     // batch-1 decode
     let mut hist = prompt.clone();
     let t_first = Instant::now();
-    let r = b
-        .step(&[SeqStep {
-            slot: 0,
-            blocks: &tables[0],
-            start_pos: 0,
-            tokens: &prompt,
-            history: &prompt,
-            sampling: &greedy,
-            draw: 0,
-            want_logits: false,
-            allowed: None,
-        }])
-        .unwrap();
+    let first = step1(&mut b, (0, &tables[0]), 0, &prompt, &prompt, 0);
     let ttft_ms = t_first.elapsed().as_secs_f64() * 1e3;
-    hist.push(r[0].token);
+    hist.push(first);
     let mut times = Vec::new();
     for s in 1..steps {
         let n = hist.len();
         let last = [hist[n - 1]];
         let t = Instant::now();
-        let r = b
-            .step(&[SeqStep {
-                slot: 0,
-                blocks: &tables[0],
-                start_pos: n - 1,
-                tokens: &last,
-                history: &hist,
-                sampling: &greedy,
-                draw: s as u64,
-                want_logits: false,
-                allowed: None,
-            }])
-            .unwrap();
+        let tok = step1(&mut b, (0, &tables[0]), n - 1, &last, &hist, s as u64);
         times.push(t.elapsed().as_secs_f64() * 1e6);
-        hist.push(r[0].token);
+        hist.push(tok);
     }
     let mut replay = Vec::new();
     for _ in 0..7 {
@@ -220,20 +219,8 @@ fn main() {
         let t = Instant::now();
         for s in 0..128usize {
             let tok = [h[s]];
-            let r = b
-                .step(&[SeqStep {
-                    slot: tg_slot,
-                    blocks: &tables[tg_slot],
-                    start_pos: s,
-                    tokens: &tok,
-                    history: &h,
-                    sampling: &greedy,
-                    draw: s as u64,
-                    want_logits: false,
-                    allowed: None,
-                }])
-                .unwrap();
-            h.push(r[0].token);
+            let next = step1(&mut b, (tg_slot, &tables[tg_slot]), s, &tok, &h, s as u64);
+            h.push(next);
         }
         if rep > 0 {
             tg.push(128.0 / t.elapsed().as_secs_f64());
@@ -250,18 +237,7 @@ fn main() {
     let mut pt = Vec::new();
     for rep in 0..6 {
         let t = Instant::now();
-        b.step(&[SeqStep {
-            slot: 1,
-            blocks: &tables[1],
-            start_pos: 0,
-            tokens: &ids,
-            history: &ids,
-            sampling: &greedy,
-            draw: 0,
-            want_logits: false,
-            allowed: None,
-        }])
-        .unwrap();
+        step1(&mut b, (1, &tables[1]), 0, &ids, &ids, 0);
         if rep > 0 {
             pt.push(t.elapsed().as_secs_f64() * 1e3);
         }
@@ -294,23 +270,18 @@ fn main() {
         for s in 0..depth_steps {
             let tok = [h[s]];
             let t = Instant::now();
-            let r = b
-                .step(&[SeqStep {
-                    slot: depth_slot,
-                    blocks: &depth_table,
-                    start_pos: d + s,
-                    tokens: &tok,
-                    history: &h,
-                    sampling: &greedy,
-                    draw: s as u64,
-                    want_logits: false,
-                    allowed: None,
-                }])
-                .unwrap();
+            let next = step1(
+                &mut b,
+                (depth_slot, &depth_table),
+                d + s,
+                &tok,
+                &h,
+                s as u64,
+            );
             if s >= 16 {
                 ts.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            h.push(r[0].token);
+            h.push(next);
         }
         let (m, p10, p90) = median(&mut ts);
         let kv = b.kv_bytes_read(d + depth_steps / 2);
