@@ -142,7 +142,8 @@ pub const ATT_THREADS: u32 = 256;
 pub const ATT_MAX_CLUSTER: u32 = 8;
 /// `attention`'s `flags` bit that sums its scores by a transpose-reduce (16 shuffles for the GROUP x
 /// 4 scores of an iteration where one warp sum each takes 5, and one exp per lane instead of one per
-/// score; `METRALE_CUDA_TUNING=attention_transpose=on`), else one warp sum per score.
+/// score; the default, `METRALE_CUDA_TUNING=attention_transpose=off` turns it off), else one warp
+/// sum per score.
 pub const ATT_FLAG_TRANSPOSE: u32 = 1;
 /// Threads per block of `argmax_logprob` and `sample_probs`.
 pub const SAMPLE_THREADS: u32 = 1024;

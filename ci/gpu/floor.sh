@@ -9,7 +9,7 @@
 #        checkpoints; cuda_kernels on both targets; the 2-layer check (this tree's kernels, default
 #        and pdl=off, and BASE's, 3 repeats each); cuda_bench on both targets: copy rate, batch-1
 #        decode and its kernels, pp512, depth 8192 and 32768 (q4_1 again with the attention's
-#        transpose-reduce on); then BASE's kernels at depth 0
+#        transpose-reduce off); then BASE's kernels at depth 0 (with BASE_REV)
 #   bash ci/gpu/floor.sh call2   carry nothing      llama-bench tg128 at depths 0, 8192 and 32768 on
 #        the same GGUFs; each target's server at one stream over HTTP (load.py) to compare with the
 #        in-process figure; bench-record with llama.cpp for both targets (1 and 16 streams)
@@ -40,6 +40,8 @@ prepare)
     done
   }
   k32 .fl1/b ""
+  # SmolLM2's kernels share the attention and the staging: its kernel tests run too
+  cargo xtask build-target --hw h200 --model smollm2-135m --quant q4_1 --kernels-only --out .fl1/b/k/h200-smollm2-135m-q4_1 2>&1 | tail -1
   if [ -n "$base" ]; then
     # BASE's kernels, and the binaries and targets of BASE that load them (the kernels' ABI is
     # checked against the loading binary's)
@@ -78,10 +80,12 @@ call1)
   for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
     $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   done
-  for q in $Q; do
-    step "cuda_kernels h200/llama-3.1-8b/$q"
-    f=$R/kernel-tests-$q.txt
-    METRALE_CUDA_TARGET=$T8/$q METRALE_CUDA_KERNELS=$H/b/k/h200-llama-3.1-8b-$q/kernels METRALE_TARGETS=$PWD/targets \
+  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
+    n=${t//\//-}
+    [ -d "$H/b/k/h200-$n" ] || continue
+    step "cuda_kernels h200/$t"
+    f=$R/kernel-tests-$n.txt
+    METRALE_CUDA_TARGET=h200/$t METRALE_CUDA_KERNELS=$H/b/k/h200-$n/kernels METRALE_TARGETS=$PWD/targets \
       timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
     echo "rc=$?" >> "$f"; grep -E "rel err|test result|panicked|rc=" "$f" | tail -12
   done
@@ -99,8 +103,8 @@ call1)
   for q in q4_1 bf16; do
     bench "$H/b/k/h200-llama-3.1-8b-$q/kernels" $q "bench-$q" --batch 1 --steps 128 --depth 8192,32768
   done
-  # the attention's transpose-reduce (off by default until measured), where the KV dominates
-  METRALE_CUDA_TUNING=attention_transpose=on bench "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" q4_1 bench-q4_1-transpose \
+  # the attention without its transpose-reduce (on by default), where the KV dominates
+  METRALE_CUDA_TUNING=attention_transpose=off bench "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" q4_1 bench-q4_1-notranspose \
     --batch 1 --steps 64 --depth 8192,32768
   for q in q4_1 bf16; do
     k=$H/b/base/k/h200-llama-3.1-8b-$q/kernels

@@ -126,7 +126,9 @@ MT_INLINE float block_sum(float v, float* red) {
 template <int K> struct NormW {
     static constexpr int IT = (K + abi::MV_THREADS - 1) / abi::MV_THREADS;
     float v[IT];
+    const float* p = nullptr;  // the weights themselves (the 16-bit staging reads whole blocks)
     MT_INLINE void load(const float* __restrict__ w) {
+        p = w;
 #pragma unroll
         for (int i = 0; i < IT; ++i) {
             const int e = threadIdx.x + i * abi::MV_THREADS;
@@ -322,46 +324,96 @@ template <int K> struct XRow<WQ41, K> {
 
 // Stage row x[K] into shared memory xs in W's form (XRow), optionally RMS-normalised and scaled by
 // the norm weights nw. Every load of x is issued before the first use (one memory round trip).
-// Needs blockDim.x == abi::MV_THREADS. Element e is thread e % MV_THREADS's, so each 32-element
-// block is one warp's (MV_THREADS is a multiple of 32).
+// Needs blockDim.x == abi::MV_THREADS.
+//   - f32 rows: element e is thread e % MV_THREADS's.
+//   - 16-bit rows: 32-element block b is thread b % MV_THREADS's, whole: its largest value, scale,
+//     rounding and sum need no other thread (a warp per block spent 11 dependent shuffles per block
+//     and serialised K / 32 / MV_WARPS of them per warp: ~8 us per 14336-wide row).
 template <class W, int K, bool NORM>
 MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* xs, float* red) {
-    constexpr int IT = NormW<K>::IT;
-    float v[IT];
+    if constexpr (XRow<W, K>::Q16) {
+        constexpr int NB = K / 32;
+        constexpr int R = (NB + abi::MV_THREADS - 1) / abi::MV_THREADS;  // blocks per thread
+        float v[R][32];
 #pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        const int e = threadIdx.x + i * abi::MV_THREADS;
-        v[i] = e < K ? x[e] : 0.f;
-    }
-    float scale = 1.f;
-    if (NORM) {
-        float ss = 0.f;
+        for (int r = 0; r < R; ++r) {
+            const int b = threadIdx.x + r * abi::MV_THREADS;
+            const float4* xb = reinterpret_cast<const float4*>(x + 32 * b);
 #pragma unroll
-        for (int i = 0; i < IT; ++i) ss += v[i] * v[i];
-        const float tot = block_sum(ss, red);
-        scale = rsqrtf(tot / (float)K + eps);
-    }
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        const int e = threadIdx.x + i * abi::MV_THREADS;
-        if (e >= K) continue;  // whole warps: K is a multiple of 32
-        const float y = NORM ? v[i] * scale * nw.v[i] : v[i];
-        if constexpr (!XRow<W, K>::Q16) {
-            xs[pad_idx(e)] = y;
-        } else {
-            const int lane = threadIdx.x & 31;
-            const float d = warp_max(fabsf(y)) / 32767.f;
-            const float inv = d > 0.f ? 1.f / d : 0.f;
-            const float t = y * inv;
-            const int q = (int)fminf(fmaxf(t + copysignf(0.5f, t), -32767.f), 32767.f);
-            const float s = warp_sum(y);
-            const int q_odd = __shfl_down_sync(0xffffffffu, q, 1);
-            unsigned int* blk = reinterpret_cast<unsigned int*>(xs) + (e >> 5) * Q16_WORDS;
-            if ((lane & 1) == 0) blk[lane >> 1] = ((unsigned int)q & 0xffffu) | ((unsigned int)q_odd << 16);
-            if (lane == 0) {
-                reinterpret_cast<float*>(blk)[16] = d;
-                reinterpret_cast<float*>(blk)[17] = s;
+            for (int j = 0; j < 8; ++j) {
+                const float4 f = b < NB ? xb[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[r][4 * j] = f.x; v[r][4 * j + 1] = f.y; v[r][4 * j + 2] = f.z; v[r][4 * j + 3] = f.w;
             }
+        }
+        if constexpr (NORM) {
+            float ss = 0.f;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < 32; ++i) ss += v[r][i] * v[r][i];
+            const float scale = rsqrtf(block_sum(ss, red) / (float)K + eps);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int b = threadIdx.x + r * abi::MV_THREADS;
+                if (b >= NB) continue;
+                const float4* wb = reinterpret_cast<const float4*>(nw.p + 32 * b);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float4 f = __ldg(wb + j);
+                    v[r][4 * j] *= scale * f.x; v[r][4 * j + 1] *= scale * f.y;
+                    v[r][4 * j + 2] *= scale * f.z; v[r][4 * j + 3] *= scale * f.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int b = threadIdx.x + r * abi::MV_THREADS;
+            if (b >= NB) continue;
+            float amax = 0.f, s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                amax = fmaxf(amax, fabsf(v[r][i]));
+                s += v[r][i];
+            }
+            const float d = amax / 32767.f;
+            const float inv = d > 0.f ? 1.f / d : 0.f;
+            unsigned int pk[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                int q[2];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float t = v[r][2 * i + k] * inv;
+                    q[k] = (int)fminf(fmaxf(t + copysignf(0.5f, t), -32767.f), 32767.f);
+                }
+                pk[i] = ((unsigned int)q[0] & 0xffffu) | ((unsigned int)q[1] << 16);
+            }
+            uint4* blk = reinterpret_cast<uint4*>(xs + b * Q16_WORDS);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) blk[j] = make_uint4(pk[4 * j], pk[4 * j + 1], pk[4 * j + 2], pk[4 * j + 3]);
+            blk[4] = make_uint4(__float_as_uint(d), __float_as_uint(s), 0u, 0u);
+        }
+    } else {
+        constexpr int IT = NormW<K>::IT;
+        float v[IT];
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            const int e = threadIdx.x + i * abi::MV_THREADS;
+            v[i] = e < K ? x[e] : 0.f;
+        }
+        float scale = 1.f;
+        if (NORM) {
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < IT; ++i) ss += v[i] * v[i];
+            const float tot = block_sum(ss, red);
+            scale = rsqrtf(tot / (float)K + eps);
+        }
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            const int e = threadIdx.x + i * abi::MV_THREADS;
+            if (e >= K) continue;
+            xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
         }
     }
 }
@@ -567,6 +619,47 @@ namespace mt {
 
 MT_INLINE float kv_ld(const float* p) { return *p; }
 MT_INLINE float kv_ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+// E consecutive cache elements as raw 32-bit words, fetched by one vector load (E * sizeof(kv_t)
+// bytes, aligned to that when the offset is a multiple of E) and widened to f32 when used, so that
+// a loop can hold the next positions' loads in flight at half the registers of f32 values.
+template <int E> struct KvRaw {
+    static constexpr int WORDS = E * (int)sizeof(kv_t) / 4;
+    static_assert(WORDS * 4 == E * (int)sizeof(kv_t) && (WORDS == 1 || WORDS == 2 || WORDS == 4),
+                  "a lane's cache elements must be 4, 8 or 16 bytes");
+    unsigned int w[WORDS];
+};
+template <int E> MT_INLINE KvRaw<E> kv_fetch(const kv_t* p) {
+    KvRaw<E> r;
+    if constexpr (KvRaw<E>::WORDS == 4) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p);
+        r.w[0] = u.x; r.w[1] = u.y; r.w[2] = u.z; r.w[3] = u.w;
+    } else if constexpr (KvRaw<E>::WORDS == 2) {
+        const uint2 u = *reinterpret_cast<const uint2*>(p);
+        r.w[0] = u.x; r.w[1] = u.y;
+    } else {
+        r.w[0] = *reinterpret_cast<const unsigned int*>(p);
+    }
+    return r;
+}
+template <int E> MT_INLINE KvRaw<E> kv_zero() {
+    KvRaw<E> r;
+#pragma unroll
+    for (int i = 0; i < KvRaw<E>::WORDS; ++i) r.w[i] = 0u;
+    return r;
+}
+template <int E> MT_INLINE void kv_widen(const KvRaw<E>& r, float out[E]) {
+#pragma unroll
+    for (int i = 0; i < KvRaw<E>::WORDS; ++i) {
+#if defined(METRALE_KV_bf16)
+        // bf16 -> f32 is a 16-bit shift: exact (element 2i in the low half of word i)
+        out[2 * i] = __uint_as_float(r.w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(r.w[i] & 0xffff0000u);
+#else
+        out[i] = __uint_as_float(r.w[i]);
+#endif
+    }
+}
 
 // Two adjacent elements (p even-aligned): a at p[0], b at p[1].
 MT_INLINE void kv_st2(float* p, float a, float b) {

@@ -94,8 +94,9 @@ pub struct Tuning {
     pub attention_cluster: bool,
     /// One output's LM head by `lm_head_1` (whole rows streamed per warp; else `lm_head`).
     pub lm_head_1: bool,
-    /// `attention` sums its scores by a transpose-reduce (`abi::ATT_FLAG_TRANSPOSE`; off until
-    /// measured).
+    /// `attention` sums its scores by a transpose-reduce (`abi::ATT_FLAG_TRANSPOSE`): on the 8B
+    /// bf16-KV target the attention alone took 25.0 instead of 31.6 us per layer at depth 8192 and
+    /// 78.6 instead of 104.2 at 32768 (H200, 2026-12-02).
     pub attention_transpose: bool,
 }
 
@@ -109,7 +110,7 @@ impl Default for Tuning {
             pdl: true,
             attention_cluster: true,
             lm_head_1: true,
-            attention_transpose: false,
+            attention_transpose: true,
         }
     }
 }
