@@ -13,6 +13,9 @@
 #   bash ci/gpu/floor.sh call2   carry nothing      llama-bench tg128 at depths 0, 8192 and 32768 on
 #        the same GGUFs; each target's server at one stream over HTTP (load.py) to compare with the
 #        in-process figure; bench-record with llama.cpp for both targets (1 and 16 streams)
+#   bash ci/gpu/floor.sh call3   carry .fl1         the 2-layer check at depth 8192 (an 8192-token
+#        prompt) against HF transformers and the CPU backend; one decode step's q4_1 layer kernels
+#        under Nsight Compute
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 Q="bf16 q4_1"
@@ -138,6 +141,37 @@ call2)
   # batch 1 and 16 streams (the 64- and 256-stream figures are the tensor-core work's)
   for q in $Q; do RECORD_CONCURRENCY=1,16 record h200-llama-3.1-8b-$q "$H/s/l8b-$q.gguf" 4096; done
   finish call2
+  ;;
+call3)
+  # carry .fl1: correctness at depth 8192 (the 2-layer model against HF transformers, f32 on the
+  # GPU, on an 8192-token prompt; then against the CPU backend if it finishes in time), and the
+  # q4_1 layer kernels of one decode step under Nsight Compute
+  rm -rf "$R" "$H/b" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
+  [ -d "$H/s/l8b2-hf" ] || "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 \
+    --layers 2 --format hf --out "$H/s/l8b2-hf" 2>&1 | grep synth-model
+  step "HF golden at depth 8192 (2 layers, f32 on the GPU)"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --prompt-tokens 8192 \
+    --out "$R/l8b2_d8192_golden" > "$R/golden-d8192.txt" 2>&1
+  tail -2 "$R/golden-d8192.txt"
+  step "golden_check CUDA at depth 8192"
+  METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_d8192_golden.json" \
+    --cuda "$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --repeat 1 | tee "$R/check-2l-d8192.json" \
+    | python3 -c 'import sys,json; d=json.load(sys.stdin); print("pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
+  step "golden_check CUDA and the CPU backend at depth 8192 (at most 150 s)"
+  METRALE_TARGETS=$H/b/t2/targets timeout 150 "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_d8192_golden.json" \
+    --cuda "$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --vs-cpu > "$R/check-2l-d8192-cpu.json" 2>&1
+  echo "rc=$?"; tail -c 600 "$R/check-2l-d8192-cpu.json"
+  [ -f "$H/s/l8b-q4_1.gguf" ] || "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 \
+    --quant q4_1 --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model
+  step "ncu: one decode step's layer kernels, q4_1"
+  METRALE_TARGETS=$PWD/targets timeout 150 ncu --clock-control none --graph-profiling node \
+    --kernel-name 'regex:^(attn_in|attention|attn_out|ffn_in|ffn_out)$' --launch-skip 400 --launch-count 5 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats \
+    "$H/b/bin/cuda_bench" "$H/s/l8b-q4_1.gguf" "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --batch 1 --steps 16 \
+    > "$R/ncu-q4_1.txt" 2>&1
+  echo "rc=$?"; grep -E "^  [a-z_]+ \(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit Reg|Warp Cycles Per Issued|No Eligible" "$R/ncu-q4_1.txt" | head -70
+  finish call3
   ;;
 *)
   sed -n 2,15p "$0"; exit 2

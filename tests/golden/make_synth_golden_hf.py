@@ -10,7 +10,10 @@ folder (bf16 safetensors widened to f32). Nobody in this project wrote it. The s
 last position and of each of the 16 decode positions.
 
 Usage (venv with torch, transformers, gguf, numpy):
-    python make_synth_golden_hf.py DIR [FILE.gguf] [--out PREFIX] [--device cpu|cuda]
+    python make_synth_golden_hf.py DIR [FILE.gguf] [--out PREFIX] [--device cpu|cuda] [--prompt-tokens N]
+--prompt-tokens N makes the prompt N tokens long (the prompt's tokens repeated), so that the decode
+positions read N cached positions (the long-context check; only the checked positions' logits are
+computed).
 --out PREFIX writes PREFIX.json and PREFIX_last.f32 instead of the test's golden (any synthetic model:
 the 8B ones on the GPU machine, checked with runtime/backend/examples/golden_check.rs); --device runs
 the reference there (f32 throughout either way).
@@ -57,6 +60,11 @@ def main():
         i = argv.index("--device")
         device = argv[i + 1]
         del argv[i:i + 2]
+    prompt_tokens = None
+    if "--prompt-tokens" in argv:
+        i = argv.index("--prompt-tokens")
+        prompt_tokens = int(argv[i + 1])
+        del argv[i:i + 2]
     d = os.path.abspath(argv[0])
     here = os.path.dirname(os.path.abspath(__file__))
     if out_prefix is None:
@@ -71,15 +79,24 @@ def main():
     prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
     cont = tok(CONTINUATION, add_special_tokens=False)["input_ids"][:DECODE_STEPS]
     assert len(prompt) >= 100 and len(cont) == DECODE_STEPS, (len(prompt), len(cont))
+    if prompt_tokens is not None:
+        prompt = (prompt * (prompt_tokens // len(prompt) + 1))[:prompt_tokens]
     ids = prompt + cont
     model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32,
                                                  attn_implementation="eager").to(device)
     model.eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
+        if prompt_tokens is None:
+            logits = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
+            # the prompt's last position, then each teacher-forced decode position
+            checked = logits[len(prompt) - 1: len(prompt) - 1 + DECODE_STEPS + 1]
+        else:
+            # a long prompt: the LM head on the checked positions only (the whole [N, vocab] f32
+            # logits would take N x 0.5 MB)
+            hidden = model.model(torch.tensor([ids], device=device)).last_hidden_state[0]
+            checked = model.lm_head(hidden[len(prompt) - 1:]).float().cpu().numpy()
+            logits = None
     del model
-    # the prompt's last position, then each teacher-forced decode position
-    checked = logits[len(prompt) - 1: len(prompt) - 1 + DECODE_STEPS + 1]
     top = []
     for row in checked:
         order = np.argsort(-row, kind="stable")[:20]
@@ -99,7 +116,7 @@ def main():
         "logit_std": float(checked.std()),
         "last_row_file": os.path.basename(last_path),
     }
-    if len(argv) > 1:
+    if len(argv) > 1 and logits is not None:
         g = os.path.abspath(argv[1])
         gm = AutoModelForCausalLM.from_pretrained(os.path.dirname(g), gguf_file=os.path.basename(g),
                                                   torch_dtype=torch.float32,
