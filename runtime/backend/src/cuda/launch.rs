@@ -42,10 +42,43 @@ pub struct Gpu {
     pub cluster_max: usize,
     /// Resident blocks of `lm_head_1` per SM (the driver's occupancy for its registers).
     pub lm1_per_sm: usize,
+    /// Resident blocks per SM of each matrix-vector kernel (their grids are one wave at most).
+    mv_per_sm: MvPerSm,
     /// One output's LM head by `lm_head_1` (else `lm_head`).
     pub lm_head_1: bool,
     /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
     pub att_flags: i32,
+}
+
+/// The driver's resident blocks per SM of each matrix-vector kernel.
+#[derive(Debug, Clone, Copy)]
+struct MvPerSm {
+    attn_in: usize,
+    attn_out: usize,
+    ffn_in: usize,
+    ffn_out: usize,
+    lm_head: usize,
+}
+
+impl MvPerSm {
+    fn query(kernels: &Kernels) -> MvPerSm {
+        // 4 (the grid cap before occupancy was asked) where the driver does not answer
+        let per_sm = |id| {
+            kernels
+                .get(id)
+                .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
+                .map(|n| n as usize)
+                .unwrap_or(4)
+                .max(1)
+        };
+        MvPerSm {
+            attn_in: per_sm(abi::AttnIn::ID),
+            attn_out: per_sm(abi::AttnOut::ID),
+            ffn_in: per_sm(abi::FfnIn::ID),
+            ffn_out: per_sm(abi::FfnOut::ID),
+            lm_head: per_sm(abi::LmHead::ID),
+        }
+    }
 }
 
 impl Deref for Gpu {
@@ -72,6 +105,7 @@ impl Gpu {
             .map(|n| n as usize)
             .unwrap_or(2)
             .max(1);
+        let mv_per_sm = MvPerSm::query(&kernels);
         let cluster_max = if sm90 {
             set.spec.hardware.attention_cluster.unwrap_or(0) as usize
         } else {
@@ -82,6 +116,7 @@ impl Gpu {
             pdl: sm90,
             cluster_max,
             lm1_per_sm,
+            mv_per_sm,
             lm_head_1: true,
             att_flags: 0,
             kernels,
@@ -117,8 +152,8 @@ impl Gpu {
         }
     }
 
-    fn mv_grid(&self, row_pairs: usize, k: usize, ntok: i32) -> (u32, u32, u32) {
-        plan::mv_grid(row_pairs, k, ntok as usize, self.sm_count)
+    fn mv_grid(&self, row_pairs: usize, k: usize, ntok: i32, per_sm: usize) -> (u32, u32, u32) {
+        plan::mv_grid(row_pairs, k, ntok as usize, self.sm_count, per_sm)
     }
 
     /// Token embedding of `a.ntok` tokens.
@@ -129,7 +164,12 @@ impl Gpu {
     /// RMSNorm + QKV + RoPE + KV write of `a.ntok` tokens.
     pub fn attn_in(&self, a: abi::AttnIn) -> Result<(), BackendError> {
         let d = self.dims;
-        let g = self.mv_grid((d.qd() + 2 * d.kd()) / 2, d.hidden, a.ntok);
+        let g = self.mv_grid(
+            (d.qd() + 2 * d.kd()) / 2,
+            d.hidden,
+            a.ntok,
+            self.mv_per_sm.attn_in,
+        );
         self.launch(g, self.plain(), a)
     }
 
@@ -147,19 +187,31 @@ impl Gpu {
     /// Output projection + residual.
     pub fn attn_out(&self, a: abi::AttnOut) -> Result<(), BackendError> {
         let d = self.dims;
-        self.launch(self.mv_grid(d.hidden / 2, d.qd(), a.ntok), self.plain(), a)
+        self.launch(
+            self.mv_grid(d.hidden / 2, d.qd(), a.ntok, self.mv_per_sm.attn_out),
+            self.plain(),
+            a,
+        )
     }
 
     /// RMSNorm + gate/up + SiLU.
     pub fn ffn_in(&self, a: abi::FfnIn) -> Result<(), BackendError> {
         let d = self.dims;
-        self.launch(self.mv_grid(d.ffn, d.hidden, a.ntok), self.plain(), a)
+        self.launch(
+            self.mv_grid(d.ffn, d.hidden, a.ntok, self.mv_per_sm.ffn_in),
+            self.plain(),
+            a,
+        )
     }
 
     /// Down projection + residual.
     pub fn ffn_out(&self, a: abi::FfnOut) -> Result<(), BackendError> {
         let d = self.dims;
-        self.launch(self.mv_grid(d.hidden / 2, d.ffn, a.ntok), self.plain(), a)
+        self.launch(
+            self.mv_grid(d.hidden / 2, d.ffn, a.ntok, self.mv_per_sm.ffn_out),
+            self.plain(),
+            a,
+        )
     }
 
     /// Final norm + LM head of `a.ntok` selected rows with the fused greedy pick (`lm_head_1` for one
@@ -188,14 +240,24 @@ impl Gpu {
             return self.launch(grid, self.plain(), one);
         }
         let d = self.dims;
-        self.launch(self.mv_grid(d.vocab / 2, d.hidden, a.ntok), self.plain(), a)
+        self.launch(
+            self.mv_grid(d.vocab / 2, d.hidden, a.ntok, self.mv_per_sm.lm_head),
+            self.plain(),
+            a,
+        )
     }
 
     /// Bytes of the `part` buffer `lm_head` needs for up to `nout` outputs (one `mt::Acc` per block
     /// and output), and of its counters (one u32 per token tile).
     pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
         let d = self.dims;
-        let (gx, gy, _) = plan::mv_grid(d.vocab / 2, d.hidden, nout, self.sm_count);
+        let (gx, gy, _) = plan::mv_grid(
+            d.vocab / 2,
+            d.hidden,
+            nout,
+            self.sm_count,
+            self.mv_per_sm.lm_head,
+        );
         let gx = (gx as usize)
             .max(plan::lm_head1_blocks(d.vocab, self.sm_count, self.lm1_per_sm) as usize);
         (

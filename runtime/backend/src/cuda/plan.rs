@@ -45,11 +45,21 @@ pub fn attention_cluster(nsplit: usize, cluster_max: usize) -> u32 {
 }
 
 /// Grid of a matrix-vector kernel over `row_pairs` row pairs and `ntok` tokens of row length `k`:
-/// enough blocks for every warp to own one row pair, at most four blocks per SM (warps then loop).
-pub fn mv_grid(row_pairs: usize, k: usize, ntok: usize, sm_count: usize) -> (u32, u32, u32) {
+/// enough blocks for every warp to own one row pair, but no more than one wave of the kernel's
+/// resident blocks (`per_sm`, the driver's occupancy for its registers and shared memory; warps
+/// then loop over row pairs). A second, partial wave would cost a whole block's latency again for
+/// a third of the rows: q4_1 `ffn_in` at the 8B shape launched 528 blocks where 396 fit, and the
+/// SMs were busy for 69% of its time.
+pub fn mv_grid(
+    row_pairs: usize,
+    k: usize,
+    ntok: usize,
+    sm_count: usize,
+    per_sm: usize,
+) -> (u32, u32, u32) {
     let x = row_pairs
         .div_ceil(MV_WARPS as usize)
-        .clamp(1, 4 * sm_count.max(1));
+        .clamp(1, per_sm.max(1) * sm_count.max(1));
     let y = ntok.div_ceil(tok_tile(k)).max(1);
     (x as u32, y as u32, 1)
 }
@@ -283,7 +293,10 @@ mod tests {
         assert_eq!(gemm_grid(3072, 16), (48, 1, 1));
         assert_eq!(gemm_grid(3072, 1), (48, 1, 1));
         assert_eq!(split_grid(17), (3, 1, 1));
-        assert_eq!(mv_grid(1536, 576, 9, 132), (192, 2, 1));
+        assert_eq!(mv_grid(1536, 576, 9, 132, 4), (192, 2, 1));
+        // one wave of resident blocks at most: 14336 row pairs, 3 blocks per SM
+        assert_eq!(mv_grid(14336, 4096, 1, 132, 3), (396, 1, 1));
+        assert_eq!(mv_grid(14336, 4096, 1, 132, 0), (132, 1, 1));
         assert_eq!(attention_cluster(4, 4), 4);
         assert_eq!(attention_cluster(8, 4), 1);
         assert_eq!(attention_cluster(1, 4), 1);
