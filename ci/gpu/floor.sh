@@ -13,6 +13,8 @@
 #   bash ci/gpu/floor.sh call2   carry nothing      llama-bench tg128 at depths 0, 8192 and 32768 on
 #        the same GGUFs; each target's server at one stream over HTTP (load.py) to compare with the
 #        in-process figure; bench-record with llama.cpp for both targets (1 and 16 streams)
+#   bash ci/gpu/floor.sh quick   carry .fl1         after a change: both targets' kernel tests and
+#        batch-1 decode (q4_1 also at depth 8192)
 #   bash ci/gpu/floor.sh call3   carry .fl1         the 2-layer check at depth 8192 (an 8192-token
 #        prompt) against HF transformers and the CPU backend; one decode step's q4_1 layer kernels
 #        under Nsight Compute
@@ -141,6 +143,23 @@ call2)
   # batch 1 and 16 streams (the 64- and 256-stream figures are the tensor-core work's)
   for q in $Q; do RECORD_CONCURRENCY=1,16 record h200-llama-3.1-8b-$q "$H/s/l8b-$q.gguf" 4096; done
   finish call2
+  ;;
+quick)
+  # carry .fl1: a short re-measure after a change: both 8B targets' kernel tests, their batch-1
+  # decode at depth 0 (and q4_1 at 8192)
+  rm -rf "$R" "$H/b" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  for q in $Q; do
+    $X --quant $q --out "$H/s/l8b-$q.gguf" 2>&1 | grep synth-model
+    step "cuda_kernels h200/llama-3.1-8b/$q"
+    f=$R/kernel-tests-llama-3.1-8b-$q.txt
+    METRALE_CUDA_TARGET=$T8/$q METRALE_CUDA_KERNELS=$H/b/k/h200-llama-3.1-8b-$q/kernels METRALE_TARGETS=$PWD/targets \
+      timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
+    echo "rc=$?" >> "$f"; grep -E "test result|panicked|rc=" "$f" | tail -3
+  done
+  bench "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" q4_1 bench-q4_1 --batch 1 --steps 128 --depth 8192
+  bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bf16 bench-bf16 --batch 1 --steps 128
+  finish quick
   ;;
 call3)
   # carry .fl1: correctness at depth 8192 (the 2-layer model against HF transformers, f32 on the
