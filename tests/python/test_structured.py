@@ -76,6 +76,32 @@ def test_a_nested_schema_holds_in_100_of_100_seeded_samples(synth):
     assert ask(synth, 7, response_format=rf) == results[7]
 
 
+def test_masks_are_counted_in_metrics(synth):
+    import urllib.request
+    base = str(synth.base_url).rstrip("/").removesuffix("/v1")
+
+    def counters():
+        text = urllib.request.urlopen(base + "/metrics").read().decode()
+        got = {}
+        for line in text.splitlines():
+            if line.startswith("metrale:grammar_mask"):
+                got[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+        return got
+
+    before = counters()
+    r = synth.chat.completions.create(model="m", messages=[{"role": "user", "content": "Water?"}],
+                                      seed=5, max_tokens=40, response_format={"type": "json_object"})
+    after = counters()
+    n = after["metrale:grammar_masks_total"] - before["metrale:grammar_masks_total"]
+    # one mask per constrained token (the prompt's last chunk samples the first)
+    assert n >= r.usage.completion_tokens > 0, (n, r.usage)
+    assert after["metrale:grammar_mask_seconds_total"] > before["metrale:grammar_mask_seconds_total"]
+    # an unconstrained request asks none
+    synth.chat.completions.create(model="m", messages=[{"role": "user", "content": "Water?"}],
+                                  seed=5, max_tokens=8)
+    assert counters()["metrale:grammar_masks_total"] == after["metrale:grammar_masks_total"]
+
+
 def test_json_object_regex_and_choice(synth):
     text, _ = ask(synth, 1, response_format={"type": "json_object"})
     assert isinstance(json.loads(text), dict)

@@ -74,6 +74,9 @@ pub struct Constraint(pub Box<dyn TokenConstraint>);
 struct StepMasks {
     constraints: Vec<Option<Constraint>>,
     done: Vec<Option<Result<Vec<u32>, String>>>,
+    /// Masks computed, and the host time they took (the metrics' grammar mask counters).
+    count: u64,
+    seconds: f64,
 }
 
 /// A step's masks are computed one after another, as the backend asks. Measured
@@ -85,7 +88,11 @@ struct StepMasks {
 impl metrale_backend::MaskSource for StepMasks {
     fn mask(&mut self, k: usize) -> Option<Vec<u32>> {
         if self.done[k].is_none() {
-            self.done[k] = Some(self.constraints[k].as_mut()?.0.allowed());
+            let c = self.constraints[k].as_mut()?;
+            let t = Instant::now();
+            self.done[k] = Some(c.0.allowed());
+            self.seconds += t.elapsed().as_secs_f64();
+            self.count += 1;
         }
         self.done[k].as_ref().and_then(|r| r.as_ref().ok()).cloned()
     }
@@ -692,6 +699,8 @@ impl Loop {
                 })
                 .collect(),
             done: vec![None; plan.len()],
+            count: 0,
+            seconds: 0.0,
         };
         let lazy: Vec<bool> = grammars.constraints.iter().map(Option::is_some).collect();
         let outs: Vec<Result<SeqOutput, String>> =
@@ -729,6 +738,8 @@ impl Loop {
                 Ok(Err(e)) => vec![Err(format!("backend error: {e}")); plan.len()],
                 Err(msg) => return self.die(msg),
             };
+        self.m.grammar_masks_total += grammars.count;
+        self.m.grammar_mask_seconds_total += grammars.seconds;
         // the grammars back into their sequences; one that failed ends its request alone
         let mut failed: Vec<Option<String>> = vec![None; plan.len()];
         for (k, (&(i, _, _), c)) in plan.iter().zip(grammars.constraints).enumerate() {

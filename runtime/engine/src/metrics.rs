@@ -83,6 +83,10 @@ pub struct MetricsSnapshot {
     pub kv_cache_usage_perc: f64,
     /// Sequences preempted (their blocks taken back, recomputed later) for want of KV blocks.
     pub num_preemptions_total: u64,
+    /// Grammar masks computed on the host (one per constrained token), and the time they took;
+    /// exported as `metrale:grammar_masks_total` and `metrale:grammar_mask_seconds_total`.
+    pub grammar_masks_total: u64,
+    pub grammar_mask_seconds_total: f64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     /// Prompt tokens looked up in the prefix cache, and those found (their KV entries reused).
@@ -102,6 +106,8 @@ impl Default for MetricsSnapshot {
             num_requests_waiting: 0,
             kv_cache_usage_perc: 0.0,
             num_preemptions_total: 0,
+            grammar_masks_total: 0,
+            grammar_mask_seconds_total: 0.0,
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             prefix_cache_queries_total: 0,
@@ -199,6 +205,24 @@ impl MetricsSnapshot {
             "Cumulative number of preemptions from the engine.",
             self.num_preemptions_total.to_string(),
         );
+        // not vLLM's: what constrained decoding costs the host (the masks are computed while the
+        // device runs the step, so this is time hidden or not, not time added)
+        for (name, help, v) in [
+            (
+                "grammar_masks_total",
+                "Grammar masks computed on the host, one per constrained token.",
+                self.grammar_masks_total.to_string(),
+            ),
+            (
+                "grammar_mask_seconds_total",
+                "Host time spent computing grammar masks, in seconds.",
+                fmt_f64(self.grammar_mask_seconds_total),
+            ),
+        ] {
+            let _ = writeln!(s, "# HELP metrale:{name} {help}");
+            let _ = writeln!(s, "# TYPE metrale:{name} counter");
+            let _ = writeln!(s, "metrale:{name}{{model_name=\"{m}\"}} {v}");
+        }
         let _ = writeln!(
             s,
             "# HELP vllm:request_success_total Count of successfully processed requests."

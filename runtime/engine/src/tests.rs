@@ -400,6 +400,14 @@ fn a_constraint_decides_every_token_and_ends_the_sequence() {
         "{done:?}"
     );
     assert_eq!(collect(other).0.len(), 6);
+    // one mask per constrained token, timed (the unconstrained request asks none)
+    let m = e.metrics();
+    assert!(
+        (5..=6).contains(&m.grammar_masks_total) && m.grammar_mask_seconds_total >= 0.0,
+        "{} masks in {} s",
+        m.grammar_masks_total,
+        m.grammar_mask_seconds_total
+    );
     // a constraint that fails: an error for that request, the engine keeps serving
     let broken = GenerateRequest {
         constraint: Some(Constraint(Box::new(Script(vec![], 0)))),

@@ -297,9 +297,14 @@ enum State {
         obj: usize,
         args: usize,
         sent: usize,
+        scan: JsonScan,
     },
     /// The call object at `obj` must close (hermes: and its tag); `index`: the call, if it streamed.
-    Close { obj: usize, index: Option<usize> },
+    Close {
+        obj: usize,
+        index: Option<usize>,
+        scan: JsonScan,
+    },
 }
 
 /// The streaming reader of one choice's text with tools offered (module docs). Feed it the text
@@ -323,37 +328,55 @@ fn partial(t: &str, lit: &str) -> bool {
     t.len() < lit.len() && lit.starts_with(t)
 }
 
-/// Where a JSON object or array starting at `s[0]` ends (one past its last byte), or `None` if `s`
-/// holds only part of it (or does not start with one).
-fn json_end(s: &str) -> Option<usize> {
-    let b = s.as_bytes();
-    if !matches!(b.first(), Some(b'{') | Some(b'[')) {
-        return None;
-    }
-    let (mut depth, mut in_str, mut esc) = (0usize, false, false);
-    for (i, &c) in b.iter().enumerate() {
-        if in_str {
+/// Where a JSON object or array starting at `s[0]` ends (one past its last byte), read as the text
+/// grows: each call to [`JsonScan::end`] with the same text, longer, reads only what is new (a
+/// streamed call's arguments are scanned once, not once per token).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct JsonScan {
+    seen: usize,
+    depth: usize,
+    in_str: bool,
+    esc: bool,
+    found: Option<usize>,
+}
+
+impl JsonScan {
+    /// The end of the value at `s[0]`, or `None` while `s` holds only part of it (or does not
+    /// start with one).
+    fn end(&mut self, s: &str) -> Option<usize> {
+        if self.found.is_some() {
+            return self.found;
+        }
+        let b = s.as_bytes();
+        if self.seen == 0 && !matches!(b.first(), Some(b'{') | Some(b'[')) {
+            return None;
+        }
+        for (i, &c) in b.iter().enumerate().skip(self.seen) {
+            if self.in_str {
+                match c {
+                    _ if self.esc => self.esc = false,
+                    b'\\' => self.esc = true,
+                    b'"' => self.in_str = false,
+                    _ => {}
+                }
+                continue;
+            }
             match c {
-                _ if esc => esc = false,
-                b'\\' => esc = true,
-                b'"' => in_str = false,
+                b'"' => self.in_str = true,
+                b'{' | b'[' => self.depth += 1,
+                b'}' | b']' => {
+                    self.depth -= 1;
+                    if self.depth == 0 {
+                        self.found = Some(i + 1);
+                        return self.found;
+                    }
+                }
                 _ => {}
             }
-            continue;
         }
-        match c {
-            b'"' => in_str = true,
-            b'{' | b'[' => depth += 1,
-            b'}' | b']' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(i + 1);
-                }
-            }
-            _ => {}
-        }
+        self.seen = b.len();
+        None
     }
-    None
 }
 
 /// The start of a call written name first: `{"name": "NAME", "arguments": ` (or "parameters"),
@@ -563,12 +586,17 @@ impl ToolStream {
                             obj,
                             args: obj + off,
                             sent: 0,
+                            scan: JsonScan::default(),
                         };
                         true
                     }
                     _ => {
                         // not name first (or not a known tool): read it whole once it closes
-                        self.state = State::Close { obj, index: None };
+                        self.state = State::Close {
+                            obj,
+                            index: None,
+                            scan: JsonScan::default(),
+                        };
                         true
                     }
                 }
@@ -578,9 +606,10 @@ impl ToolStream {
                 obj,
                 args,
                 sent,
+                mut scan,
             } => {
                 let a = &self.all[args..];
-                let (upto, done) = match json_end(a) {
+                let (upto, done) = match scan.end(a) {
                     Some(end) => (end, true),
                     None => (a.len(), false),
                 };
@@ -595,6 +624,7 @@ impl ToolStream {
                     self.state = State::Close {
                         obj,
                         index: Some(index),
+                        scan: JsonScan::default(),
                     };
                     return true;
                 }
@@ -603,12 +633,19 @@ impl ToolStream {
                     obj,
                     args,
                     sent: upto,
+                    scan,
                 };
                 upto > sent
             }
-            State::Close { obj, index } => {
+            State::Close {
+                obj,
+                index,
+                mut scan,
+            } => {
                 let body = &self.all[obj..];
-                let Some(end) = json_end(body) else {
+                let end = scan.end(body);
+                self.state = State::Close { obj, index, scan };
+                let Some(end) = end else {
                     return false;
                 };
                 let after = body[end..].trim_start();
@@ -787,6 +824,26 @@ mod tests {
             .collect();
         assert_eq!(from_finish, b0, "finish's calls are the streamed ones");
         (c0, b0, stream(f, text, 1).3)
+    }
+
+    /// The resumable scan finds the same end fed a byte at a time as fed whole: braces and
+    /// brackets inside strings, escaped quotes and backslashes do not count.
+    #[test]
+    fn json_scan_resumes_where_it_stopped() {
+        let v = r#"{"a": "}{ \" \\", "b": [1, {"c": "]"}], "d": "x\\"} trailing"#;
+        let whole = JsonScan::default().end(v);
+        assert_eq!(whole, Some(v.find(" trailing").unwrap()));
+        let mut scan = JsonScan::default();
+        let mut got = None;
+        for n in 0..=v.len() {
+            got = scan.end(&v[..n]);
+            if n < whole.unwrap() {
+                assert_eq!(got, None, "ended early at {n}");
+            }
+        }
+        assert_eq!(got, whole);
+        assert_eq!(JsonScan::default().end("x{}"), None);
+        assert_eq!(JsonScan::default().end("[[]"), None);
     }
 
     #[test]

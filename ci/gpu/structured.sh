@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Constrained against unconstrained decode on the H200 machine: the device mask's kernel test, then
+# each server at 1 and 64 streams over HTTP with and without a JSON schema (bench/load/load.py
+# --schema bench/structured/long-array.json: answers of ~200 tokens, so the decode rates compare),
+# and the host time the masks took (the server's metrale:grammar_mask* counters, before and after
+# each run). Two calls made back to back (the machine keeps ~/ while warm). ST_STREAMS and
+# ST_TOKENS (default "1 64" and 256) shorten a trial run elsewhere.
+#
+#   bash ci/gpu/structured.sh prepare MODEL.gguf   CPU machine: .st1/ and .st2/ (the default
+#                                                  model, xz-compressed, split between them)
+#   bash ci/gpu/structured.sh call1   carry .st1   kernel tests (h200/smollm2-135m/q4_1 and
+#        h200/llama-3.1-8b/q4_1, the mask test among them); the 8B q4_1 GGUF made there; its server
+#   bash ci/gpu/structured.sh call2   carry .st2   the default model assembled and checked; the
+#        SmolLM2 server
+# Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
+REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
+SCHEMA=bench/structured/long-array.json
+
+# the grammar counters of the server on PORT: "masks seconds"
+mask_counters() {
+  curl -s "localhost:$1/metrics" | awk '/^metrale:grammar_masks_total/ {n=$2} /^metrale:grammar_mask_seconds_total/ {s=$2} END {print n+0, s+0}'
+}
+
+# NAME SERVER MODEL: the server at 1 stream (3 runs each way) and 64 streams (1 run each way),
+# unconstrained then constrained; one JSON line per run in $R/structured-NAME.jsonl
+runs() {
+  local name=$1 srv=$2 model=$3 port=8093
+  step "$name: server up"
+  "$srv" --model "$model" --port $port --parallel 64 --ctx-size 1024 > "$R/serve-$name.log" 2>&1 &
+  local sp=$!
+  for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.2; done
+  for streams in ${ST_STREAMS:-1 64}; do
+    local reps=3; [ $streams -gt 1 ] && reps=1
+    for mode in free schema; do
+      for rep in $(seq $reps); do
+        local extra="" f=$R/load-$name-$streams-$mode-$rep.json
+        [ $mode = schema ] && extra="--schema $SCHEMA"
+        local c0; c0=$(mask_counters $port)
+        timeout 120 python3 bench/load/load.py --base http://127.0.0.1:$port --streams $streams \
+          --prompt-words 40 --max-tokens ${ST_TOKENS:-256} $extra --out "$f" > /dev/null
+        local rc=$? c1; c1=$(mask_counters $port)
+        python3 - "$f" "$name" "$streams" "$mode" "$rc" "$c0" "$c1" <<'EOF' | tee -a "$R/structured-$name.jsonl"
+import json, sys
+f, name, streams, mode, rc, c0, c1 = sys.argv[1:]
+try:
+    d = json.load(open(f))
+except OSError:
+    d = {}
+n0, s0 = map(float, c0.split()); n1, s1 = map(float, c1.split())
+masks = n1 - n0
+print(json.dumps({"model": name, "streams": int(streams), "mode": mode, "rc": int(rc),
+                  "stream_decode_tok_s_p50": d.get("stream_decode_tok_s_p50"),
+                  "output_tok_s": d.get("output_tok_s"), "invalid_json": d.get("invalid_json"),
+                  "masks": masks, "mask_us_per_token": (s1 - s0) / masks * 1e6 if masks else None}))
+EOF
+      done
+    done
+  done
+  kill $sp; wait $sp
+}
+
+case "${1:-}" in
+runs)  # NAME SERVER MODEL: the runs alone, against any server binary (a trial on the CPU machine)
+  mkdir -p "$R"; shift; runs "$@"
+  ;;
+prepare)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/structured.sh prepare MODEL.gguf" >&2; exit 2; }
+  rm -rf .st1 .st2 && mkdir -p .st1/b/bin .st1/b/k .st1/b/srv .st2
+  for t in smollm2-135m llama-3.1-8b; do
+    cargo xtask build-target --hw h200 --model $t --quant q4_1 --kernels-only --out .st1/b/k/h200-$t-q4_1 2>&1 | tail -1
+    cargo xtask build-target --hw h200 --model $t --quant q4_1 --out .st1/b/srv/h200-$t-q4_1 2>&1 | tail -1
+    rm -rf .st1/b/srv/h200-$t-q4_1/kernels
+  done
+  cp "$(exe test --release -p metrale-backend --features cuda --no-run --test cuda_kernels)" .st1/b/bin/cuda_kernels
+  cp "$(exe build --release -p xtask)" .st1/b/bin/xtask
+  strip .st1/b/bin/* .st1/b/srv/*/metrale-server
+  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .st1/b/vocab-8b.gguf >/dev/null
+  tar cJf .st1/b.tar.xz -C .st1 b && rm -rf .st1/b
+  # the default model, xz-compressed, as much in .st1 as fits (1.5 MB kept in hand)
+  xz -T0 -6 -c "$model" > .st2/model.xz
+  n=$((67108864 - 1500000 - $(du -cb .st1 | tail -1 | cut -f1) - $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)))
+  head -c $n .st2/model.xz > .st1/part.aa
+  tail -c +$((n + 1)) .st2/model.xz > .st2/part.ab && rm .st2/model.xz
+  sha256sum "$model" | cut -d' ' -f1 > .st2/model.sha256
+  for c in .st1 .st2; do echo "carry $c: $(du -cb $c | tail -1 | cut -f1) bytes + the tree (at most 67108864)"; done
+  ;;
+call1)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st1/b.tar.xz -C "$H" && cp .st1/part.aa "$H/b/"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$R/gpu.txt"
+  for t in smollm2-135m llama-3.1-8b; do
+    step "cuda_kernels h200/$t/q4_1"
+    f=$R/kernel-tests-$t-q4_1.txt
+    METRALE_CUDA_TARGET=h200/$t/q4_1 METRALE_CUDA_KERNELS=$H/b/k/h200-$t-q4_1/kernels METRALE_TARGETS=$PWD/targets \
+      timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
+    echo "rc=$?" >> "$f"; grep -E "mask|test result|panicked|rc=" "$f" | tail -6
+  done
+  step "synth-model: 8B q4_1 GGUF"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
+  runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
+  finish call1
+  ;;
+call2)
+  mkdir -p "$R"
+  step "assemble the default model"
+  cat "$H/b/part.aa" .st2/part.ab | xz -dc > "$H/s/smollm2.gguf"
+  echo "$(cat .st2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c - || exit 1
+  runs smollm2-q4_1 "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" "$H/s/smollm2.gguf"
+  finish call2
+  ;;
+*)
+  sed -n 2,14p "$0"; exit 2
+  ;;
+esac
