@@ -85,15 +85,7 @@ call1)
   for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
     $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   done
-  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
-    n=${t//\//-}
-    [ -d "$H/b/k/h200-$n" ] || continue
-    step "cuda_kernels h200/$t"
-    f=$R/kernel-tests-$n.txt
-    METRALE_CUDA_TARGET=h200/$t METRALE_CUDA_KERNELS=$H/b/k/h200-$n/kernels METRALE_TARGETS=$PWD/targets \
-      timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
-    echo "rc=$?" >> "$f"; grep -E "rel err|test result|panicked|rc=" "$f" | tail -12
-  done
+  kernel_tests llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1
   step "2-layer check: HF golden (f32 on the GPU), then CUDA 3 times per kernel set and choice"
   python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
   tail -1 "$R/golden2.txt"
@@ -149,14 +141,8 @@ quick)
   # decode at depth 0 (and q4_1 at 8192)
   rm -rf "$R" "$H/b" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  for q in $Q; do
-    $X --quant $q --out "$H/s/l8b-$q.gguf" 2>&1 | grep synth-model
-    step "cuda_kernels h200/llama-3.1-8b/$q"
-    f=$R/kernel-tests-llama-3.1-8b-$q.txt
-    METRALE_CUDA_TARGET=$T8/$q METRALE_CUDA_KERNELS=$H/b/k/h200-llama-3.1-8b-$q/kernels METRALE_TARGETS=$PWD/targets \
-      timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
-    echo "rc=$?" >> "$f"; grep -E "test result|panicked|rc=" "$f" | tail -3
-  done
+  for q in $Q; do $X --quant $q --out "$H/s/l8b-$q.gguf" 2>&1 | grep synth-model; done
+  kernel_tests llama-3.1-8b/bf16 llama-3.1-8b/q4_1
   bench "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" q4_1 bench-q4_1 --batch 1 --steps 128 --depth 8192
   bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bf16 bench-bf16 --batch 1 --steps 128
   finish quick

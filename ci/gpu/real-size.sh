@@ -55,6 +55,19 @@ left() { echo $((560 - $(date +%s) + T0)); }
 # the executable a cargo command builds (the last one it names)
 exe() { cargo "$@" --message-format=json 2>/dev/null \
   | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
+# kernel_tests MODEL/QUANT...: cuda_kernels (each kernel against the CPU reference ops) for each
+# h200 target whose kernels are in $H/b/k/h200-MODEL-QUANT; its output in $R/kernel-tests-MODEL-QUANT.txt
+kernel_tests() {
+  local t n f
+  for t in "$@"; do
+    n=${t//\//-}; f=$R/kernel-tests-$n.txt
+    [ -d "$H/b/k/h200-$n" ] || { echo "cuda_kernels h200/$t: no kernels in $H/b/k/h200-$n" | tee "$f"; continue; }
+    step "cuda_kernels h200/$t"
+    METRALE_CUDA_TARGET=h200/$t METRALE_CUDA_KERNELS=$H/b/k/h200-$n/kernels METRALE_TARGETS=$PWD/targets \
+      timeout 240 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
+    echo "cuda_kernels h200/$t rc=$?" >> "$f"; grep -E "rel err|mask|test result|panicked|rc=" "$f" | tail -12
+  done
+}
 # make the 8B checkpoints from the carried vocabulary GGUF: bf16 and q4_1 GGUFs, 2-layer HF folder and GGUF
 synth8b() {
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
@@ -262,13 +275,7 @@ call1)
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
   step "load check"
   "$H/b/bin/cuda_load_check" "$H"/b/k/h200-*/kernels > "$R/load-check.txt" 2>&1; echo "rc=$?" | tee -a "$R/load-check.txt"
-  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
-    step "cuda_kernels h200/$t"
-    f=$R/kernel-tests-${t//\//-}.txt
-    METRALE_CUDA_TARGET=h200/$t METRALE_CUDA_KERNELS=$H/b/k/h200-${t//\//-}/kernels \
-      timeout 240 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
-    echo "cuda_kernels h200/$t rc=$?" | tee -a "$f"; grep -E "test result|panicked" "$f"
-  done
+  kernel_tests llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
   step "synth-model: 8B bf16 GGUF (the issue: under a minute on 16 cores)"
   { time $X --out "$H/s/l8b-bf16.gguf" ; } > "$R/synth-bf16.txt" 2>&1; grep -E "synth-model|real" "$R/synth-bf16.txt"

@@ -89,13 +89,7 @@ prepare)
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st1/b.tar.xz -C "$H" && cp .st1/part.aa "$H/b/"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$R/gpu.txt"
-  for t in smollm2-135m llama-3.1-8b; do
-    step "cuda_kernels h200/$t/q4_1"
-    f=$R/kernel-tests-$t-q4_1.txt
-    METRALE_CUDA_TARGET=h200/$t/q4_1 METRALE_CUDA_KERNELS=$H/b/k/h200-$t-q4_1/kernels METRALE_TARGETS=$PWD/targets \
-      timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
-    echo "rc=$?" >> "$f"; grep -E "mask|test result|panicked|rc=" "$f" | tail -6
-  done
+  kernel_tests smollm2-135m/q4_1 llama-3.1-8b/q4_1
   step "synth-model: 8B q4_1 GGUF"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
