@@ -60,17 +60,20 @@ struct MvPerSm {
     lm_head: usize,
 }
 
+/// Resident blocks per SM of matrix-vector kernel `e` (`abi::MV_THREADS` threads, static shared
+/// memory only), as the driver says; `fallback` where it does not answer.
+fn mv_resident_per_sm(kernels: &Kernels, e: abi::Entry, fallback: usize) -> usize {
+    kernels
+        .get(e)
+        .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
+        .map_or(fallback, |n| n as usize)
+        .max(1)
+}
+
 impl MvPerSm {
     fn query(kernels: &Kernels) -> MvPerSm {
         // 4 (the grid cap before occupancy was asked) where the driver does not answer
-        let per_sm = |id| {
-            kernels
-                .get(id)
-                .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
-                .map(|n| n as usize)
-                .unwrap_or(4)
-                .max(1)
-        };
+        let per_sm = |e| mv_resident_per_sm(kernels, e, 4);
         MvPerSm {
             attn_in: per_sm(abi::AttnIn::ID),
             attn_out: per_sm(abi::AttnOut::ID),
@@ -99,12 +102,7 @@ impl Gpu {
         })?;
         let kernels = Kernels::load(&dev, set)?;
         let sm90 = dev.cc.0 >= 9;
-        let lm1_per_sm = kernels
-            .get(abi::LmHeadOne::ID)
-            .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
-            .map(|n| n as usize)
-            .unwrap_or(2)
-            .max(1);
+        let lm1_per_sm = mv_resident_per_sm(&kernels, abi::LmHeadOne::ID, 2);
         let mv_per_sm = MvPerSm::query(&kernels);
         let cluster_max = if sm90 {
             set.spec.hardware.attention_cluster.unwrap_or(0) as usize
