@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
     ATT_THREADS, DECODE_THREADS, EMBED_THREADS, GEMM_THREADS, MV_THREADS, SAMPLE_THREADS,
-    SPLIT_THREADS,
+    SPLIT_THREADS, WG_THREADS,
 };
 
 macro_rules! field_ty {
@@ -298,5 +298,92 @@ entries! {
         wsc: ptr<"const void">,
         x: ptr<"float">,
         ntok: i32,
+    }
+    /// Hopper GEMM path: bf16(RMSNorm(x)), the QKV and gate/up products' input. grid = (ntok): a
+    /// block per token.
+    WgActNorm = "gemm_hopper" / "wg_act_norm", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        norm_w: ptr<"const float">,
+        a: ptr<"__nv_bfloat16">,
+        ntok: i32,
+    }
+    /// Hopper GEMM path: bf16(RMSNorm(x[sel[t]])) with the output norm, the LM head's input.
+    WgActHead = "gemm_hopper" / "wg_act_head", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        sel: ptr<"const int">,
+        norm_w: ptr<"const float">,
+        a: ptr<"__nv_bfloat16">,
+        ntok: i32,
+    }
+    /// Hopper GEMM path: bf16 of the attention output (K = heads x head_dim).
+    WgActQd = "gemm_hopper" / "wg_act_qd", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        a: ptr<"__nv_bfloat16">,
+        ntok: i32,
+    }
+    /// Hopper GEMM path: bf16 of the FFN activation (K = ffn).
+    WgActFfn = "gemm_hopper" / "wg_act_ffn", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        a: ptr<"__nv_bfloat16">,
+        ntok: i32,
+    }
+    /// Hopper GEMM path: QKV projection with the RoPE + KV-write epilogue. grid and dynamic shared
+    /// memory: `plan::wg_plan`; `ws` and `counters`: its split-K partials and tickets.
+    WgQkv = "gemm_hopper" / "wg_qkv", threads WG_THREADS, {
+        a: ptr<"const __nv_bfloat16">,
+        w: ptr<"const void">,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
+        layer: i32,
+        max_blocks: i32,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Hopper GEMM path: output projection + residual.
+    WgO = "gemm_hopper" / "wg_o", threads WG_THREADS, {
+        a: ptr<"const __nv_bfloat16">,
+        w: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Hopper GEMM path: gate/up + SiLU(gate) * up.
+    WgGu = "gemm_hopper" / "wg_gu", threads WG_THREADS, {
+        a: ptr<"const __nv_bfloat16">,
+        w: ptr<"const void">,
+        h: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Hopper GEMM path: the LM head's logits (bf16 head), `ntok` rows.
+    WgLogits = "gemm_hopper" / "wg_logits", threads WG_THREADS, {
+        a: ptr<"const __nv_bfloat16">,
+        w: ptr<"const void">,
+        logits: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Hopper GEMM path: down projection + residual.
+    WgDown = "gemm_hopper" / "wg_down", threads WG_THREADS, {
+        a: ptr<"const __nv_bfloat16">,
+        w: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
     }
 }

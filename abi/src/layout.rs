@@ -10,6 +10,7 @@ use metrale_core::shape::Dims;
 
 use crate::{
     DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, PADDED_BLOCK, TOK_TILE_BYTES, TOK_TILE_MAX,
+    WG_BK, WG_BM, WG_MAX_STAGES, WG_SMEM_BUDGET,
 };
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
@@ -81,6 +82,27 @@ pub fn decode_trace_words(d: &Dims, blocks: usize) -> usize {
     blocks * d.layers * DECODE_NSTAMP as usize + blocks * 4
 }
 
+/// The token tiles of the Hopper GEMMs (`wg::gemm_any`'s cases).
+pub const WG_TILES: [usize; 4] = [16, 32, 64, 128];
+
+/// Bytes of one pipeline stage of a Hopper GEMM block with token tile `n` (`wg::stage_bytes`): its
+/// [`WG_BM`] weight rows and `n` token rows, [`WG_BK`] bf16 elements each.
+pub fn wg_stage_bytes(n: usize) -> usize {
+    (WG_BM as usize + n) * WG_BK as usize * 2
+}
+
+/// Pipeline stages of a Hopper GEMM block with token tile `n` (`wg::stages`): as many as fit in
+/// [`WG_SMEM_BUDGET`], at most [`WG_MAX_STAGES`].
+pub fn wg_stages(n: usize) -> usize {
+    (WG_SMEM_BUDGET as usize / wg_stage_bytes(n)).min(WG_MAX_STAGES as usize)
+}
+
+/// Dynamic shared memory of a Hopper GEMM block with token tile `n` (`wg::smem_bytes`): its stages
+/// and 1 KiB to align them to the 1024 bytes the 128-byte swizzle repeats over.
+pub fn wg_smem_bytes(n: usize) -> usize {
+    wg_stages(n) * wg_stage_bytes(n) + 1024
+}
+
 /// The `static_assert`s of template `template` for a target of shape `d` on `sm_count` SMs: each
 /// compares an expression the kernel computes with the number the host computes for it. Empty for
 /// templates whose launches depend on no host formula.
@@ -94,6 +116,15 @@ pub fn asserts(template: &str, d: &Dims, sm_count: usize) -> String {
             s += &check("TB", tok_tile(d.hidden), "tokens per block")
         }
         "attn_out" => s += &check("TB", tok_tile(d.qd()), "tokens per block"),
+        "gemm_hopper" => {
+            for n in WG_TILES {
+                s += &check(
+                    &format!("wg::smem_bytes({n})"),
+                    wg_smem_bytes(n),
+                    "dynamic shared memory per block",
+                );
+            }
+        }
         "ffn_out" => s += &check("TB", tok_tile(d.ffn), "tokens per block"),
         "decode" => {
             s += &check(

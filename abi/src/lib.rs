@@ -178,6 +178,16 @@ pub const DECODE_REFUSED: i32 = -2;
 pub const GEMM_THREADS: u32 = 128;
 pub const GEMM_BM: u32 = 32;
 pub const GEMM_BN: u32 = 64;
+/// Threads per block of the Hopper GEMMs (`wg_*`, kernels/cuda/gemm_hopper.cu.hbs): one warpgroup.
+/// A block computes [`WG_BM`] output rows for a tile of 16, 32, 64 or 128 tokens, [`WG_BK`] elements
+/// of K per pipeline stage (one 128-byte swizzle row of bf16).
+pub const WG_THREADS: u32 = 128;
+pub const WG_BM: u32 = 64;
+pub const WG_BK: u32 = 64;
+/// Shared memory of one Hopper GEMM block's pipeline stages (two blocks fit an SM's 228 KiB), and
+/// the most stages ([`layout::wg_stages`]).
+pub const WG_SMEM_BUDGET: u32 = 98304;
+pub const WG_MAX_STAGES: u32 = 8;
 /// Tokens per block of the paged KV cache (`metrale_core::shape::KV_BLOCK`): K and V of a
 /// sequence's position p live in pool block `tables[slot * max_blocks + p / KV_BLOCK]`, laid out
 /// `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`kv_t`: f32 or bf16).
@@ -208,6 +218,11 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("GEMM_THREADS", GEMM_THREADS as i64),
     ("GEMM_BM", GEMM_BM as i64),
     ("GEMM_BN", GEMM_BN as i64),
+    ("WG_THREADS", WG_THREADS as i64),
+    ("WG_BM", WG_BM as i64),
+    ("WG_BK", WG_BK as i64),
+    ("WG_SMEM_BUDGET", WG_SMEM_BUDGET as i64),
+    ("WG_MAX_STAGES", WG_MAX_STAGES as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
     ("KV_BLOCK", KV_BLOCK as i64),
 ];

@@ -41,7 +41,8 @@ fn main() {
             .cloned()
             .unwrap_or_else(|| dflt.to_string())
     };
-    let steps: usize = opt("--steps", "256").parse().unwrap();
+    // the first 16 decode steps are a warm-up: at least 8 timed ones
+    let steps: usize = opt("--steps", "256").parse::<usize>().unwrap().max(25);
     let pp: usize = opt("--pp", "512").parse().unwrap();
     let batches: Vec<usize> = opt("--batch", "1,8,32,64")
         .split(',')

@@ -285,8 +285,37 @@ fn check_qkv(
     d: Dims,
     eps: f32,
     r: QkvRef<'_>,
+    at: (&[i32], &[i32], usize, &Paged),
+    got: (&[f32], &[f32], &[f32]),
+) {
+    let kv_tol = match at.3.kv {
+        KvDtype::F32 => TOL,
+        KvDtype::Bf16 => KV_TOL,
+    };
+    check_qkv_tols(what, d, eps, r, at, got, (TOL, kv_tol));
+}
+
+/// [`check_qkv`] with one tolerance for q, K and V.
+fn check_qkv_tol(
+    what: &str,
+    d: Dims,
+    eps: f32,
+    r: QkvRef<'_>,
+    at: (&[i32], &[i32], usize, &Paged),
+    got: (&[f32], &[f32], &[f32]),
+    tol: f64,
+) {
+    check_qkv_tols(what, d, eps, r, at, got, (tol, tol));
+}
+
+fn check_qkv_tols(
+    what: &str,
+    d: Dims,
+    eps: f32,
+    r: QkvRef<'_>,
     (pos, slot, layer, pg): (&[i32], &[i32], usize, &Paged),
     (q, kcache, vcache): (&[f32], &[f32], &[f32]),
+    (q_tol, kv_tol): (f64, f64),
 ) {
     let hd = d.head_dim;
     let (mut wq_all, mut wk_all, mut wv_all, mut gk, mut gv) =
@@ -306,11 +335,8 @@ fn check_qkv(
             gv.extend_from_slice(&vcache[off..off + hd]);
         }
     }
-    check(&format!("{what}q (norm+proj+rope)"), q, &wq_all);
-    let kv_check = |what: &str, got: &[f32], want: &[f32]| match pg.kv {
-        KvDtype::F32 => check(what, got, want),
-        KvDtype::Bf16 => check_tol(what, got, want, KV_TOL),
-    };
+    check_tol(&format!("{what}q (norm+proj+rope)"), q, &wq_all, q_tol);
+    let kv_check = |what: &str, got: &[f32], want: &[f32]| check_tol(what, got, want, kv_tol);
     kv_check(&format!("{what}k cache (norm+proj+rope)"), &gk, &wk_all);
     kv_check(&format!("{what}v cache (norm+proj)"), &gv, &wv_all);
     let sentinel = pg.round(1e30);
@@ -854,46 +880,141 @@ fn device_sampling_matches_host_sampler() {
     assert!(on_device >= rows / 2);
 }
 
-/// The tensor-core prefill GEMMs (kernels/cuda/gemm.cu.hbs) against the CPU ops, each product fed
-/// with the reference input so they are checked separately: 77 tokens (two token tiles, the second
-/// partial), two slots, scattered positions. Same tolerance as the matvec kernels (rel L2 < 1e-4):
-/// weights enter the MMAs exactly and activations as f16 hi + lo pairs (~2^-22), so the error is f32
-/// accumulation order, not f16 rounding.
+/// What the Hopper GEMM path (kernels/cuda/gemm_hopper.cu.hbs, bf16 activations) may differ from
+/// the f32 reference by: each activation is rounded once to bf16, a relative error uniform within
+/// half a step (2^-9 to 2^-8 of the value), RMS ~1.6e-3, which the products carry over (random
+/// weights average it, they do not amplify it); a bf16 KV cache adds a one-step flip (3.9e-3) of
+/// the values within that error of a rounding boundary, ~3e-3 in all. Bounded at 1e-2: a wrong
+/// tile, swizzle or fragment layout is an O(1) error.
+const HOPPER_TOL: f64 = 1e-2;
+
+/// The GEMM path's four products (`Prefill`: on Hopper with bf16 weights the wgmma kernels, else
+/// the mma.sync ones) against the CPU ops, each product fed with the reference input so they are
+/// checked separately, for chunks of 16, 29, 77 and 160 tokens (on Hopper: token tiles of 16, 32
+/// and 128, a partial tile, two tiles, and split-K where the tiles are few), two slots, scattered
+/// positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
+/// exactly and activations as f16 hi + lo pairs (~2^-22), so its error is f32 accumulation order;
+/// the Hopper path to [`HOPPER_TOL`]. Split-K is checked to be deterministic: the output projection
+/// run twice gives the same bits.
 #[test]
 fn gemm_prefill_products_match_cpu_ops() {
-    use metrale_backend::cuda::prefill::{Prefill, QkvOut};
+    use metrale_backend::cuda::prefill::Prefill;
     let Some(mut e) = env("gemm") else { return };
     let d = e.d;
-    let (qd, kd, hd) = (d.qd(), d.kd(), d.head_dim);
-    let n = 77;
+    let (qd, kd) = (d.qd(), d.kd());
+    let w = GemmWeights {
+        wq: Mat::new(&mut e.rng, e.wf, qd, d.hidden),
+        wk: Mat::new(&mut e.rng, e.wf, kd, d.hidden),
+        wv: Mat::new(&mut e.rng, e.wf, kd, d.hidden),
+        wo: Mat::new(&mut e.rng, e.wf, d.hidden, qd),
+        wg: Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden),
+        wu: Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden),
+        wd: Mat::new(&mut e.rng, e.wf, d.hidden, d.ffn),
+    };
+    let p = Prefill::new(&e.gpu, 160).expect("gemm kernels");
+    eprintln!(
+        "  path: {}",
+        if p.hopper() {
+            "Hopper (wgmma, bf16 activations)"
+        } else {
+            "mma.sync (f16 hi/lo)"
+        }
+    );
+    for n in [16, 29, 77, 160] {
+        check_gemm_products(&mut e, &p, &w, n);
+    }
+    if p.head_pays(&d, 5) {
+        check_gemm_logits(&mut e, &p);
+    }
+}
+
+/// The Hopper path's LM head (`Prefill::logits`: bf16(RMSNorm(x[sel])) times the head) for 5
+/// selected rows of 9, against the CPU ops within [`HOPPER_TOL`].
+fn check_gemm_logits(e: &mut Env, p: &metrale_backend::cuda::prefill::Prefill) {
+    let d = e.d;
+    let x = rand_vec(&mut e.rng, 9 * d.hidden, -1.0, 1.0);
+    let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+    let head = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
+    let sel = [8i32, 0, 3, 3, 5];
+    let g = &e.gpu;
+    let (xb, nb, hb, sb) = (
+        g.upload(&x).unwrap(),
+        g.upload(&norm).unwrap(),
+        DevMat::upload(g, &head.host(e.ef)).unwrap(),
+        g.upload(&sel).unwrap(),
+    );
+    let lb = poisoned(g, sel.len() * d.vocab);
+    p.logits(g, xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, sel.len())
+        .unwrap();
+    let mut want = Vec::new();
+    for &s in &sel {
+        let mut xn = vec![0f32; d.hidden];
+        let s = s as usize;
+        ops::rmsnorm(&x[s * d.hidden..(s + 1) * d.hidden], &norm, e.eps, &mut xn);
+        want.extend(head.matvec(&xn));
+    }
+    check_tol(
+        "gemm logits (Hopper, 5 selected rows)",
+        &read_f32(g, &lb, sel.len() * d.vocab),
+        &want,
+        HOPPER_TOL,
+    );
+}
+
+struct GemmWeights {
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    wg: Mat,
+    wu: Mat,
+    wd: Mat,
+}
+
+fn check_gemm_products(
+    e: &mut Env,
+    p: &metrale_backend::cuda::prefill::Prefill,
+    w: &GemmWeights,
+    n: usize,
+) {
+    use metrale_backend::cuda::prefill::QkvOut;
+    use rayon::prelude::*;
+    let d = e.d;
+    let (qd, hd) = (d.qd(), d.head_dim);
     let slots = 2;
-    let ctx = 128;
+    let ctx = 256;
     let layer = d.layers - 1;
-    let pos: Vec<i32> = (0..n as i32)
-        .map(|i| if i < 60 { i } else { 127 - (i - 60) * 3 })
+    // the first three quarters in slot 0 at positions 0.., the rest in slot 1 from the end, every 3rd
+    let n0 = n * 3 / 4;
+    let pos: Vec<i32> = (0..n)
+        .map(|i| {
+            if i < n0 {
+                i as i32
+            } else {
+                (ctx - 1 - (i - n0) * 3) as i32
+            }
+        })
         .collect();
-    let slot: Vec<i32> = (0..n).map(|i| (i >= 60) as i32).collect();
+    let slot: Vec<i32> = (0..n).map(|i| (i >= n0) as i32).collect();
     let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
     let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
-    let wq = Mat::new(&mut e.rng, e.wf, qd, d.hidden);
-    let wk = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
-    let wv = Mat::new(&mut e.rng, e.wf, kd, d.hidden);
-    let wo = Mat::new(&mut e.rng, e.wf, d.hidden, qd);
-    let wg = Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden);
-    let wu = Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden);
-    let wd = Mat::new(&mut e.rng, e.wf, d.hidden, d.ffn);
     let att = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
+    let (tol, what) = if p.hopper() {
+        (HOPPER_TOL, format!("gemm n={n} (Hopper) "))
+    } else {
+        (TOL, format!("gemm n={n} "))
+    };
     let g = &e.gpu;
-    let p = Prefill::new(g, 128).expect("gemm kernels");
     let inv = rope_inv_freq(hd, e.theta, None, None);
     let rope = g.upload(&rope_table(&inv, ctx)).unwrap();
+    let (wq, wk, wv) = (&w.wq, &w.wk, &w.wv);
     let wqkv = HostMat::concat_rows("qkv", &[wq.host(e.wf), wk.host(e.wf), wv.host(e.wf)]).unwrap();
-    let wgu = HostMat::interleave_rows("gu", &wg.host(e.wf), &wu.host(e.wf)).unwrap();
+    let wgu = HostMat::interleave_rows("gu", &w.wg.host(e.wf), &w.wu.host(e.wf)).unwrap();
     let (wqkv_b, wo_b, wgu_b, wd_b) = (
         DevMat::upload(g, &wqkv).unwrap(),
-        DevMat::upload(g, &wo.host(e.wf)).unwrap(),
+        DevMat::upload(g, &w.wo.host(e.wf)).unwrap(),
         DevMat::upload(g, &wgu).unwrap(),
-        DevMat::upload(g, &wd.host(e.wf)).unwrap(),
+        DevMat::upload(g, &w.wd.host(e.wf)).unwrap(),
     );
     let (xb, nb, pb, sb) = (
         g.upload(&x).unwrap(),
@@ -921,66 +1042,94 @@ fn gemm_prefill_products_match_cpu_ops() {
     };
     p.norm_qkv(g, xb.ptr, nb.ptr, &wqkv_b, o, n).unwrap();
     let (q, kcache, vcache) = (read_f32(g, &qb, n * qd), pg.read(g, &kc), pg.read(g, &vc));
-    check_qkv(
-        "gemm ",
-        d,
-        e.eps,
-        QkvRef {
-            x: &x,
-            norm: &norm,
-            wq: &wq,
-            wk: &wk,
-            wv: &wv,
-            inv: &inv,
-        },
-        (&pos, &slot, layer, &pg),
-        (&q, &kcache, &vcache),
-    );
-    let mut want_h = Vec::new();
-    for t in 0..n {
-        let mut xn = vec![0f32; d.hidden];
-        ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
-        let mut hrow = vec![0f32; d.ffn];
-        ops::swiglu(&wg.matvec(&xn), &wu.matvec(&xn), &mut hrow);
-        want_h.extend(hrow);
+    let qkv_r = QkvRef {
+        x: &x,
+        norm: &norm,
+        wq,
+        wk,
+        wv,
+        inv: &inv,
+    };
+    if p.hopper() {
+        check_qkv_tol(
+            &what,
+            d,
+            e.eps,
+            qkv_r,
+            (&pos, &slot, layer, &pg),
+            (&q, &kcache, &vcache),
+            tol,
+        );
+    } else {
+        check_qkv(
+            &what,
+            d,
+            e.eps,
+            qkv_r,
+            (&pos, &slot, layer, &pg),
+            (&q, &kcache, &vcache),
+        );
     }
+    let want_h: Vec<f32> = (0..n)
+        .into_par_iter()
+        .flat_map_iter(|t| {
+            let mut xn = vec![0f32; d.hidden];
+            ops::rmsnorm(&x[t * d.hidden..(t + 1) * d.hidden], &norm, e.eps, &mut xn);
+            let mut hrow = vec![0f32; d.ffn];
+            ops::swiglu(&w.wg.matvec(&xn), &w.wu.matvec(&xn), &mut hrow);
+            hrow
+        })
+        .collect();
 
     // RMSNorm + gate/up + SiLU
     let hb = poisoned(g, n * d.ffn);
     p.norm_gate_up(g, xb.ptr, nb.ptr, &wgu_b, hb.ptr, n)
         .unwrap();
-    check(
-        "gemm h = silu(gate)*up",
+    check_tol(
+        &format!("{what}h = silu(gate)*up"),
         &read_f32(g, &hb, n * d.ffn),
         &want_h,
+        tol,
     );
 
-    // output projection + residual, then down projection + residual (reference inputs)
+    // output projection + residual (twice: split-K must give the same bits), then down projection
+    // + residual (reference inputs)
     let ab = g.upload(&att).unwrap();
-    let xo = g.upload(&x).unwrap();
+    let (xo, xo2) = (g.upload(&x).unwrap(), g.upload(&x).unwrap());
     p.out_proj(g, ab.ptr, &wo_b, xo.ptr, n).unwrap();
+    p.out_proj(g, ab.ptr, &wo_b, xo2.ptr, n).unwrap();
     let hb2 = g.upload(&want_h).unwrap();
     let xd = g.upload(&x).unwrap();
     p.down(g, hb2.ptr, &wd_b, xd.ptr, n).unwrap();
-    let (mut want_xo, mut want_xd) = (Vec::new(), Vec::new());
-    for t in 0..n {
-        let xr = &x[t * d.hidden..(t + 1) * d.hidden];
-        want_xo.extend(
-            xr.iter()
-                .zip(wo.matvec(&att[t * qd..(t + 1) * qd]))
-                .map(|(a, b)| a + b),
-        );
-        want_xd.extend(
-            xr.iter()
-                .zip(wd.matvec(&want_h[t * d.ffn..(t + 1) * d.ffn]))
-                .map(|(a, b)| a + b),
-        );
-    }
-    check("gemm x + Wo*att", &read_f32(g, &xo, n * d.hidden), &want_xo);
-    check(
-        "gemm x + Wdown*h",
+    let plus = |m: &Mat, a: &[f32], k: usize| -> Vec<f32> {
+        (0..n)
+            .into_par_iter()
+            .flat_map_iter(|t| {
+                let xr = &x[t * d.hidden..(t + 1) * d.hidden];
+                let y = m.matvec(&a[t * k..(t + 1) * k]);
+                xr.iter().zip(y).map(|(a, b)| a + b).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let got_xo = read_f32(g, &xo, n * d.hidden);
+    check_tol(
+        &format!("{what}x + Wo*att"),
+        &got_xo,
+        &plus(&w.wo, &att, qd),
+        tol,
+    );
+    assert!(
+        got_xo
+            .iter()
+            .zip(read_f32(g, &xo2, n * d.hidden))
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}x + Wo*att: two runs differ"
+    );
+    check_tol(
+        &format!("{what}x + Wdown*h"),
         &read_f32(g, &xd, n * d.hidden),
-        &want_xd,
+        &plus(&w.wd, &want_h, d.ffn),
+        tol,
     );
 }
 

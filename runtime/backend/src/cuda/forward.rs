@@ -220,6 +220,23 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
+            (Stage::LmHead, _) if self.prefill.head_pays(&g.dims, nout) => {
+                self.prefill.logits(
+                    g,
+                    b.x.ptr,
+                    b.sel,
+                    self.w.out_norm.ptr,
+                    self.w.head(),
+                    b.logits.ptr,
+                    nout,
+                )?;
+                g.argmax(abi::ArgmaxLogprob {
+                    logits: b.logits.ptr,
+                    out_tok: b.out_tok,
+                    out_logprob: b.out_lp,
+                    ntok: nout as i32,
+                })
+            }
             (Stage::LmHead, _) => {
                 let head = self.w.head();
                 g.lm_head(abi::LmHead {

@@ -48,6 +48,11 @@ pub struct Gpu {
     pub lm_head_1: bool,
     /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
     pub att_flags: i32,
+    /// The GEMM path runs the Hopper kernels (`wg_*`): the modules are the sm_90a cubins of a
+    /// bf16-weight target and the driver gave their blocks the dynamic shared memory they need.
+    pub hopper_gemm: bool,
+    /// The target's embedding (and LM head) is bf16.
+    pub embedding_bf16: bool,
 }
 
 /// The driver's resident blocks per SM of each matrix-vector kernel.
@@ -68,6 +73,30 @@ fn mv_resident_per_sm(kernels: &Kernels, e: abi::Entry, fallback: usize) -> usiz
         .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
         .map_or(fallback, |n| n as usize)
         .max(1)
+}
+
+/// Give each Hopper GEMM the dynamic shared memory its largest token tile needs
+/// (`layout::wg_smem_bytes`); false where the driver refuses.
+fn hopper_gemm_ready(kernels: &Kernels) -> bool {
+    let smem = abi::layout::WG_TILES
+        .iter()
+        .map(|&n| abi::layout::wg_smem_bytes(n))
+        .max()
+        .unwrap_or(0) as i32;
+    [
+        abi::WgQkv::ID,
+        abi::WgO::ID,
+        abi::WgGu::ID,
+        abi::WgDown::ID,
+        abi::WgLogits::ID,
+    ]
+    .iter()
+    .all(|&e| {
+        kernels
+            .get(e)
+            .set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            .is_ok()
+    })
 }
 
 impl MvPerSm {
@@ -102,6 +131,10 @@ impl Gpu {
         })?;
         let kernels = Kernels::load(&dev, set)?;
         let sm90 = dev.cc.0 >= 9;
+        let hopper_gemm = set.arch == "sm_90a"
+            && kernels.loaded_from == "cubin"
+            && set.spec.quant.weights == "bf16"
+            && hopper_gemm_ready(&kernels);
         let lm1_per_sm = mv_resident_per_sm(&kernels, abi::LmHeadOne::ID, 2);
         let mv_per_sm = MvPerSm::query(&kernels);
         let cluster_max = if sm90 {
@@ -117,6 +150,8 @@ impl Gpu {
             mv_per_sm,
             lm_head_1: true,
             att_flags: 0,
+            hopper_gemm,
+            embedding_bf16: set.spec.quant.embedding == "bf16",
             kernels,
             dev,
         })
@@ -354,5 +389,76 @@ impl Gpu {
     pub fn gemm_down(&self, a: abi::GemmDown) -> Result<(), BackendError> {
         let g = plan::gemm_grid(self.dims.hidden, a.ntok as usize);
         self.launch(g, self.plain(), a)
+    }
+
+    /// Hopper GEMM path: bf16(RMSNorm(x)).
+    pub fn wg_act_norm(&self, a: abi::WgActNorm) -> Result<(), BackendError> {
+        self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
+    }
+
+    /// Hopper GEMM path: bf16 of the attention output.
+    pub fn wg_act_qd(&self, a: abi::WgActQd) -> Result<(), BackendError> {
+        self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
+    }
+
+    /// Hopper GEMM path: bf16 of the FFN activation.
+    pub fn wg_act_ffn(&self, a: abi::WgActFfn) -> Result<(), BackendError> {
+        self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
+    }
+
+    /// The launch of a Hopper GEMM of `rows` output rows and row length `k` over `ntok` tokens:
+    /// its grid, dynamic shared memory and the token tile its kernel is told.
+    fn wg_how(&self, rows: usize, k: usize, ntok: i32) -> ((u32, u32, u32), LaunchHow, i32) {
+        let p = plan::wg_plan(rows, k, ntok as usize, self.sm_count);
+        let how = LaunchHow {
+            smem: p.smem,
+            ..self.plain()
+        };
+        (p.grid, how, p.tile_n as i32)
+    }
+
+    /// Hopper GEMM path: QKV projection + RoPE + KV write.
+    pub fn wg_qkv(&self, mut a: abi::WgQkv) -> Result<(), BackendError> {
+        let d = self.dims;
+        let (grid, how, tile_n) = self.wg_how(d.qd() + 2 * d.kd(), d.hidden, a.ntok);
+        a.tile_n = tile_n;
+        self.launch(grid, how, a)
+    }
+
+    /// Hopper GEMM path: output projection + residual.
+    pub fn wg_o(&self, mut a: abi::WgO) -> Result<(), BackendError> {
+        let d = self.dims;
+        let (grid, how, tile_n) = self.wg_how(d.hidden, d.qd(), a.ntok);
+        a.tile_n = tile_n;
+        self.launch(grid, how, a)
+    }
+
+    /// Hopper GEMM path: gate/up + SiLU.
+    pub fn wg_gu(&self, mut a: abi::WgGu) -> Result<(), BackendError> {
+        let d = self.dims;
+        let (grid, how, tile_n) = self.wg_how(2 * d.ffn, d.hidden, a.ntok);
+        a.tile_n = tile_n;
+        self.launch(grid, how, a)
+    }
+
+    /// Hopper GEMM path: down projection + residual.
+    pub fn wg_down(&self, mut a: abi::WgDown) -> Result<(), BackendError> {
+        let d = self.dims;
+        let (grid, how, tile_n) = self.wg_how(d.hidden, d.ffn, a.ntok);
+        a.tile_n = tile_n;
+        self.launch(grid, how, a)
+    }
+
+    /// Hopper GEMM path: bf16(RMSNorm(x[sel])), the LM head's input.
+    pub fn wg_act_head(&self, a: abi::WgActHead) -> Result<(), BackendError> {
+        self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
+    }
+
+    /// Hopper GEMM path: the LM head's logits.
+    pub fn wg_logits(&self, mut a: abi::WgLogits) -> Result<(), BackendError> {
+        let d = self.dims;
+        let (grid, how, tile_n) = self.wg_how(d.vocab, d.hidden, a.ntok);
+        a.tile_n = tile_n;
+        self.launch(grid, how, a)
     }
 }

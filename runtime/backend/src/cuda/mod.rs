@@ -98,6 +98,9 @@ pub struct Tuning {
     /// bf16-KV target the attention alone took 25.0 instead of 31.6 us per layer at depth 8192 and
     /// 78.6 instead of 104.2 at 32768 (H200, 2026-12-02).
     pub attention_transpose: bool,
+    /// On Hopper (sm_90a cubins, bf16 weights) the GEMM path runs on warpgroup MMAs
+    /// (`gemm_hopper.cu.hbs`, bf16 activations), else on the mma.sync GEMMs (`gemm.cu.hbs`).
+    pub hopper_gemm: bool,
 }
 
 impl Default for Tuning {
@@ -111,6 +114,7 @@ impl Default for Tuning {
             attention_cluster: true,
             lm_head_1: true,
             attention_transpose: true,
+            hopper_gemm: true,
         }
     }
 }
@@ -119,7 +123,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 8] = [
+    pub const KEYS: [&'static str; 9] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -128,6 +132,7 @@ impl Tuning {
         "attention_cluster",
         "lm_head_1",
         "attention_transpose",
+        "hopper_gemm",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -157,6 +162,7 @@ impl Tuning {
                 "attention_cluster" => self.attention_cluster = on,
                 "lm_head_1" => self.lm_head_1 = on,
                 "attention_transpose" => self.attention_transpose = on,
+                "hopper_gemm" => self.hopper_gemm = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -284,6 +290,7 @@ impl CudaBackend {
         if opts.tuning.attention_transpose {
             gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
         }
+        gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;

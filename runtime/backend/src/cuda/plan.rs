@@ -6,8 +6,8 @@
 //! Invariant: nothing here touches the driver; every grid is the one the entry's declaration in
 //! `metrale_abi::entries` states.
 
-use metrale_abi::layout::{decode_products, tok_tile};
-use metrale_abi::{DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SPLIT_THREADS};
+use metrale_abi::layout::{decode_products, tok_tile, wg_smem_bytes, WG_TILES};
+use metrale_abi::{DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SPLIT_THREADS, WG_BK, WG_BM};
 use metrale_core::shape::Dims;
 
 /// Warps per block of the matrix-vector kernels: each warp owns one row pair at a time.
@@ -161,6 +161,56 @@ pub fn check_arch(
     Ok(())
 }
 
+/// A Hopper GEMM launch (`gemm_hopper.cu.hbs`): the token tile, grid (token tiles, row tiles,
+/// K splits) and dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WgPlan {
+    pub tile_n: usize,
+    pub grid: (u32, u32, u32),
+    pub smem: u32,
+}
+
+/// Blocks of one Hopper GEMM launch, per SM, that K splits are added to reach: two fit an SM
+/// (`metrale_abi::WG_SMEM_BUDGET`), so two per SM keep every SM's loads in flight.
+pub const WG_BLOCKS_PER_SM: usize = 2;
+/// Fewest pipeline stages (of `WG_BK` elements) one K split covers.
+pub const WG_MIN_SPLIT_STEPS: usize = 4;
+
+/// The Hopper GEMM launch of a product with `rows` output rows (a multiple of `WG_BM`) and row
+/// length `k` over `ntok` tokens on `sm_count` SMs: the smallest token tile that holds them all
+/// (128 beyond), and K split so that at least [`WG_BLOCKS_PER_SM`] blocks per SM run where the
+/// tiles alone are fewer (a decode step of few sequences: 64 tiles for a 4096-row product).
+pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> WgPlan {
+    let tile_n = WG_TILES
+        .iter()
+        .copied()
+        .find(|&t| t >= ntok)
+        .unwrap_or(WG_TILES[WG_TILES.len() - 1]);
+    let tok_tiles = ntok.div_ceil(tile_n).max(1);
+    let tiles = tok_tiles * (rows / WG_BM as usize);
+    let steps = k / WG_BK as usize;
+    let want = WG_BLOCKS_PER_SM * sm_count.max(1);
+    let splits = (want / tiles.max(1)).clamp(1, (steps / WG_MIN_SPLIT_STEPS).max(1));
+    WgPlan {
+        tile_n,
+        grid: (
+            tok_tiles as u32,
+            (rows / WG_BM as usize) as u32,
+            splits as u32,
+        ),
+        smem: wg_smem_bytes(tile_n) as u32,
+    }
+}
+
+/// Bytes of the split-K partials and of the tickets any [`wg_plan`] launch on `sm_count` SMs
+/// uses: a launch splits only while its tiles times splits stay within [`WG_BLOCKS_PER_SM`] per SM,
+/// and each split's partial is a `WG_BM` x tile f32 tile.
+pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
+    let blocks = WG_BLOCKS_PER_SM * sm_count.max(1);
+    let tile = WG_BM as usize * WG_TILES[WG_TILES.len() - 1];
+    (blocks * tile * 4, blocks * 4)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,5 +352,39 @@ mod tests {
         assert_eq!(attention_cluster(1, 4), 1);
         assert_eq!(attention_cluster(8, 16), 8);
         assert_eq!(attention_cluster(2, 0), 1);
+    }
+
+    #[test]
+    fn wg_plans_split_narrow_products_and_stay_in_the_scratch() {
+        // 8B, 16 sequences: one 16-token tile; the 4096-row output projection splits K in 4
+        let p = wg_plan(4096, 4096, 16, 132);
+        assert_eq!((p.tile_n, p.grid), (16, (1, 64, 4)));
+        // the down projection (K = 14336) likewise; gate/up (448 tiles) does not split
+        assert_eq!(wg_plan(4096, 14336, 16, 132).grid, (1, 64, 4));
+        assert_eq!(wg_plan(28672, 4096, 16, 132).grid, (1, 448, 1));
+        // 256 sequences: two 128-token tiles
+        assert_eq!(wg_plan(4096, 4096, 256, 132).grid, (2, 64, 2));
+        assert_eq!(wg_plan(6144, 4096, 77, 132).tile_n, 128);
+        assert_eq!(wg_plan(6144, 4096, 33, 132).tile_n, 64);
+        // SmolLM2-sized K: never fewer than 4 stages per split
+        assert_eq!(wg_plan(576, 576, 16, 132).grid.2, 2);
+        let (ws, cnt) = wg_scratch_bytes(132);
+        for (rows, k) in [
+            (6144, 4096),
+            (4096, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (576, 576),
+        ] {
+            for ntok in 1..=600 {
+                let p = wg_plan(rows, k, ntok, 132);
+                let tiles = (p.grid.0 * p.grid.1) as usize;
+                if p.grid.2 > 1 {
+                    assert!(tiles * p.grid.2 as usize * 64 * p.tile_n * 4 <= ws);
+                    assert!(tiles * 4 <= cnt);
+                }
+                assert!(p.tile_n * p.grid.0 as usize >= ntok);
+            }
+        }
     }
 }

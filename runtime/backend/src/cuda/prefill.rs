@@ -1,7 +1,11 @@
-//! Tensor-core prefill: the four layer products of a chunk as GEMMs (kernels/cuda/gemm.cu.hbs, on
-//! mma.sync with fused epilogues: RoPE + KV-cache write, residual add, SiLU * up), each product's
-//! activations split once into f16 hi/lo pairs and block sums (RMSNorm folded into the split), and
-//! the scratch they need.
+//! The GEMM path: the four layer products of a chunk as GEMMs with fused epilogues (RoPE + KV-cache
+//! write, residual add, SiLU * up), and the scratch they need. Two implementations:
+//! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins, bf16 weights), `gemm_hopper.cu.hbs`: warpgroup
+//!   MMAs (wgmma) fed by a cp.async pipeline, the activations converted once per product to bf16,
+//!   the narrow products split over K when their tiles alone would leave SMs idle
+//!   (`plan::wg_plan`);
+//! - elsewhere, `gemm.cu.hbs` on mma.sync, each product's activations split once into f16 hi/lo
+//!   pairs and block sums (RMSNorm folded into the split), exact to the f32 reference's ~1e-6.
 //!
 //! The backend uses this path for chunks where it pays ([`gemm_pays`]: from [`MIN_TOKENS`] tokens,
 //! earlier where the matrix-vector tiles are short), decode steps of that many sequences included
@@ -10,9 +14,11 @@
 //! 16 GB per step. Attention, embedding and the LM head are the same kernels on
 //! both paths.
 //!
-//! Invariants: the split scratch (`hi`, `lo`: f16 `[max_tokens][max K]`, `sx`: f32
-//! `[max_tokens][max K / 32]`) is written by a split kernel right before the GEMM that reads it, in
-//! stream order; nothing here allocates after [`Prefill::new`].
+//! Invariants: the activation scratch (`hi`, `lo`: 16-bit `[max_tokens][max K]`, `sx`: f32
+//! `[max_tokens][max K / 32]`; the Hopper path uses `hi` alone, as bf16) is written by a conversion
+//! kernel right before the GEMM that reads it, in stream order; the split-K tickets are zero
+//! between launches (the last split of a tile resets its own); nothing here allocates after
+//! [`Prefill::new`].
 
 use metrale_abi as abi;
 use metrale_core::BackendError;
@@ -79,24 +85,90 @@ pub struct QkvOut {
     pub max_blocks: i32,
 }
 
-/// The split scratch of the prefill GEMMs.
+/// The scratch of the GEMM path.
 pub struct Prefill {
     hi: DevBuf,
     lo: DevBuf,
     sx: DevBuf,
     max_tokens: usize,
+    /// The Hopper path's split-K partials and tickets (`plan::wg_scratch_bytes`), where it runs.
+    hopper: Option<(DevBuf, DevBuf)>,
+    /// The LM head of several outputs runs on the Hopper GEMM too (a bf16 head whose rows are a
+    /// multiple of `WG_BM`).
+    hopper_head: bool,
 }
 
 impl Prefill {
-    /// Allocate the split scratch for chunks of up to `max_tokens` tokens.
+    /// Allocate the scratch for chunks of up to `max_tokens` tokens on the path `gpu` runs.
     pub fn new(gpu: &Gpu, max_tokens: usize) -> Result<Prefill, BackendError> {
         let d = gpu.dims;
         let kmax = d.hidden.max(d.qd()).max(d.ffn);
+        let hopper = if gpu.hopper_gemm {
+            let (ws, tickets) = super::plan::wg_scratch_bytes(gpu.sm_count);
+            Some((gpu.alloc(ws)?, gpu.alloc(tickets)?))
+        } else {
+            None
+        };
+        // the Hopper path needs no lo half and no block sums
+        let split = if hopper.is_some() { 0 } else { max_tokens };
+        let hopper_head =
+            hopper.is_some() && gpu.embedding_bf16 && d.vocab.is_multiple_of(abi::WG_BM as usize);
         Ok(Prefill {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
-            lo: gpu.alloc(max_tokens * kmax * 2)?,
-            sx: gpu.alloc(max_tokens * (kmax / 32) * 4)?,
+            lo: gpu.alloc(split * kmax * 2)?,
+            sx: gpu.alloc(split * (kmax / 32) * 4)?,
             max_tokens,
+            hopper,
+            hopper_head,
+        })
+    }
+
+    /// Whether the products run on the Hopper kernels.
+    pub fn hopper(&self) -> bool {
+        self.hopper.is_some()
+    }
+
+    /// Whether the LM head of `nout` outputs runs as a GEMM ([`Prefill::logits`]): on the Hopper
+    /// path, where the matrix-vector `lm_head` would read the head more than once (its token tile
+    /// is `layout::tok_tile(hidden)` rows: 2 at the 8B shape, so 128 passes over 1 GB at 256).
+    pub fn head_pays(&self, d: &metrale_core::shape::Dims, nout: usize) -> bool {
+        self.hopper_head && nout > abi::layout::tok_tile(d.hidden) && nout <= self.max_tokens
+    }
+
+    /// logits[t] = Whead * RMSNorm(x[sel[t]]) for `nout` rows (the Hopper path; [`Self::head_pays`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits(
+        &self,
+        g: &Gpu,
+        x: u64,
+        sel: u64,
+        norm_w: u64,
+        head: &DevMat,
+        logits: u64,
+        nout: usize,
+    ) -> Result<(), BackendError> {
+        let ntok = self.check(nout)?;
+        let Some((ws, counters)) = self.hopper.as_ref().filter(|_| self.hopper_head) else {
+            return Err(BackendError::Invalid(
+                "the GEMM LM head needs the Hopper path and a bf16 head".into(),
+            ));
+        };
+        let a = self.hi.ptr;
+        g.wg_act_head(abi::WgActHead {
+            x,
+            sel,
+            norm_w,
+            a,
+            ntok,
+        })?;
+        g.wg_logits(abi::WgLogits {
+            a,
+            w: head.qs.ptr,
+            logits,
+            ntok,
+            tile_n: 0,
+            ws: ws.ptr,
+            counters: counters.ptr,
         })
     }
 
@@ -121,6 +193,27 @@ impl Prefill {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
+        if let Some((ws, counters)) = &self.hopper {
+            let a = self.hi.ptr;
+            g.wg_act_norm(abi::WgActNorm { x, norm_w, a, ntok })?;
+            return g.wg_qkv(abi::WgQkv {
+                a,
+                w: w.qs.ptr,
+                rope: o.rope,
+                q: o.q,
+                kc: o.kc,
+                vc: o.vc,
+                pos: o.pos,
+                slot: o.slot,
+                tables: o.tables,
+                layer: o.layer,
+                max_blocks: o.max_blocks,
+                ntok,
+                tile_n: 0,
+                ws: ws.ptr,
+                counters: counters.ptr,
+            });
+        }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.norm_split(abi::NormSplit {
             x,
@@ -159,6 +252,19 @@ impl Prefill {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
+        if let Some((ws, counters)) = &self.hopper {
+            let a = self.hi.ptr;
+            g.wg_act_qd(abi::WgActQd { x: att, a, ntok })?;
+            return g.wg_o(abi::WgO {
+                a,
+                w: w.qs.ptr,
+                x,
+                ntok,
+                tile_n: 0,
+                ws: ws.ptr,
+                counters: counters.ptr,
+            });
+        }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_qd(abi::SplitQd {
             x: att,
@@ -189,6 +295,19 @@ impl Prefill {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
+        if let Some((ws, counters)) = &self.hopper {
+            let a = self.hi.ptr;
+            g.wg_act_norm(abi::WgActNorm { x, norm_w, a, ntok })?;
+            return g.wg_gu(abi::WgGu {
+                a,
+                w: w.qs.ptr,
+                h,
+                ntok,
+                tile_n: 0,
+                ws: ws.ptr,
+                counters: counters.ptr,
+            });
+        }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.norm_split(abi::NormSplit {
             x,
@@ -219,6 +338,19 @@ impl Prefill {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
+        if let Some((ws, counters)) = &self.hopper {
+            let a = self.hi.ptr;
+            g.wg_act_ffn(abi::WgActFfn { x: h, a, ntok })?;
+            return g.wg_down(abi::WgDown {
+                a,
+                w: w.qs.ptr,
+                x,
+                ntok,
+                tile_n: 0,
+                ws: ws.ptr,
+                counters: counters.ptr,
+            });
+        }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_ffn(abi::SplitFfn {
             x: h,
