@@ -10,7 +10,7 @@ use metrale_core::shape::Dims;
 
 use crate::{
     DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, PADDED_BLOCK, TOK_TILE_BYTES, TOK_TILE_MAX,
-    WG_BK, WG_BM, WG_MAX_STAGES, WG_SMEM_BUDGET,
+    WG_BK, WG_BM, WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL,
 };
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
@@ -85,16 +85,48 @@ pub fn decode_trace_words(d: &Dims, blocks: usize) -> usize {
 /// The token tiles of the Hopper GEMMs (`wg::gemm_any`'s cases).
 pub const WG_TILES: [usize; 4] = [16, 32, 64, 128];
 
-/// Bytes of one pipeline stage of a Hopper GEMM block with token tile `n` (`wg::stage_bytes`): its
-/// [`WG_BM`] weight rows and `n` token rows, [`WG_BK`] bf16 elements each.
-pub fn wg_stage_bytes(n: usize) -> usize {
-    (WG_BM as usize + n) * WG_BK as usize * 2
+/// Weight-row tiles of [`WG_BM`] a Hopper GEMM block with token tile `n` computes
+/// (`wg::row_tiles`): two for the 128-token tile (compute-bound: 128 x 128 reads 1.5x fewer operand
+/// bytes per MMA than 64 x 128), else one.
+pub fn wg_row_tiles(n: usize) -> usize {
+    if n >= 128 {
+        2
+    } else {
+        1
+    }
 }
 
-/// Pipeline stages of a Hopper GEMM block with token tile `n` (`wg::stages`): as many as fit in
-/// [`WG_SMEM_BUDGET`], at most [`WG_MAX_STAGES`].
+/// Output rows of a Hopper GEMM block with token tile `n`.
+pub fn wg_rows(n: usize) -> usize {
+    WG_BM as usize * wg_row_tiles(n)
+}
+
+/// Hopper GEMM blocks with token tile `n` that fit an SM (`wg::budget`: two for the small tiles,
+/// one for the 128-token tile).
+pub fn wg_blocks_per_sm(n: usize) -> usize {
+    if n >= 128 {
+        1
+    } else {
+        2
+    }
+}
+
+/// Bytes of one pipeline stage of a Hopper GEMM block with token tile `n` (`wg::stage_bytes`): its
+/// weight rows and `n` token rows, [`WG_BK`] bf16 elements each.
+pub fn wg_stage_bytes(n: usize) -> usize {
+    (wg_rows(n) + n) * WG_BK as usize * 2
+}
+
+/// Pipeline stages of a Hopper GEMM block with token tile `n` (`wg::stages`): as many as fit in its
+/// budget ([`WG_SMEM_SMALL`], or [`WG_SMEM_LARGE`] for the 128-token tile), at most
+/// [`WG_MAX_STAGES`].
 pub fn wg_stages(n: usize) -> usize {
-    (WG_SMEM_BUDGET as usize / wg_stage_bytes(n)).min(WG_MAX_STAGES as usize)
+    let budget = if n >= 128 {
+        WG_SMEM_LARGE
+    } else {
+        WG_SMEM_SMALL
+    } as usize;
+    (budget / wg_stage_bytes(n)).min(WG_MAX_STAGES as usize)
 }
 
 /// Dynamic shared memory of a Hopper GEMM block with token tile `n` (`wg::smem_bytes`): its stages

@@ -179,14 +179,17 @@ pub const GEMM_THREADS: u32 = 128;
 pub const GEMM_BM: u32 = 32;
 pub const GEMM_BN: u32 = 64;
 /// Threads per block of the Hopper GEMMs (`wg_*`, kernels/cuda/gemm_hopper.cu.hbs): one warpgroup.
-/// A block computes [`WG_BM`] output rows for a tile of 16, 32, 64 or 128 tokens, [`WG_BK`] elements
-/// of K per pipeline stage (one 128-byte swizzle row of bf16).
+/// A block computes [`WG_BM`] output rows (twice that for the 128-token tile,
+/// [`layout::wg_row_tiles`]) for a tile of 16, 32, 64 or 128 tokens, [`WG_BK`] elements of K per
+/// pipeline stage (one 128-byte swizzle row of bf16).
 pub const WG_THREADS: u32 = 128;
 pub const WG_BM: u32 = 64;
 pub const WG_BK: u32 = 64;
-/// Shared memory of one Hopper GEMM block's pipeline stages (two blocks fit an SM's 228 KiB), and
-/// the most stages ([`layout::wg_stages`]).
-pub const WG_SMEM_BUDGET: u32 = 98304;
+/// Shared memory of one Hopper GEMM block's pipeline stages: for the token tiles up to 64 (two
+/// blocks fit an SM's 228 KiB) and for the 128-token tile (one block per SM), and the most stages
+/// ([`layout::wg_stages`]).
+pub const WG_SMEM_SMALL: u32 = 98304;
+pub const WG_SMEM_LARGE: u32 = 200704;
 pub const WG_MAX_STAGES: u32 = 8;
 /// Tokens per block of the paged KV cache (`metrale_core::shape::KV_BLOCK`): K and V of a
 /// sequence's position p live in pool block `tables[slot * max_blocks + p / KV_BLOCK]`, laid out
@@ -221,7 +224,8 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("WG_THREADS", WG_THREADS as i64),
     ("WG_BM", WG_BM as i64),
     ("WG_BK", WG_BK as i64),
-    ("WG_SMEM_BUDGET", WG_SMEM_BUDGET as i64),
+    ("WG_SMEM_SMALL", WG_SMEM_SMALL as i64),
+    ("WG_SMEM_LARGE", WG_SMEM_LARGE as i64),
     ("WG_MAX_STAGES", WG_MAX_STAGES as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
     ("KV_BLOCK", KV_BLOCK as i64),

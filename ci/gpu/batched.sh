@@ -11,6 +11,8 @@
 #   bash ci/gpu/batched.sh call2  carry nothing      the 2-layer check against HF transformers
 #        (prompt prefilled through the GEMMs; both paths); bench-record with llama.cpp for 8B bf16 at
 #        1, 16, 64 and 256 streams (llama-bench pp512/tg128, llama-batched-bench)
+#   bash ci/gpu/batched.sh quick  carry .bt1         decode of 2-16 sequences, GEMM path (from two
+#        sequences on Hopper) against the matrix-vector kernels
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 # KERNEL_DIR NAME [cuda_bench args]: one cuda_bench run of 8B bf16, its JSON to $R/NAME.json
@@ -56,6 +58,8 @@ call1)
     $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   done
   kernel_tests llama-3.1-8b/bf16
+  # a failing GEMM makes the timings meaningless: stop here (and save the device time)
+  grep -q "test result: ok" "$R/kernel-tests-llama-3.1-8b-bf16.txt" || { finish call1; exit 1; }
   K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
   bench "$K" bench-bf16 --batch 1,16,64,256 --steps 64 --pp 512
   METRALE_CUDA_TUNING=hopper_gemm=off bench "$K" bench-bf16-mmasync --batch 16,64,256 --steps 32 --pp 512
@@ -78,7 +82,17 @@ call2)
   RECORD_CONCURRENCY=1,16,64,256 record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
   finish call2
   ;;
+quick)
+  # carry .bt1: decode of 2-16 sequences with the GEMM path from two sequences (the default) and
+  # on the matrix-vector kernels (decode_gemm=off: what ran below 13 before)
+  rm -rf "$R" "$H/b" && mkdir -p "$R" "$H/s" && tar xJf .bt1/b.tar.xz -C "$H"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" 2>&1 | grep synth-model
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
+  bench "$K" bench-bf16-small --batch 2,4,8,12,16 --steps 32 --pp 64
+  METRALE_CUDA_TUNING=decode_gemm=off bench "$K" bench-bf16-small-matvec --batch 2,4,8,12,16 --steps 32 --pp 64
+  finish quick
+  ;;
 *)
-  sed -n 2,14p "$0"; exit 2
+  sed -n 2,16p "$0"; exit 2
   ;;
 esac

@@ -82,7 +82,7 @@ pub struct Tuning {
     pub run_ahead: bool,
     /// Capture and replay CUDA graphs for decode steps of several sequences (else direct launches).
     pub graphs: bool,
-    /// Decode steps of as many sequences as [`prefill::gemm_pays`] asks run their layer products as
+    /// Decode steps of as many sequences as [`prefill::gemm_pays_on`] asks run their layer products as
     /// tensor-core GEMMs, as prefill chunks do (else the matrix-vector kernels, which re-read the
     /// weights once per token tile).
     pub decode_gemm: bool,
@@ -392,7 +392,7 @@ impl CudaBackend {
         let gemm = if self.opts.tuning.decode_gemm {
             format!(
                 ", tensor-core GEMMs from {} sequences",
-                prefill::gemm_from(&self.gpu.dims)
+                prefill::gemm_from(&self.gpu.dims, self.prefill.hopper())
             )
         } else {
             String::new()
@@ -447,8 +447,8 @@ impl CudaBackend {
         self.gpu.write_async(&self.b.io_in, 0, &io)?;
         self.last_key = Some((ntok, nsplit));
         // long chunks take the tensor-core GEMM path; decode steps too unless tuned off
-        let gemm =
-            prefill::gemm_pays(&self.gpu.dims, ntok) && (!decode || self.opts.tuning.decode_gemm);
+        let gemm = prefill::gemm_pays_on(&self.gpu.dims, ntok, self.prefill.hopper())
+            && (!decode || self.opts.tuning.decode_gemm);
         if decode && self.opts.tuning.graphs && nout == ntok {
             let key = (ntok, nsplit);
             if !self.graphs.contains_key(&key) {

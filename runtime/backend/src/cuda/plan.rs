@@ -6,8 +6,10 @@
 //! Invariant: nothing here touches the driver; every grid is the one the entry's declaration in
 //! `metrale_abi::entries` states.
 
-use metrale_abi::layout::{decode_products, tok_tile, wg_smem_bytes, WG_TILES};
-use metrale_abi::{DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SPLIT_THREADS, WG_BK, WG_BM};
+use metrale_abi::layout::{
+    decode_products, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes, WG_TILES,
+};
+use metrale_abi::{DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SPLIT_THREADS, WG_BK};
 use metrale_core::shape::Dims;
 
 /// Warps per block of the matrix-vector kernels: each warp owns one row pair at a time.
@@ -170,45 +172,53 @@ pub struct WgPlan {
     pub smem: u32,
 }
 
-/// Blocks of one Hopper GEMM launch, per SM, that K splits are added to reach: two fit an SM
-/// (`metrale_abi::WG_SMEM_BUDGET`), so two per SM keep every SM's loads in flight.
-pub const WG_BLOCKS_PER_SM: usize = 2;
 /// Fewest pipeline stages (of `WG_BK` elements) one K split covers.
 pub const WG_MIN_SPLIT_STEPS: usize = 4;
 
 /// The Hopper GEMM launch of a product with `rows` output rows (a multiple of `WG_BM`) and row
 /// length `k` over `ntok` tokens on `sm_count` SMs: the smallest token tile that holds them all
-/// (128 beyond), and K split so that at least [`WG_BLOCKS_PER_SM`] blocks per SM run where the
-/// tiles alone are fewer (a decode step of few sequences: 64 tiles for a 4096-row product).
+/// (128 beyond, whose blocks cover 128 rows where `rows` allows, else 64), and K split so that the
+/// blocks fill the SMs ([`layout::wg_blocks_per_sm`] each) where the tiles alone are fewer (a
+/// decode step of few sequences: 64 tiles for a 4096-row product).
 pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> WgPlan {
+    let fits = |t: usize| rows.is_multiple_of(wg_rows(t));
     let tile_n = WG_TILES
         .iter()
         .copied()
+        .filter(|&t| fits(t))
         .find(|&t| t >= ntok)
-        .unwrap_or(WG_TILES[WG_TILES.len() - 1]);
+        .unwrap_or_else(|| {
+            WG_TILES
+                .iter()
+                .copied()
+                .filter(|&t| fits(t))
+                .max()
+                .unwrap_or(16)
+        });
     let tok_tiles = ntok.div_ceil(tile_n).max(1);
-    let tiles = tok_tiles * (rows / WG_BM as usize);
+    let row_tiles = rows / wg_rows(tile_n);
+    let tiles = tok_tiles * row_tiles;
     let steps = k / WG_BK as usize;
-    let want = WG_BLOCKS_PER_SM * sm_count.max(1);
+    let want = wg_blocks_per_sm(tile_n) * sm_count.max(1);
     let splits = (want / tiles.max(1)).clamp(1, (steps / WG_MIN_SPLIT_STEPS).max(1));
     WgPlan {
         tile_n,
-        grid: (
-            tok_tiles as u32,
-            (rows / WG_BM as usize) as u32,
-            splits as u32,
-        ),
+        grid: (tok_tiles as u32, row_tiles as u32, splits as u32),
         smem: wg_smem_bytes(tile_n) as u32,
     }
 }
 
 /// Bytes of the split-K partials and of the tickets any [`wg_plan`] launch on `sm_count` SMs
-/// uses: a launch splits only while its tiles times splits stay within [`WG_BLOCKS_PER_SM`] per SM,
-/// and each split's partial is a `WG_BM` x tile f32 tile.
+/// uses: a launch splits only while its tiles times splits fill the SMs at most once, and each
+/// split's partial is one block's output tile in f32.
 pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
-    let blocks = WG_BLOCKS_PER_SM * sm_count.max(1);
-    let tile = WG_BM as usize * WG_TILES[WG_TILES.len() - 1];
-    (blocks * tile * 4, blocks * 4)
+    let (mut ws, mut tickets) = (0, 0);
+    for n in WG_TILES {
+        let blocks = wg_blocks_per_sm(n) * sm_count.max(1);
+        ws = ws.max(blocks * wg_rows(n) * n * 4);
+        tickets = tickets.max(blocks * 4);
+    }
+    (ws, tickets)
 }
 
 #[cfg(test)]
@@ -362,8 +372,11 @@ mod tests {
         // the down projection (K = 14336) likewise; gate/up (448 tiles) does not split
         assert_eq!(wg_plan(4096, 14336, 16, 132).grid, (1, 64, 4));
         assert_eq!(wg_plan(28672, 4096, 16, 132).grid, (1, 448, 1));
-        // 256 sequences: two 128-token tiles
-        assert_eq!(wg_plan(4096, 4096, 256, 132).grid, (2, 64, 2));
+        // 256 sequences: two 128-token tiles of 128-row blocks, one block per SM
+        assert_eq!(wg_plan(4096, 4096, 256, 132).grid, (2, 32, 2));
+        assert_eq!(wg_plan(28672, 4096, 512, 132).grid, (4, 224, 1));
+        // rows that 128-row blocks do not divide keep 64-row blocks and 64-token tiles
+        assert_eq!(wg_plan(960, 576, 256, 132).tile_n, 64);
         assert_eq!(wg_plan(6144, 4096, 77, 132).tile_n, 128);
         assert_eq!(wg_plan(6144, 4096, 33, 132).tile_n, 64);
         // SmolLM2-sized K: never fewer than 4 stages per split
@@ -380,7 +393,7 @@ mod tests {
                 let p = wg_plan(rows, k, ntok, 132);
                 let tiles = (p.grid.0 * p.grid.1) as usize;
                 if p.grid.2 > 1 {
-                    assert!(tiles * p.grid.2 as usize * 64 * p.tile_n * 4 <= ws);
+                    assert!(tiles * p.grid.2 as usize * wg_rows(p.tile_n) * p.tile_n * 4 <= ws);
                     assert!(tiles * 4 <= cnt);
                 }
                 assert!(p.tile_n * p.grid.0 as usize >= ntok);

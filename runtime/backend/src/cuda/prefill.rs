@@ -64,10 +64,24 @@ pub fn gemm_pays(d: &metrale_core::shape::Dims, ntok: usize) -> bool {
     ntok >= MIN_TOKENS || matvec_passes(d, ntok) >= GEMM_MIN_PASSES
 }
 
-/// The fewest tokens for which [`gemm_pays`] (for the start-up log).
-pub fn gemm_from(d: &metrale_core::shape::Dims) -> usize {
+/// Whether a chunk of `ntok` tokens runs its layer products as GEMMs on the path the backend
+/// runs: the Hopper GEMMs read the weights once for up to 128 tokens, at about the rate the
+/// matrix-vector kernels read them for one (H200, 8B bf16, 2026-12-02: 122.8 against 117.3 us per
+/// layer at one token), so they pay as soon as the matrix-vector kernels would read the weights
+/// more than once (2 tokens at the 8B shape, whose down projection stages one token at a time);
+/// the mma.sync GEMMs from [`gemm_pays`].
+pub fn gemm_pays_on(d: &metrale_core::shape::Dims, ntok: usize, hopper: bool) -> bool {
+    if hopper {
+        matvec_passes(d, ntok) > 1.0
+    } else {
+        gemm_pays(d, ntok)
+    }
+}
+
+/// The fewest tokens for which [`gemm_pays_on`] (for the start-up log).
+pub fn gemm_from(d: &metrale_core::shape::Dims, hopper: bool) -> usize {
     (1..MIN_TOKENS)
-        .find(|&n| gemm_pays(d, n))
+        .find(|&n| gemm_pays_on(d, n, hopper))
         .unwrap_or(MIN_TOKENS)
 }
 
@@ -389,15 +403,19 @@ mod tests {
     }
 
     #[test]
-    fn gemm_threshold_keeps_smollm2s_measured_48_and_starts_the_8b_at_13() {
+    fn gemm_thresholds_mma_sync_at_48_and_13_hopper_from_two_passes() {
         let smol = dims(576, 9, 3, 1536);
-        assert_eq!(gemm_from(&smol), 48);
+        assert_eq!(gemm_from(&smol, false), 48);
         assert!((matvec_passes(&smol, 47) - 7.0).abs() < 0.01);
         let l8b = dims(4096, 32, 8, 14336);
-        assert_eq!(gemm_from(&l8b), 13);
+        assert_eq!(gemm_from(&l8b, false), 13);
         // 16 sequences: ten passes over the weights on the matrix-vector kernels
         assert!((matvec_passes(&l8b, 16) - 10.15).abs() < 0.01);
         assert!((matvec_passes(&l8b, 1) - 1.0).abs() < 1e-9);
         assert!(gemm_pays(&l8b, 256) && !gemm_pays(&l8b, 12) && gemm_pays(&smol, 48));
+        // the Hopper GEMMs from the first step that would read the weights twice
+        assert_eq!(gemm_from(&l8b, true), 2);
+        assert!(!gemm_pays_on(&l8b, 1, true) && gemm_pays_on(&l8b, 12, true));
+        assert_eq!(gemm_from(&smol, true), 6);
     }
 }
