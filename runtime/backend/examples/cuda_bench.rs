@@ -2,7 +2,7 @@
 //!
 //! Batch-1 decode: a chat prompt is prefilled, then `--steps` greedy decode steps are timed one by one
 //! with the host clock around `Backend::step` (what a caller sees per token: input copies, graph
-//! replay, output copies); the median and p10/p90 are reported. Prefill: one step of `--pp` tokens
+//! replay, output copies); the median and p10/p90 are reported. GemmPath: one step of `--pp` tokens
 //! (pp512 by default) into a fresh slot, median of 5 after one warm-up. Batched decode: `--batch`
 //! sequences stepped together. Writes one JSON object to `--out` (and prints it).
 //!

@@ -12,7 +12,7 @@
 //! Usage: golden_check MODEL GOLDEN.json [--tol X] [--kv f32|bf16] [--exact] [--prefill-chunk N] [--repeat N]
 //!                     [--cuda KERNEL_DIR TARGET_ID] [--vs-cpu] [--cpu-tol X]
 //! - `--prefill-chunk N`: prefill the prompt in steps of at most N tokens (default one step; on
-//!   CUDA, short steps take the matrix-vector kernels instead of the GEMMs: `prefill::gemm_pays`);
+//!   CUDA, short steps take the matrix-vector kernels instead of the GEMMs: `gemm::gemm_pays`);
 //! - `--repeat N`: run the same steps N more times on the same backend and report, per position,
 //!   the largest difference from the first run (a deterministic backend gives 0; any other value
 //!   fails); the CUDA backend takes `METRALE_CUDA_TUNING` (ARCHITECTURE.md, "Configuration");

@@ -888,7 +888,7 @@ fn device_sampling_matches_host_sampler() {
 /// tile, swizzle or fragment layout is an O(1) error.
 const HOPPER_TOL: f64 = 1e-2;
 
-/// The GEMM path's four products (`Prefill`: on Hopper with bf16 weights the wgmma kernels, else
+/// The GEMM path's four products (`GemmPath`: on Hopper with bf16 weights the wgmma kernels, else
 /// the mma.sync ones) against the CPU ops, each product fed with the reference input so they are
 /// checked separately, for chunks of 16, 29, 77 and 160 tokens (on Hopper: token tiles of 16, 32
 /// and 128, a partial tile, two tiles, and split-K where the tiles are few), two slots, scattered
@@ -898,7 +898,7 @@ const HOPPER_TOL: f64 = 1e-2;
 /// run twice gives the same bits.
 #[test]
 fn gemm_prefill_products_match_cpu_ops() {
-    use metrale_backend::cuda::prefill::Prefill;
+    use metrale_backend::cuda::gemm::GemmPath;
     let Some(mut e) = env("gemm") else { return };
     let d = e.d;
     let (qd, kd) = (d.qd(), d.kd());
@@ -911,7 +911,7 @@ fn gemm_prefill_products_match_cpu_ops() {
         wu: Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden),
         wd: Mat::new(&mut e.rng, e.wf, d.hidden, d.ffn),
     };
-    let p = Prefill::new(&e.gpu, 160).expect("gemm kernels");
+    let p = GemmPath::new(&e.gpu, 160).expect("gemm kernels");
     eprintln!(
         "  path: {}",
         if p.hopper() {
@@ -928,9 +928,9 @@ fn gemm_prefill_products_match_cpu_ops() {
     }
 }
 
-/// The Hopper path's LM head (`Prefill::logits`: bf16(RMSNorm(x[sel])) times the head) for 5
+/// The Hopper path's LM head (`GemmPath::logits`: bf16(RMSNorm(x[sel])) times the head) for 5
 /// selected rows of 9, against the CPU ops within [`HOPPER_TOL`].
-fn check_gemm_logits(e: &mut Env, p: &metrale_backend::cuda::prefill::Prefill) {
+fn check_gemm_logits(e: &mut Env, p: &metrale_backend::cuda::gemm::GemmPath) {
     let d = e.d;
     let x = rand_vec(&mut e.rng, 9 * d.hidden, -1.0, 1.0);
     let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
@@ -973,11 +973,11 @@ struct GemmWeights {
 
 fn check_gemm_products(
     e: &mut Env,
-    p: &metrale_backend::cuda::prefill::Prefill,
+    p: &metrale_backend::cuda::gemm::GemmPath,
     w: &GemmWeights,
     n: usize,
 ) {
-    use metrale_backend::cuda::prefill::QkvOut;
+    use metrale_backend::cuda::gemm::QkvOut;
     use rayon::prelude::*;
     let d = e.d;
     let (qd, hd) = (d.qd(), d.head_dim);

@@ -354,7 +354,7 @@ fn decode_step_logits_match_cpu_backend() {
     }
 }
 
-/// A long prompt through the tensor-core prefill path (chunks of >= prefill::MIN_TOKENS tokens), in
+/// A long prompt through the tensor-core prefill path (chunks of >= gemm::MIN_TOKENS tokens), in
 /// chunks of 128 so later chunks attend to KV written by earlier GEMM chunks: the prompt's last
 /// logits against the CPU backend's f32 path (rel L2 < 1e-3, same top-1) and 16 identical greedy
 /// tokens after it.
@@ -424,7 +424,7 @@ fn long_prompt_gemm_prefill_matches_cpu_backend() {
     );
 }
 
-/// 64 sequences decoded together: a decode step of >= `prefill::MIN_TOKENS` tokens runs the layer products as
+/// 64 sequences decoded together: a decode step of >= `gemm::MIN_TOKENS` tokens runs the layer products as
 /// tensor-core GEMMs (`Tuning::decode_gemm`). Teacher-forced with the CPU backend's greedy tokens
 /// (so a near-tie cannot make the histories differ), every step's logits of every sequence against
 /// the CPU's f32 path: rel L2 < 1e-3 (the bound of the one-sequence checks above) and the same top-1.

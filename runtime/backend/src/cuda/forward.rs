@@ -3,7 +3,8 @@
 //! QKV, RoPE, KV write), `attention` (split-K GQA), `attn_out` (O projection and residual), `ffn_in`
 //! (RMSNorm, gate/up, SiLU), `ffn_out` (down projection and residual), then `lm_head` (final norm
 //! and LM head on each sequence's last token, with the greedy pick fused): 2 + 5 x layers launches,
-//! the four layer products as tensor-core GEMMs (`prefill`) for long prefill chunks.
+//! the four layer products as tensor-core GEMMs (`gemm`) for chunks where they pay, and, on the
+//! Hopper path, the LM head of several outputs as a GEMM followed by `argmax_logprob`.
 //!
 //! Invariants: a chunk's inputs reach the kernels only through the fixed token/pos/slot/sel
 //! buffers (so a captured graph replays any decode step of its shape); the attention tickets and
@@ -13,9 +14,9 @@ use metrale_abi as abi;
 use metrale_core::BackendError;
 
 use super::device::DevBuf;
+use super::gemm::{GemmPath, QkvOut};
 use super::launch::Gpu;
 use super::plan;
-use super::prefill::{Prefill, QkvOut};
 use super::CudaBackend;
 
 /// Activation and I/O buffers, sized once.
@@ -123,7 +124,7 @@ impl CudaBackend {
         &self,
         stage: Stage,
         l: usize,
-        pf: Option<&Prefill>,
+        pf: Option<&GemmPath>,
         (ntok, nout, nsplit): (usize, usize, usize),
     ) -> Result<(), BackendError> {
         let g = &self.gpu;
@@ -220,8 +221,8 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
-            (Stage::LmHead, _) if self.prefill.head_pays(&g.dims, nout) => {
-                self.prefill.logits(
+            (Stage::LmHead, _) if self.gemm.head_pays(&g.dims, nout) => {
+                self.gemm.logits(
                     g,
                     b.x.ptr,
                     b.sel,
@@ -265,7 +266,7 @@ impl CudaBackend {
         nsplit: usize,
         gemm: bool,
     ) -> Result<(), BackendError> {
-        let pf = gemm.then_some(&self.prefill);
+        let pf = gemm.then_some(&self.gemm);
         let shape = (ntok, nout, nsplit);
         self.launch_stage(Stage::Embed, 0, None, shape)?;
         for l in 0..self.w.layers.len() {

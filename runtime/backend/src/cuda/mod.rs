@@ -7,7 +7,7 @@
 //! - [`plan`]: grids, attention splits and the arch check, pure;
 //! - [`launch`]: [`Gpu`], one typed launcher per entry point, taking its `metrale_abi` argument struct;
 //! - [`weights`]: checkpoint tensors repacked into the device layouts and uploaded;
-//! - [`decode1`] (the persistent batch-1 decode kernel) and [`prefill`] (the tensor-core GEMMs);
+//! - [`decode1`] (the persistent batch-1 decode kernel) and [`gemm`] (the tensor-core GEMM path);
 //! - this module: [`CudaBackend`], the scheduling of a step (chunks, graphs, run-ahead, sampling),
 //!   with the per-stage forward pass in `forward.rs` and bench-only timing in `profile.rs`.
 //!
@@ -44,11 +44,11 @@
 pub mod decode1;
 pub mod device;
 mod forward;
+pub mod gemm;
 pub mod kernels;
 pub mod kv;
 pub mod launch;
 pub mod plan;
-pub mod prefill;
 pub mod profile;
 pub mod weights;
 
@@ -64,10 +64,10 @@ use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId, KV_BLOCK}
 use decode1::{Decode1, Step};
 pub use device::{device_count, DevBuf, Device, HostStage};
 use forward::Bufs;
+use gemm::GemmPath;
 pub use kernels::{KernelBlob, KernelSet};
 use kv::KvCache;
 pub use launch::Gpu;
-use prefill::Prefill;
 use weights::{DevFormat, ModelWeights};
 
 /// Runtime choices of the CUDA backend whose alternative is kept for comparison. `Default` is what
@@ -82,7 +82,7 @@ pub struct Tuning {
     pub run_ahead: bool,
     /// Capture and replay CUDA graphs for decode steps of several sequences (else direct launches).
     pub graphs: bool,
-    /// Decode steps of as many sequences as [`prefill::gemm_pays_on`] asks run their layer products as
+    /// Decode steps of as many sequences as [`gemm::gemm_pays_on`] asks run their layer products as
     /// tensor-core GEMMs, as prefill chunks do (else the matrix-vector kernels, which re-read the
     /// weights once per token tile).
     pub decode_gemm: bool,
@@ -218,7 +218,7 @@ pub struct CudaBackend {
     b: Bufs,
     kv: KvCache,
     graphs: HashMap<(usize, usize), CudaGraph>,
-    prefill: Prefill,
+    gemm: GemmPath,
     /// The persistent batch-1 decode kernel (`None` when `Tuning::persistent_decode` is off or
     /// the device cannot run it).
     decode1: Option<Decode1>,
@@ -294,7 +294,7 @@ impl CudaBackend {
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
-        let prefill = Prefill::new(&gpu, opts.max_step_tokens)?;
+        let gemm = GemmPath::new(&gpu, opts.max_step_tokens)?;
         let out_stage = if opts.tuning.run_ahead {
             Some(gpu.host_stage(2 * opts.slots)?)
         } else {
@@ -344,7 +344,7 @@ impl CudaBackend {
             b,
             kv,
             graphs: HashMap::new(),
-            prefill,
+            gemm,
             decode1,
             last_decode1: None,
             ahead: None,
@@ -392,7 +392,7 @@ impl CudaBackend {
         let gemm = if self.opts.tuning.decode_gemm {
             format!(
                 ", tensor-core GEMMs from {} sequences",
-                prefill::gemm_from(&self.gpu.dims, self.prefill.hopper())
+                gemm::gemm_from(&self.gpu.dims, self.gemm.hopper())
             )
         } else {
             String::new()
@@ -447,7 +447,7 @@ impl CudaBackend {
         self.gpu.write_async(&self.b.io_in, 0, &io)?;
         self.last_key = Some((ntok, nsplit));
         // long chunks take the tensor-core GEMM path; decode steps too unless tuned off
-        let gemm = prefill::gemm_pays_on(&self.gpu.dims, ntok, self.prefill.hopper())
+        let gemm = gemm::gemm_pays_on(&self.gpu.dims, ntok, self.gemm.hopper())
             && (!decode || self.opts.tuning.decode_gemm);
         if decode && self.opts.tuning.graphs && nout == ntok {
             let key = (ntok, nsplit);

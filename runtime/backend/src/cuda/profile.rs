@@ -82,7 +82,7 @@ impl CudaBackend {
         ];
         for (name, stage, gemm) in stages {
             let g = &self.gpu;
-            let pf = gemm.then_some(&self.prefill);
+            let pf = gemm.then_some(&self.gemm);
             g.begin_capture()?;
             let mut r = Ok(());
             for _ in 0..reps {

@@ -18,7 +18,7 @@
 //! `[max_tokens][max K / 32]`; the Hopper path uses `hi` alone, as bf16) is written by a conversion
 //! kernel right before the GEMM that reads it, in stream order; the split-K tickets are zero
 //! between launches (the last split of a tile resets its own); nothing here allocates after
-//! [`Prefill::new`].
+//! [`GemmPath::new`].
 
 use metrale_abi as abi;
 use metrale_core::BackendError;
@@ -99,8 +99,8 @@ pub struct QkvOut {
     pub max_blocks: i32,
 }
 
-/// The scratch of the GEMM path.
-pub struct Prefill {
+/// The GEMM path of one backend: which kernels it runs, and their scratch.
+pub struct GemmPath {
     hi: DevBuf,
     lo: DevBuf,
     sx: DevBuf,
@@ -112,9 +112,9 @@ pub struct Prefill {
     hopper_head: bool,
 }
 
-impl Prefill {
+impl GemmPath {
     /// Allocate the scratch for chunks of up to `max_tokens` tokens on the path `gpu` runs.
-    pub fn new(gpu: &Gpu, max_tokens: usize) -> Result<Prefill, BackendError> {
+    pub fn new(gpu: &Gpu, max_tokens: usize) -> Result<GemmPath, BackendError> {
         let d = gpu.dims;
         let kmax = d.hidden.max(d.qd()).max(d.ffn);
         let hopper = if gpu.hopper_gemm {
@@ -127,7 +127,7 @@ impl Prefill {
         let split = if hopper.is_some() { 0 } else { max_tokens };
         let hopper_head =
             hopper.is_some() && gpu.embedding_bf16 && d.vocab.is_multiple_of(abi::WG_BM as usize);
-        Ok(Prefill {
+        Ok(GemmPath {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
             lo: gpu.alloc(split * kmax * 2)?,
             sx: gpu.alloc(split * (kmax / 32) * 4)?,
@@ -142,7 +142,7 @@ impl Prefill {
         self.hopper.is_some()
     }
 
-    /// Whether the LM head of `nout` outputs runs as a GEMM ([`Prefill::logits`]): on the Hopper
+    /// Whether the LM head of `nout` outputs runs as a GEMM ([`GemmPath::logits`]): on the Hopper
     /// path, where the matrix-vector `lm_head` would read the head more than once (its token tile
     /// is `layout::tok_tile(hidden)` rows: 2 at the 8B shape, so 128 passes over 1 GB at 256).
     pub fn head_pays(&self, d: &metrale_core::shape::Dims, nout: usize) -> bool {
@@ -189,7 +189,7 @@ impl Prefill {
     fn check(&self, ntok: usize) -> Result<i32, BackendError> {
         if ntok == 0 || ntok > self.max_tokens {
             return Err(BackendError::Invalid(format!(
-                "prefill chunk of {ntok} tokens: must be 1..={}",
+                "GEMM chunk of {ntok} tokens: must be 1..={}",
                 self.max_tokens
             )));
         }
