@@ -13,6 +13,8 @@
 #        1, 16, 64 and 256 streams (llama-bench pp512/tg128, llama-batched-bench)
 #   bash ci/gpu/batched.sh quick  carry .bt1         decode of 2-16 sequences, GEMM path (from two
 #        sequences on Hopper) against the matrix-vector kernels
+#   bash ci/gpu/batched.sh shapes carry .bt2         cuda_kernels of h200/smollm2-135m/bf16 and
+#        h200/llama-3.2-1b/bf16 (the Hopper GEMMs at other shapes)
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 # KERNEL_DIR NAME [cuda_bench args]: one cuda_bench run of 8B bf16, its JSON to $R/NAME.json
@@ -44,6 +46,14 @@ prepare)
   strip .bt1/b/bin/*
   cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .bt1/b/vocab-8b.gguf >/dev/null
   tar cJf .bt1/b.tar.xz -C .bt1 b && rm -rf .bt1/b
+  # .bt2: the kernel tests and the other bf16 targets' kernels (`shapes`)
+  rm -rf .bt2 && mkdir -p .bt2/b/bin .bt2/b/k
+  tar xJf .bt1/b.tar.xz -C .bt2 b/bin/cuda_kernels
+  for t in smollm2-135m/bf16 llama-3.2-1b/bf16; do
+    cargo xtask build-target --hw h200 --model ${t%/*} --quant ${t#*/} --kernels-only \
+      --out ".bt2/b/k/h200-${t//\//-}" 2>&1 | tail -1
+  done
+  tar cJf .bt2/b.tar.xz -C .bt2 b && rm -rf .bt2/b
   [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
   echo "carry .bt1 .peer: $(du -cb .bt1 .peer | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
   ;;
@@ -81,6 +91,13 @@ call2)
   cat "$H/llamacpp/build.done"
   RECORD_CONCURRENCY=1,16,64,256 record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
   finish call2
+  ;;
+shapes)
+  # carry .bt2: the kernel tests of the other bf16 targets the Hopper GEMMs serve on the H200
+  # (SmolLM2's 960-row QKV takes 64-row blocks at every tile; Llama-3.2-1B)
+  rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .bt2/b.tar.xz -C "$H"
+  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16
+  finish shapes
   ;;
 quick)
   # carry .bt1: decode of 2-16 sequences with the GEMM path from two sequences (the default) and
