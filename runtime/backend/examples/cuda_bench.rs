@@ -98,6 +98,13 @@ fn main() {
     let info = b.info();
     eprintln!("{info:?} (model load + upload {load_s:.2} s)");
     let copy_gbs = b.copy_rate_gbs(2 << 30).unwrap();
+    // FLOPs of a token's matrix products (2 per weight: the layers' four and the LM head), the
+    // rate the batched and prefill figures are also given in
+    let flops_tok = {
+        let d = metrale_backend::Dims::from_shape(&spec.model);
+        let layer = d.hidden * (d.qd() + 2 * d.kd()) + d.qd() * d.hidden + 3 * d.ffn * d.hidden;
+        2.0 * (d.layers * layer + d.vocab * d.hidden) as f64
+    };
     let wbytes = b.decode_weight_bytes();
     let floor_us = |bytes: u64| bytes as f64 / (copy_gbs * 1e3);
     eprintln!(
@@ -244,8 +251,9 @@ fn main() {
         }
     }
     let (pp_ms, _, _) = median(&mut pt);
+    let pp_tflops = pp as f64 / pp_ms * 1e3 * flops_tok / 1e12;
     eprintln!(
-        "prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s)",
+        "prefill {pp}: median {pp_ms:.2} ms ({:.0} tok/s, {pp_tflops:.1} TFLOP/s in the matrix products)",
         pp as f64 / pp_ms * 1e3
     );
     // each kernel alone at the prefill shape (both paths' kernels)
@@ -352,18 +360,19 @@ fn main() {
             }
         }
         let (m, _, _) = median(&mut ts);
+        let tok_s = nb as f64 * 1e6 / m;
+        // the products' rate, and the weights' bytes per step over its time
+        let (tflops, weight_gbs) = (tok_s * flops_tok / 1e12, wbytes as f64 / m / 1e3);
         eprintln!(
-            "decode batch {nb}: median {m:.1} us/step, {:.0} tok/s",
-            nb as f64 * 1e6 / m
+            "decode batch {nb}: median {m:.1} us/step, {tok_s:.0} tok/s, {tflops:.1} TFLOP/s, weights at {weight_gbs:.0} GB/s"
         );
         batch_res.push(format!(
-            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"tok_s\": {:.1}}}",
-            nb as f64 * 1e6 / m
+            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}}}"
         ));
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         floor_us(wbytes),
