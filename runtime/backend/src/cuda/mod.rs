@@ -391,7 +391,12 @@ impl CudaBackend {
         };
         let gemm = if self.opts.tuning.decode_gemm {
             format!(
-                ", tensor-core GEMMs from {} sequences",
+                ", tensor-core GEMMs ({}) from {} sequences",
+                if self.gemm.hopper() {
+                    "wgmma, bf16 activations"
+                } else {
+                    "mma.sync"
+                },
                 gemm::gemm_from(&self.gpu.dims, self.gemm.hopper())
             )
         } else {
