@@ -99,6 +99,26 @@ pub struct Args {
 
 /// The lock's digest and whether the binary's blobs (the attestation's `kernels/*` subjects) are
 /// the ones it records for `target`, with the blobs that differ.
+/// FLOPs of one token's matrix products (2 per weight of the layers and the LM head) of the model
+/// shape the attested kernels were compiled for; `None` where the attestation names none (a CPU
+/// target has no kernels).
+fn matmul_flops_per_token(attestation: &Value) -> Option<f64> {
+    let kernels = attestation
+        .pointer("/predicate/buildDefinition/internalParameters/kernels")?
+        .as_object()?;
+    let m = kernels
+        .values()
+        .find_map(|k| k.pointer("/manifest/params/model"))?;
+    let g = |k: &str| m.get(k).and_then(Value::as_u64).map(|v| v as f64);
+    let (layers, hidden, ffn, vocab) = (g("layers")?, g("hidden")?, g("ffn")?, g("vocab")?);
+    let (qd, kd) = (
+        g("heads")? * g("head_dim")?,
+        g("kv_heads")? * g("head_dim")?,
+    );
+    let layer = hidden * (qd + 2.0 * kd) + qd * hidden + 3.0 * ffn * hidden;
+    Some(2.0 * (layers * layer + vocab * hidden))
+}
+
 fn lock_check(lock: &Path, target: &str, attestation: &Value) -> Result<Value> {
     let text = std::fs::read_to_string(lock)
         .with_context(|| format!("reading the kernels lock {}", lock.display()))?;
@@ -303,6 +323,15 @@ pub fn run(args: Args) -> Result<()> {
     }
     drop(server);
 
+    // the matrix FLOPs the generated tokens stand for, per second of wall time (prompt tokens not
+    // counted): the compute rate beside each concurrency level
+    let flops_tok = matmul_flops_per_token(&attestation);
+    if let Some(f) = flops_tok {
+        for c in &mut concurrent {
+            let rate = c["output_tok_s"].as_f64().unwrap_or(0.0);
+            c["generated_tflops"] = json!(rate * f / 1e12);
+        }
+    }
     let decode_med = median(&mut decode.clone());
     let prefill_med = median(&mut prefill.clone());
     let peer = match (&args.peer, &peer_model) {
@@ -370,6 +399,7 @@ pub fn run(args: Args) -> Result<()> {
             "decode_tok_s": decode_med,
             "decode_us_per_token": 1e6 / decode_med,
             "prefill_tok_s": prefill_med,
+            "matmul_flops_per_token": flops_tok,
             "concurrent": concurrent,
         },
         "floors": floors,
@@ -812,6 +842,19 @@ mod tests {
         let none =
             super::lock_check(&lock, "cpu/m/q", &serde_json::json!({"subject": []})).unwrap();
         assert_eq!(none["matches_binary"], true);
+    }
+
+    #[test]
+    fn flops_per_token_come_from_the_attested_model_shape() {
+        // the llama-3.1-8b shape: 15.01 GFLOP per token (layers and LM head)
+        let model = serde_json::json!({"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+            "head_dim": 128, "ffn": 14336, "vocab": 128256});
+        let att = serde_json::json!({"predicate": {"buildDefinition": {"internalParameters": {
+            "kernels": {"gemm": {"manifest": {"params": {"model": model}}}}}}}});
+        let f = super::matmul_flops_per_token(&att).unwrap();
+        assert!((f - 15.0095e9).abs() < 1e6, "{f}");
+        // no kernels (a CPU target): none
+        assert!(super::matmul_flops_per_token(&serde_json::json!({"subject": []})).is_none());
     }
 
     #[test]
