@@ -12,7 +12,7 @@ Usage: python3 bench/load/load.py --base http://127.0.0.1:8080 --streams 256 \
 --expect-all-ok: exit 1 unless every request finished (no refusals either).
 --schema: every request asks for JSON output under this JSON schema (OpenAI response_format
 json_schema); each answer must then parse as JSON (counted in "invalid_json"), and a request ends
-when its JSON is complete. bench/structured/long-array.json keeps answers ~200 tokens long, so
+when its JSON is complete (without --schema every request sets ignore_eos and runs to --max-tokens). bench/structured/long-array.json keeps answers ~200 tokens long, so
 constrained and unconstrained decode rates compare.
 """
 
@@ -38,10 +38,12 @@ def one(base, i, args, results):
     req = {
         "model": "m",
         "messages": [{"role": "user", "content": prompt(i, args.prompt_words)}],
-        "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if args.schema_value is not None:
+    if args.schema_value is None:
+        req["ignore_eos"] = True
+    else:  # the grammar ends the answer (it allows only the end of text once the JSON is complete)
         req["response_format"] = {"type": "json_schema",
                                   "json_schema": {"name": "bench", "schema": args.schema_value, "strict": True}}
     body = json.dumps(req)

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Constrained against unconstrained decode on the H200 machine: the device mask's kernel test, then
-# each server at 1 and 64 streams over HTTP with and without a JSON schema (bench/load/load.py
-# --schema bench/structured/long-array.json: answers of ~200 tokens, so the decode rates compare),
-# and the host time the masks took (the server's metrale:grammar_mask* counters, before and after
-# each run). Two calls made back to back (the machine keeps ~/ while warm). ST_STREAMS and
-# ST_TOKENS (default "1 64" and 256) shorten a trial run elsewhere.
+# Constrained against unconstrained decode on the H200 machine: the device masks' tests (the kernel's,
+# and the whole model's against the CPU backend), then each server at 1 and 64 streams over HTTP
+# with and without a JSON schema (bench/load/load.py --schema bench/structured/long-array.json:
+# answers of ~200 tokens, so the decode rates compare), and the host time the masks took (the
+# server's metrale:grammar_mask* counters, before and after each run); llama.cpp's llama-server on
+# the same files, the same way. Two calls made back to back (the machine keeps ~/ while warm).
+# ST_STREAMS and ST_TOKENS (default "1 64" and 256) shorten a trial run elsewhere.
 #
 #   bash ci/gpu/structured.sh prepare MODEL.gguf   CPU machine: .st1/ and .st2/ (the default
-#                                                  model, xz-compressed, split between them)
-#   bash ci/gpu/structured.sh call1   carry .st1   kernel tests (h200/smollm2-135m/q4_1 and
-#        h200/llama-3.1-8b/q4_1, the mask test among them); the 8B q4_1 GGUF made there; its server
-#   bash ci/gpu/structured.sh call2   carry .st2   the default model assembled and checked; the
-#        SmolLM2 server
+#                                                  model, xz-compressed, split between them;
+#                                                  llama.cpp's source from .peer/ in .st1)
+#   bash ci/gpu/structured.sh call1   carry .st1   llama.cpp's build (background); kernel tests
+#        (h200/smollm2-135m/q4_1 and h200/llama-3.1-8b/q4_1, the mask test among them); the 8B
+#        q4_1 GGUF made there
+#   bash ci/gpu/structured.sh call2   carry .st2   the default model assembled and checked; SmolLM2's
+#        cuda_model and contract tests; both servers, then llama-server, on both files
+#   bash ci/gpu/structured.sh runs NAME SERVER MODEL   the runs alone, against any metrale-server
+#   bash ci/gpu/structured.sh peer NAME LLAMA_SERVER MODEL   the same against llama-server
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 SCHEMA=bench/structured/long-array.json
@@ -21,13 +26,25 @@ mask_counters() {
   curl -s "localhost:$1/metrics" | awk '/^metrale:grammar_masks_total/ {n=$2} /^metrale:grammar_mask_seconds_total/ {s=$2} END {print n+0, s+0}'
 }
 
-# NAME SERVER MODEL: the server at 1 stream (3 runs each way) and 64 streams (1 run each way),
+# NAME SERVER MODEL: metrale-server at 1 stream (3 runs each way) and 64 streams (1 run each way),
 # unconstrained then constrained; one JSON line per run in $R/structured-NAME.jsonl
 runs() {
-  local name=$1 srv=$2 model=$3 port=8093
-  step "$name: server up"
-  "$srv" --model "$model" --port $port --parallel 64 --ctx-size 1024 > "$R/serve-$name.log" 2>&1 &
-  local sp=$!
+  step "$1: server up"
+  "$2" --model "$3" --port 8093 --parallel 64 --ctx-size 1024 > "$R/serve-$1.log" 2>&1 &
+  measure "$1" $!
+}
+
+# NAME LLAMA_SERVER MODEL: llama.cpp's server on the same file (64 slots of 1024 positions, every
+# layer on the GPU, flash attention by its default), the same runs
+peer() {
+  step "$1: llama-server up"
+  "$2" -m "$3" --port 8093 -ngl 99 -np 64 -c 65536 > "$R/serve-$1.log" 2>&1 &
+  measure "$1" $!
+}
+
+# NAME PID: the runs against the server PID listening on port 8093, then stop it
+measure() {
+  local name=$1 sp=$2 port=8093
   for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.2; done
   for streams in ${ST_STREAMS:-1 64}; do
     local reps=3; [ $streams -gt 1 ] && reps=1
@@ -35,8 +52,11 @@ runs() {
       for rep in $(seq $reps); do
         local extra="" f=$R/load-$name-$streams-$mode-$rep.json
         [ $mode = schema ] && extra="--schema $SCHEMA"
+        # each run stops at 120 s, or earlier when the call's time runs out
+        local to=$(($(left) - 30)); [ $to -gt 120 ] && to=120
+        [ $to -lt 10 ] && { step "$name: $streams streams $mode: no time left"; continue; }
         local c0; c0=$(mask_counters $port)
-        timeout 120 python3 bench/load/load.py --base http://127.0.0.1:$port --streams $streams \
+        timeout $to python3 bench/load/load.py --base http://127.0.0.1:$port --streams $streams \
           --prompt-words 40 --max-tokens ${ST_TOKENS:-256} $extra --out "$f" > /dev/null
         local rc=$? c1; c1=$(mask_counters $port)
         python3 - "$f" "$name" "$streams" "$mode" "$rc" "$c0" "$c1" <<'EOF' | tee -a "$R/structured-$name.jsonl"
@@ -60,8 +80,8 @@ EOF
 }
 
 case "${1:-}" in
-runs)  # NAME SERVER MODEL: the runs alone, against any server binary (a trial on the CPU machine)
-  mkdir -p "$R"; shift; runs "$@"
+runs|peer)  # the runs alone, against any server binary (a trial on the CPU machine)
+  mkdir -p "$R"; "$@"
   ;;
 prepare)
   set -e
@@ -73,7 +93,11 @@ prepare)
     cargo xtask build-target --hw h200 --model $t --quant q4_1 --out .st1/b/srv/h200-$t-q4_1 2>&1 | tail -1
     rm -rf .st1/b/srv/h200-$t-q4_1/kernels
   done
-  cp "$(exe test --release -p metrale-backend --features cuda --no-run --test cuda_kernels)" .st1/b/bin/cuda_kernels
+  for t in cuda_kernels cuda_model contract; do
+    cp "$(exe test --release -p metrale-backend --features cuda --no-run --test $t)" .st1/b/bin/$t
+  done
+  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
+  cp .peer/llamacpp-src.tgz .st1/
   cp "$(exe build --release -p xtask)" .st1/b/bin/xtask
   strip .st1/b/bin/* .st1/b/srv/*/metrale-server
   cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .st1/b/vocab-8b.gguf >/dev/null
@@ -89,11 +113,12 @@ prepare)
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st1/b.tar.xz -C "$H" && cp .st1/part.aa "$H/b/"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$R/gpu.txt"
+  step "llama.cpp build (background)"
+  bash ci/gpu/llamacpp.sh bench .st1/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
   kernel_tests smollm2-135m/q4_1 llama-3.1-8b/q4_1
   step "synth-model: 8B q4_1 GGUF"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
-  runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
   finish call1
   ;;
 call2)
@@ -101,10 +126,22 @@ call2)
   step "assemble the default model"
   cat "$H/b/part.aa" .st2/part.ab | xz -dc > "$H/s/smollm2.gguf"
   echo "$(cat .st2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c - || exit 1
+  smollm2_regression
+  step "llama.cpp build: waiting"
+  for _ in $(seq 60); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  cat "$H/llamacpp/build.done" 2>/dev/null | tee -a "$R/steps.txt"
   runs smollm2-q4_1 "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" "$H/s/smollm2.gguf"
+  runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
+  L=$H/llamacpp/build/bin/llama-server
+  if [ -x "$L" ] && [ "$(left)" -gt 150 ]; then
+    peer llamacpp-smollm2-q4_1 "$L" "$H/s/smollm2.gguf"
+    peer llamacpp-l8b-q4_1 "$L" "$H/s/l8b-q4_1.gguf"
+  else
+    step "llama-server: not run ($(left) s left, $(cat "$H/llamacpp/build.done" 2>/dev/null || echo 'build not done'))"
+  fi
   finish call2
   ;;
 *)
-  sed -n 2,14p "$0"; exit 2
+  sed -n 2,21p "$0"; exit 2
   ;;
 esac

@@ -506,3 +506,157 @@ fn batched_gemm_decode_matches_cpu_backend() {
         gpu.stats
     );
 }
+
+/// The allowed set after token `prev`: the ids `t` with `(t + prev) % 3 != 0`. Two thirds of the
+/// vocabulary, a different two thirds after each token, so the mask overrules the unconstrained
+/// choice about one step in three and every step's mask depends on the step before.
+fn rule_mask(prev: u32, vocab: usize) -> Vec<u32> {
+    let mut m = vec![0u32; vocab.div_ceil(32)];
+    for t in 0..vocab as u32 {
+        if !(t + prev).is_multiple_of(3) {
+            m[t as usize / 32] |= 1 << (t % 32);
+        }
+    }
+    m
+}
+
+/// Masks by `rule_mask` of each entry's last token, asked on demand.
+struct Rule<'a> {
+    last: Vec<u32>,
+    vocab: usize,
+    asked: &'a mut usize,
+}
+
+impl metrale_backend::MaskSource for Rule<'_> {
+    fn mask(&mut self, i: usize) -> Option<Vec<u32>> {
+        *self.asked += 1;
+        Some(rule_mask(self.last[i], self.vocab))
+    }
+}
+
+/// Greedy generation under `rule_mask`, all prompts decoded together: even steps take the mask on
+/// demand (`step_masked`, as the engine does), odd steps as `SeqStep::allowed`. Every token is
+/// checked against its mask. Returns the tokens per prompt and how many masks were asked.
+fn generate_constrained(
+    b: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    vocab: usize,
+) -> (Vec<Vec<u32>>, usize) {
+    let greedy = SamplingParams::default();
+    let mut hist: Vec<Vec<u32>> = prompts.to_vec();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let cap = b.info().slot_capacity;
+    let tables: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|i| metrale_backend::slot_blocks(i, cap))
+        .collect();
+    let mut asked = 0;
+    for step in 0..steps {
+        let last: Vec<u32> = hist.iter().map(|h| *h.last().unwrap()).collect();
+        let masks: Vec<Vec<u32>> = last.iter().map(|&t| rule_mask(t, vocab)).collect();
+        let lazy = step % 2 == 0;
+        let batch: Vec<SeqStep> = (0..prompts.len())
+            .map(|i| {
+                let start = if step == 0 { 0 } else { hist[i].len() - 1 };
+                SeqStep {
+                    slot: i,
+                    blocks: &tables[i],
+                    start_pos: start,
+                    tokens: &hist[i][start..],
+                    history: &hist[i],
+                    sampling: &greedy,
+                    draw: step as u64,
+                    want_logits: false,
+                    allowed: (!lazy).then_some(&masks[i][..]),
+                }
+            })
+            .collect();
+        let mut rule = Rule {
+            last: last.clone(),
+            vocab,
+            asked: &mut asked,
+        };
+        let r = b
+            .step_masked(&batch, &vec![lazy; prompts.len()], &mut rule)
+            .expect("step");
+        drop(batch);
+        for (i, o) in r.into_iter().enumerate() {
+            assert!(
+                !(o.token + last[i]).is_multiple_of(3),
+                "step {step}, sequence {i}: token {} after {} is outside its mask",
+                o.token,
+                last[i]
+            );
+            out[i].push(o.token);
+            hist[i].push(o.token);
+        }
+    }
+    (out, asked)
+}
+
+/// Grammar masks on the device: greedy decoding under a mask that changes with every token gives
+/// the CPU backend's tokens on every path. One sequence runs `decode_1`, its pick replaced by the
+/// masked arg-max in place, and still runs ahead (each step's input token read on the device from
+/// the masked pick); with run-ahead off the same; two sequences decoded together mask their rows
+/// with `mask_logits` before the arg-max.
+#[test]
+fn constrained_greedy_decode_matches_cpu_backend() {
+    let Some(s) = setup("cuda_model constrained decode") else {
+        return;
+    };
+    const STEPS: usize = 48;
+    let vocab = s.model.config.vocab;
+    let p = prompt(&s, "What is the capital of France? Answer in one sentence.");
+    let p2 = prompt(&s, "Write a haiku about the sea.");
+    let mut cpu = CpuBackend::load(&s.model, 1, 1024, 0).expect("cpu backend");
+    cpu.set_exact_activations(true);
+    let (want, _) = generate_constrained(&mut cpu, std::slice::from_ref(&p), STEPS, vocab);
+    cpu.release(0);
+    let (want2, _) = generate_constrained(&mut cpu, std::slice::from_ref(&p2), STEPS, vocab);
+    let (free, _) = generate(&mut cpu, std::slice::from_ref(&p), STEPS);
+    let differ = (0..STEPS).find(|&k| want[0][k] != free[0][k]);
+    assert!(
+        differ.is_some(),
+        "the mask never changed the greedy choice: the test would not see it ignored"
+    );
+    let opts = |run_ahead: bool| CudaOptions {
+        slots: 2,
+        slot_capacity: 1024,
+        kv_blocks: 2 * metrale_backend::blocks_for(1024),
+        tuning: Tuning {
+            run_ahead,
+            ..Tuning::default()
+        },
+        ..Default::default()
+    };
+    let mut gpu = cuda(&s, opts(true));
+    let (got, asked) = generate_constrained(&mut gpu, std::slice::from_ref(&p), STEPS, vocab);
+    eprintln!(
+        "constrained: {:?} (first step the mask changed: {differ:?}); {asked} masks asked; stats {:?}",
+        s.model.tokenizer.decode(&got[0], false),
+        gpu.stats
+    );
+    assert_eq!(
+        got[0], want[0],
+        "one sequence: tokens differ from the CPU backend"
+    );
+    assert_eq!(
+        asked,
+        STEPS.div_ceil(2),
+        "each lazy step asks its mask once"
+    );
+    if gpu.decode1_info().is_some() {
+        assert!(
+            gpu.stats.run_ahead_hits >= (STEPS - 2) as u64,
+            "constrained steps did not run ahead: {:?}",
+            gpu.stats
+        );
+    }
+    let mut no_ahead = cuda(&s, opts(false));
+    let (got_na, _) = generate_constrained(&mut no_ahead, std::slice::from_ref(&p), STEPS, vocab);
+    assert_eq!(got_na[0], want[0], "run-ahead off: tokens differ");
+    gpu.release(0);
+    let (got_ab, _) = generate_constrained(&mut gpu, &[p.clone(), p2.clone()], STEPS, vocab);
+    assert_eq!(got_ab[0], want[0], "sequence 0 of two: tokens differ");
+    assert_eq!(got_ab[1], want2[0], "sequence 1 of two: tokens differ");
+}

@@ -25,7 +25,8 @@
 //! - A pure decode step of one sequence is one launch of the persistent `decode_1` kernel (its
 //!   inputs are kernel arguments) unless `Tuning::persistent_decode` is off or the device cannot run it.
 //! - Run-ahead (`Tuning::run_ahead`, on by default): when such a step's token is the device's greedy
-//!   pick, the next step (position + 1, its token read on the device from this step's pick) is
+//!   pick (for a constrained sequence: the arg-max under its grammar mask, computed on the host
+//!   while the step runs and written over the kernel's pick), the next step (position + 1, its token read on the device from this step's pick) is
 //!   enqueued before the host waits for this one, so the host's and the engine's work between
 //!   tokens overlap the GPU's. When the engine's next call is exactly that step, it only collects
 //!   it; otherwise the run-ahead launch was spare work whose only writes are the scratch outputs and
@@ -474,12 +475,15 @@ impl CudaBackend {
     }
 
     /// One sequence's greedy decode step by `decode_1` with run-ahead (module docs): launch it unless
-    /// `ahead` already did, copy its pick back in stream order, enqueue the next step, then wait
-    /// for the copy only.
+    /// `ahead` already did; for a constrained sequence, take its grammar mask from `mask` (asked
+    /// while the device runs the step) and replace the kernel's pick by the arg-max of the masked
+    /// row, in place; copy the pick back in stream order, enqueue the next step, then wait for the
+    /// copy only.
     fn greedy_decode1(
         &mut self,
         s: &SeqStep<'_>,
         ahead: Option<(i32, i32, u32)>,
+        mask: Option<&mut dyn crate::MaskSource>,
     ) -> Result<SeqOutput, BackendError> {
         let (token, pos, slot) = (s.tokens[0], s.start_pos as i32, s.slot as i32);
         if ahead == Some((slot, pos, token)) {
@@ -490,6 +494,10 @@ impl CudaBackend {
                 pos,
                 slot,
             })?;
+        }
+        let lazy_mask = mask.and_then(|m| m.mask(0));
+        if let Some(m) = lazy_mask.as_deref().or(s.allowed) {
+            self.masked_pick_in_place(m)?;
         }
         let stage = self.out_stage.as_mut().expect("checked by the caller");
         self.gpu.read_staged(&self.b.io_out, stage)?;
@@ -522,6 +530,30 @@ impl CudaBackend {
             logprob: lp,
             top_logprobs: Vec::new(),
             logits: None,
+        })
+    }
+
+    /// Mask logits row 0 with `mask` and write its arg-max and logprob over the kernel's pick
+    /// (`out_tok[0]`, `out_lp[0]`), where the copy back and a run-ahead launch read it. A mask
+    /// shorter than the row disallows the rest (as `sampler::apply_mask`).
+    fn masked_pick_in_place(&self, mask: &[u32]) -> Result<(), BackendError> {
+        let words = self.gpu.dims.vocab.div_ceil(32);
+        let mut packed = vec![0u32; words];
+        let take = mask.len().min(words);
+        packed[..take].copy_from_slice(&mask[..take]);
+        self.gpu.write_async(&self.b.masks, 0, &packed)?;
+        self.gpu.write_async(&self.b.mask_rows, 0, &[0i32])?;
+        self.gpu.mask_logits(abi::MaskLogits {
+            logits: self.b.logits.ptr,
+            masks: self.b.masks.ptr,
+            rows: self.b.mask_rows.ptr,
+            nout: 1,
+        })?;
+        self.gpu.argmax(abi::ArgmaxLogprob {
+            logits: self.b.logits.ptr,
+            out_tok: self.b.out_tok,
+            out_logprob: self.b.out_lp,
+            ntok: 1,
         })
     }
 
@@ -670,12 +702,6 @@ fn device_only(s: &SeqStep<'_>) -> bool {
         && !s.want_logits
 }
 
-/// Whether a request's token can be taken from the device's greedy pick (fused in lm_head): greedy,
-/// device-only and unconstrained.
-fn device_greedy(s: &SeqStep<'_>) -> bool {
-    s.sampling.is_greedy() && device_only(s) && s.allowed.is_none()
-}
-
 /// The device sampler's parameters for one request (`sample_probs`).
 fn sample_params(s: &SeqStep<'_>) -> abi::device::SampleParams {
     let p = s.sampling;
@@ -739,12 +765,13 @@ impl Backend for CudaBackend {
         let ahead = self.ahead.take();
         if let [s] = batch {
             if s.tokens.len() == 1
-                && device_greedy(s)
-                && !is_lazy(0)
+                && s.sampling.is_greedy()
+                && device_only(s)
                 && self.decode1.is_some()
                 && self.out_stage.is_some()
             {
-                return Ok(vec![self.greedy_decode1(s, ahead)?]);
+                let mask = is_lazy(0).then_some(masks);
+                return Ok(vec![self.greedy_decode1(s, ahead, mask)?]);
             }
         }
         let decode = batch.iter().all(|s| s.tokens.len() == 1);
