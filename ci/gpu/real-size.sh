@@ -124,7 +124,7 @@ smollm2_regression() {
     export METRALE_MODEL=$H/s/smollm2.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels
     export METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets
     step "SmolLM2 regression: cuda_model (64 sequences on the GEMM decode path too) and the contract"
-    timeout 200 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
+    timeout 300 "$H/b/bin/cuda_model" --nocapture --test-threads=1 > "$R/model-test.txt" 2>&1; echo "cuda_model rc=$?" | tee -a "$R/model-test.txt"
     timeout 100 "$H/b/bin/contract" --nocapture --test-threads=1 > "$R/contract.txt" 2>&1; echo "contract rc=$?" | tee -a "$R/contract.txt"
     grep -E "test result|panicked|worst rel" "$R/model-test.txt" "$R/contract.txt"
   )

@@ -5,16 +5,17 @@
 # answers of ~200 tokens, so the decode rates compare), and the host time the masks took (the
 # server's metrale:grammar_mask* counters, before and after each run); llama.cpp's llama-server on
 # the same files, the same way. Two calls made back to back (the machine keeps ~/ while warm).
-# ST_STREAMS and ST_TOKENS (default "1 64" and 256) shorten a trial run elsewhere.
+# ST_STREAMS and ST_TOKENS (default "1 64" and 256) shorten a trial run elsewhere;
+# ST_SKIP="NAME:STREAMS:MODE ..." leaves runs out (e.g. llamacpp-l8b-q4_1:64:schema).
 #
 #   bash ci/gpu/structured.sh prepare MODEL.gguf   CPU machine: .st1/ and .st2/ (the default
 #                                                  model, xz-compressed, split between them;
 #                                                  llama.cpp's source from .peer/ in .st1)
 #   bash ci/gpu/structured.sh call1   carry .st1   llama.cpp's build (background); kernel tests
 #        (h200/smollm2-135m/q4_1 and h200/llama-3.1-8b/q4_1, the mask test among them); the 8B
-#        q4_1 GGUF made there
+#        q4_1 GGUF made there; once the build is done, its server, then llama-server on it
 #   bash ci/gpu/structured.sh call2   carry .st2   the default model assembled and checked; SmolLM2's
-#        cuda_model and contract tests; both servers, then llama-server, on both files
+#        cuda_model and contract tests; its server, then llama-server on it
 #   bash ci/gpu/structured.sh runs NAME SERVER MODEL   the runs alone, against any metrale-server
 #   bash ci/gpu/structured.sh peer NAME LLAMA_SERVER MODEL   the same against llama-server
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
@@ -47,9 +48,10 @@ measure() {
   local name=$1 sp=$2 port=8093
   for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.2; done
   for streams in ${ST_STREAMS:-1 64}; do
-    local reps=3; [ $streams -gt 1 ] && reps=1
-    for mode in free schema; do
-      for rep in $(seq $reps); do
+    local reps=5; [ $streams -gt 1 ] && reps=1
+    for rep in $(seq $reps); do
+      for mode in free schema; do
+        case " ${ST_SKIP:-} " in *" $name:$streams:$mode "*) step "$name: $streams streams $mode: skipped (ST_SKIP)"; continue;; esac
         local extra="" f=$R/load-$name-$streams-$mode-$rep.json
         [ $mode = schema ] && extra="--schema $SCHEMA"
         # each run stops at 120 s, or earlier when the call's time runs out
@@ -77,6 +79,34 @@ EOF
     done
   done
   kill $sp; wait $sp
+  # per stream count: medians each way, constrained / unconstrained, host time per mask
+  python3 - "$R/structured-$name.jsonl" <<'EOF' | tee -a "$R/structured-summary.txt"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+med = lambda v: statistics.median(v) if v else None
+for n in sorted({r["streams"] for r in rows}):
+    got = {}
+    for mode in ("free", "schema"):
+        rs = [r for r in rows if r["streams"] == n and r["mode"] == mode and r["rc"] == 0]
+        got[mode] = (med([r["stream_decode_tok_s_p50"] for r in rs]), med([r["output_tok_s"] for r in rs]),
+                     med([r["mask_us_per_token"] for r in rs if r["mask_us_per_token"] is not None]), len(rs))
+    (fs, fo, _, fn), (ss, so, mu, sn) = got["free"], got["schema"]
+    ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"
+    fmt = lambda v: f"{v:,.1f}" if v is not None else "-"
+    print(f"{rows[0]['model']} {n} streams: per-stream decode {fmt(fs)} -> {fmt(ss)} tok/s "
+          f"(x{ratio(ss, fs)}), output {fmt(fo)} -> {fmt(so)} tok/s (x{ratio(so, fo)}), "
+          f"mask {fmt(mu)} us/token, runs {fn}/{sn}")
+EOF
+}
+
+# NAME MODEL: llama-server's runs if it was built and there is time
+with_peer() {
+  local L=$H/llamacpp/build/bin/llama-server
+  if [ -x "$L" ] && [ "$(left)" -gt 100 ]; then
+    peer "$1" "$L" "$2"
+  else
+    step "$1: not run ($(left) s left, $(cat "$H/llamacpp/build.done" 2>/dev/null || echo 'build not done'))"
+  fi
 }
 
 case "${1:-}" in
@@ -119,6 +149,12 @@ call1)
   step "synth-model: 8B q4_1 GGUF"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
+  # the servers measured once the build no longer takes the CPU
+  step "llama.cpp build: waiting"
+  for _ in $(seq 70); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  cat "$H/llamacpp/build.done" 2>/dev/null | tee -a "$R/steps.txt"
+  runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
+  with_peer llamacpp-l8b-q4_1 "$H/s/l8b-q4_1.gguf"
   finish call1
   ;;
 call2)
@@ -127,18 +163,8 @@ call2)
   cat "$H/b/part.aa" .st2/part.ab | xz -dc > "$H/s/smollm2.gguf"
   echo "$(cat .st2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c - || exit 1
   smollm2_regression
-  step "llama.cpp build: waiting"
-  for _ in $(seq 60); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done" 2>/dev/null | tee -a "$R/steps.txt"
   runs smollm2-q4_1 "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" "$H/s/smollm2.gguf"
-  runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
-  L=$H/llamacpp/build/bin/llama-server
-  if [ -x "$L" ] && [ "$(left)" -gt 150 ]; then
-    peer llamacpp-smollm2-q4_1 "$L" "$H/s/smollm2.gguf"
-    peer llamacpp-l8b-q4_1 "$L" "$H/s/l8b-q4_1.gguf"
-  else
-    step "llama-server: not run ($(left) s left, $(cat "$H/llamacpp/build.done" 2>/dev/null || echo 'build not done'))"
-  fi
+  with_peer llamacpp-smollm2-q4_1 "$H/s/smollm2.gguf"
   finish call2
   ;;
 *)

@@ -617,9 +617,6 @@ using kv_t = float;
 
 namespace mt {
 
-MT_INLINE float kv_ld(const float* p) { return *p; }
-MT_INLINE float kv_ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-
 // E consecutive cache elements as raw 32-bit words, fetched by one vector load (E * sizeof(kv_t)
 // bytes, aligned to that when the offset is a multiple of E) and widened to f32 when used, so that
 // a loop can hold the next positions' loads in flight at half the registers of f32 values.

@@ -41,6 +41,23 @@ impl HostStage {
     }
 }
 
+/// Page-locked host words staging copies to the device ([`Device::write_staged`]): a copy from
+/// pageable memory may make the host wait for every launch before it in the stream, one from here
+/// does not. Whoever refills it must first have waited for a point of the stream after the last
+/// copy from it.
+pub struct HostWrite {
+    buf: cudarc::driver::PinnedHostSlice<u32>,
+}
+
+impl HostWrite {
+    /// The words, to fill before [`Device::write_staged`].
+    pub fn words(&mut self) -> Result<&mut [u32], BackendError> {
+        self.buf
+            .as_mut_slice()
+            .map_err(dev_err("page-locked host memory"))
+    }
+}
+
 /// How a kernel is launched besides its grid and block: programmatic dependent launch, a
 /// thread-block cluster along y, a cooperative grid (all blocks co-resident), dynamic shared memory.
 #[derive(Debug, Clone, Copy, Default)]
@@ -212,6 +229,39 @@ impl Device {
             .map_err(dev_err("allocate page-locked host memory"))?;
         let ev = self.ctx.new_event(None).map_err(dev_err("create event"))?;
         Ok(HostStage { buf, ev })
+    }
+
+    /// A page-locked host area of `words` u32 words for [`Device::write_staged`] (write-combined:
+    /// the host only writes it).
+    pub fn host_write(&self, words: usize) -> Result<HostWrite, BackendError> {
+        let buf = unsafe {
+            self.ctx
+                .alloc_pinned_with_flags::<u32>(words.max(1), sys::CU_MEMHOSTALLOC_WRITECOMBINED)
+        }
+        .map_err(dev_err("allocate page-locked host memory"))?;
+        Ok(HostWrite { buf })
+    }
+
+    /// Enqueue a copy of the first `words` words of `src` to the start of `dst`, without waiting.
+    pub fn write_staged(
+        &self,
+        dst: &DevBuf,
+        src: &HostWrite,
+        words: usize,
+    ) -> Result<(), BackendError> {
+        let host = src
+            .buf
+            .as_slice()
+            .map_err(dev_err("page-locked host memory"))?;
+        if words > host.len() || words * 4 > dst.bytes {
+            return Err(BackendError::Device(format!(
+                "staged write of {words} words: stage {} words, buffer {} bytes",
+                host.len(),
+                dst.bytes
+            )));
+        }
+        unsafe { dres::memcpy_htod_async(dst.ptr, &host[..words], self.stream.cu_stream()) }
+            .map_err(dev_err("copy to device"))
     }
 
     /// Enqueue a copy of `stage`'s words from the start of `src` into `stage` and mark its end,

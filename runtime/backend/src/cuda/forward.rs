@@ -47,10 +47,10 @@ pub(super) struct Bufs {
     /// sample_probs: parameters in, (token | logprob | status) out, one row per output
     pub samp_params: DevBuf,
     pub samp_out: DevBuf,
-    /// grammar masks: the constrained outputs' rows (`ceil(vocab / 32)` words each), each output's
-    /// mask row or -1, and the greedy choice under the masks (token | logprob), one per output
+    /// grammar masks, one staged copy per step (`mask_words`): each output's mask row or -1,
+    /// then the constrained outputs' rows (`ceil(vocab / 32)` words each); and the greedy choice
+    /// under the masks (token | logprob), one per output
     pub masks: DevBuf,
-    pub mask_rows: DevBuf,
     pub mask_out: DevBuf,
 }
 
@@ -83,8 +83,7 @@ impl Bufs {
             lm_counter: gpu.alloc(counter_bytes)?,
             samp_params: gpu.alloc(nout * std::mem::size_of::<abi::device::SampleParams>())?,
             samp_out: gpu.alloc(3 * nout * 4)?,
-            masks: gpu.alloc(nout * d.vocab.div_ceil(32) * 4)?,
-            mask_rows: gpu.alloc(nout * 4)?,
+            masks: gpu.alloc(mask_words(nout, d.vocab) * 4)?,
             mask_out: gpu.alloc(2 * nout * 4)?,
         })
     }
@@ -279,4 +278,10 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The words of the grammar masks' buffer for `nout` outputs: a row index per output, then a mask
+/// row per output.
+pub fn mask_words(nout: usize, vocab: usize) -> usize {
+    nout * (1 + vocab.div_ceil(32))
 }

@@ -306,7 +306,8 @@ impl Gpu {
 
     /// Grammar masks applied in place to `a.nout` logits rows.
     pub fn mask_logits(&self, a: abi::MaskLogits) -> Result<(), BackendError> {
-        self.launch((a.nout.max(1) as u32, 1, 1), self.plain(), a)
+        let grid = plan::mask_grid(a.nout as usize, self.dims.vocab);
+        self.launch(grid, self.plain(), a)
     }
 
     /// Seeded sampling of `a.nout` logits rows.

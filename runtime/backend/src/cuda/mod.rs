@@ -63,7 +63,7 @@ use metrale_model::{ModelConfig, Weights};
 
 use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId, KV_BLOCK};
 use decode1::{Decode1, Step};
-pub use device::{device_count, DevBuf, Device, HostStage};
+pub use device::{device_count, DevBuf, Device, HostStage, HostWrite};
 use forward::Bufs;
 use gemm::GemmPath;
 pub use kernels::{KernelBlob, KernelSet};
@@ -231,6 +231,8 @@ pub struct CudaBackend {
     /// Page-locked copy of `io_out` for run-ahead steps, which do not wait for the whole stream
     /// (`Some` when `Tuning::run_ahead`).
     out_stage: Option<HostStage>,
+    /// The grammar masks' staging area (`forward::mask_words` for every slot).
+    mask_stage: HostWrite,
     /// (tokens, splits) of the last chunk run
     last_key: Option<(usize, usize)>,
     /// Counters for tests and benchmarks.
@@ -296,6 +298,7 @@ impl CudaBackend {
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
         let gemm = GemmPath::new(&gpu, opts.max_step_tokens)?;
+        let mask_stage = gpu.host_write(forward::mask_words(opts.slots, d.vocab))?;
         let out_stage = if opts.tuning.run_ahead {
             Some(gpu.host_stage(2 * opts.slots)?)
         } else {
@@ -350,6 +353,7 @@ impl CudaBackend {
             last_decode1: None,
             ahead: None,
             out_stage,
+            mask_stage,
             last_key: None,
             stats: Stats::default(),
         })
@@ -533,22 +537,46 @@ impl CudaBackend {
         })
     }
 
-    /// Mask logits row 0 with `mask` and write its arg-max and logprob over the kernel's pick
-    /// (`out_tok[0]`, `out_lp[0]`), where the copy back and a run-ahead launch read it. A mask
-    /// shorter than the row disallows the rest (as `sampler::apply_mask`).
-    fn masked_pick_in_place(&self, mask: &[u32]) -> Result<(), BackendError> {
+    /// Enqueue the grammar masks of a chunk's `n` outputs (`mask_of(k)`: output k's mask, if any)
+    /// and `mask_logits` over their logits rows, from one staged copy (the host does not wait for
+    /// the step running on the device). A mask shorter than the row disallows the rest (as
+    /// `sampler::apply_mask`). Every caller waits for a later point of the stream before the next
+    /// call refills the stage.
+    fn mask_rows<'m>(
+        &mut self,
+        n: usize,
+        mask_of: impl Fn(usize) -> Option<&'m [u32]>,
+    ) -> Result<(), BackendError> {
         let words = self.gpu.dims.vocab.div_ceil(32);
-        let mut packed = vec![0u32; words];
-        let take = mask.len().min(words);
-        packed[..take].copy_from_slice(&mask[..take]);
-        self.gpu.write_async(&self.b.masks, 0, &packed)?;
-        self.gpu.write_async(&self.b.mask_rows, 0, &[0i32])?;
+        let st = self.mask_stage.words()?;
+        let mut next = n;
+        for k in 0..n {
+            st[k] = match mask_of(k) {
+                None => -1i32 as u32,
+                Some(m) => {
+                    let row = (next - n) / words;
+                    let take = m.len().min(words);
+                    st[next..next + take].copy_from_slice(&m[..take]);
+                    st[next + take..next + words].fill(0);
+                    next += words;
+                    row as u32
+                }
+            };
+        }
+        self.gpu
+            .write_staged(&self.b.masks, &self.mask_stage, next)?;
         self.gpu.mask_logits(abi::MaskLogits {
             logits: self.b.logits.ptr,
-            masks: self.b.masks.ptr,
-            rows: self.b.mask_rows.ptr,
-            nout: 1,
-        })?;
+            masks: self.b.masks.ptr + (n * 4) as u64,
+            rows: self.b.masks.ptr,
+            nout: n as i32,
+        })
+    }
+
+    /// Mask logits row 0 with `mask` and write its arg-max and logprob over the kernel's pick
+    /// (`out_tok[0]`, `out_lp[0]`), where the copy back and a run-ahead launch read it.
+    fn masked_pick_in_place(&mut self, mask: &[u32]) -> Result<(), BackendError> {
+        self.mask_rows(1, |_| Some(mask))?;
         self.gpu.argmax(abi::ArgmaxLogprob {
             logits: self.b.logits.ptr,
             out_tok: self.b.out_tok,
@@ -563,7 +591,7 @@ impl CudaBackend {
     /// on the device (`mask_logits`), then take the arg-max of the masked row or `sample_probs`
     /// like any other row: only ids and logprobs cross to the host unless a row needs the host.
     fn collect(
-        &self,
+        &mut self,
         batch: &[SeqStep<'_>],
         sel_seq: &[usize],
         outputs: &mut [Option<SeqOutput>],
@@ -589,25 +617,7 @@ impl CudaBackend {
             .map(|(k, &i)| mask_of(k, i).is_some())
             .collect();
         if masked.contains(&true) {
-            let words = vocab.div_ceil(32);
-            let mut rows = vec![-1i32; n];
-            let mut packed: Vec<u32> = Vec::new();
-            for (k, &i) in sel_seq.iter().enumerate() {
-                if let Some(m) = mask_of(k, i) {
-                    rows[k] = (packed.len() / words) as i32;
-                    let take = m.len().min(words);
-                    packed.extend_from_slice(&m[..take]);
-                    packed.resize(packed.len() + words - take, 0);
-                }
-            }
-            self.gpu.write_async(&self.b.masks, 0, &packed)?;
-            self.gpu.write_async(&self.b.mask_rows, 0, &rows)?;
-            self.gpu.mask_logits(abi::MaskLogits {
-                logits: self.b.logits.ptr,
-                masks: self.b.masks.ptr,
-                rows: self.b.mask_rows.ptr,
-                nout: n as i32,
-            })?;
+            self.mask_rows(n, |k| mask_of(k, sel_seq[k]))?;
             let mo = self.b.mask_out.ptr;
             self.gpu.argmax(abi::ArgmaxLogprob {
                 logits: self.b.logits.ptr,

@@ -9,7 +9,9 @@
 use metrale_abi::layout::{
     decode_products, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes, WG_TILES,
 };
-use metrale_abi::{DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SPLIT_THREADS, WG_BK};
+use metrale_abi::{
+    DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SAMPLE_THREADS, SPLIT_THREADS, WG_BK,
+};
 use metrale_core::shape::Dims;
 
 /// Warps per block of the matrix-vector kernels: each warp owns one row pair at a time.
@@ -90,6 +92,16 @@ pub fn split_grid(ntok: usize) -> (u32, u32, u32) {
     (
         ntok.div_ceil(SPLIT_THREADS as usize / 32).max(1) as u32,
         1,
+        1,
+    )
+}
+
+/// Grid of `mask_logits` over `nout` rows of `vocab` logits: a row's float4s spread over enough
+/// blocks of `SAMPLE_THREADS` that each thread takes one (the kernel loops when given fewer).
+pub fn mask_grid(nout: usize, vocab: usize) -> (u32, u32, u32) {
+    (
+        nout.max(1) as u32,
+        (vocab / 4).div_ceil(SAMPLE_THREADS as usize).max(1) as u32,
         1,
     )
 }
