@@ -167,6 +167,41 @@ call2)
   with_peer llamacpp-smollm2-q4_1 "$H/s/smollm2.gguf"
   finish call2
   ;;
+prepare-quick)  # CPU machine: .st3/ (SmolLM2's target, cuda_bench, xtask, SmolLM2's vocabulary)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/structured.sh prepare-quick MODEL.gguf" >&2; exit 2; }
+  rm -rf .st3 && mkdir -p .st3/b/bin .st3/b/k .st3/b/srv
+  t=smollm2-135m
+  cargo xtask build-target --hw h200 --model $t --quant q4_1 --kernels-only --out .st3/b/k/h200-$t-q4_1 2>&1 | tail -1
+  cargo xtask build-target --hw h200 --model $t --quant q4_1 --out .st3/b/srv/h200-$t-q4_1 2>&1 | tail -1
+  rm -rf .st3/b/srv/h200-$t-q4_1/kernels
+  cp "$(exe build --release -p metrale-backend --features cuda --example cuda_bench)" .st3/b/bin/cuda_bench
+  cp "$(exe build --release -p xtask)" .st3/b/bin/xtask
+  strip .st3/b/bin/* .st3/b/srv/*/metrale-server
+  cargo xtask synth-model $t --tokenizer "$model" --format vocab --out .st3/b/vocab.gguf >/dev/null
+  tar cJf .st3/b.tar.xz -C .st3 b && rm -rf .st3/b
+  echo "carry .st3: $(du -cb .st3 | tail -1 | cut -f1) bytes + the tree"
+  ;;
+quick)  # carry .st3: SmolLM2's shape on a synthetic file (one call, no model to assemble): batch-1
+  # decode in process with and without a mask on every step (cuda_bench's tg128 and
+  # tg128_masked), then the server at one stream, each with run-ahead on and off
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st3/b.tar.xz -C "$H"
+  "$H/b/bin/xtask" synth-model smollm2-135m --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/smollm2-synth.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
+  for ra in on off; do
+    step "cuda_bench, run_ahead=$ra"
+    METRALE_CUDA_TUNING=run_ahead=$ra METRALE_TARGETS=$PWD/targets timeout 120 "$H/b/bin/cuda_bench" \
+      "$H/s/smollm2-synth.gguf" "$H/b/k/h200-smollm2-135m-q4_1/kernels" h200/smollm2-135m/q4_1 \
+      --batch 1 --pp 64 --steps 64 --out "$R/bench-run-ahead-$ra.json" > /dev/null 2> "$R/bench-run-ahead-$ra.txt"
+    grep -E "tg128|decode b=1: median" "$R/bench-run-ahead-$ra.txt"
+  done
+  for ra in on off; do
+    (export METRALE_CUDA_TUNING=run_ahead=$ra ST_STREAMS=1
+     runs smollm2-synth-run-ahead-$ra "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" "$H/s/smollm2-synth.gguf")
+  done
+  finish quick
+  ;;
 *)
   sed -n 2,21p "$0"; exit 2
   ;;

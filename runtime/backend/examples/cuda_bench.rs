@@ -240,6 +240,52 @@ fn main() {
         1e6 / tg128
     );
 
+    // tg128 again under a grammar mask asked on demand at every step, as the server's engine asks
+    // it (every other token id allowed): what the masked pick (the mask's upload, mask_logits, a
+    // one-row arg-max) costs a step that still runs ahead
+    struct EveryOther(Vec<u32>);
+    impl metrale_backend::MaskSource for EveryOther {
+        fn mask(&mut self, _: usize) -> Option<Vec<u32>> {
+            Some(self.0.clone())
+        }
+    }
+    let vocab = metrale_backend::Dims::from_shape(&spec.model).vocab;
+    let mut every_other = EveryOther(vec![0x5555_5555; vocab.div_ceil(32)]);
+    let hits0 = b.stats.run_ahead_hits;
+    let mut tgm = Vec::new();
+    for rep in 0..6 {
+        let mut h: Vec<u32> = vec![prompt[0]];
+        let t = Instant::now();
+        for s in 0..128usize {
+            let tok = [h[s]];
+            let step = SeqStep {
+                slot: tg_slot,
+                blocks: &tables[tg_slot],
+                start_pos: s,
+                tokens: &tok,
+                history: &h,
+                sampling: &greedy,
+                draw: s as u64,
+                want_logits: false,
+                allowed: None,
+            };
+            let next = b.step_masked(&[step], &[true], &mut every_other).unwrap()[0].token;
+            assert!(next % 2 == 0, "masked pick {next}: an odd id, which the mask forbids");
+            h.push(next);
+        }
+        if rep > 0 {
+            tgm.push(128.0 / t.elapsed().as_secs_f64());
+        }
+    }
+    let (tg128_masked, _, _) = median(&mut tgm);
+    let masked_hits = b.stats.run_ahead_hits - hits0;
+    eprintln!(
+        "tg128 under a grammar mask: median {tg128_masked:.1} tok/s ({:.1} us/token, {:.3}x unmasked); run-ahead hits {masked_hits} of {}",
+        1e6 / tg128_masked,
+        tg128_masked / tg128,
+        6 * 127
+    );
+
     // prefill pp tokens
     let ids: Vec<u32> = (0..pp).map(|i| prompt[i % prompt.len()]).collect();
     let mut pt = Vec::new();
@@ -372,7 +418,7 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         floor_us(wbytes),
