@@ -184,21 +184,24 @@ prepare-quick)  # CPU machine: .st3/ (SmolLM2's target, cuda_bench, xtask, SmolL
   echo "carry .st3: $(du -cb .st3 | tail -1 | cut -f1) bytes + the tree"
   ;;
 quick)  # carry .st3: SmolLM2's shape on a synthetic file (one call, no model to assemble): batch-1
-  # decode in process with and without a mask on every step (cuda_bench's tg128 and
-  # tg128_masked), then the server at one stream, each with run-ahead on and off
+  # decode in process with and without a mask on every step (cuda_bench's tg128, tg128_masked and
+  # the masked pick's pieces) under each runtime choice in ST_TUNINGS, then the server at one
+  # stream under each of ST_SERVER_TUNINGS ("default": none)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st3/b.tar.xz -C "$H"
   "$H/b/bin/xtask" synth-model smollm2-135m --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/smollm2-synth.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
-  for ra in on off; do
-    step "cuda_bench, run_ahead=$ra"
-    METRALE_CUDA_TUNING=run_ahead=$ra METRALE_TARGETS=$PWD/targets timeout 120 "$H/b/bin/cuda_bench" \
+  for t in ${ST_TUNINGS:-default mask_zero_copy=on pdl=off mask_zero_copy=on,pdl=off}; do
+    step "cuda_bench, $t"
+    tv=$t; [ "$t" = default ] && tv=""
+    METRALE_CUDA_TUNING=$tv METRALE_TARGETS=$PWD/targets timeout 120 "$H/b/bin/cuda_bench" \
       "$H/s/smollm2-synth.gguf" "$H/b/k/h200-smollm2-135m-q4_1/kernels" h200/smollm2-135m/q4_1 \
-      --batch 1 --pp 64 --steps 64 --out "$R/bench-run-ahead-$ra.json" > /dev/null 2> "$R/bench-run-ahead-$ra.txt"
-    grep -E "tg128|decode b=1: median" "$R/bench-run-ahead-$ra.txt"
+      --batch 1 --pp 64 --steps 64 --out "$R/bench-$t.json" > /dev/null 2> "$R/bench-$t.txt"
+    grep -E "tg128|relaunched|panicked" "$R/bench-$t.txt"
   done
-  for ra in on off; do
-    (export METRALE_CUDA_TUNING=run_ahead=$ra ST_STREAMS=1
-     runs smollm2-synth-run-ahead-$ra "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" "$H/s/smollm2-synth.gguf")
+  for t in ${ST_SERVER_TUNINGS:-default mask_zero_copy=on}; do
+    tv=$t; [ "$t" = default ] && tv=""
+    (export METRALE_CUDA_TUNING=$tv ST_STREAMS=1
+     runs "smollm2-synth-$t" "$H/b/srv/h200-smollm2-135m-q4_1/metrale-server" "$H/s/smollm2-synth.gguf")
   done
   finish quick
   ;;

@@ -286,6 +286,20 @@ fn main() {
         6 * 127
     );
 
+    // the masked pick's pieces on the device, after the same decode_1 step relaunched
+    let pick_us = b.time_masked_pick(200).unwrap();
+    if let Some([alone, staged, masked, pick]) = pick_us {
+        eprintln!(
+            "decode_1 step relaunched: {alone:.1} us; + the mask staged {staged:.1}; + mask_logits {masked:.1}; + the arg-max {pick:.1} (tuning {tuning:?})"
+        );
+    }
+    let pick_json = pick_us.map_or("null".to_string(), |v| {
+        format!(
+            "{{\"decode_1\": {:.2}, \"staged\": {:.2}, \"mask_logits\": {:.2}, \"argmax\": {:.2}}}",
+            v[0], v[1], v[2], v[3]
+        )
+    });
+
     // prefill pp tokens
     let ids: Vec<u32> = (0..pp).map(|i| prompt[i % prompt.len()]).collect();
     let mut pt = Vec::new();
@@ -418,7 +432,7 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"masked_pick_us\": {pick_json}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         floor_us(wbytes),

@@ -41,20 +41,27 @@ impl HostStage {
     }
 }
 
-/// Page-locked host words staging copies to the device ([`Device::write_staged`]): a copy from
+/// Page-locked host words the device reads: staged copies ([`Device::write_staged`]; a copy from
 /// pageable memory may make the host wait for every launch before it in the stream, one from here
-/// does not. Whoever refills it must first have waited for a point of the stream after the last
-/// copy from it.
+/// does not), or, when mapped, kernels read them where they are ([`HostWrite::device_ptr`]).
+/// Whoever refills it must first have waited for a point of the stream after the last copy or
+/// kernel that read it.
 pub struct HostWrite {
     buf: cudarc::driver::PinnedHostSlice<u32>,
+    dev: Option<u64>,
 }
 
 impl HostWrite {
-    /// The words, to fill before [`Device::write_staged`].
+    /// The words, to fill before [`Device::write_staged`] or a kernel that reads them.
     pub fn words(&mut self) -> Result<&mut [u32], BackendError> {
         self.buf
             .as_mut_slice()
             .map_err(dev_err("page-locked host memory"))
+    }
+
+    /// The words' address for kernels, when mapped.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.dev
     }
 }
 
@@ -232,14 +239,29 @@ impl Device {
     }
 
     /// A page-locked host area of `words` u32 words for [`Device::write_staged`] (write-combined:
-    /// the host only writes it).
-    pub fn host_write(&self, words: usize) -> Result<HostWrite, BackendError> {
-        let buf = unsafe {
-            self.ctx
-                .alloc_pinned_with_flags::<u32>(words.max(1), sys::CU_MEMHOSTALLOC_WRITECOMBINED)
-        }
-        .map_err(dev_err("allocate page-locked host memory"))?;
-        Ok(HostWrite { buf })
+    /// the host only writes it), or `mapped` into the device's address space for kernels to read
+    /// over the bus (cached, so the device's reads see the host's last writes).
+    pub fn host_write(&self, words: usize, mapped: bool) -> Result<HostWrite, BackendError> {
+        let flags = if mapped {
+            sys::CU_MEMHOSTALLOC_DEVICEMAP
+        } else {
+            sys::CU_MEMHOSTALLOC_WRITECOMBINED
+        };
+        let mut buf = unsafe { self.ctx.alloc_pinned_with_flags::<u32>(words.max(1), flags) }
+            .map_err(dev_err("allocate page-locked host memory"))?;
+        let dev = if mapped {
+            let host = buf
+                .as_mut_ptr()
+                .map_err(dev_err("page-locked host memory"))?;
+            let mut d: sys::CUdeviceptr = 0;
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host as *mut c_void, 0) }
+                .result()
+                .map_err(dev_err("map page-locked host memory for the device"))?;
+            Some(d)
+        } else {
+            None
+        };
+        Ok(HostWrite { buf, dev })
     }
 
     /// Enqueue a copy of the first `words` words of `src` to the start of `dst`, without waiting.

@@ -102,6 +102,9 @@ pub struct Tuning {
     /// On Hopper (sm_90a cubins, bf16 weights) the GEMM path runs on warpgroup MMAs
     /// (`gemm_hopper.cu.hbs`, bf16 activations), else on the mma.sync GEMMs (`gemm.cu.hbs`).
     pub hopper_gemm: bool,
+    /// Grammar masks are read by `mask_logits` from mapped page-locked host memory where the host
+    /// wrote them (else copied to the device first: one more operation in the stream per step).
+    pub mask_zero_copy: bool,
 }
 
 impl Default for Tuning {
@@ -116,6 +119,7 @@ impl Default for Tuning {
             lm_head_1: true,
             attention_transpose: true,
             hopper_gemm: true,
+            mask_zero_copy: false,
         }
     }
 }
@@ -124,7 +128,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 9] = [
+    pub const KEYS: [&'static str; 10] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -134,6 +138,7 @@ impl Tuning {
         "lm_head_1",
         "attention_transpose",
         "hopper_gemm",
+        "mask_zero_copy",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -164,6 +169,7 @@ impl Tuning {
                 "lm_head_1" => self.lm_head_1 = on,
                 "attention_transpose" => self.attention_transpose = on,
                 "hopper_gemm" => self.hopper_gemm = on,
+                "mask_zero_copy" => self.mask_zero_copy = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -298,7 +304,10 @@ impl CudaBackend {
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
         let gemm = GemmPath::new(&gpu, opts.max_step_tokens)?;
-        let mask_stage = gpu.host_write(forward::mask_words(opts.slots, d.vocab))?;
+        let mask_stage = gpu.host_write(
+            forward::mask_words(opts.slots, d.vocab),
+            opts.tuning.mask_zero_copy,
+        )?;
         let out_stage = if opts.tuning.run_ahead {
             Some(gpu.host_stage(2 * opts.slots)?)
         } else {
@@ -538,15 +547,32 @@ impl CudaBackend {
     }
 
     /// Enqueue the grammar masks of a chunk's `n` outputs (`mask_of(k)`: output k's mask, if any)
-    /// and `mask_logits` over their logits rows, from one staged copy (the host does not wait for
-    /// the step running on the device). A mask shorter than the row disallows the rest (as
-    /// `sampler::apply_mask`). Every caller waits for a later point of the stream before the next
-    /// call refills the stage.
+    /// and `mask_logits` over their logits rows.
     fn mask_rows<'m>(
         &mut self,
         n: usize,
         mask_of: impl Fn(usize) -> Option<&'m [u32]>,
     ) -> Result<(), BackendError> {
+        let (rows, masks) = self.stage_masks(n, mask_of)?;
+        self.gpu.mask_logits(abi::MaskLogits {
+            logits: self.b.logits.ptr,
+            masks,
+            rows,
+            nout: n as i32,
+        })
+    }
+
+    /// Write the masks of `n` outputs to the stage (each output's mask row or -1, then the rows)
+    /// and return where the device reads them (rows, masks): the stage itself when mapped
+    /// (`Tuning::mask_zero_copy`), else `b.masks` after one staged copy (the host does not wait
+    /// for the step running on the device). A mask shorter than the row disallows the rest (as
+    /// `sampler::apply_mask`). Every caller waits for a later point of the stream before the next
+    /// call refills the stage.
+    fn stage_masks<'m>(
+        &mut self,
+        n: usize,
+        mask_of: impl Fn(usize) -> Option<&'m [u32]>,
+    ) -> Result<(u64, u64), BackendError> {
         let words = self.gpu.dims.vocab.div_ceil(32);
         let st = self.mask_stage.words()?;
         let mut next = n;
@@ -563,14 +589,19 @@ impl CudaBackend {
                 }
             };
         }
-        self.gpu
-            .write_staged(&self.b.masks, &self.mask_stage, next)?;
-        self.gpu.mask_logits(abi::MaskLogits {
-            logits: self.b.logits.ptr,
-            masks: self.b.masks.ptr + (n * 4) as u64,
-            rows: self.b.masks.ptr,
-            nout: n as i32,
-        })
+        let base = match self.mask_stage.device_ptr() {
+            Some(p) => {
+                // the words are in host memory the device reads: stores before the launch
+                std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+                p
+            }
+            None => {
+                self.gpu
+                    .write_staged(&self.b.masks, &self.mask_stage, next)?;
+                self.b.masks.ptr
+            }
+        };
+        Ok((base, base + (n * 4) as u64))
     }
 
     /// Mask logits row 0 with `mask` and write its arg-max and logprob over the kernel's pick

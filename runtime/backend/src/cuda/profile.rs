@@ -135,6 +135,38 @@ impl CudaBackend {
         Ok(Some(t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64))
     }
 
+    /// What a grammar-masked greedy pick adds to a `decode_1` step on the device: the last step
+    /// relaunched `n` times back to back (host clock around the launches and one wait; the host
+    /// enqueues far faster than a step runs), microseconds per step with after each launch (0)
+    /// nothing, (1) the mask's staging, (2) that and `mask_logits`, (3) the whole masked pick
+    /// (that and the one-row arg-max). `None` when the last step was not a `decode_1` step.
+    pub fn time_masked_pick(&mut self, n: usize) -> Result<Option<[f64; 4]>, BackendError> {
+        let Some(s) = self.last_decode1 else {
+            return Ok(None);
+        };
+        // every other token id allowed
+        let mask = vec![0x5555_5555u32; self.gpu.dims.vocab.div_ceil(32)];
+        let mut out = [0f64; 4];
+        for (k, us) in out.iter_mut().enumerate() {
+            self.gpu.sync()?;
+            let t = std::time::Instant::now();
+            for _ in 0..n {
+                self.launch_decode1(s)?;
+                match k {
+                    0 => {}
+                    1 => {
+                        self.stage_masks(1, |_| Some(&mask[..]))?;
+                    }
+                    2 => self.mask_rows(1, |_| Some(&mask[..]))?,
+                    _ => self.masked_pick_in_place(&mask)?,
+                }
+            }
+            self.gpu.sync()?;
+            *us = t.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
+        }
+        Ok(Some(out))
+    }
+
     /// Relaunch the last `decode_1` step with its trace on and return (blocks, the trace:
     /// `metrale_abi::layout::decode_trace_words` globaltimer stamps). `None` when the last step
     /// was not a `decode_1` step.
