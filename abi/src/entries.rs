@@ -190,6 +190,18 @@ entries! {
         rows: ptr<"const int">,
         nout: i32,
     }
+    /// One row's greedy arg-max and log-softmax over the tokens its grammar mask allows (`masks`:
+    /// `ceil(VOCAB / 32)` words as in `MaskLogits`, or null: every token), the row spread over the
+    /// grid: a partial per block in `part`, the last block (ticket `counter`, zero at launch and
+    /// re-armed) merges them. The logits stay as they were. grid = (any).
+    ArgmaxMaskedOne = "sample" / "argmax_masked_1", threads SAMPLE_THREADS, {
+        logits: ptr<"const float">,
+        masks: ptr<"const unsigned int">,
+        part: ptr<"mt::Acc">,
+        counter: ptr<"unsigned int">,
+        out_tok: ptr<"int">,
+        out_logprob: ptr<"float">,
+    }
     /// Temperature / top-k / top-p / min-p sampling with the seeded draw, one row per block.
     SampleProbs = "sample" / "sample_probs", threads SAMPLE_THREADS, {
         logits: ptr<"const float">,

@@ -167,7 +167,7 @@ call2)
   with_peer llamacpp-smollm2-q4_1 "$H/s/smollm2.gguf"
   finish call2
   ;;
-prepare-quick)  # CPU machine: .st3/ (SmolLM2's target, cuda_bench, xtask, SmolLM2's vocabulary)
+prepare-quick)  # CPU machine: .st3/ (SmolLM2's target, cuda_bench, cuda_kernels, xtask, SmolLM2's vocabulary)
   set -e
   model=${2:-${METRALE_MODEL:-}}
   [ -f "$model" ] || { echo "usage: ci/gpu/structured.sh prepare-quick MODEL.gguf" >&2; exit 2; }
@@ -177,19 +177,21 @@ prepare-quick)  # CPU machine: .st3/ (SmolLM2's target, cuda_bench, xtask, SmolL
   cargo xtask build-target --hw h200 --model $t --quant q4_1 --out .st3/b/srv/h200-$t-q4_1 2>&1 | tail -1
   rm -rf .st3/b/srv/h200-$t-q4_1/kernels
   cp "$(exe build --release -p metrale-backend --features cuda --example cuda_bench)" .st3/b/bin/cuda_bench
+  cp "$(exe test --release -p metrale-backend --features cuda --no-run --test cuda_kernels)" .st3/b/bin/cuda_kernels
   cp "$(exe build --release -p xtask)" .st3/b/bin/xtask
   strip .st3/b/bin/* .st3/b/srv/*/metrale-server
   cargo xtask synth-model $t --tokenizer "$model" --format vocab --out .st3/b/vocab.gguf >/dev/null
   tar cJf .st3/b.tar.xz -C .st3 b && rm -rf .st3/b
   echo "carry .st3: $(du -cb .st3 | tail -1 | cut -f1) bytes + the tree"
   ;;
-quick)  # carry .st3: SmolLM2's shape on a synthetic file (one call, no model to assemble): batch-1
+quick)  # carry .st3: SmolLM2's kernel tests; its shape on a synthetic file (one call, no model to assemble): batch-1
   # decode in process with and without a mask on every step (cuda_bench's tg128, tg128_masked and
   # the masked pick's pieces) under each runtime choice in ST_TUNINGS, then the server at one
   # stream under each of ST_SERVER_TUNINGS ("default": none)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st3/b.tar.xz -C "$H"
   "$H/b/bin/xtask" synth-model smollm2-135m --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/smollm2-synth.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
+  kernel_tests smollm2-135m/q4_1
   for t in ${ST_TUNINGS:-default mask_zero_copy=on pdl=off mask_zero_copy=on,pdl=off}; do
     step "cuda_bench, $t"
     tv=$t; [ "$t" = default ] && tv=""

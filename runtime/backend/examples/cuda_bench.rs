@@ -241,8 +241,8 @@ fn main() {
     );
 
     // tg128 again under a grammar mask asked on demand at every step, as the server's engine asks
-    // it (every other token id allowed): what the masked pick (the mask's upload, mask_logits, a
-    // one-row arg-max) costs a step that still runs ahead
+    // it (every other token id allowed): what the masked pick (the mask staged, argmax_masked_1 over
+    // the row's blocks) costs a step that still runs ahead
     struct EveryOther(Vec<u32>);
     impl metrale_backend::MaskSource for EveryOther {
         fn mask(&mut self, _: usize) -> Option<Vec<u32>> {
@@ -270,7 +270,10 @@ fn main() {
                 allowed: None,
             };
             let next = b.step_masked(&[step], &[true], &mut every_other).unwrap()[0].token;
-            assert!(next % 2 == 0, "masked pick {next}: an odd id, which the mask forbids");
+            assert!(
+                next % 2 == 0,
+                "masked pick {next}: an odd id, which the mask forbids"
+            );
             h.push(next);
         }
         if rep > 0 {
@@ -290,12 +293,12 @@ fn main() {
     let pick_us = b.time_masked_pick(200).unwrap();
     if let Some([alone, staged, masked, pick]) = pick_us {
         eprintln!(
-            "decode_1 step relaunched: {alone:.1} us; + the mask staged {staged:.1}; + mask_logits {masked:.1}; + the arg-max {pick:.1} (tuning {tuning:?})"
+            "decode_1 step relaunched: {alone:.1} us; + the mask staged {staged:.1}; + mask_logits {masked:.1}; + the masked pick (staging, argmax_masked_1) {pick:.1} (tuning {tuning:?})"
         );
     }
     let pick_json = pick_us.map_or("null".to_string(), |v| {
         format!(
-            "{{\"decode_1\": {:.2}, \"staged\": {:.2}, \"mask_logits\": {:.2}, \"argmax\": {:.2}}}",
+            "{{\"decode_1\": {:.2}, \"staged\": {:.2}, \"mask_logits\": {:.2}, \"masked_pick\": {:.2}}}",
             v[0], v[1], v[2], v[3]
         )
     });

@@ -1136,6 +1136,33 @@ fn grammar_masks_on_the_device_match_the_host() {
         .collect();
     let row_of: [i32; 6] = [3, -1, 0, 4, 1, 2];
     let g = &e.gpu;
+    // argmax_masked_1 first, on the unmasked rows: each row with its mask (null for row 1), one
+    // launch over the row's blocks, the ticket re-armed between launches
+    let blocks = plan::row_blocks(v) as usize;
+    let part = g.alloc(blocks * abi::ACC_BYTES as usize).unwrap();
+    let counter = g.alloc(4).unwrap();
+    let one = (g.alloc(4).unwrap(), g.alloc(4).unwrap());
+    let mut fused: Vec<(i32, f32)> = Vec::new();
+    for (t, &m) in row_of.iter().enumerate() {
+        let lrow = g.upload(&logits[t * v..(t + 1) * v]).unwrap();
+        let mrow = (m >= 0).then(|| {
+            g.upload(&masks[m as usize * words..(m as usize + 1) * words])
+                .unwrap()
+        });
+        g.argmax_masked_1(abi::ArgmaxMaskedOne {
+            logits: lrow.ptr,
+            masks: mrow.as_ref().map_or(0, |b| b.ptr),
+            part: part.ptr,
+            counter: counter.ptr,
+            out_tok: one.0.ptr,
+            out_logprob: one.1.ptr,
+        })
+        .unwrap();
+        let (mut tk, mut l) = ([0i32], [0f32]);
+        g.read(&one.0, 0, &mut tk).unwrap();
+        g.read(&one.1, 0, &mut l).unwrap();
+        fused.push((tk[0], l[0]));
+    }
     let lb = g.upload(&logits).unwrap();
     let mb = g.upload(&masks).unwrap();
     let rb = g.upload(&row_of).unwrap();
@@ -1176,9 +1203,19 @@ fn grammar_masks_on_the_device_match_the_host() {
         let pick = hs::sample(&want, &SamplingParams::default(), &[], 0);
         assert_eq!(tok[t] as u32, pick.token, "row {t}: greedy choice");
         assert!((lp[t] - pick.logprob).abs() < 1e-4, "row {t}: logprob");
+        assert_eq!(
+            fused[t].0 as u32, pick.token,
+            "row {t}: argmax_masked_1's choice"
+        );
+        assert!(
+            (fused[t].1 - pick.logprob).abs() < 1e-4,
+            "row {t}: argmax_masked_1's logprob {} against {}",
+            fused[t].1,
+            pick.logprob
+        );
     }
     eprintln!(
-        "  mask_logits: {rows} rows ({} masked) equal to the host's apply_mask; arg-max agrees",
+        "  mask_logits: {rows} rows ({} masked) equal to the host's apply_mask; arg-max agrees, and argmax_masked_1 over {blocks} blocks",
         rows - 1
     );
 }

@@ -310,6 +310,13 @@ impl Gpu {
         self.launch(grid, self.plain(), a)
     }
 
+    /// One row's arg-max under its grammar mask, spread over the row's blocks; `part` must hold
+    /// one `abi::ACC_BYTES` partial per block (`plan::row_blocks`).
+    pub fn argmax_masked_1(&self, a: abi::ArgmaxMaskedOne) -> Result<(), BackendError> {
+        let grid = (plan::row_blocks(self.dims.vocab), 1, 1);
+        self.launch(grid, self.plain(), a)
+    }
+
     /// Seeded sampling of `a.nout` logits rows.
     pub fn sample_probs(&self, a: abi::SampleProbs) -> Result<(), BackendError> {
         self.launch((a.nout as u32, 1, 1), self.plain(), a)

@@ -604,15 +604,25 @@ impl CudaBackend {
         Ok((base, base + (n * 4) as u64))
     }
 
-    /// Mask logits row 0 with `mask` and write its arg-max and logprob over the kernel's pick
+    /// The arg-max and logprob of logits row 0 under `mask` (`argmax_masked_1`, one launch over
+    /// the row's blocks, the LM head's partials and ticket), written over the kernel's pick
     /// (`out_tok[0]`, `out_lp[0]`), where the copy back and a run-ahead launch read it.
     fn masked_pick_in_place(&mut self, mask: &[u32]) -> Result<(), BackendError> {
-        self.mask_rows(1, |_| Some(mask))?;
-        self.gpu.argmax(abi::ArgmaxLogprob {
+        let (_, masks) = self.stage_masks(1, |_| Some(mask))?;
+        let blocks = plan::row_blocks(self.gpu.dims.vocab) as usize;
+        if blocks * abi::ACC_BYTES as usize > self.b.lm_part.bytes {
+            return Err(BackendError::Device(format!(
+                "argmax_masked_1: {blocks} partials do not fit the LM head's {} bytes",
+                self.b.lm_part.bytes
+            )));
+        }
+        self.gpu.argmax_masked_1(abi::ArgmaxMaskedOne {
             logits: self.b.logits.ptr,
+            masks,
+            part: self.b.lm_part.ptr,
+            counter: self.b.lm_counter.ptr,
             out_tok: self.b.out_tok,
             out_logprob: self.b.out_lp,
-            ntok: 1,
         })
     }
 

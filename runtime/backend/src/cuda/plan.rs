@@ -96,14 +96,15 @@ pub fn split_grid(ntok: usize) -> (u32, u32, u32) {
     )
 }
 
-/// Grid of `mask_logits` over `nout` rows of `vocab` logits: a row's float4s spread over enough
-/// blocks of `SAMPLE_THREADS` that each thread takes one (the kernel loops when given fewer).
+/// Blocks of `SAMPLE_THREADS` that spread a row of `vocab` logits one float4 per thread (the
+/// kernels loop when given fewer): `mask_logits` along y, `argmax_masked_1` along x.
+pub fn row_blocks(vocab: usize) -> u32 {
+    (vocab / 4).div_ceil(SAMPLE_THREADS as usize).max(1) as u32
+}
+
+/// Grid of `mask_logits` over `nout` rows of `vocab` logits.
 pub fn mask_grid(nout: usize, vocab: usize) -> (u32, u32, u32) {
-    (
-        nout.max(1) as u32,
-        (vocab / 4).div_ceil(SAMPLE_THREADS as usize).max(1) as u32,
-        1,
-    )
+    (nout.max(1) as u32, row_blocks(vocab), 1)
 }
 
 /// Attention splits per KV head `decode_1` runs for a sequence of `len` positions under

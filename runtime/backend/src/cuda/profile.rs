@@ -138,8 +138,9 @@ impl CudaBackend {
     /// What a grammar-masked greedy pick adds to a `decode_1` step on the device: the last step
     /// relaunched `n` times back to back (host clock around the launches and one wait; the host
     /// enqueues far faster than a step runs), microseconds per step with after each launch (0)
-    /// nothing, (1) the mask's staging, (2) that and `mask_logits`, (3) the whole masked pick
-    /// (that and the one-row arg-max). `None` when the last step was not a `decode_1` step.
+    /// nothing, (1) the mask's staging, (2) that and `mask_logits` (how several rows are masked),
+    /// (3) the one-row masked pick (the staging and `argmax_masked_1`). `None` when the last step
+    /// was not a `decode_1` step.
     pub fn time_masked_pick(&mut self, n: usize) -> Result<Option<[f64; 4]>, BackendError> {
         let Some(s) = self.last_decode1 else {
             return Ok(None);
