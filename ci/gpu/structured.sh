@@ -6,7 +6,8 @@
 # server's metrale:grammar_mask* counters, before and after each run); llama.cpp's llama-server on
 # the same files, the same way. Two calls made back to back (the machine keeps ~/ while warm).
 # ST_STREAMS and ST_TOKENS (default "1 64" and 256) shorten a trial run elsewhere;
-# ST_SKIP="NAME:STREAMS:MODE ..." leaves runs out (e.g. llamacpp-l8b-q4_1:64:schema).
+# ST_SKIP="NAME:STREAMS:MODE ..." leaves runs out (e.g. llamacpp-l8b-q4_1:64:schema); ST_PEER=0
+# leaves llama.cpp out (no build, no wait).
 #
 #   bash ci/gpu/structured.sh prepare MODEL.gguf   CPU machine: .st1/ and .st2/ (the default
 #                                                  model, xz-compressed, split between them;
@@ -99,9 +100,10 @@ for n in sorted({r["streams"] for r in rows}):
 EOF
 }
 
-# NAME MODEL: llama-server's runs if it was built and there is time
+# NAME MODEL: llama-server's runs if it was built and there is time (and ST_PEER is not 0)
 with_peer() {
   local L=$H/llamacpp/build/bin/llama-server
+  [ "${ST_PEER:-1}" = 1 ] || return 0
   if [ -x "$L" ] && [ "$(left)" -gt 100 ]; then
     peer "$1" "$L" "$2"
   else
@@ -143,16 +145,20 @@ prepare)
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .st1/b.tar.xz -C "$H" && cp .st1/part.aa "$H/b/"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$R/gpu.txt"
-  step "llama.cpp build (background)"
-  bash ci/gpu/llamacpp.sh bench .st1/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  if [ "${ST_PEER:-1}" = 1 ]; then
+    step "llama.cpp build (background)"
+    bash ci/gpu/llamacpp.sh bench .st1/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  fi
   kernel_tests smollm2-135m/q4_1 llama-3.1-8b/q4_1
   step "synth-model: 8B q4_1 GGUF"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee "$R/synth.txt"
   # the servers measured once the build no longer takes the CPU
-  step "llama.cpp build: waiting"
-  for _ in $(seq 70); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done" 2>/dev/null | tee -a "$R/steps.txt"
+  if [ "${ST_PEER:-1}" = 1 ]; then
+    step "llama.cpp build: waiting"
+    for _ in $(seq 70); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+    cat "$H/llamacpp/build.done" 2>/dev/null | tee -a "$R/steps.txt"
+  fi
   runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
   with_peer llamacpp-l8b-q4_1 "$H/s/l8b-q4_1.gguf"
   finish call1

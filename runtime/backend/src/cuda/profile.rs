@@ -159,7 +159,7 @@ impl CudaBackend {
                         self.stage_masks(1, |_| Some(&mask[..]))?;
                     }
                     2 => self.mask_rows(1, |_| Some(&mask[..]))?,
-                    _ => self.masked_pick_in_place(&mask)?,
+                    _ => self.masked_pick(&mask, (self.b.out_tok, self.b.out_lp))?,
                 }
             }
             self.gpu.sync()?;
