@@ -12,8 +12,9 @@ Usage: python3 bench/load/load.py --base http://127.0.0.1:8080 --streams 256 \
 --expect-all-ok: exit 1 unless every request finished (no refusals either).
 --schema: every request asks for JSON output under this JSON schema (OpenAI response_format
 json_schema); each answer must then parse as JSON (counted in "invalid_json"), and a request ends
-when its JSON is complete (without --schema every request sets ignore_eos and runs to --max-tokens). bench/structured/long-array.json keeps answers ~200 tokens long, so
-constrained and unconstrained decode rates compare.
+when its JSON is complete (without --schema every request sets ignore_eos and runs to --max-tokens).
+bench/structured/long-array.json keeps answers long (60 three-digit numbers), so constrained and
+unconstrained decode rates compare.
 """
 
 import argparse

@@ -271,7 +271,7 @@ fn main() {
             };
             let next = b.step_masked(&[step], &[true], &mut every_other).unwrap()[0].token;
             assert!(
-                next % 2 == 0,
+                next.is_multiple_of(2),
                 "masked pick {next}: an odd id, which the mask forbids"
             );
             h.push(next);

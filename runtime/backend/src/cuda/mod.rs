@@ -26,7 +26,7 @@
 //!   inputs are kernel arguments) unless `Tuning::persistent_decode` is off or the device cannot run it.
 //! - Run-ahead (`Tuning::run_ahead`, on by default): when such a step's token is the device's greedy
 //!   pick (for a constrained sequence: the arg-max under its grammar mask, computed on the host
-//!   while the step runs and written over the kernel's pick), the next step (position + 1, its token read on the device from this step's pick) is
+//!   while the step runs, by `argmax_masked_1` over the kernel's pick), the next step (position + 1, its token read on the device from this step's pick) is
 //!   enqueued before the host waits for this one, so the host's and the engine's work between
 //!   tokens overlap the GPU's. When the engine's next call is exactly that step, it only collects
 //!   it; otherwise the run-ahead launch was spare work whose only writes are the scratch outputs and
