@@ -8,7 +8,10 @@
 # Fails loudly: any step that fails stops the run with its exit status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step() { printf '\n==> %s\n' "$*" >&2; }
+T0=$(date +%s)
+# each step's header with the minutes and seconds since the start (where a slow run spent its time)
+step() { local t=$(($(date +%s) - T0)); printf '\n==> [%d:%02d] %s\n' $((t / 60)) $((t % 60)) "$*" >&2; }
+trap 'step "end (exit status $?)"' EXIT
 
 step "format and lints (cargo fmt, clippy -D warnings, with and without the cuda feature)"
 cargo fmt --all --check

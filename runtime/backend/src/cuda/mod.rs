@@ -928,7 +928,7 @@ mod tests {
             .parse("pdl=off,attention_cluster=off,lm_head_1=off")
             .unwrap();
         assert!(!bisect.pdl && !bisect.attention_cluster && !bisect.lm_head_1 && bisect.graphs);
-        assert!(t.decode_gemm && t.pdl && t.attention_cluster && t.lm_head_1);
+        assert!(t.decode_gemm && t.pdl && t.attention_cluster && t.lm_head_1 && t.mask_zero_copy);
         assert!(t.parse("graphs").unwrap_err().contains("key=on|off"));
     }
 }
