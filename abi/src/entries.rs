@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
     ATT_THREADS, DECODE_THREADS, EMBED_THREADS, GEMM_THREADS, MV_THREADS, SAMPLE_THREADS,
-    SPLIT_THREADS, WG_THREADS,
+    SPLIT_THREADS, TMA_THREADS, WG_THREADS,
 };
 
 macro_rules! field_ty {
@@ -24,6 +24,9 @@ macro_rules! field_ty {
     (u32) => {
         u32
     };
+    (tmap) => {
+        crate::TmaMap
+    };
 }
 
 macro_rules! param_ty {
@@ -35,6 +38,9 @@ macro_rules! param_ty {
     };
     (u32) => {
         Ty::U32
+    };
+    (tmap) => {
+        Ty::TensorMap
     };
 }
 
@@ -395,6 +401,72 @@ entries! {
         x: ptr<"float">,
         ntok: i32,
         tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM (kernels/cuda/gemm_tma.cu.hbs): the QKV product with the RoPE +
+    /// KV-write epilogue. `amap`, `wmap`: tensor maps of the bf16 activations and weights; `cfg`:
+    /// the block tile (`layout::TMA_CONFIGS`); `splits`: K splits; grid = (blocks, 1, 1), each block
+    /// looping over its units; dynamic shared memory `layout::tma_smem_bytes(cfg)` (`plan::tma_plan`).
+    TmaQkv = "gemm_tma" / "tma_qkv", threads TMA_THREADS, {
+        amap: tmap,
+        wmap: tmap,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
+        layer: i32,
+        max_blocks: i32,
+        ntok: i32,
+        cfg: i32,
+        splits: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM: output projection + residual.
+    TmaO = "gemm_tma" / "tma_o", threads TMA_THREADS, {
+        amap: tmap,
+        wmap: tmap,
+        x: ptr<"float">,
+        ntok: i32,
+        cfg: i32,
+        splits: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM: gate/up + SiLU(gate) * up.
+    TmaGu = "gemm_tma" / "tma_gu", threads TMA_THREADS, {
+        amap: tmap,
+        wmap: tmap,
+        h: ptr<"float">,
+        ntok: i32,
+        cfg: i32,
+        splits: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM: down projection + residual.
+    TmaDown = "gemm_tma" / "tma_down", threads TMA_THREADS, {
+        amap: tmap,
+        wmap: tmap,
+        x: ptr<"float">,
+        ntok: i32,
+        cfg: i32,
+        splits: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM: the LM head's logits (bf16 head), `ntok` rows.
+    TmaLogits = "gemm_tma" / "tma_logits", threads TMA_THREADS, {
+        amap: tmap,
+        wmap: tmap,
+        logits: ptr<"float">,
+        ntok: i32,
+        cfg: i32,
+        splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }

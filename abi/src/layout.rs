@@ -9,8 +9,8 @@
 use metrale_core::shape::Dims;
 
 use crate::{
-    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, PADDED_BLOCK, TOK_TILE_BYTES, TOK_TILE_MAX,
-    WG_BK, WG_BM, WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL,
+    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, PADDED_BLOCK, TMA_BK, TMA_MAX_STAGES, TMA_SMEM,
+    TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM, WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL,
 };
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
@@ -135,6 +135,40 @@ pub fn wg_smem_bytes(n: usize) -> usize {
     wg_stages(n) * wg_stage_bytes(n) + 1024
 }
 
+/// The block tiles of the warp-specialised Hopper GEMMs (`tma::bm`, `tma::bn`; a launch's `cfg` is an
+/// index here): (tokens, weight rows). 128 tokens are the two consumer warpgroups' 64 rows each,
+/// every warpgroup on all the block's weight rows; 64 tokens are shared by both warpgroups, each on
+/// half the weight rows (for chunks where a 128-token tile would be mostly empty). The weight-row
+/// widths are the wgmma N sizes that divide the 8B shape's products (6144, 4096, 28672, 128256
+/// rows) into tile counts that fill 132 SMs well (`plan::tma_plan`).
+pub const TMA_CONFIGS: [(usize, usize); 6] = [
+    (128, 256),
+    (128, 224),
+    (128, 192),
+    (128, 128),
+    (64, 256),
+    (64, 128),
+];
+
+/// Bytes of one pipeline stage of a warp-specialised GEMM block of tile `cfg` (`tma::stage_bytes`):
+/// its token rows and weight rows, [`TMA_BK`] bf16 elements each.
+pub fn tma_stage_bytes(cfg: usize) -> usize {
+    let (bm, bn) = TMA_CONFIGS[cfg];
+    (bm + bn) * TMA_BK as usize * 2
+}
+
+/// Pipeline stages of tile `cfg` (`tma::stages`): as many as fit in [`TMA_SMEM`], at most
+/// [`TMA_MAX_STAGES`].
+pub fn tma_stages(cfg: usize) -> usize {
+    (TMA_SMEM as usize / tma_stage_bytes(cfg)).min(TMA_MAX_STAGES as usize)
+}
+
+/// Dynamic shared memory of tile `cfg` (`tma::smem_bytes`): its stages and 1 KiB to align them to
+/// the 1024 bytes the 128-byte swizzle repeats over.
+pub fn tma_smem_bytes(cfg: usize) -> usize {
+    tma_stages(cfg) * tma_stage_bytes(cfg) + 1024
+}
+
 /// The `static_assert`s of template `template` for a target of shape `d` on `sm_count` SMs: each
 /// compares an expression the kernel computes with the number the host computes for it. Empty for
 /// templates whose launches depend on no host formula.
@@ -153,6 +187,17 @@ pub fn asserts(template: &str, d: &Dims, sm_count: usize) -> String {
                 s += &check(
                     &format!("wg::smem_bytes({n})"),
                     wg_smem_bytes(n),
+                    "dynamic shared memory per block",
+                );
+            }
+        }
+        "gemm_tma" => {
+            for (c, &(bm, bn)) in TMA_CONFIGS.iter().enumerate() {
+                s += &check(&format!("tma::bm({c})"), bm, "tokens per block tile");
+                s += &check(&format!("tma::bn({c})"), bn, "weight rows per block tile");
+                s += &check(
+                    &format!("tma::smem_bytes({c})"),
+                    tma_smem_bytes(c),
                     "dynamic shared memory per block",
                 );
             }

@@ -36,6 +36,10 @@ pub enum Ty {
     I32,
     /// `unsigned int`.
     U32,
+    /// A TMA tensor map ([`TmaMap`], 128 bytes) passed by value: `const __grid_constant__
+    /// abi::TmaMap` in the kernel, whose bulk tensor copies read it where it lies (the parameter
+    /// space), so no device buffer holds maps and a graph captures them with the launch.
+    TensorMap,
 }
 
 impl Ty {
@@ -44,6 +48,7 @@ impl Ty {
         match self {
             Ty::Ptr(_) => ".u64",
             Ty::I32 | Ty::U32 => ".u32",
+            Ty::TensorMap => ".align 64 .b8",
         }
     }
 
@@ -53,9 +58,16 @@ impl Ty {
             Ty::Ptr(_) => "a device pointer",
             Ty::I32 => "an int",
             Ty::U32 => "an unsigned int",
+            Ty::TensorMap => "a 128-byte TMA tensor map",
         }
     }
 }
+
+/// A TMA tensor map as the driver encodes it (`cuTensorMapEncodeTiled`: 128 opaque bytes, 64-byte
+/// aligned), passed to a kernel by value ([`Ty::TensorMap`]).
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TmaMap(pub [u64; 16]);
 
 /// One parameter of an entry point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +89,7 @@ impl Param {
             Ty::Ptr(t) => format!("{t}* __restrict__ {}", self.name),
             Ty::I32 => format!("int {}", self.name),
             Ty::U32 => format!("unsigned int {}", self.name),
+            Ty::TensorMap => format!("const __grid_constant__ abi::TmaMap {}", self.name),
         }
     }
 }
@@ -191,6 +204,17 @@ pub const WG_BK: u32 = 64;
 pub const WG_SMEM_SMALL: u32 = 98304;
 pub const WG_SMEM_LARGE: u32 = 200704;
 pub const WG_MAX_STAGES: u32 = 8;
+/// Threads per block of the warp-specialised Hopper GEMMs (`tma_*`, kernels/cuda/gemm_tma.cu.hbs):
+/// a producer warpgroup (one thread issues the bulk tensor copies) and two consumer warpgroups on
+/// wgmma. [`TMA_BK`] elements of K per pipeline stage (one 128-byte swizzle row of bf16); the
+/// copies move boxes of [`TMA_ABOX`] activation rows and [`TMA_WBOX`] weight rows; the stages of a
+/// block fill at most [`TMA_SMEM`] bytes, and at most [`TMA_MAX_STAGES`].
+pub const TMA_THREADS: u32 = 384;
+pub const TMA_BK: u32 = 64;
+pub const TMA_ABOX: u32 = 64;
+pub const TMA_WBOX: u32 = 32;
+pub const TMA_SMEM: u32 = 229376;
+pub const TMA_MAX_STAGES: u32 = 8;
 /// Tokens per block of the paged KV cache (`metrale_core::shape::KV_BLOCK`): K and V of a
 /// sequence's position p live in pool block `tables[slot * max_blocks + p / KV_BLOCK]`, laid out
 /// `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`kv_t`: f32 or bf16).
@@ -228,6 +252,12 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("WG_SMEM_LARGE", WG_SMEM_LARGE as i64),
     ("WG_MAX_STAGES", WG_MAX_STAGES as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
+    ("TMA_THREADS", TMA_THREADS as i64),
+    ("TMA_BK", TMA_BK as i64),
+    ("TMA_ABOX", TMA_ABOX as i64),
+    ("TMA_WBOX", TMA_WBOX as i64),
+    ("TMA_SMEM", TMA_SMEM as i64),
+    ("TMA_MAX_STAGES", TMA_MAX_STAGES as i64),
     ("KV_BLOCK", KV_BLOCK as i64),
 ];
 
@@ -248,6 +278,10 @@ pub fn prelude() -> String {
     for d in device::STRUCTS {
         s.push_str(&d.c_definition());
     }
+    s.push_str(
+        "// a TMA tensor map (the driver's CUtensorMap, opaque), passed to kernels by value\n\
+         struct alignas(64) TmaMap { unsigned long long v[16]; };\n",
+    );
     s.push_str("}  // namespace abi\n");
     s
 }

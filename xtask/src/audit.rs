@@ -34,7 +34,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let repo = args.repo.clone().unwrap_or_else(build_target::repo_root);
+    let repo = build_target::repo_or_root(&args.repo)?;
     let bytes = std::fs::read(&args.binary)
         .with_context(|| format!("reading {}", args.binary.display()))?;
     let (_, section) = build_target::section_of(&bytes)?.with_context(|| {
@@ -104,7 +104,7 @@ pub fn run(args: Args) -> Result<()> {
                 let jobs = std::thread::available_parallelism()
                     .map(|n| n.get())
                     .unwrap_or(2);
-                let cache = build_target::default_cache();
+                let cache = build_target::default_cache()?;
                 match build_target::compile_kernels(&repo, spec, &cache, jobs, true, "rebuild") {
                     Ok(v) => v.into_iter().map(|k| (k.name.clone(), k)).collect(),
                     Err(e) => {

@@ -365,7 +365,9 @@ pub fn run(args: Args) -> Result<()> {
         if here.is_file() {
             here
         } else {
-            crate::lock::lock_path(&crate::build_target::repo_root())
+            crate::build_target::repo_root()
+                .map(|r| crate::lock::lock_path(&r))
+                .unwrap_or(here)
         }
     });
     let kernels_lock = lock_check(&lock, &target, &attestation)?;

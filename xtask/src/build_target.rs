@@ -49,24 +49,45 @@ pub struct Args {
     pub cache: Option<PathBuf>,
 }
 
-/// The repository xtask was built from.
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the repo root")
-        .to_path_buf()
+/// The metrale checkout xtask works in: the nearest folder at or above the working directory that
+/// holds `targets/` and `kernels/` ([`find_repo`]). Never the path xtask was built at, so a binary
+/// carried to another machine works in whatever checkout it is run from.
+pub fn repo_root() -> Result<PathBuf> {
+    let cwd = std::env::current_dir().context("reading the working directory")?;
+    find_repo(&cwd).with_context(|| {
+        format!(
+            "no metrale checkout (a folder holding targets/ and kernels/) at or above {}: run xtask from inside a checkout, or pass --repo DIR",
+            cwd.display()
+        )
+    })
 }
 
-/// Cargo's target folder (env CARGO_TARGET_DIR or <repo>/target).
-pub fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => repo_root().join("target"),
+/// The nearest folder at or above `start` that holds `targets/` and `kernels/`.
+pub fn find_repo(start: &Path) -> Option<PathBuf> {
+    start
+        .ancestors()
+        .find(|d| d.join("targets").is_dir() && d.join("kernels").is_dir())
+        .map(Path::to_path_buf)
+}
+
+/// `repo`, or where [`repo_root`] finds one.
+pub fn repo_or_root(repo: &Option<PathBuf>) -> Result<PathBuf> {
+    match repo {
+        Some(r) => Ok(r.clone()),
+        None => repo_root(),
     }
 }
 
-pub fn default_cache() -> PathBuf {
-    target_dir().join("metrale-cache")
+/// Cargo's target folder (env CARGO_TARGET_DIR or <repo>/target).
+pub fn target_dir() -> Result<PathBuf> {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(p) if !p.is_empty() => Ok(PathBuf::from(p)),
+        _ => Ok(repo_root()?.join("target")),
+    }
+}
+
+pub fn default_cache() -> Result<PathBuf> {
+    Ok(target_dir()?.join("metrale-cache"))
 }
 
 /// The repo-relative TOML files a target was read from, with their texts.
@@ -156,7 +177,7 @@ pub fn compile_kernels(
     let req = BuildRequest {
         repo,
         spec,
-        toolchain_dir: metrale_codegen::toolchain::default_dir(&repo_root()),
+        toolchain_dir: metrale_codegen::toolchain::default_dir(&repo_root()?),
         cache_dir: cache,
         jobs,
         force_compile: force,
@@ -276,7 +297,7 @@ fn now() -> String {
 pub fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
     let started = now();
-    let repo = args.repo.clone().unwrap_or_else(repo_root);
+    let repo = repo_or_root(&args.repo)?;
     let id = TargetId::new(&args.hw, &args.model, &args.quant);
     let spec = TargetSpec::load(&repo.join("targets"), &id)
         .with_context(|| format!("loading target {id}"))?;
@@ -284,7 +305,10 @@ pub fn run(args: Args) -> Result<()> {
         repo.join("dist")
             .join(format!("{}-{}-{}", id.hw, id.model, id.quant))
     });
-    let cache = args.cache.clone().unwrap_or_else(default_cache);
+    let cache = match args.cache.clone() {
+        Some(c) => c,
+        None => default_cache()?,
+    };
     let jobs = args.jobs.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -363,11 +387,11 @@ fn build_server(
     out: &Path,
 ) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = target_dir().join("release").join("metrale-server");
+    let built = target_dir()?.join("release").join("metrale-server");
     let dest = out.join("metrale-server");
     for attempt in 0..2 {
         let mut cmd = Command::new(&cargo);
-        cmd.current_dir(repo_root())
+        cmd.current_dir(repo_root()?)
             .args(["build", "--release", "-p", "metrale-server"]);
         if spec.hardware.backend == BackendKind::Cuda {
             cmd.args(["--features", "cuda"]);
@@ -405,4 +429,25 @@ fn build_server(
         built.display(),
         pack_path.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checkout is found from any folder inside it, never from where xtask was built.
+    #[test]
+    fn the_repo_is_found_above_the_working_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let repo = t.path().join("checkout");
+        for d in ["targets/models", "kernels/cuda", "bench/gemm"] {
+            std::fs::create_dir_all(repo.join(d)).unwrap();
+        }
+        assert_eq!(find_repo(&repo), Some(repo.clone()));
+        assert_eq!(find_repo(&repo.join("bench/gemm")), Some(repo.clone()));
+        // a folder with targets/ alone is not a checkout
+        let other = t.path().join("other");
+        std::fs::create_dir_all(other.join("targets")).unwrap();
+        assert_eq!(find_repo(&other), None);
+    }
 }

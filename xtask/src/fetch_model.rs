@@ -59,10 +59,10 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// The model cache folder: `$METRALE_MODELS_DIR` or `<repo>/.models`.
-pub fn models_dir() -> PathBuf {
+pub fn models_dir() -> Result<PathBuf> {
     match std::env::var_os("METRALE_MODELS_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => crate::build_target::repo_root().join(".models"),
+        Some(d) if !d.is_empty() => Ok(PathBuf::from(d)),
+        _ => Ok(crate::build_target::repo_root()?.join(".models")),
     }
 }
 
@@ -77,7 +77,7 @@ pub fn known(name: &str) -> Result<&'static KnownModel> {
 /// Fetch (or reuse) a known model; returns the absolute path of the verified file.
 pub fn fetch(name: &str, force: bool) -> Result<PathBuf> {
     let m = known(name)?;
-    let dir = models_dir();
+    let dir = models_dir()?;
     std::fs::create_dir_all(&dir)
         .with_context(|| format!("creating the model cache {}", dir.display()))?;
     let dir = dir

@@ -12,7 +12,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let repo = args.repo.unwrap_or_else(crate::build_target::repo_root);
+    let repo = crate::build_target::repo_or_root(&args.repo)?;
     let root = repo.join("targets");
     let ids = list_targets(&root)?;
     let mut bad = 0;

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use metrale_core::target::{list_targets, BackendKind, TargetSpec};
 
-use crate::build_target::{compile_kernels, default_cache, repo_root};
+use crate::build_target::{compile_kernels, default_cache, repo_or_root};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -130,8 +130,11 @@ pub fn diff(locked: &Entries, now: &Entries) -> Vec<String> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let repo = args.repo.clone().unwrap_or_else(repo_root);
-    let cache = args.cache.clone().unwrap_or_else(default_cache);
+    let repo = repo_or_root(&args.repo)?;
+    let cache = match args.cache.clone() {
+        Some(c) => c,
+        None => default_cache()?,
+    };
     let now = current(&repo, &cache)?;
     let path = lock_path(&repo);
     if args.check {

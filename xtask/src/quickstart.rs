@@ -66,7 +66,7 @@ fn step(n: usize, what: &str) {
 pub fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
     let hw = args.hw.clone().unwrap_or_else(detect_hw);
-    let repo = crate::build_target::repo_root();
+    let repo = crate::build_target::repo_root()?;
 
     step(1, &format!("model: cargo xtask fetch-model {MODEL}"));
     let model = crate::fetch_model::fetch(MODEL, false)?;

@@ -72,6 +72,10 @@ pub struct Args {
     /// Worker threads (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// The checkout whose targets/models/ holds the shape (default: the nearest folder at or above
+    /// the working directory that holds targets/ and kernels/).
+    #[arg(long)]
+    pub repo: Option<PathBuf>,
 }
 
 /// How a tensor's values are drawn.
@@ -100,7 +104,7 @@ struct Tensor {
 
 pub fn run(args: Args) -> Result<()> {
     let t0 = Instant::now();
-    let root = crate::build_target::repo_root().join("targets");
+    let root = crate::build_target::repo_or_root(&args.repo)?.join("targets");
     let mut shape = if args.model.ends_with(".toml") {
         read_model_shape(Path::new(&args.model))?
     } else {

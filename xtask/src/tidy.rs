@@ -204,10 +204,7 @@ pub fn check(repo: &Path) -> Result<Vec<String>> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let repo = args
-        .repo
-        .clone()
-        .unwrap_or_else(crate::build_target::repo_root);
+    let repo = crate::build_target::repo_or_root(&args.repo)?;
     let problems = check(&repo)?;
     if problems.is_empty() {
         eprintln!("tidy: {} clean", repo.display());

@@ -30,7 +30,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let repo = crate::build_target::repo_root();
+    let repo = crate::build_target::repo_root()?;
     let dir = args
         .dir
         .clone()

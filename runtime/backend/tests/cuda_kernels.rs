@@ -874,9 +874,10 @@ const HOPPER_TOL: f64 = 1e-2;
 
 /// The GEMM path's four products (`GemmPath`: on Hopper with bf16 weights the wgmma kernels, else
 /// the mma.sync ones) against the CPU ops, each product fed with the reference input so they are
-/// checked separately, for chunks of 16, 29, 77 and 160 tokens (on Hopper: token tiles of 16, 32
-/// and 128, a partial tile, two tiles, and split-K where the tiles are few), two slots, scattered
-/// positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
+/// checked separately, for chunks of 16, 29, 77, 160 and 300 tokens (on Hopper: `gemm_hopper`'s
+/// token tiles of 16, 32 and 128 below `gemm::TMA_MIN_TOKENS`, the warp-specialised kernels from
+/// it, whose 300-token gate/up has more tiles than SMs, so blocks loop; partial tiles, two or three
+/// tiles, and split-K where the tiles are few), two slots, scattered positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
 /// exactly and activations as f16 hi + lo pairs (~2^-22), so its error is f32 accumulation order;
 /// the Hopper path to [`HOPPER_TOL`]. Split-K is checked to be deterministic: the output projection
 /// run twice gives the same bits.
@@ -895,7 +896,7 @@ fn gemm_prefill_products_match_cpu_ops() {
         wu: Mat::new(&mut e.rng, e.wf, d.ffn, d.hidden),
         wd: Mat::new(&mut e.rng, e.wf, d.hidden, d.ffn),
     };
-    let p = GemmPath::new(&e.gpu, 160).expect("gemm kernels");
+    let p = GemmPath::new(&e.gpu, 300).expect("gemm kernels");
     eprintln!(
         "  path: {}",
         if p.hopper() {
@@ -904,11 +905,106 @@ fn gemm_prefill_products_match_cpu_ops() {
             "mma.sync (f16 hi/lo)"
         }
     );
-    for n in [16, 29, 77, 160] {
+    for n in [16, 29, 77, 160, 300] {
         check_gemm_products(&mut e, &p, &w, n);
     }
     if p.head_pays(&d, 5) {
         check_gemm_logits(&mut e, &p);
+    }
+}
+
+/// Every block tile of the warp-specialised GEMMs (`layout::TMA_CONFIGS`) and K splits of 1, 2
+/// and 5 (uneven shares of K) where they fit (`plan::tma_launch`) on the output projection over 150 tokens (two 128-token tiles or
+/// three 64-token tiles, the last partial), against the CPU ops within [`HOPPER_TOL`]; split
+/// launches twice, which must give the same bits; then the LM head over 150 rows on its planned
+/// launch, 6 of the rows checked.
+#[test]
+fn tma_gemm_tiles_and_splits_match_cpu_ops() {
+    use metrale_backend::cuda::gemm::{GemmPath, Product};
+    let Some(mut e) = env("tma") else { return };
+    if !e.gpu.tma_gemm {
+        eprintln!("tma: skipped: the warp-specialised GEMMs run on sm_90a cubins of bf16 targets");
+        return;
+    }
+    let d = e.d;
+    let (n, qd) = (150, d.qd());
+    let wo = Mat::new(&mut e.rng, e.wf, d.hidden, qd);
+    let att = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
+    let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+    let want: Vec<f32> = {
+        use rayon::prelude::*;
+        (0..n)
+            .into_par_iter()
+            .flat_map_iter(|t| {
+                let y = wo.matvec(&att[t * qd..(t + 1) * qd]);
+                x[t * d.hidden..(t + 1) * d.hidden]
+                    .iter()
+                    .zip(y)
+                    .map(|(a, b)| a + b)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let g = &e.gpu;
+    let p = GemmPath::new(g, n).expect("gemm kernels");
+    let wo_b = DevMat::upload(g, &wo.host(e.wf)).unwrap();
+    let ab = g.upload(&att).unwrap();
+    // the conversion (and the planned product, on a scratch row set) leaves bf16(att) in the scratch
+    let scratch = g.upload(&x).unwrap();
+    p.out_proj(g, ab.ptr, &wo_b, scratch.ptr, n).unwrap();
+    let mut tried = 0;
+    for (cfg, &(bm, bn)) in abi::layout::TMA_CONFIGS.iter().enumerate() {
+        for splits in [1, 2, 5] {
+            let Some(l) = plan::tma_launch(d.hidden, qd, n, cfg, splits, g.sm_count) else {
+                continue;
+            };
+            let what = format!("tma {bm}x{bn} splits {splits}: x + Wo*att");
+            let mut bits = Vec::new();
+            for _ in 0..if splits > 1 { 2 } else { 1 } {
+                let xo = g.upload(&x).unwrap();
+                p.tma_product(g, Product::Out { x: xo.ptr }, &wo_b, n, l)
+                    .unwrap();
+                let got = read_f32(g, &xo, n * d.hidden);
+                check_tol(&what, &got, &want, HOPPER_TOL);
+                bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            }
+            assert!(bits.windows(2).all(|w| w[0] == w[1]), "{what}: two runs differ");
+            tried += 1;
+        }
+    }
+    // SmolLM2's 576 rows take only the 192-row tiles; the 8B's 4096 every one
+    eprintln!("  {tried} tile/split launches fit this shape");
+    assert!(tried >= 1, "no warp-specialised launch fits {} rows", d.hidden);
+    // the LM head over n rows (from gemm::TMA_MIN_TOKENS on the warp-specialised kernels)
+    if p.head_pays(&d, n) {
+        let xh = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
+        let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+        let head = Mat::new(&mut e.rng, e.ef, d.vocab, d.hidden);
+        let sel: Vec<i32> = (0..n as i32).rev().collect();
+        let (xb, nb, hb, sb) = (
+            g.upload(&xh).unwrap(),
+            g.upload(&norm).unwrap(),
+            DevMat::upload(g, &head.host(e.ef)).unwrap(),
+            g.upload(&sel).unwrap(),
+        );
+        let lb = poisoned(g, n * d.vocab);
+        p.logits(g, xb.ptr, sb.ptr, nb.ptr, &hb, lb.ptr, n).unwrap();
+        let all = read_f32(g, &lb, n * d.vocab);
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for t in [0, 1, 63, 64, 128, n - 1] {
+            let s = sel[t] as usize;
+            let mut xn = vec![0f32; d.hidden];
+            ops::rmsnorm(&xh[s * d.hidden..(s + 1) * d.hidden], &norm, e.eps, &mut xn);
+            want.extend(head.matvec(&xn));
+            got.extend_from_slice(&all[t * d.vocab..(t + 1) * d.vocab]);
+        }
+        check_tol(
+            &format!("gemm logits over {n} rows, 6 checked (planned launch)"),
+            &got,
+            &want,
+            HOPPER_TOL,
+        );
+        assert!(all.iter().all(|v| v.is_finite()), "an LM-head row left unwritten");
     }
 }
 

@@ -409,4 +409,50 @@ impl Device {
         .result()
         .map_err(dev_err(format!("launch {what}")))
     }
+
+    /// The TMA tensor map of a row-major bf16 matrix `[rows][k]` at device address `ptr`, read in
+    /// boxes of `box_rows` rows x 64 elements (one 128-byte row each) into shared memory in the
+    /// 128-byte swizzle (`gemm_tma.cu.hbs`'s matrix descriptors name that layout); rows past
+    /// `rows` read as zeros. A pure encoding: it touches no memory.
+    pub fn tma_map_bf16(
+        &self,
+        ptr: u64,
+        rows: usize,
+        k: usize,
+        box_rows: u32,
+    ) -> Result<metrale_abi::TmaMap, BackendError> {
+        if ptr % 16 != 0 || (k * 2) % 16 != 0 || k < 64 || rows == 0 || box_rows > 256 {
+            return Err(BackendError::Invalid(format!(
+                "TMA map of [{rows}][{k}] bf16 at {ptr:#x}: needs a 16-byte aligned start, rows of a multiple of 16 bytes and at least 64 elements, and boxes of at most 256 rows (asked {box_rows})"
+            )));
+        }
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        let dims = [k as u64, rows as u64];
+        let strides = [(k * 2) as u64];
+        let boxes = [64u32, box_rows];
+        let elem = [1u32, 1];
+        // SAFETY: every pointer names a live local array of the rank (2) the call reads; the
+        // driver only encodes them into `map`.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                ptr as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+        .result()
+        .map_err(dev_err(format!(
+            "encode the TMA map of [{rows}][{k}] bf16 (boxes of {box_rows} rows)"
+        )))?;
+        Ok(metrale_abi::TmaMap(map.opaque))
+    }
 }

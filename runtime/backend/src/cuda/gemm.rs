@@ -1,9 +1,12 @@
 //! The GEMM path: the four layer products of a chunk as GEMMs with fused epilogues (RoPE + KV-cache
 //! write, residual add, SiLU * up), and the scratch they need. Two implementations:
-//! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins, bf16 weights), `gemm_hopper.cu.hbs`: warpgroup
-//!   MMAs (wgmma) fed by a cp.async pipeline, the activations converted once per product to bf16,
-//!   the narrow products split over K when their tiles alone would leave SMs idle
-//!   (`plan::wg_plan`);
+//! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins, bf16 weights), the activations converted once
+//!   per product to bf16 (`gemm_hopper.cu.hbs`'s `wg_act_*`), then warpgroup MMAs (wgmma): from
+//!   [`TMA_MIN_TOKENS`] tokens the warp-specialised kernels of `gemm_tma.cu.hbs` (a producer
+//!   thread's bulk tensor copies into a ring of stages, two consumer warpgroups, persistent tiles
+//!   of 64-128 tokens by 128-256 weight rows, K split where the tiles are few: `plan::tma_plan`),
+//!   below it `gemm_hopper.cu.hbs`'s (one warpgroup, cp.async, weight rows on the instruction's M
+//!   side so that a 16-token tile wastes nothing: `plan::wg_plan`);
 //! - elsewhere, `gemm.cu.hbs` on mma.sync, each product's activations split once into f16 hi/lo
 //!   pairs and block sums (RMSNorm folded into the split), exact to the f32 reference's ~1e-6.
 //!
@@ -20,11 +23,15 @@
 //! between launches (the last split of a tile resets its own); nothing here allocates after
 //! [`GemmPath::new`].
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use metrale_abi as abi;
 use metrale_core::BackendError;
 
 use super::device::DevBuf;
 use super::launch::Gpu;
+use super::plan::{self, TmaPlan};
 use super::weights::DevMat;
 
 /// Chunks of this many tokens always take the GEMM path (measured on SmolLM2, where the
@@ -85,6 +92,12 @@ pub fn gemm_from(d: &metrale_core::shape::Dims, hopper: bool) -> usize {
         .unwrap_or(MIN_TOKENS)
 }
 
+/// Chunks of this many tokens and more run the Hopper products on the warp-specialised kernels
+/// (`gemm_tma.cu.hbs`) where `Gpu::tma_gemm` and a tile divides the product's rows; fewer on
+/// `gemm_hopper.cu.hbs`'s, whose weight rows sit on the instruction's M side so a tile of 16-64
+/// tokens wastes no MMA work.
+pub const TMA_MIN_TOKENS: usize = 128;
+
 /// The inputs of the QKV product besides the activations and weights (what `attn_in` also takes).
 #[derive(Debug, Clone, Copy)]
 pub struct QkvOut {
@@ -99,14 +112,64 @@ pub struct QkvOut {
     pub max_blocks: i32,
 }
 
+/// One product of the Hopper GEMM path, with where its epilogue writes.
+#[derive(Debug, Clone, Copy)]
+pub enum Product {
+    /// QKV projection, RoPE, q out and K/V into the cache.
+    Qkv(QkvOut),
+    /// x += a * Wo^T
+    Out { x: u64 },
+    /// h = SiLU(gate) * up (gate and up rows interleaved)
+    GateUp { h: u64 },
+    /// x += a * Wdown^T
+    Down { x: u64 },
+    /// logits = a * Whead^T (a bf16 head)
+    Head { logits: u64 },
+}
+
+impl Product {
+    /// Its short name (the benchmarks' tables).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Product::Qkv(_) => "qkv",
+            Product::Out { .. } => "o",
+            Product::GateUp { .. } => "gate_up",
+            Product::Down { .. } => "down",
+            Product::Head { .. } => "lm_head",
+        }
+    }
+
+    /// (output rows, row length) of its weight matrix at shape `d`: what its kernels are compiled for.
+    pub fn shape(&self, d: &metrale_core::shape::Dims) -> (usize, usize) {
+        match self {
+            Product::Qkv(_) => (d.qd() + 2 * d.kd(), d.hidden),
+            Product::Out { .. } => (d.hidden, d.qd()),
+            Product::GateUp { .. } => (2 * d.ffn, d.hidden),
+            Product::Down { .. } => (d.hidden, d.ffn),
+            Product::Head { .. } => (d.vocab, d.hidden),
+        }
+    }
+}
+
+/// A tensor map's inputs: (address, rows, row length, box rows).
+type MapKey = (u64, usize, usize, u32);
+
 /// The GEMM path of one backend: which kernels it runs, and their scratch.
 pub struct GemmPath {
     hi: DevBuf,
     lo: DevBuf,
     sx: DevBuf,
     max_tokens: usize,
-    /// The Hopper path's split-K partials and tickets (`plan::wg_scratch_bytes`), where it runs.
+    /// The longest row of the products (the activation scratch is `[max_tokens][kmax]`).
+    kmax: usize,
+    /// The Hopper path's split-K partials and tickets (the larger of `plan::wg_scratch_bytes` and
+    /// `plan::tma_scratch_bytes`), where it runs.
     hopper: Option<(DevBuf, DevBuf)>,
+    /// Chunks of [`TMA_MIN_TOKENS`] and more run on the warp-specialised kernels (`Gpu::tma_gemm`).
+    tma: bool,
+    /// The tensor maps encoded so far (encoding is pure, so a map is reused wherever its inputs
+    /// recur: every layer's weights after the first chunk).
+    maps: Mutex<HashMap<MapKey, abi::TmaMap>>,
     /// The LM head of several outputs runs on the Hopper GEMM too (a bf16 head whose rows are a
     /// multiple of `WG_BM`).
     hopper_head: bool,
@@ -118,8 +181,9 @@ impl GemmPath {
         let d = gpu.dims;
         let kmax = d.hidden.max(d.qd()).max(d.ffn);
         let hopper = if gpu.hopper_gemm {
-            let (ws, tickets) = super::plan::wg_scratch_bytes(gpu.sm_count);
-            Some((gpu.alloc(ws)?, gpu.alloc(tickets)?))
+            let (ws, tickets) = plan::wg_scratch_bytes(gpu.sm_count);
+            let (tws, ttickets) = plan::tma_scratch_bytes(gpu.sm_count);
+            Some((gpu.alloc(ws.max(tws))?, gpu.alloc(tickets.max(ttickets))?))
         } else {
             None
         };
@@ -132,7 +196,10 @@ impl GemmPath {
             lo: gpu.alloc(split * kmax * 2)?,
             sx: gpu.alloc(split * (kmax / 32) * 4)?,
             max_tokens,
+            kmax,
             hopper,
+            tma: gpu.tma_gemm,
+            maps: Mutex::new(HashMap::new()),
             hopper_head,
         })
     }
@@ -140,6 +207,248 @@ impl GemmPath {
     /// Whether the products run on the Hopper kernels.
     pub fn hopper(&self) -> bool {
         self.hopper.is_some()
+    }
+
+    /// Which kernels run a product of `rows` x `k` over `ntok` tokens: the warp-specialised launch
+    /// (`plan::tma_plan`), or `None` for `gemm_hopper.cu.hbs`'s (fewer than [`TMA_MIN_TOKENS`]
+    /// tokens, no tile divides `rows`, or `Gpu::tma_gemm` off).
+    pub fn tma_plan(&self, sm_count: usize, rows: usize, k: usize, ntok: usize) -> Option<TmaPlan> {
+        if self.tma && ntok >= TMA_MIN_TOKENS {
+            plan::tma_plan(rows, k, ntok, sm_count)
+        } else {
+            None
+        }
+    }
+
+    /// The tensor map of a bf16 matrix (`Device::tma_map_bf16`), encoded once per inputs.
+    fn map(
+        &self,
+        g: &Gpu,
+        ptr: u64,
+        rows: usize,
+        k: usize,
+        box_rows: u32,
+    ) -> Result<abi::TmaMap, BackendError> {
+        let key = (ptr, rows, k, box_rows);
+        let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = maps.get(&key) {
+            return Ok(*m);
+        }
+        let m = g.tma_map_bf16(ptr, rows, k, box_rows)?;
+        maps.insert(key, m);
+        Ok(m)
+    }
+
+    /// Product `p` of the weights `w` over the bf16 activations the conversion kernel last wrote
+    /// to the scratch (`ntok` rows of `w.k`), on the Hopper kernels: the warp-specialised launch
+    /// `force` names, else the one [`Self::tma_plan`] chooses, else `gemm_hopper.cu.hbs`'s.
+    pub fn hopper_product(
+        &self,
+        g: &Gpu,
+        p: Product,
+        w: &DevMat,
+        ntok: usize,
+        force: Option<TmaPlan>,
+    ) -> Result<(), BackendError> {
+        match force.or_else(|| self.tma_plan(g.sm_count, w.rows, w.k, ntok)) {
+            Some(tp) => self.tma_product(g, p, w, ntok, tp),
+            None => self.wgmma_product(g, p, w, ntok),
+        }
+    }
+
+    /// The Hopper scratch (split-K partials, tickets), after checking `w` is the matrix `p`'s
+    /// kernels are compiled for and `ntok` fits.
+    fn hopper_args(
+        &self,
+        g: &Gpu,
+        p: &Product,
+        w: &DevMat,
+        ntok: usize,
+    ) -> Result<(i32, u64, u64), BackendError> {
+        let n = self.check(ntok)?;
+        let Some((ws, counters)) = &self.hopper else {
+            return Err(BackendError::Invalid(
+                "the Hopper GEMM kernels are not loaded (no sm_90a cubin, or weights not bf16)".into(),
+            ));
+        };
+        if p.shape(&g.dims) != (w.rows, w.k) {
+            return Err(BackendError::Invalid(format!(
+                "the {} product's kernels are compiled for a {:?} matrix, got {} x {}",
+                p.name(),
+                p.shape(&g.dims),
+                w.rows,
+                w.k
+            )));
+        }
+        Ok((n, ws.ptr, counters.ptr))
+    }
+
+    /// Product `p` on the warp-specialised kernels (`gemm_tma.cu.hbs`) as `tp` plans it.
+    pub fn tma_product(
+        &self,
+        g: &Gpu,
+        p: Product,
+        w: &DevMat,
+        ntok: usize,
+        tp: TmaPlan,
+    ) -> Result<(), BackendError> {
+        let (n, ws, counters) = self.hopper_args(g, &p, w, ntok)?;
+        if !g.tma_gemm {
+            return Err(BackendError::Invalid(
+                "the warp-specialised GEMM kernels are not ready on this device".into(),
+            ));
+        }
+        let amap = self.map(
+            g,
+            self.hi.ptr,
+            self.max_tokens * self.kmax / w.k,
+            w.k,
+            abi::TMA_ABOX,
+        )?;
+        let wmap = self.map(g, w.qs.ptr, w.rows, w.k, abi::TMA_WBOX)?;
+        let (cfg, splits) = (tp.cfg as i32, tp.splits as i32);
+        match p {
+            Product::Qkv(o) => g.tma_gemm(
+                &tp,
+                abi::TmaQkv {
+                    amap,
+                    wmap,
+                    rope: o.rope,
+                    q: o.q,
+                    kc: o.kc,
+                    vc: o.vc,
+                    pos: o.pos,
+                    slot: o.slot,
+                    tables: o.tables,
+                    layer: o.layer,
+                    max_blocks: o.max_blocks,
+                    ntok: n,
+                    cfg,
+                    splits,
+                    ws,
+                    counters,
+                },
+            ),
+            Product::Out { x } => g.tma_gemm(
+                &tp,
+                abi::TmaO {
+                    amap,
+                    wmap,
+                    x,
+                    ntok: n,
+                    cfg,
+                    splits,
+                    ws,
+                    counters,
+                },
+            ),
+            Product::GateUp { h } => g.tma_gemm(
+                &tp,
+                abi::TmaGu {
+                    amap,
+                    wmap,
+                    h,
+                    ntok: n,
+                    cfg,
+                    splits,
+                    ws,
+                    counters,
+                },
+            ),
+            Product::Down { x } => g.tma_gemm(
+                &tp,
+                abi::TmaDown {
+                    amap,
+                    wmap,
+                    x,
+                    ntok: n,
+                    cfg,
+                    splits,
+                    ws,
+                    counters,
+                },
+            ),
+            Product::Head { logits } => g.tma_gemm(
+                &tp,
+                abi::TmaLogits {
+                    amap,
+                    wmap,
+                    logits,
+                    ntok: n,
+                    cfg,
+                    splits,
+                    ws,
+                    counters,
+                },
+            ),
+        }
+    }
+
+    /// Product `p` on `gemm_hopper.cu.hbs`'s kernels (`plan::wg_plan`).
+    pub fn wgmma_product(
+        &self,
+        g: &Gpu,
+        p: Product,
+        w: &DevMat,
+        ntok: usize,
+    ) -> Result<(), BackendError> {
+        let (n, ws, counters) = self.hopper_args(g, &p, w, ntok)?;
+        let (a, wq) = (self.hi.ptr, w.qs.ptr);
+        match p {
+            Product::Qkv(o) => g.wg_qkv(abi::WgQkv {
+                a,
+                w: wq,
+                rope: o.rope,
+                q: o.q,
+                kc: o.kc,
+                vc: o.vc,
+                pos: o.pos,
+                slot: o.slot,
+                tables: o.tables,
+                layer: o.layer,
+                max_blocks: o.max_blocks,
+                ntok: n,
+                tile_n: 0,
+                ws,
+                counters,
+            }),
+            Product::Out { x } => g.wg_o(abi::WgO {
+                a,
+                w: wq,
+                x,
+                ntok: n,
+                tile_n: 0,
+                ws,
+                counters,
+            }),
+            Product::GateUp { h } => g.wg_gu(abi::WgGu {
+                a,
+                w: wq,
+                h,
+                ntok: n,
+                tile_n: 0,
+                ws,
+                counters,
+            }),
+            Product::Down { x } => g.wg_down(abi::WgDown {
+                a,
+                w: wq,
+                x,
+                ntok: n,
+                tile_n: 0,
+                ws,
+                counters,
+            }),
+            Product::Head { logits } => g.wg_logits(abi::WgLogits {
+                a,
+                w: wq,
+                logits,
+                ntok: n,
+                tile_n: 0,
+                ws,
+                counters,
+            }),
+        }
     }
 
     /// Whether the LM head of `nout` outputs runs as a GEMM ([`GemmPath::logits`]): on the Hopper
@@ -162,28 +471,19 @@ impl GemmPath {
         nout: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(nout)?;
-        let Some((ws, counters)) = self.hopper.as_ref().filter(|_| self.hopper_head) else {
+        if !(self.hopper.is_some() && self.hopper_head) {
             return Err(BackendError::Invalid(
                 "the GEMM LM head needs the Hopper path and a bf16 head".into(),
             ));
-        };
-        let a = self.hi.ptr;
+        }
         g.wg_act_head(abi::WgActHead {
             x,
             sel,
             norm_w,
-            a,
+            a: self.hi.ptr,
             ntok,
         })?;
-        g.wg_logits(abi::WgLogits {
-            a,
-            w: head.qs.ptr,
-            logits,
-            ntok,
-            tile_n: 0,
-            ws: ws.ptr,
-            counters: counters.ptr,
-        })
+        self.hopper_product(g, Product::Head { logits }, head, nout, None)
     }
 
     fn check(&self, ntok: usize) -> Result<i32, BackendError> {
@@ -207,26 +507,10 @@ impl GemmPath {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
-        if let Some((ws, counters)) = &self.hopper {
+        if self.hopper.is_some() {
             let a = self.hi.ptr;
             g.wg_act_norm(abi::WgActNorm { x, norm_w, a, ntok })?;
-            return g.wg_qkv(abi::WgQkv {
-                a,
-                w: w.qs.ptr,
-                rope: o.rope,
-                q: o.q,
-                kc: o.kc,
-                vc: o.vc,
-                pos: o.pos,
-                slot: o.slot,
-                tables: o.tables,
-                layer: o.layer,
-                max_blocks: o.max_blocks,
-                ntok,
-                tile_n: 0,
-                ws: ws.ptr,
-                counters: counters.ptr,
-            });
+            return self.hopper_product(g, Product::Qkv(o), w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.norm_split(abi::NormSplit {
@@ -266,18 +550,10 @@ impl GemmPath {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
-        if let Some((ws, counters)) = &self.hopper {
+        if self.hopper.is_some() {
             let a = self.hi.ptr;
             g.wg_act_qd(abi::WgActQd { x: att, a, ntok })?;
-            return g.wg_o(abi::WgO {
-                a,
-                w: w.qs.ptr,
-                x,
-                ntok,
-                tile_n: 0,
-                ws: ws.ptr,
-                counters: counters.ptr,
-            });
+            return self.hopper_product(g, Product::Out { x }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_qd(abi::SplitQd {
@@ -309,18 +585,10 @@ impl GemmPath {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
-        if let Some((ws, counters)) = &self.hopper {
+        if self.hopper.is_some() {
             let a = self.hi.ptr;
             g.wg_act_norm(abi::WgActNorm { x, norm_w, a, ntok })?;
-            return g.wg_gu(abi::WgGu {
-                a,
-                w: w.qs.ptr,
-                h,
-                ntok,
-                tile_n: 0,
-                ws: ws.ptr,
-                counters: counters.ptr,
-            });
+            return self.hopper_product(g, Product::GateUp { h }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.norm_split(abi::NormSplit {
@@ -352,18 +620,10 @@ impl GemmPath {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
-        if let Some((ws, counters)) = &self.hopper {
+        if self.hopper.is_some() {
             let a = self.hi.ptr;
             g.wg_act_ffn(abi::WgActFfn { x: h, a, ntok })?;
-            return g.wg_down(abi::WgDown {
-                a,
-                w: w.qs.ptr,
-                x,
-                ntok,
-                tile_n: 0,
-                ws: ws.ptr,
-                counters: counters.ptr,
-            });
+            return self.hopper_product(g, Product::Down { x }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_ffn(abi::SplitFfn {

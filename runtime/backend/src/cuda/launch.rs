@@ -51,6 +51,9 @@ pub struct Gpu {
     /// The GEMM path runs the Hopper kernels (`wg_*`): the modules are the sm_90a cubins of a
     /// bf16-weight target and the driver gave their blocks the dynamic shared memory they need.
     pub hopper_gemm: bool,
+    /// The Hopper GEMM path may run the warp-specialised kernels (`tma_*`, `gemm_tma.cu.hbs`): as
+    /// [`Gpu::hopper_gemm`], and the driver gave their blocks the dynamic shared memory they need.
+    pub tma_gemm: bool,
     /// The target's embedding (and LM head) is bf16.
     pub embedding_bf16: bool,
 }
@@ -99,6 +102,29 @@ fn hopper_gemm_ready(kernels: &Kernels) -> bool {
     })
 }
 
+/// Give each warp-specialised GEMM the dynamic shared memory its largest tile needs
+/// (`layout::tma_smem_bytes`); false where the driver refuses.
+fn tma_gemm_ready(kernels: &Kernels) -> bool {
+    let smem = (0..abi::layout::TMA_CONFIGS.len())
+        .map(abi::layout::tma_smem_bytes)
+        .max()
+        .unwrap_or(0) as i32;
+    [
+        abi::TmaQkv::ID,
+        abi::TmaO::ID,
+        abi::TmaGu::ID,
+        abi::TmaDown::ID,
+        abi::TmaLogits::ID,
+    ]
+    .iter()
+    .all(|&e| {
+        kernels
+            .get(e)
+            .set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            .is_ok()
+    })
+}
+
 impl MvPerSm {
     fn query(kernels: &Kernels) -> MvPerSm {
         // 4 (the grid cap before occupancy was asked) where the driver does not answer
@@ -135,6 +161,7 @@ impl Gpu {
             && kernels.loaded_from == "cubin"
             && set.spec.quant.weights == "bf16"
             && hopper_gemm_ready(&kernels);
+        let tma_gemm = hopper_gemm && tma_gemm_ready(&kernels);
         let lm1_per_sm = mv_resident_per_sm(&kernels, abi::LmHeadOne::ID, 2);
         let mv_per_sm = MvPerSm::query(&kernels);
         let cluster_max = if sm90 {
@@ -151,6 +178,7 @@ impl Gpu {
             lm_head_1: true,
             att_flags: 0,
             hopper_gemm,
+            tma_gemm,
             embedding_bf16: set.spec.quant.embedding == "bf16",
             kernels,
             dev,
@@ -468,5 +496,15 @@ impl Gpu {
         let (grid, how, tile_n) = self.wg_how(d.vocab, d.hidden, a.ntok);
         a.tile_n = tile_n;
         self.launch(grid, how, a)
+    }
+
+    /// A warp-specialised GEMM (`tma_*`) as `p` plans it (`plan::tma_plan`); the arguments carry
+    /// its `cfg` and `splits`.
+    pub fn tma_gemm<A: KernelArgs>(&self, p: &plan::TmaPlan, a: A) -> Result<(), BackendError> {
+        let how = LaunchHow {
+            smem: p.smem,
+            ..self.plain()
+        };
+        self.launch((p.blocks, 1, 1), how, a)
     }
 }

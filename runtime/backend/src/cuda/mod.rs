@@ -102,6 +102,10 @@ pub struct Tuning {
     /// On Hopper (sm_90a cubins, bf16 weights) the GEMM path runs on warpgroup MMAs
     /// (`gemm_hopper.cu.hbs`, bf16 activations), else on the mma.sync GEMMs (`gemm.cu.hbs`).
     pub hopper_gemm: bool,
+    /// The Hopper GEMM path runs chunks of [`gemm::TMA_MIN_TOKENS`] tokens and more on the
+    /// warp-specialised kernels (`gemm_tma.cu.hbs`: TMA producer, two wgmma consumer warpgroups,
+    /// persistent tiles), else on `gemm_hopper.cu.hbs`'s.
+    pub tma_gemm: bool,
     /// Grammar masks are read by the kernels from mapped page-locked host memory where the host
     /// wrote them (else copied to the device first, one more operation in the stream per step:
     /// SmolLM2's constrained decode_1 step took 344.7 instead of 357.6 us, H200, 2026-12-02).
@@ -120,6 +124,7 @@ impl Default for Tuning {
             lm_head_1: true,
             attention_transpose: true,
             hopper_gemm: true,
+            tma_gemm: true,
             mask_zero_copy: true,
         }
     }
@@ -129,7 +134,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 10] = [
+    pub const KEYS: [&'static str; 11] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -139,6 +144,7 @@ impl Tuning {
         "lm_head_1",
         "attention_transpose",
         "hopper_gemm",
+        "tma_gemm",
         "mask_zero_copy",
     ];
 
@@ -170,6 +176,7 @@ impl Tuning {
                 "lm_head_1" => self.lm_head_1 = on,
                 "attention_transpose" => self.attention_transpose = on,
                 "hopper_gemm" => self.hopper_gemm = on,
+                "tma_gemm" => self.tma_gemm = on,
                 "mask_zero_copy" => self.mask_zero_copy = on,
                 k => {
                     return Err(format!(
@@ -301,6 +308,7 @@ impl CudaBackend {
             gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
         }
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
+        gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;

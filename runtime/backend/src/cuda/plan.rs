@@ -7,10 +7,11 @@
 //! `metrale_abi::entries` states.
 
 use metrale_abi::layout::{
-    decode_products, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes, WG_TILES,
+    decode_products, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes,
+    TMA_CONFIGS, WG_TILES,
 };
 use metrale_abi::{
-    DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SAMPLE_THREADS, SPLIT_THREADS, WG_BK,
+    DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_BK, WG_BK,
 };
 use metrale_core::shape::Dims;
 
@@ -234,6 +235,132 @@ pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
     (ws, tickets)
 }
 
+/// A warp-specialised Hopper GEMM launch (`gemm_tma.cu.hbs`): the block tile (an index into
+/// `layout::TMA_CONFIGS`), K splits, blocks (each loops over its units) and dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TmaPlan {
+    pub cfg: usize,
+    pub splits: usize,
+    pub blocks: u32,
+    pub smem: u32,
+}
+
+/// Fewest pipeline stages (of `TMA_BK` elements) one K split of a warp-specialised GEMM covers.
+pub const TMA_MIN_SPLIT_STEPS: usize = 4;
+
+/// The H200 rates [`tma_estimate`] prices a launch at: a block's sustained bf16 MMA rate (the
+/// 790 TFLOP/s cuBLAS reaches on 8192^3, over 132 SMs) and the device-memory rate (bytes read and
+/// written per second, the copy rate measured there). Estimates only rank launches of one product.
+const TMA_SM_FLOPS: f64 = 790e12 / 132.0;
+const TMA_BYTES_PER_S: f64 = 4.3e12;
+
+/// How well a tile of (tokens, weight rows) keeps the tensor cores busy relative to 128 x 256:
+/// narrower tiles read more operand bytes per MMA from shared memory, and 64-token tiles reuse
+/// each weight stage for half as many tokens.
+fn tma_efficiency(bm: usize, bn: usize) -> f64 {
+    let n = match bn {
+        256 => 1.0,
+        224 => 0.98,
+        192 => 0.96,
+        _ => 0.88,
+    };
+    if bm == 128 {
+        n
+    } else {
+        n * 0.9
+    }
+}
+
+/// Estimated seconds of a warp-specialised GEMM of `rows` x `k` over `ntok` tokens with tile
+/// `cfg` and `splits` K splits on `sm_count` SMs: the larger of the MMA time of its waves of units
+/// and the weights' bytes at the memory rate over the blocks that stream them, plus the split
+/// partials' round trip and a fixed cost per wave (pipeline fill, epilogue).
+pub fn tma_estimate(
+    rows: usize,
+    k: usize,
+    ntok: usize,
+    cfg: usize,
+    splits: usize,
+    sm_count: usize,
+) -> f64 {
+    let (bm, bn) = TMA_CONFIGS[cfg];
+    let sms = sm_count.max(1);
+    let nk = k / TMA_BK as usize;
+    let tiles = ntok.div_ceil(bm) * (rows / bn);
+    let units = tiles * splits;
+    let blocks = units.min(sms);
+    let waves = units.div_ceil(blocks) as f64;
+    let unit_flops = (bm * bn * nk.div_ceil(splits) * TMA_BK as usize * 2) as f64;
+    let compute = waves * unit_flops / (TMA_SM_FLOPS * tma_efficiency(bm, bn));
+    // the memory rate needs about 60% of the SMs streaming
+    let share = (blocks as f64 / (0.6 * sms as f64)).min(1.0);
+    let memory = (rows * k * 2) as f64 / (TMA_BYTES_PER_S * share);
+    let partials = if splits > 1 {
+        (tiles * splits * bm.min(ntok) * bn * 4 * 2) as f64 / TMA_BYTES_PER_S
+    } else {
+        0.0
+    };
+    compute.max(memory) + partials + waves * 1.0e-6
+}
+
+/// The warp-specialised GEMM launch of a product with `rows` output rows and row length `k` over
+/// `ntok` tokens on `sm_count` SMs: of the tiles whose weight-row width divides `rows`, and K
+/// splits that keep every unit in one wave (the split partials live in
+/// [`tma_scratch_bytes`]), the one [`tma_estimate`] prices lowest; `None` when no tile divides
+/// `rows` or `k` is not a multiple of `TMA_BK`.
+pub fn tma_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> Option<TmaPlan> {
+    let nk = k / TMA_BK as usize;
+    let mut best: Option<(f64, TmaPlan)> = None;
+    for cfg in 0..TMA_CONFIGS.len() {
+        for splits in 1..=(nk / TMA_MIN_SPLIT_STEPS).max(1) {
+            let Some(l) = tma_launch(rows, k, ntok, cfg, splits, sm_count) else {
+                continue;
+            };
+            let est = tma_estimate(rows, k, ntok, cfg, splits, sm_count);
+            if best.is_none_or(|(b, _)| est < b) {
+                best = Some((est, l));
+            }
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+/// The launch of tile `cfg` with `splits` K splits (what [`tma_plan`] returns for its choice; the
+/// benchmarks' sweep and the tests force others): one block per unit, at most one per SM. `None`
+/// where the split partials would not fit [`tma_scratch_bytes`] (a split launch's units must fit
+/// one wave) or a split would cover fewer than [`TMA_MIN_SPLIT_STEPS`] stages.
+pub fn tma_launch(
+    rows: usize,
+    k: usize,
+    ntok: usize,
+    cfg: usize,
+    splits: usize,
+    sm_count: usize,
+) -> Option<TmaPlan> {
+    let (bm, bn) = *TMA_CONFIGS.get(cfg)?;
+    let sms = sm_count.max(1);
+    if ntok == 0 || splits == 0 || !rows.is_multiple_of(bn) || !k.is_multiple_of(TMA_BK as usize) {
+        return None;
+    }
+    let tiles = ntok.div_ceil(bm) * (rows / bn);
+    if splits > 1 && (tiles * splits > sms || k / TMA_BK as usize / splits < TMA_MIN_SPLIT_STEPS) {
+        return None;
+    }
+    Some(TmaPlan {
+        cfg,
+        splits,
+        blocks: (tiles * splits).min(sms) as u32,
+        smem: tma_smem_bytes(cfg) as u32,
+    })
+}
+
+/// Bytes of the split partials and of the tickets any [`tma_plan`] launch on `sm_count` SMs uses:
+/// it splits only while its units fit one wave, each split's partial one block tile in f32.
+pub fn tma_scratch_bytes(sm_count: usize) -> (usize, usize) {
+    let tile = TMA_CONFIGS.iter().map(|&(m, n)| m * n).max().unwrap_or(0);
+    (sm_count.max(1) * tile * 4, sm_count.max(1) * 4)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -413,4 +540,46 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn tma_plans_fill_the_sms_and_stay_in_the_scratch() {
+        let (ws, cnt) = tma_scratch_bytes(132);
+        // the 8B shape's products, and SmolLM2's and Llama-3.2-1B's
+        for (rows, k) in [
+            (6144, 4096),
+            (4096, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (128256, 4096),
+            (960, 576),
+            (576, 576),
+            (3072, 576),
+            (576, 1536),
+            (3072, 2048),
+            (16384, 2048),
+        ] {
+            for ntok in [1, 2, 16, 29, 64, 77, 128, 160, 256, 300, 512, 4096] {
+                let p = tma_plan(rows, k, ntok, 132).expect("a tile divides every shape here");
+                let (bm, bn) = TMA_CONFIGS[p.cfg];
+                assert!(rows.is_multiple_of(bn));
+                let tiles = ntok.div_ceil(bm) * (rows / bn);
+                assert!(p.blocks as usize <= 132 && p.blocks as usize <= tiles * p.splits);
+                if p.splits > 1 {
+                    assert!(tiles * p.splits <= 132, "{rows} {k} {ntok}: {p:?}");
+                    assert!(tiles * p.splits * bm * bn * 4 <= ws && tiles * 4 <= cnt);
+                    assert!(k / 64 / p.splits >= TMA_MIN_SPLIT_STEPS);
+                }
+            }
+        }
+        // no tile divides 100 rows; K must be whole stages
+        assert!(tma_plan(100, 4096, 256, 132).is_none());
+        assert!(tma_plan(4096, 4000, 256, 132).is_none());
+        // 256 tokens: the 8B's narrow products still fill most SMs (smaller tiles or K splits)
+        for (rows, k) in [(4096, 4096), (6144, 4096), (4096, 14336)] {
+            let p = tma_plan(rows, k, 256, 132).unwrap();
+            assert!(p.blocks >= 96, "{rows} x {k}: {p:?}");
+        }
+        assert_eq!(tma_plan(28672, 4096, 4096, 132).unwrap().splits, 1);
+    }
 }
+

@@ -5,7 +5,9 @@
 use metrale_core::BackendError;
 
 use super::forward::Stage;
+use super::gemm::{Product, QkvOut};
 use super::launch::Occupancy;
+use super::plan::{self, TmaPlan};
 use super::CudaBackend;
 
 /// What `decode_1` runs as on this device.
@@ -18,7 +20,167 @@ pub struct Decode1Info {
     pub split: (usize, usize),
 }
 
+/// One Hopper GEMM timed alone ([`CudaBackend::profile_gemms`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmTiming {
+    /// `qkv`, `o`, `gate_up`, `down`, `lm_head`
+    pub product: &'static str,
+    pub rows: usize,
+    pub k: usize,
+    pub ntok: usize,
+    /// `with_act` (the bf16 conversion and the product as the forward pass runs them), `wgmma`
+    /// (`gemm_hopper.cu.hbs`), `tma` (`gemm_tma.cu.hbs` at `cfg` x `splits`)
+    pub kernel: &'static str,
+    /// The warp-specialised launch (`tma`, and `with_act` where the plan takes it).
+    pub tma: Option<TmaPlan>,
+    /// The launch the backend would choose for this product and chunk.
+    pub planned: bool,
+    /// The warp-specialised launch `plan::tma_plan`'s estimate picks (what the backend runs from
+    /// `gemm::TMA_MIN_TOKENS` tokens).
+    pub estimate_pick: bool,
+    /// Microseconds per launch: the median of the rounds.
+    pub us: f64,
+}
+
 impl CudaBackend {
+    /// Time each Hopper GEMM of layer 0 and the LM head over `ntok` tokens alone: the conversion
+    /// and product as the forward pass runs them, `gemm_hopper.cu.hbs`'s kernel, the planned
+    /// warp-specialised launch and, with `sweep`, every other tile and K split `plan::tma_plan`
+    /// could pick. Each is a graph of enough launches for ~2 ms, replayed 7 times, timed by the host
+    /// clock around each replay and a wait; microseconds per launch, the median. The inputs are
+    /// the activation buffers as the last chunk left them (a chunk of `ntok` tokens should have run:
+    /// real values, not zeros); positions `t % 1024` of slot 0 take the K/V writes. Rewrites the
+    /// activations, slot 0's KV entries and the first `ntok` positions' inputs: bench only.
+    pub fn profile_gemms(
+        &mut self,
+        ntok: usize,
+        sweep: bool,
+    ) -> Result<Vec<GemmTiming>, BackendError> {
+        if !self.gemm.hopper() || ntok == 0 || ntok > self.opts.max_step_tokens {
+            return Ok(Vec::new());
+        }
+        let d = self.gpu.dims;
+        let t = self.opts.max_step_tokens;
+        let pos: Vec<i32> = (0..ntok).map(|i| (i % 1024) as i32).collect();
+        self.gpu.write(&self.b.io_in, t * 4, &pos)?;
+        self.gpu.write(&self.b.io_in, 2 * t * 4, &vec![0i32; ntok])?;
+        let logits = self.gpu.alloc(ntok * d.vocab * 4)?;
+        let l0 = &self.w.layers[0];
+        let b = &self.b;
+        let qkv = Product::Qkv(QkvOut {
+            rope: self.w.rope.ptr,
+            q: b.q.ptr,
+            kc: self.kv.kc.ptr,
+            vc: self.kv.vc.ptr,
+            pos: b.pos,
+            slot: b.slot,
+            tables: self.kv.tables.ptr,
+            layer: 0,
+            max_blocks: self.kv.max_blocks as i32,
+        });
+        let head_ok = self.gemm.head_pays(&d, ntok.max(3));
+        let mut products = vec![
+            (qkv, &l0.wqkv),
+            (Product::Out { x: b.x.ptr }, &l0.wo),
+            (Product::GateUp { h: b.h.ptr }, &l0.wgu),
+            (Product::Down { x: b.x.ptr }, &l0.wdown),
+        ];
+        if head_ok {
+            products.push((
+                Product::Head {
+                    logits: logits.ptr,
+                },
+                self.w.head(),
+            ));
+        }
+        let g = &self.gpu;
+        let gp = &self.gemm;
+        let mut out = Vec::new();
+        for (p, w) in products {
+            let (rows, k) = (w.rows, w.k);
+            // the conversion and product as the forward pass runs them (this also leaves the
+            // product's bf16 activations in the scratch for the launches below)
+            let act = |g: &super::launch::Gpu| -> Result<(), BackendError> {
+                match p {
+                    Product::Qkv(o) => gp.norm_qkv(g, b.x.ptr, l0.attn_norm.ptr, w, o, ntok),
+                    Product::Out { x } => gp.out_proj(g, b.att.ptr, w, x, ntok),
+                    Product::GateUp { h } => {
+                        gp.norm_gate_up(g, b.x.ptr, l0.ffn_norm.ptr, w, h, ntok)
+                    }
+                    Product::Down { x } => gp.down(g, b.h.ptr, w, x, ntok),
+                    Product::Head { logits } => {
+                        gp.logits(g, b.x.ptr, b.sel, self.w.out_norm.ptr, w, logits, ntok)
+                    }
+                }
+            };
+            let planned = gp.tma_plan(g.sm_count, rows, k, ntok);
+            let pick = plan::tma_plan(rows, k, ntok, g.sm_count);
+            let est = plan::tma_estimate(rows, k, ntok, 0, 1, g.sm_count) * 1e6;
+            let reps = ((2000.0 / est.max(1.0)) as usize).clamp(3, 100);
+            let time = |launch: &dyn Fn(&super::launch::Gpu) -> Result<(), BackendError>|
+             -> Result<f64, BackendError> {
+                g.begin_capture()?;
+                let mut r = Ok(());
+                for _ in 0..reps {
+                    r = r.and_then(|_| launch(g));
+                }
+                let graph = g.end_capture();
+                r?;
+                let graph = graph?;
+                g.replay(&graph)?;
+                g.sync()?;
+                let mut v = Vec::new();
+                for _ in 0..7 {
+                    let t0 = std::time::Instant::now();
+                    g.replay(&graph)?;
+                    g.sync()?;
+                    v.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
+                }
+                v.sort_by(f64::total_cmp);
+                Ok(v[v.len() / 2])
+            };
+            let mut row = |kernel, tma: Option<TmaPlan>, planned: bool, us: f64| {
+                out.push(GemmTiming {
+                    product: p.name(),
+                    rows,
+                    k,
+                    ntok,
+                    kernel,
+                    tma,
+                    planned,
+                    estimate_pick: kernel == "tma" && tma == pick,
+                    us,
+                })
+            };
+            // the activations of this product's K in the scratch first
+            act(g)?;
+            g.sync()?;
+            row("with_act", planned, true, time(&act)?);
+            let wg = time(&|g| gp.wgmma_product(g, p, w, ntok))?;
+            row("wgmma", None, planned.is_none(), wg);
+            if !g.tma_gemm {
+                continue;
+            }
+            let mut launches: Vec<TmaPlan> = pick.into_iter().collect();
+            if sweep {
+                for cfg in 0..metrale_abi::layout::TMA_CONFIGS.len() {
+                    for splits in [1, 2, 3, 4, 6, 8] {
+                        if let Some(l) = plan::tma_launch(rows, k, ntok, cfg, splits, g.sm_count) {
+                            if !launches.contains(&l) {
+                                launches.push(l);
+                            }
+                        }
+                    }
+                }
+            }
+            for l in launches {
+                let us = time(&|g| gp.tma_product(g, p, w, ntok, l))?;
+                row("tma", Some(l), Some(l) == planned, us);
+            }
+        }
+        Ok(out)
+    }
+
     /// Device-to-device copy rate in GB/s (bytes read plus bytes written, per second) of a copy of
     /// `bytes`: median of 7 samples of 5 back-to-back copies, after one warm-up copy. The
     /// bandwidth floor the decode figures are compared with. Allocates two `bytes` buffers for the

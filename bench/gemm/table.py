@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Join gemm_bench's and cublas.py's JSON lines (one call, one GPU) into the per-shape table of
+bench/gemm/README.md: for each product and token count, cuBLAS's time and rate, the launch metrale
+runs (its planned kernel) and the fastest one the sweep found, each with its ratio to cuBLAS
+(cuBLAS time over ours: above 1 is faster than the library), and the floor (the FLOPs at the
+989 TFLOP/s dense bf16 peak or the weights at the measured copy rate, whichever is longer).
+
+    python3 bench/gemm/table.py gemm.jsonl cublas.jsonl > table.md
+"""
+import json
+import sys
+
+
+def main():
+    ours = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+    lib = {(r["product"], r["ntok"]): r for r in (json.loads(l) for l in open(sys.argv[2]) if l.strip())}
+    order = []
+    for r in ours:
+        key = (r["product"], r["ntok"])
+        if key not in order:
+            order.append(key)
+    print("| product | tokens | cuBLAS us (TFLOP/s) | metrale runs | us (TFLOP/s) | vs cuBLAS | best in sweep | us | vs cuBLAS | conversion + product us | floor us |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for key in order:
+        rows = [r for r in ours if (r["product"], r["ntok"]) == key]
+        c = lib.get(key)
+        run = next((r for r in rows if r["planned"] and r["kernel"] != "with_act"), None)
+        best = min((r for r in rows if r["kernel"] != "with_act"), key=lambda r: r["us"])
+        act = next((r for r in rows if r["kernel"] == "with_act"), None)
+
+        def name(r):
+            return "wgmma" if r["kernel"] == "wgmma" else f"tma {r['tile']} /{r['splits']}"
+
+        def ratio(r):
+            return f"{c['us'] / r['us']:.2f}" if c and r else "-"
+
+        print(
+            f"| {key[0]} | {key[1]} | {c['us']:.1f} ({c['tflops']:.0f}) | " if c else f"| {key[0]} | {key[1]} | - | ",
+            end="",
+        )
+        print(
+            f"{name(run) if run else '-'} | {run['us']:.1f} ({run['tflops']:.0f}) | {ratio(run)} | "
+            if run else "- | - | - | ",
+            end="",
+        )
+        print(f"{name(best)} | {best['us']:.1f} | {ratio(best)} | {act['us']:.1f} | {rows[0]['floor_us']:.1f} |" if act else
+              f"{name(best)} | {best['us']:.1f} | {ratio(best)} | - | {rows[0]['floor_us']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
