@@ -4,14 +4,17 @@
 # on the H200 machine. One call:
 #
 #   bash ci/gpu/gemm.sh prepare MODEL.gguf   CPU machine: .gm1/ (binaries, kernels, vocabulary)
-#   bash ci/gpu/gemm.sh call1  carry .gm1    the 8B bf16 GGUF and the 2-layer HF folder; the GEMM
+#   bash ci/gpu/gemm.sh call1  carry .gm1 .gm2  the 8B bf16 GGUF and the 2-layer HF folder; the GEMM
 #        kernel tests (every warp-specialised tile and split against the CPU ops; the products at
 #        16-300 tokens); gemm_bench --sweep at 16, 64, 256, 512 and 4,096 tokens and cuBLAS on the
 #        same shapes (bench/gemm/table.py joins them); cuda_bench (decode of 16, 64 and 256
 #        sequences, pp512) with the warp-specialised kernels and without (tma_gemm=off); the 2-layer
-#        check against HF transformers; then the rest of the 8B bf16 kernel tests
-#   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/bf16 and
-#        h200/llama-3.2-1b/bf16 (the GEMMs at other shapes)
+#        check against HF transformers; then the rest of the 8B bf16 kernel tests and those of
+#        the other h200 targets (`shapes`)
+#   bash ci/gpu/gemm.sh bench  carry .gm1 .gm2  the product table alone, then `shapes`
+#   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
+#        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
+#        mma.sync path's epilogues)
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 # KERNEL_DIR NAME [cuda_bench args]: one cuda_bench run of 8B bf16, its JSON to $R/NAME.json
@@ -21,6 +24,19 @@ bench() {
   METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_bench" "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 \
     --out "$R/$n.json" "$@" > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
   grep -E "copy:|prefill 512:|decode batch|rc=" "$R/$n.txt"
+}
+
+# gemm_bench --sweep over the 8B bf16 products, cuBLAS on the same shapes, the joined table
+table() {
+  local k=$H/b/k/h200-llama-3.1-8b-bf16/kernels
+  step "gemm_bench --sweep: every product at ${GEMM_TOKENS:=16,64,256,512,4096} tokens"
+  METRALE_TARGETS=$PWD/targets timeout 240 "$H/b/bin/gemm_bench" "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 \
+    --tokens "$GEMM_TOKENS" --sweep --out "$R/gemm.jsonl" > "$R/gemm.txt" 2>&1; echo "rc=$?" >> "$R/gemm.txt"
+  grep -E "runs|panicked|rc=" "$R/gemm.txt"
+  step "cuBLAS (torch.matmul, bf16) on the same shapes"
+  timeout 120 python3 bench/gemm/cublas.py --from "$R/gemm.jsonl" --out "$R/cublas.jsonl" > "$R/cublas.txt" 2>&1
+  echo "rc=$?" >> "$R/cublas.txt"
+  python3 bench/gemm/table.py "$R/gemm.jsonl" "$R/cublas.jsonl" | tee "$R/table.md"
 }
 
 case "${1:-}" in
@@ -41,7 +57,7 @@ prepare)
   tar cJf .gm1/b.tar.xz -C .gm1 b && rm -rf .gm1/b
   rm -rf .gm2 && mkdir -p .gm2/b/bin .gm2/b/k
   tar xJf .gm1/b.tar.xz -C .gm2 b/bin/cuda_kernels
-  for t in smollm2-135m/bf16 llama-3.2-1b/bf16; do
+  for t in smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1; do
     cargo xtask build-target --hw h200 --model ${t%/*} --quant ${t#*/} --kernels-only \
       --out ".gm2/b/k/h200-${t//\//-}" 2>&1 | tail -1
   done
@@ -50,6 +66,7 @@ prepare)
   ;;
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
+  GEMM_TOKENS=16,32,64,128,256,512,4096
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
   step "synth-model: 8B bf16 GGUF, 2-layer HF folder"
@@ -63,16 +80,9 @@ call1)
   echo "rc=$?" >> "$R/kernel-tests-gemm.txt"; grep -E "rel err|launches|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -40
   # a failing GEMM makes the timings meaningless: stop here (and save the device time)
   grep -q "test result: ok" "$R/kernel-tests-gemm.txt" || { finish call1; exit 1; }
-  step "gemm_bench --sweep: every product at 16, 64, 256, 512, 4096 tokens"
-  METRALE_TARGETS=$PWD/targets timeout 240 "$H/b/bin/gemm_bench" "$H/s/l8b-bf16.gguf" "$K" $T8/bf16 \
-    --tokens 16,64,256,512,4096 --sweep --out "$R/gemm.jsonl" > "$R/gemm.txt" 2>&1; echo "rc=$?" >> "$R/gemm.txt"
-  grep -E "runs|rc=" "$R/gemm.txt"
-  step "cuBLAS (torch.matmul, bf16) on the same shapes"
-  timeout 120 python3 bench/gemm/cublas.py --from "$R/gemm.jsonl" --out "$R/cublas.jsonl" > "$R/cublas.txt" 2>&1
-  echo "rc=$?" >> "$R/cublas.txt"
-  python3 bench/gemm/table.py "$R/gemm.jsonl" "$R/cublas.jsonl" | tee "$R/table.md"
-  bench "$K" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
-  METRALE_CUDA_TUNING=tma_gemm=off bench "$K" bench-bf16-wgmma --batch 256 --steps 32 --pp 512
+  table
+  bench "$K" bench-bf16 --batch 16,32,64,128,256 --steps 32 --pp 512
+  METRALE_CUDA_TUNING=tma_gemm=off bench "$K" bench-bf16-wgmma --batch 64,256 --steps 32 --pp 512
   step "2-layer check against HF transformers (prompt through the GEMMs)"
   python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
   tail -1 "$R/golden2.txt"
@@ -81,13 +91,25 @@ call1)
     | python3 -c 'import sys,json; d=json.load(sys.stdin); print("pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
   step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
   METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
-    timeout "$(left)" "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 --skip tma_gemm --skip gemm_prefill > "$R/kernel-tests-rest.txt" 2>&1
+    timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 --skip tma_gemm --skip gemm_prefill > "$R/kernel-tests-rest.txt" 2>&1
   echo "rc=$?" >> "$R/kernel-tests-rest.txt"; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+  # the other targets' kernel tests (the shared epilogues and common.cuh changed with these kernels)
+  [ -f .gm2/b.tar.xz ] && tar xJf .gm2/b.tar.xz -C "$H" && kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish call1
+  ;;
+bench)
+  # carry .gm1 .gm2: the product table alone (gemm_bench --sweep, cuBLAS), then the other bf16
+  # targets' kernel tests
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" 2>&1 | grep synth-model
+  table
+  tar xJf .gm2/b.tar.xz -C "$H"
+  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
+  finish bench
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"
-  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16
+  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish shapes
   ;;
 *)

@@ -676,11 +676,16 @@ MT_INLINE float kv_round(float x) {
 #endif
 }
 
+// Element offset of (layer, KV head h, position p) in pool block b (the block holding p).
+template <int LAYERS, int KV_HEADS, int HEAD_DIM>
+MT_INLINE size_t kv_off_in(size_t b, int layer, int h, int p) {
+    return (((b * LAYERS + layer) * KV_HEADS + h) * abi::KV_BLOCK + p % abi::KV_BLOCK) * HEAD_DIM;
+}
+
 // Element offset of (layer, KV head h, position p) for the sequence whose table row is `row`.
 template <int LAYERS, int KV_HEADS, int HEAD_DIM>
 MT_INLINE size_t kv_off(const unsigned int* row, int layer, int h, int p) {
-    const size_t b = row[p / abi::KV_BLOCK];
-    return (((b * LAYERS + layer) * KV_HEADS + h) * abi::KV_BLOCK + p % abi::KV_BLOCK) * HEAD_DIM;
+    return kv_off_in<LAYERS, KV_HEADS, HEAD_DIM>(row[p / abi::KV_BLOCK], layer, h, p);
 }
 
 }  // namespace mt

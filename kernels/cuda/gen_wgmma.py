@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Write kernels/cuda/wgmma.cuh: one wrapper per token-tile width N of the Hopper instruction
+"""Write kernels/cuda/wgmma.cuh: one wrapper per width N of the Hopper instruction
 wgmma.mma_async m64nNk16 (f32 accumulators, bf16 operands, both from shared memory through
-matrix descriptors). The inline assembly names every accumulator register, so each N needs its own
-operand list; this script writes them. Run it after changing NS, from the repository root:
+matrix descriptors): gemm_hopper's token tiles (16-128) and gemm_tma's weight-row widths per
+consumer warpgroup (64-256). The inline assembly names every accumulator register, so each N needs
+its own operand list; this script writes them. Run it after changing NS, from the repository root:
 
     python3 kernels/cuda/gen_wgmma.py > kernels/cuda/wgmma.cuh
 """

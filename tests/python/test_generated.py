@@ -1,6 +1,6 @@
 """Generated sources in the tree are what their generator writes today.
 
-kernels/cuda/wgmma.cuh (the wgmma.mma_async wrappers, one operand list per token-tile width) is
+kernels/cuda/wgmma.cuh (the wgmma.mma_async wrappers, one operand list per instruction width) is
 written by kernels/cuda/gen_wgmma.py: a hand edit of the header, or a generator change without
 regenerating it, fails here and names the command that fixes it.
 """

@@ -101,12 +101,10 @@ fn main() {
             let wbytes = (t.rows * t.k * 2) as f64;
             let tflops = flops / t.us / 1e6;
             let floor_us = (flops / (PEAK_TFLOPS * 1e6)).max(wbytes / (copy_gbs * 1e3));
-            let (cfg, splits) = t
-                .tma
-                .map_or((String::new(), 0), |p| {
-                    let (bm, bn) = metrale_backend::cuda::abi::layout::TMA_CONFIGS[p.cfg];
-                    (format!("{bm}x{bn}"), p.splits)
-                });
+            let (cfg, splits) = t.tma.map_or((String::new(), 0), |p| {
+                let (bm, bn) = metrale_backend::cuda::abi::layout::TMA_CONFIGS[p.cfg];
+                (format!("{bm}x{bn}"), p.splits)
+            });
             eprintln!(
                 "{:8} n={:5} {:9} {:8} splits={} {:9.2} us {:7.1} TFLOP/s {:7.0} GB/s floor {:8.2} us{}{}",
                 t.product,

@@ -968,13 +968,20 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
                 check_tol(&what, &got, &want, HOPPER_TOL);
                 bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
             }
-            assert!(bits.windows(2).all(|w| w[0] == w[1]), "{what}: two runs differ");
+            assert!(
+                bits.windows(2).all(|w| w[0] == w[1]),
+                "{what}: two runs differ"
+            );
             tried += 1;
         }
     }
     // SmolLM2's 576 rows take only the 192-row tiles; the 8B's 4096 every one
     eprintln!("  {tried} tile/split launches fit this shape");
-    assert!(tried >= 1, "no warp-specialised launch fits {} rows", d.hidden);
+    assert!(
+        tried >= 1,
+        "no warp-specialised launch fits {} rows",
+        d.hidden
+    );
     // the LM head over n rows (from gemm::TMA_MIN_TOKENS on the warp-specialised kernels)
     if p.head_pays(&d, n) {
         let xh = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
@@ -1004,7 +1011,10 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
             &want,
             HOPPER_TOL,
         );
-        assert!(all.iter().all(|v| v.is_finite()), "an LM-head row left unwritten");
+        assert!(
+            all.iter().all(|v| v.is_finite()),
+            "an LM-head row left unwritten"
+        );
     }
 }
 

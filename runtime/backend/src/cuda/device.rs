@@ -421,7 +421,12 @@ impl Device {
         k: usize,
         box_rows: u32,
     ) -> Result<metrale_abi::TmaMap, BackendError> {
-        if ptr % 16 != 0 || (k * 2) % 16 != 0 || k < 64 || rows == 0 || box_rows > 256 {
+        if !ptr.is_multiple_of(16)
+            || !(k * 2).is_multiple_of(16)
+            || k < 64
+            || rows == 0
+            || box_rows > 256
+        {
             return Err(BackendError::Invalid(format!(
                 "TMA map of [{rows}][{k}] bf16 at {ptr:#x}: needs a 16-byte aligned start, rows of a multiple of 16 bytes and at least 64 elements, and boxes of at most 256 rows (asked {box_rows})"
             )));

@@ -94,9 +94,12 @@ pub fn gemm_from(d: &metrale_core::shape::Dims, hopper: bool) -> usize {
 
 /// Chunks of this many tokens and more run the Hopper products on the warp-specialised kernels
 /// (`gemm_tma.cu.hbs`) where `Gpu::tma_gemm` and a tile divides the product's rows; fewer on
-/// `gemm_hopper.cu.hbs`'s, whose weight rows sit on the instruction's M side so a tile of 16-64
-/// tokens wastes no MMA work.
-pub const TMA_MIN_TOKENS: usize = 128;
+/// `gemm_hopper.cu.hbs`'s, whose weight rows sit on the instruction's M side so a 16-token tile
+/// wastes no MMA work. Measured on the 8B shape (H200, 2026-12-03, bench/gemm/README.md): at 16
+/// tokens `gemm_hopper`'s QKV took 17.7 us against the best warp-specialised launch's 23.5; at 32
+/// the warp-specialised 64 x 128 tiles took 19.7 against 23.9 (O 12.4 against 16.5, down 36.2
+/// against 42.3).
+pub const TMA_MIN_TOKENS: usize = 32;
 
 /// The inputs of the QKV product besides the activations and weights (what `attn_in` also takes).
 #[derive(Debug, Clone, Copy)]
@@ -268,7 +271,8 @@ impl GemmPath {
         let n = self.check(ntok)?;
         let Some((ws, counters)) = &self.hopper else {
             return Err(BackendError::Invalid(
-                "the Hopper GEMM kernels are not loaded (no sm_90a cubin, or weights not bf16)".into(),
+                "the Hopper GEMM kernels are not loaded (no sm_90a cubin, or weights not bf16)"
+                    .into(),
             ));
         };
         if p.shape(&g.dims) != (w.rows, w.k) {

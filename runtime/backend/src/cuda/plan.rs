@@ -248,33 +248,35 @@ pub struct TmaPlan {
 /// Fewest pipeline stages (of `TMA_BK` elements) one K split of a warp-specialised GEMM covers.
 pub const TMA_MIN_SPLIT_STEPS: usize = 4;
 
-/// The H200 rates [`tma_estimate`] prices a launch at: a block's sustained bf16 MMA rate (the
-/// 790 TFLOP/s cuBLAS reaches on 8192^3, over 132 SMs) and the device-memory rate (bytes read and
-/// written per second, the copy rate measured there). Estimates only rank launches of one product.
-const TMA_SM_FLOPS: f64 = 790e12 / 132.0;
-const TMA_BYTES_PER_S: f64 = 4.3e12;
+/// What [`tma_estimate`] prices a launch at, fitted to the sweep of every tile and split over the
+/// 8B shape's products at 16-4,096 tokens on the H200 (bench/gemm/README.md, 2026-12-03: the
+/// launch it picks is on average 1.5% slower than the fastest one measured): a block's sustained
+/// MMA rate on the wide tiles, the memory rate and the share of SMs that reaches it, a fixed cost
+/// per wave of units (pipeline fill, epilogue) and per K split (the tickets, the last split's
+/// combine), and the rate the split partials cross L2 at. Estimates only rank launches of one
+/// product.
+const TMA_SM_FLOPS: f64 = 5.2e12;
+const TMA_BYTES_PER_S: f64 = 4.2e12;
+const TMA_STREAMING_SMS: f64 = 0.9;
+const TMA_WAVE_S: f64 = 2.0e-6;
+const TMA_SPLIT_S: f64 = 2.0e-6;
+const TMA_PARTIAL_BYTES_PER_S: f64 = 2.0e12;
 
-/// How well a tile of (tokens, weight rows) keeps the tensor cores busy relative to 128 x 256:
-/// narrower tiles read more operand bytes per MMA from shared memory, and 64-token tiles reuse
-/// each weight stage for half as many tokens.
+/// A tile's MMA rate relative to the wide 128-token tiles (measured: 128 x 128 reads more operand
+/// bytes per MMA from shared memory; 64-token tiles reuse each weight stage for half as many
+/// tokens).
 fn tma_efficiency(bm: usize, bn: usize) -> f64 {
-    let n = match bn {
-        256 => 1.0,
-        224 => 0.98,
-        192 => 0.96,
-        _ => 0.88,
-    };
-    if bm == 128 {
-        n
-    } else {
-        n * 0.9
+    match (bm, bn) {
+        (128, 128) => 0.85,
+        (128, _) => 1.0,
+        _ => 0.7,
     }
 }
 
 /// Estimated seconds of a warp-specialised GEMM of `rows` x `k` over `ntok` tokens with tile
-/// `cfg` and `splits` K splits on `sm_count` SMs: the larger of the MMA time of its waves of units
-/// and the weights' bytes at the memory rate over the blocks that stream them, plus the split
-/// partials' round trip and a fixed cost per wave (pipeline fill, epilogue).
+/// `cfg` and `splits` K splits on `sm_count` SMs: the larger of its waves of units (MMA time and
+/// fixed cost each) and the weights' bytes at the memory rate over the blocks that stream them,
+/// plus the K splits' fixed cost and partials.
 pub fn tma_estimate(
     rows: usize,
     k: usize,
@@ -291,16 +293,15 @@ pub fn tma_estimate(
     let blocks = units.min(sms);
     let waves = units.div_ceil(blocks) as f64;
     let unit_flops = (bm * bn * nk.div_ceil(splits) * TMA_BK as usize * 2) as f64;
-    let compute = waves * unit_flops / (TMA_SM_FLOPS * tma_efficiency(bm, bn));
-    // the memory rate needs about 60% of the SMs streaming
-    let share = (blocks as f64 / (0.6 * sms as f64)).min(1.0);
+    let compute = waves * (unit_flops / (TMA_SM_FLOPS * tma_efficiency(bm, bn)) + TMA_WAVE_S);
+    let share = (blocks as f64 / (TMA_STREAMING_SMS * sms as f64)).min(1.0);
     let memory = (rows * k * 2) as f64 / (TMA_BYTES_PER_S * share);
     let partials = if splits > 1 {
-        (tiles * splits * bm.min(ntok) * bn * 4 * 2) as f64 / TMA_BYTES_PER_S
+        TMA_SPLIT_S + (tiles * splits * bm.min(ntok) * bn * 4 * 2) as f64 / TMA_PARTIAL_BYTES_PER_S
     } else {
         0.0
     };
-    compute.max(memory) + partials + waves * 1.0e-6
+    compute.max(memory) + partials
 }
 
 /// The warp-specialised GEMM launch of a product with `rows` output rows and row length `k` over
@@ -582,4 +583,3 @@ mod tests {
         assert_eq!(tma_plan(28672, 4096, 4096, 132).unwrap().splits, 1);
     }
 }
-

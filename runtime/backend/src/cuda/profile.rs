@@ -63,8 +63,12 @@ impl CudaBackend {
         let t = self.opts.max_step_tokens;
         let pos: Vec<i32> = (0..ntok).map(|i| (i % 1024) as i32).collect();
         self.gpu.write(&self.b.io_in, t * 4, &pos)?;
-        self.gpu.write(&self.b.io_in, 2 * t * 4, &vec![0i32; ntok])?;
+        self.gpu
+            .write(&self.b.io_in, 2 * t * 4, &vec![0i32; ntok])?;
+        // the LM head over every row: its own logits and row selection (the chunk's `sel` holds
+        // one row per slot)
         let logits = self.gpu.alloc(ntok * d.vocab * 4)?;
+        let sel = self.gpu.upload(&(0..ntok as i32).collect::<Vec<i32>>())?;
         let l0 = &self.w.layers[0];
         let b = &self.b;
         let qkv = Product::Qkv(QkvOut {
@@ -86,12 +90,7 @@ impl CudaBackend {
             (Product::Down { x: b.x.ptr }, &l0.wdown),
         ];
         if head_ok {
-            products.push((
-                Product::Head {
-                    logits: logits.ptr,
-                },
-                self.w.head(),
-            ));
+            products.push((Product::Head { logits: logits.ptr }, self.w.head()));
         }
         let g = &self.gpu;
         let gp = &self.gemm;
@@ -109,7 +108,7 @@ impl CudaBackend {
                     }
                     Product::Down { x } => gp.down(g, b.h.ptr, w, x, ntok),
                     Product::Head { logits } => {
-                        gp.logits(g, b.x.ptr, b.sel, self.w.out_norm.ptr, w, logits, ntok)
+                        gp.logits(g, b.x.ptr, sel.ptr, self.w.out_norm.ptr, w, logits, ntok)
                     }
                 }
             };
