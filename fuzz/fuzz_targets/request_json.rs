@@ -5,8 +5,8 @@
 //! preset), `message_text` for every message, `check_token_ids` for token prompts, and `parse_body`
 //! for the tokenize and detokenize bodies; then the whole preparation the server runs on the pool
 //! (`prepare::Step::run`: reservations, byte caps, the chat template under its limits, tokenizing)
-//! for every endpoint, on the tiny seed model (corpus/gguf/seed-tiny-llama.gguf, a ChatML template)
-//! with a 64-token context. A client's body may produce a 4xx, never a panic; memory stays under the
+//! for every endpoint (the Responses API's translation into a chat request included), on the tiny
+//! seed model (corpus/gguf/seed-tiny-llama.gguf, a ChatML template) with a 64-token context. A client's body may produce a 4xx, never a panic; memory stays under the
 //! process-wide heap cap.
 
 #![no_main]
@@ -95,7 +95,7 @@ fuzz_target!(|data: &[u8]| {
     // A budget of 256 MiB: the harness's heap cap is 512 MiB, so a reservation that let a request
     // past its worst case would show as an abort here.
     let budget = Arc::new(MemoryBudget::new(Source::Flag, 256 << 20, 256 << 20));
-    for step in [Step::Chat, Step::Completion, Step::Tokenize, Step::Detokenize] {
+    for step in [Step::Chat, Step::Responses, Step::Completion, Step::Tokenize, Step::Detokenize] {
         let mut res = budget.reserve(0, "to fuzz").expect("an empty reservation fits");
         if let Err(e) = step.run(&prep, data, &mut res) {
             assert!(e.status.is_client_error(), "{step:?}: a client's body gave {e}");

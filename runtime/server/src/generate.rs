@@ -71,6 +71,7 @@ impl RequestLog {
         let kind = match self.kind {
             Kind::Chat => "chat",
             Kind::Completion => "completion",
+            Kind::Responses => "responses",
         };
         if self.json {
             let line = serde_json::json!({
@@ -318,6 +319,8 @@ pub struct Job {
     pub kind: Kind,
     pub prompts: Vec<Vec<u32>>,
     pub params: GenParams,
+    /// A Responses request's fields its response repeats (`Kind::Responses`).
+    pub responses: Option<Arc<crate::responses::Echo>>,
 }
 
 /// Submit every choice to the engine; errors here are answered before any byte is sent.
@@ -395,6 +398,7 @@ fn new_id(kind: Kind) -> String {
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
         Kind::Completion => "cmpl",
+        Kind::Responses => return crate::responses::new_id(),
     };
     format!("{prefix}-{:032x}", rand::random::<u128>())
 }
@@ -439,13 +443,14 @@ pub async fn respond(
     let n_choices = job.prompts.len() * job.params.n;
     let mut log = RequestLog::new(&header, served.log_json, n_choices);
     log.usage.prompt_tokens = prompt_tokens;
+    let echo = job.responses.clone();
     if job.params.stream {
         Ok(stream_response(
             header,
             choices,
             (served.sse_keepalive, log),
             (n_choices, job.params.n),
-            job.params.logprobs.is_some(),
+            (job.params.logprobs.is_some(), echo),
             ticket,
             abort,
         ))
@@ -458,7 +463,7 @@ pub async fn respond(
                 &mut log,
                 (n_choices, job.params.n),
                 prompt_tokens,
-                job.params.logprobs.is_some(),
+                (job.params.logprobs.is_some(), echo),
                 ticket,
             ) => r,
             _ = aborted(&mut abort) => Err(shut_down()),
@@ -466,14 +471,15 @@ pub async fn respond(
     }
 }
 
-/// `(n, per_prompt)`: the choices in all, and per prompt.
+/// `(n, per_prompt)`: the choices in all, and per prompt; `echo`: a Responses request's fields
+/// (its answer is a response object).
 async fn whole_response(
     header: Header,
     mut choices: SelectAll<BoxStream<'static, ChoiceOut>>,
     log: &mut RequestLog,
     (n, per_prompt): (usize, usize),
     prompt_tokens: usize,
-    logprobs: bool,
+    (logprobs, echo): (bool, Option<Arc<crate::responses::Echo>>),
     mut ticket: Option<Ticket>,
 ) -> Result<Response, ApiError> {
     let mut text = vec![String::new(); n];
@@ -527,6 +533,11 @@ async fn whole_response(
     // thousands of entries (n x max_tokens x top_logprobs), tens of milliseconds of CPU that must
     // not stall an async worker (and /health with it).
     let json = tokio::task::spawn_blocking(move || {
+        if let Some(echo) = &echo {
+            // one choice: Responses requests have no `n`
+            let r = echo.response(&header, &text[0], &finish[0], calls[0].as_deref(), usage);
+            return serde_json::to_vec(&r);
+        }
         let out: Vec<sse::ChoiceBody> = text
             .into_iter()
             .zip(lps)
@@ -563,6 +574,8 @@ struct StreamState {
     finished: bool,
     abort: watch::Receiver<bool>,
     ticket: Option<Ticket>,
+    /// A Responses stream's typed events (`crate::responses`), else chat/completion chunks.
+    events: Option<crate::responses::Events>,
 }
 
 impl StreamState {
@@ -577,6 +590,9 @@ impl StreamState {
     fn handle(&mut self, out: ChoiceOut) {
         self.ticket = None; // running now
         self.log.token();
+        if self.events.is_some() {
+            return self.handle_responses(out);
+        }
         match out {
             ChoiceOut::Delta {
                 index,
@@ -616,9 +632,46 @@ impl StreamState {
         }
     }
 
+    /// [`Self::handle`] for a Responses stream: its typed events.
+    fn handle_responses(&mut self, out: ChoiceOut) {
+        let ev = self.events.as_mut().expect("a Responses stream");
+        let frames = match out {
+            ChoiceOut::Delta { text, .. } => ev.text(&text),
+            ChoiceOut::ToolCall { event, .. } => ev.tool(&event),
+            ChoiceOut::Finish {
+                reason,
+                completion_tokens,
+                cached_tokens,
+                ..
+            } => {
+                self.usage.completion_tokens += completion_tokens;
+                self.usage.cached_tokens += cached_tokens;
+                self.log.finish[0] = reason;
+                ev.finish(reason);
+                Vec::new()
+            }
+            ChoiceOut::Error { error, .. } => {
+                let frames = ev.error(&error);
+                self.queue.extend(frames);
+                self.log.usage = self.usage;
+                self.log.end("error");
+                self.finished = true;
+                return;
+            }
+        };
+        self.queue.extend(frames);
+    }
+
     fn close(&mut self) {
         self.log.usage = self.usage;
         self.log.end("ok");
+        if let Some(ev) = self.events.as_mut() {
+            // the response's last event; a Responses stream has no [DONE]
+            let frames = ev.end(self.usage);
+            self.queue.extend(frames);
+            self.finished = true;
+            return;
+        }
         if self.header.include_usage {
             let u = self.header.usage_chunk(self.usage);
             self.queue.push_back(sse::data(&u));
@@ -634,12 +687,14 @@ fn stream_response(
     choices: SelectAll<BoxStream<'static, ChoiceOut>>,
     (served_keepalive, log): (Option<std::time::Duration>, RequestLog),
     (n, per_prompt): (usize, usize),
-    logprobs: bool,
+    (logprobs, echo): (bool, Option<Arc<crate::responses::Echo>>),
     ticket: Option<Ticket>,
     abort: watch::Receiver<bool>,
 ) -> Response {
     let keepalive = served_keepalive;
+    let events = echo.map(|e| crate::responses::Events::new(header.clone(), e));
     let mut st = StreamState {
+        events,
         abort,
         ticket,
         queue: VecDeque::new(),
@@ -656,6 +711,11 @@ fn stream_response(
         finished: false,
         header,
     };
+    // A Responses stream opens with response.created and response.in_progress.
+    if let Some(ev) = st.events.as_mut() {
+        let frames = ev.start();
+        st.queue.extend(frames);
+    }
     // Every choice opens with its role chunk (chat) so the first delta of each carries the role.
     if st.header.kind == Kind::Chat {
         for i in 0..n {

@@ -14,7 +14,8 @@
 //! engine request per choice and turns each choice's token events into text through a
 //! [`textstream::TextStreamer`], answering whole or as SSE ([`sse`]).
 //!
-//! Modules: [`cli`] flags; [`grammar`] structured output (llguidance); [`tools`] tool calling; [`serve`] start-up/drain; [`listen`] the accept loop; [`state`] what is
+//! Modules: [`cli`] flags; [`grammar`] structured output (llguidance); [`tools`] tool calling;
+//! [`responses`] the Responses API on the chat pipeline; [`serve`] start-up/drain; [`listen`] the accept loop; [`state`] what is
 //! shared; [`routes`] endpoints, API-key and admission checks; [`budget`] the memory budget;
 //! [`pool`] the preprocessing threads; [`prepare`] body to job; [`api`] request types and
 //! validation; [`generate`] running a request; [`textstream`] stop strings + UTF-8 holdback; [`sse`]
@@ -39,6 +40,7 @@ pub mod grammar;
 pub mod listen;
 pub mod pool;
 pub mod prepare;
+pub mod responses;
 pub mod routes;
 pub mod serve;
 pub mod sse;

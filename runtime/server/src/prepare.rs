@@ -72,6 +72,7 @@ impl Prep<'_> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     Chat,
+    Responses,
     Completion,
     Tokenize,
     Detokenize,
@@ -82,6 +83,7 @@ impl Step {
     pub fn run(self, p: &Prep, body: &[u8], res: &mut Reservation) -> Result<(), ApiError> {
         match self {
             Step::Chat => chat(p, body, res).map(drop),
+            Step::Responses => responses(p, body, res).map(drop),
             Step::Completion => completion(p, body, res).map(drop),
             Step::Tokenize => tokenize(p, body, res).map(drop),
             Step::Detokenize => detokenize(p, body, res).map(drop),
@@ -281,7 +283,33 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         kind: Kind::Chat,
         prompts: vec![prompt],
         params,
+        responses: None,
     })
+}
+
+/// POST /v1/responses: the request as the chat request it asks for (`crate::responses::to_chat`),
+/// prepared as one; errors of the chat steps name the Responses fields they came from.
+pub fn responses(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
+    reserve_parse(res, body)?;
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+        ));
+    }
+    let r: serde_json::Map<String, serde_json::Value> = api::parse_body(body)?;
+    // the chat request is a second tree of about the body's values, then its text
+    reserve_parse(res, body)?;
+    res.grow(body.len() as u64, "to write its chat request")?;
+    let (chat_req, echo) = crate::responses::to_chat(&r)?;
+    drop(r);
+    let chat_body = serde_json::to_vec(&chat_req)
+        .map_err(|e| ApiError::internal(format!("cannot serialize the chat request: {e}")))?;
+    drop(chat_req);
+    let mut job = chat(p, &chat_body, res).map_err(crate::responses::rename_param)?;
+    job.kind = Kind::Responses;
+    job.responses = Some(std::sync::Arc::new(echo));
+    Ok(job)
 }
 
 /// POST /v1/completions.
@@ -336,6 +364,7 @@ pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, A
         kind: Kind::Completion,
         prompts,
         params,
+        responses: None,
     })
 }
 

@@ -30,6 +30,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let work = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit));
@@ -433,6 +434,11 @@ fn json_body(json: Vec<u8>) -> Response {
 
 async fn chat(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
     let (sv, job, ticket): (_, Job, _) = prepare_on_pool(body, prepare::chat).await?;
+    generate::respond(sv, job, ticket, s.abort.clone()).await
+}
+
+async fn responses(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
+    let (sv, job, ticket): (_, Job, _) = prepare_on_pool(body, prepare::responses).await?;
     generate::respond(sv, job, ticket, s.abort.clone()).await
 }
 

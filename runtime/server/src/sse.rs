@@ -27,6 +27,8 @@ pub fn data(v: &Value) -> Bytes {
 pub enum Kind {
     Chat,
     Completion,
+    /// `/v1/responses`: the chat pipeline, answered in the Responses shapes (`crate::responses`).
+    Responses,
 }
 
 /// Identity shared by every chunk of one response.
@@ -112,6 +114,7 @@ impl Header {
             (Kind::Chat, true) => "chat.completion.chunk",
             (Kind::Chat, false) => "chat.completion",
             (Kind::Completion, _) => "text_completion",
+            (Kind::Responses, _) => "response",
         }
     }
 
@@ -126,7 +129,7 @@ impl Header {
         finish: Option<&str>,
     ) -> Value {
         let choice = match self.kind {
-            Kind::Chat => {
+            Kind::Chat | Kind::Responses => {
                 let mut delta = serde_json::Map::new();
                 if role {
                     delta.insert("role".into(), json!("assistant"));
@@ -187,7 +190,7 @@ impl Header {
             .into_iter()
             .enumerate()
             .map(|(index, c)| match self.kind {
-                Kind::Chat => {
+                Kind::Chat | Kind::Responses => {
                     let message = match c.tool_calls {
                         Some(calls) => {
                             let content = (!c.text.is_empty()).then_some(c.text);
@@ -234,7 +237,7 @@ pub struct TokenLogprob {
 /// at `offset` (characters of text already sent for this choice).
 pub fn logprobs_json(kind: Kind, toks: &[TokenLogprob], mut offset: usize) -> Value {
     match kind {
-        Kind::Chat => {
+        Kind::Chat | Kind::Responses => {
             let content: Vec<Value> = toks
                 .iter()
                 .map(|t| {

@@ -123,6 +123,39 @@ fn reservations_cover_the_heap_peak_of_adversarial_requests() {
             prepare::Step::Chat,
         ),
         (
+            "responses, 8000 empty input items",
+            format!(
+                "{{\"input\":[{}]}}",
+                vec![r#"{"role":"user","content":""}"#; 8000].join(",")
+            ),
+            prepare::Step::Responses,
+        ),
+        (
+            "responses, 100000 empty content parts",
+            format!(
+                "{{\"input\":[{{\"role\":\"user\",\"content\":[{}]}}]}}",
+                vec![r#"{"type":"input_text","text":""}"#; 100_000].join(",")
+            ),
+            prepare::Step::Responses,
+        ),
+        (
+            "responses, 8000 function calls",
+            format!(
+                "{{\"input\":[{}]}}",
+                vec![r#"{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}"#; 8000]
+                    .join(",")
+            ),
+            prepare::Step::Responses,
+        ),
+        (
+            "responses, digits at the byte cap",
+            format!(
+                "{{\"input\":{},\"max_output_tokens\":1}}",
+                json(&digits[1000..])
+            ),
+            prepare::Step::Responses,
+        ),
+        (
             "completion, spaces at the byte cap",
             format!("{{\"prompt\":{}}}", json(&spaces)),
             prepare::Step::Completion,
