@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # metrale's test command (README.md's second command; .ci/run calls it). On a fresh machine it installs
 # everything the tests need itself: the pinned compiler wheels (cargo xtask toolchain), the default model
-# (cargo xtask fetch-model), a Python venv with the official openai client; checks formatting and
+# (cargo xtask fetch-model), a Python venv with the official openai client, Chromium and chromedriver
+# from the distribution (apt-get, for the chat page's browser test); checks formatting and
 # lints; then builds once, in release, and runs every test: the Rust workspace's (tidy and the kernels
 # lock among them), the server tests that drive the real binary, a 60-second soak of that binary, and
 # a short run of every fuzz target.
@@ -29,6 +30,13 @@ step "default model"
 METRALE_MODEL=$(cargo xtask fetch-model smollm2-135m | tail -n 1)
 export METRALE_MODEL
 test -f "$METRALE_MODEL" || { echo "fetch-model did not print a model path (got '$METRALE_MODEL')" >&2; exit 1; }
+
+step "headless Chromium and chromedriver (the chat page's browser test)"
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends chromium chromium-driver
+fi
+export METRALE_REQUIRE_BROWSER=1
 
 step "python client venv (official openai package)"
 venv=target/venv-tests

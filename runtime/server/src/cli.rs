@@ -64,6 +64,10 @@ pub struct Cli {
     #[arg(long, value_delimiter = ',')]
     pub cors_origins: Vec<String>,
 
+    /// Do not serve the chat page at `/` (the API is served either way).
+    #[arg(long)]
+    pub no_webui: bool,
+
     /// Seconds of silence after which a stream sends an SSE comment (`: keep-alive`), so that
     /// proxies and clients do not time out during a long prefill or queue wait (0: never).
     #[arg(long, default_value_t = 10)]

@@ -19,7 +19,7 @@
 //! shared; [`routes`] endpoints, API-key and admission checks; [`budget`] the memory budget;
 //! [`pool`] the preprocessing threads; [`prepare`] body to job; [`api`] request types and
 //! validation; [`generate`] running a request; [`textstream`] stop strings + UTF-8 holdback; [`sse`]
-//! chunk shapes and framing; [`error`] the envelope.
+//! chunk shapes and framing; [`error`] the envelope; [`webui`] the chat page at `/`.
 //!
 //! Invariants: a client's mistake is always a 4xx in the OpenAI envelope, never a 5xx; a stop string
 //! never reaches the client; streamed text is valid UTF-8 made of whole characters; dropping a
@@ -47,3 +47,4 @@ pub mod sse;
 pub mod state;
 pub mod textstream;
 pub mod tools;
+pub mod webui;

@@ -34,6 +34,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit));
+    let page = if state.webui {
+        crate::webui::routes()
+    } else {
+        Router::new()
+    };
     Router::new()
         .merge(work)
         .route("/v1/models", get(models))
@@ -41,6 +46,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .merge(page)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
@@ -392,7 +398,8 @@ fn server_metrics(out: &mut String, s: &AppState, sv: &Served) {
     }
 }
 
-/// The one model this server serves, as OpenAI's model object.
+/// The one model this server serves, as OpenAI's model object (with vLLM's `max_model_len` and
+/// the target this binary was built for, null for a generic build).
 fn model_object(sv: &Served) -> serde_json::Value {
     json!({
         "id": sv.name,
@@ -400,6 +407,7 @@ fn model_object(sv: &Served) -> serde_json::Value {
         "created": sv.created,
         "owned_by": "metrale",
         "max_model_len": sv.ctx_size,
+        "target": sv.target,
     })
 }
 

@@ -223,6 +223,7 @@ pub async fn run(cli: Cli) -> Result<()> {
                 .map(|o| o.trim().to_string())
                 .filter(|o| !o.is_empty())
                 .collect(),
+            !cli.no_webui,
         ),
         Limits {
             max_queue: cli.max_queue,
@@ -520,6 +521,10 @@ fn load(
         chat_template,
         engine,
         name,
+        target: metrale_kernels::registry()
+            .target
+            .as_ref()
+            .map(|t| t.id.to_string()),
         ctx_size,
         kv_tokens,
         parallel: info.slots,

@@ -25,6 +25,8 @@ pub struct Served {
     pub engine: EngineHandle,
     /// The name clients see in /v1/models and responses (--alias, else the model's name).
     pub name: String,
+    /// The target this binary was built for (`hw/model/quant`; `None`: a generic build).
+    pub target: Option<String>,
     /// Tokens one sequence can hold (prompt + generated).
     pub ctx_size: usize,
     /// Total KV capacity in tokens (slots x ctx_size).
@@ -126,6 +128,8 @@ pub struct AppState {
     pub api_keys: Vec<String>,
     /// Origins allowed by CORS (`*`: any; empty: no CORS headers).
     pub cors_origins: Vec<String>,
+    /// The chat page is served at `/` (`--no-webui` turns it off).
+    pub webui: bool,
     pub limits: Limits,
     pub conns: Arc<Connections>,
     /// Turns true when the shutdown deadline has passed: open generations end with an error.
@@ -137,7 +141,7 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(
-        (api_keys, cors_origins): (Vec<String>, Vec<String>),
+        (api_keys, cors_origins, webui): (Vec<String>, Vec<String>, bool),
         limits: Limits,
         conns: Arc<Connections>,
         abort: watch::Receiver<bool>,
@@ -146,6 +150,7 @@ impl AppState {
             ready: OnceLock::new(),
             api_keys,
             cors_origins,
+            webui,
             limits,
             conns,
             abort,
