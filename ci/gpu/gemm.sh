@@ -12,6 +12,8 @@
 #        check against HF transformers; then the rest of the 8B bf16 kernel tests and those of
 #        the other h200 targets (`shapes`)
 #   bash ci/gpu/gemm.sh bench  carry .gm1 .gm2  the product table alone, then `shapes`
+#   bash ci/gpu/gemm.sh peer   carry .gm1 .peer  llama.cpp's build, then this build's cuda_bench and
+#        llama-bench / llama-batched-bench on the same 8B bf16 GGUF (one call, ~8 min)
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -106,6 +108,23 @@ bench)
   tar xJf .gm2/b.tar.xz -C "$H"
   kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish bench
+  ;;
+peer)
+  # carry .gm1 .peer: llama.cpp (llama-bench pp512/tg128, llama-batched-bench at 16, 64 and 256
+  # sequences) beside this build's cuda_bench on the same 8B bf16 GGUF, in one call; cuda_bench runs
+  # after llama.cpp's build, so the two never share the CPUs
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
+  step "llama.cpp build (background)"
+  bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" 2>&1 | grep synth-model
+  step "llama.cpp build: waiting for it"
+  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  cat "$H/llamacpp/build.done"
+  bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
+  step "llama.cpp on the same GGUF"
+  OUT=$R bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-bf16.gguf" 16,64,256 2>&1 | tail -12
+  finish peer
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"
