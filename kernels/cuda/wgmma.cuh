@@ -2,9 +2,9 @@
 //
 // Wg<N>::mma(d, da, db): D[64 x N] += A[64 x 16] * B[N x 16]^T on the warpgroup's tensor cores,
 // f32 accumulators in registers (N / 2 per thread), A and B bf16 in shared memory, both K-major,
-// named by 64-bit matrix descriptors (gemm_hopper.cu.hbs builds them). The operation is
-// asynchronous: wgmma_fence() before it (the accumulators were written by ordinary instructions),
-// then wgmma_commit() and wgmma_wait<0>() before the accumulators are read.
+// named by 64-bit matrix descriptors (desc() below). The operation is asynchronous: wgmma_fence()
+// before it (the accumulators were written by ordinary instructions), then wgmma_commit() and
+// wgmma_wait<0>() before the accumulators are read (and pin() on them after the wait).
 // Accumulator layout (thread t of the warpgroup, warp w = t / 32, lane l): d[4j + 2h + c] holds
 // row 16w + l/4 + 8h, column 8j + 2(l%4) + c.
 #pragma once
@@ -15,6 +15,26 @@ MT_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "m
 MT_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING> MT_INLINE void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+
+MT_INLINE unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// The accumulators are written by the asynchronous MMAs behind the compiler's back: after the wait,
+// an empty asm that "writes" each keeps its later reads from being scheduled before the wait.
+template <int R> MT_INLINE void pin(float (&acc)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// Matrix descriptor of a K-major tile at shared address `addr` (1024-aligned) in the 128-byte
+// swizzle (what cp.async stores with the XOR below, and what the bulk tensor copies write): rows of
+// 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8); 8-row groups 1024 bytes apart
+// (stride byte offset); the leading byte offset is unused for this layout.
+MT_INLINE unsigned long long desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4)
+         | (1ull << 16)
+         | ((unsigned long long)(1024 >> 4) << 32)
+         | (1ull << 62);
 }
 
 template <int N> struct Wg;
