@@ -56,13 +56,9 @@ fn main() {
     let depth_steps = 64usize;
     let out = opt("--out", "");
     let target = &args[3];
-    let p: Vec<&str> = target.split('/').collect();
+    let id: TargetId = target.parse().expect("TARGET_ID: hw/model/quant");
     let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
-    let spec = TargetSpec::load(
-        std::path::Path::new(&root),
-        &TargetId::new(p[0], p[1], p[2]),
-    )
-    .expect("target");
+    let spec = TargetSpec::load(std::path::Path::new(&root), &id).expect("target");
     let set = KernelSet::from_dir(std::path::Path::new(&args[2]), &spec).expect("kernels");
     let tuning = Tuning::default()
         .parse(&std::env::var(Tuning::ENV).unwrap_or_default())

@@ -38,18 +38,12 @@ fn main() {
         .collect();
     let sweep = args.iter().any(|a| a == "--sweep");
     let out = opt("--out", "");
-    let target = &args[3];
-    let p: Vec<&str> = target.split('/').collect();
-    if p.len() != 3 {
-        eprintln!("TARGET_ID: hw/model/quant, e.g. h200/llama-3.1-8b/bf16");
-        std::process::exit(2);
-    }
+    let id: TargetId = args[3].parse().unwrap_or_else(|e| {
+        eprintln!("TARGET_ID: {e}");
+        std::process::exit(2)
+    });
     let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
-    let spec = TargetSpec::load(
-        std::path::Path::new(&root),
-        &TargetId::new(p[0], p[1], p[2]),
-    )
-    .expect("target");
+    let spec = TargetSpec::load(std::path::Path::new(&root), &id).expect("target");
     let set = KernelSet::from_dir(std::path::Path::new(&args[2]), &spec).expect("kernels");
     let tuning = Tuning::default()
         .parse(&std::env::var(Tuning::ENV).unwrap_or_default())

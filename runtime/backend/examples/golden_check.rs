@@ -74,10 +74,9 @@ fn cuda_backend(
 ) -> (Box<dyn Backend>, KvDtype) {
     use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
     use metrale_core::target::{TargetId, TargetSpec};
-    let p: Vec<&str> = target.split('/').collect();
+    let id: TargetId = target.parse().expect("target: hw/model/quant");
     let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
-    let spec =
-        TargetSpec::load(Path::new(&root), &TargetId::new(p[0], p[1], p[2])).expect("target");
+    let spec = TargetSpec::load(Path::new(&root), &id).expect("target");
     let kv = spec.quant.kv_dtype();
     let set = KernelSet::from_dir(Path::new(dir), &spec).expect("kernels");
     let tuning = metrale_backend::cuda::Tuning::default()

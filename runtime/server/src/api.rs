@@ -60,17 +60,23 @@ pub trait WithCommon: DeserializeOwned {
 /// passes over the bytes instead of `#[serde(flatten)]`, which would lose the field name in type
 /// errors; each pass skips the other's fields without building them).
 pub fn parse_request<T: WithCommon>(body: &[u8]) -> Result<T, ApiError> {
+    require_object(body)?;
+    let mut common: CommonParams = parse_body(body)?;
+    common.grammar = parse_body(body)?;
+    let mut r: T = parse_body(body)?;
+    r.set_common(common);
+    Ok(r)
+}
+
+/// A 400 unless `body` holds a JSON object (checked from its first byte, before parsing).
+pub fn require_object(body: &[u8]) -> Result<(), ApiError> {
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid(
             "the request body must be a JSON object",
             None,
         ));
     }
-    let mut common: CommonParams = parse_body(body)?;
-    common.grammar = parse_body(body)?;
-    let mut r: T = parse_body(body)?;
-    r.set_common(common);
-    Ok(r)
+    Ok(())
 }
 
 /// `stop`: one string or a list.

@@ -291,12 +291,7 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
 /// prepared as one; errors of the chat steps name the Responses fields they came from.
 pub fn responses(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
     reserve_parse(res, body)?;
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(ApiError::invalid(
-            "the request body must be a JSON object",
-            None,
-        ));
-    }
+    api::require_object(body)?;
     let r: serde_json::Map<String, serde_json::Value> = api::parse_body(body)?;
     // the chat request is a second tree of about the body's values, then its text
     reserve_parse(res, body)?;

@@ -692,19 +692,7 @@ impl Events {
         let id = self.header.id.clone();
         if !matches!(self.open, Some(Open::Text { .. })) {
             self.close(&mut out);
-            let index = self.next_index();
-            out.push(self.event(
-                "response.output_item.added",
-                json!({"output_index": index, "item": message_item(&id, "", "in_progress")}),
-            ));
-            out.push(self.event(
-                "response.content_part.added",
-                json!({"item_id": message_id(&id), "output_index": index, "content_index": 0, "part": text_part("")}),
-            ));
-            self.open = Some(Open::Text {
-                index,
-                text: String::new(),
-            });
+            self.open_text(&mut out);
         }
         let index = match &mut self.open {
             Some(Open::Text { index, text }) => {
@@ -775,8 +763,8 @@ impl Events {
         self.close(&mut out);
         if self.done.is_empty() {
             // an answer with no text and no call still has its (empty) message
-            let id = self.header.id.clone();
-            self.text_item_empty(&id, &mut out);
+            self.open_text(&mut out);
+            self.close(&mut out);
         }
         let (status, incomplete) = status_of(self.finish.unwrap_or("stop"));
         let r = self.echo.object(
@@ -795,20 +783,22 @@ impl Events {
         out
     }
 
-    fn text_item_empty(&mut self, id: &str, out: &mut Vec<Bytes>) {
+    /// Open a message item at the next output index: its `added` events (no item is open).
+    fn open_text(&mut self, out: &mut Vec<Bytes>) {
+        let id = self.header.id.clone();
+        let index = self.next_index();
         out.push(self.event(
             "response.output_item.added",
-            json!({"output_index": 0, "item": message_item(id, "", "in_progress")}),
+            json!({"output_index": index, "item": message_item(&id, "", "in_progress")}),
         ));
         out.push(self.event(
             "response.content_part.added",
-            json!({"item_id": message_id(id), "output_index": 0, "content_index": 0, "part": text_part("")}),
+            json!({"item_id": message_id(&id), "output_index": index, "content_index": 0, "part": text_part("")}),
         ));
         self.open = Some(Open::Text {
-            index: 0,
+            index,
             text: String::new(),
         });
-        self.close(out);
     }
 
     /// An error after the stream began: the `error` event (the stream ends after it).

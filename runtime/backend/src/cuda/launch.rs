@@ -78,6 +78,20 @@ fn mv_resident_per_sm(kernels: &Kernels, e: abi::Entry, fallback: usize) -> usiz
         .max(1)
 }
 
+/// Let each of `entries` launch with `smem` bytes of dynamic shared memory; false where the driver
+/// refuses any.
+fn allow_smem(kernels: &Kernels, entries: &[abi::Entry], smem: usize) -> bool {
+    entries.iter().all(|&e| {
+        kernels
+            .get(e)
+            .set_attribute(
+                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .is_ok()
+    })
+}
+
 /// Give each Hopper GEMM the dynamic shared memory its largest token tile needs
 /// (`layout::wg_smem_bytes`); false where the driver refuses.
 fn hopper_gemm_ready(kernels: &Kernels) -> bool {
@@ -85,21 +99,15 @@ fn hopper_gemm_ready(kernels: &Kernels) -> bool {
         .iter()
         .map(|&n| abi::layout::wg_smem_bytes(n))
         .max()
-        .unwrap_or(0) as i32;
-    [
+        .unwrap_or(0);
+    let entries = [
         abi::WgQkv::ID,
         abi::WgO::ID,
         abi::WgGu::ID,
         abi::WgDown::ID,
         abi::WgLogits::ID,
-    ]
-    .iter()
-    .all(|&e| {
-        kernels
-            .get(e)
-            .set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            .is_ok()
-    })
+    ];
+    allow_smem(kernels, &entries, smem)
 }
 
 /// Give each warp-specialised GEMM the dynamic shared memory its largest tile needs
@@ -108,21 +116,15 @@ fn tma_gemm_ready(kernels: &Kernels) -> bool {
     let smem = (0..abi::layout::TMA_CONFIGS.len())
         .map(abi::layout::tma_smem_bytes)
         .max()
-        .unwrap_or(0) as i32;
-    [
+        .unwrap_or(0);
+    let entries = [
         abi::TmaQkv::ID,
         abi::TmaO::ID,
         abi::TmaGu::ID,
         abi::TmaDown::ID,
         abi::TmaLogits::ID,
-    ]
-    .iter()
-    .all(|&e| {
-        kernels
-            .get(e)
-            .set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            .is_ok()
-    })
+    ];
+    allow_smem(kernels, &entries, smem)
 }
 
 impl MvPerSm {
@@ -353,15 +355,10 @@ impl Gpu {
     /// Get `decode_1` ready for `smem` bytes of dynamic shared memory per block: its resident blocks
     /// per SM and resources; `None` when the device cannot give a block that much shared memory.
     pub fn decode1_prepare(&self, smem: usize) -> Result<Option<Occupancy>, BackendError> {
-        let f = self.kernels.get(abi::DecodeOne::ID);
-        if f.set_attribute(
-            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .is_err()
-        {
+        if !allow_smem(&self.kernels, &[abi::DecodeOne::ID], smem) {
             return Ok(None);
         }
+        let f = self.kernels.get(abi::DecodeOne::ID);
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(abi::DECODE_THREADS, smem, None)
             .map_err(dev_err("decode_1 occupancy"))?;

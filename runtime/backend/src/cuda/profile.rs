@@ -20,6 +20,25 @@ pub struct Decode1Info {
     pub split: (usize, usize),
 }
 
+/// A graph of `reps` calls of `launch` (each enqueues kernels), replayed once to warm it up.
+fn capture_warm(
+    g: &super::launch::Gpu,
+    reps: usize,
+    launch: impl Fn() -> Result<(), BackendError>,
+) -> Result<cudarc::driver::CudaGraph, BackendError> {
+    g.begin_capture()?;
+    let mut r = Ok(());
+    for _ in 0..reps {
+        r = r.and_then(|_| launch());
+    }
+    let graph = g.end_capture();
+    r?;
+    let graph = graph?;
+    g.replay(&graph)?;
+    g.sync()?;
+    Ok(graph)
+}
+
 /// One Hopper GEMM timed alone ([`CudaBackend::profile_gemms`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GemmTiming {
@@ -118,16 +137,7 @@ impl CudaBackend {
             let reps = ((2000.0 / est.max(1.0)) as usize).clamp(3, 100);
             let time = |launch: &dyn Fn(&super::launch::Gpu) -> Result<(), BackendError>|
              -> Result<f64, BackendError> {
-                g.begin_capture()?;
-                let mut r = Ok(());
-                for _ in 0..reps {
-                    r = r.and_then(|_| launch(g));
-                }
-                let graph = g.end_capture();
-                r?;
-                let graph = graph?;
-                g.replay(&graph)?;
-                g.sync()?;
+                let graph = capture_warm(g, reps, || launch(g))?;
                 let mut v = Vec::new();
                 for _ in 0..7 {
                     let t0 = std::time::Instant::now();
@@ -244,16 +254,9 @@ impl CudaBackend {
         for (name, stage, gemm) in stages {
             let g = &self.gpu;
             let pf = gemm.then_some(&self.gemm);
-            g.begin_capture()?;
-            let mut r = Ok(());
-            for _ in 0..reps {
-                r = r.and_then(|_| self.launch_stage(stage, 0, pf, (ntok, nout, nsplit)));
-            }
-            let graph = g.end_capture();
-            r?;
-            let graph = graph?;
-            g.replay(&graph)?;
-            g.sync()?;
+            let graph = capture_warm(g, reps, || {
+                self.launch_stage(stage, 0, pf, (ntok, nout, nsplit))
+            })?;
             let t = std::time::Instant::now();
             for _ in 0..rounds {
                 g.replay(&graph)?;

@@ -34,9 +34,8 @@ pub fn target_kernels(
     use metrale_core::target::{TargetId, TargetSpec};
     let target =
         std::env::var("METRALE_CUDA_TARGET").unwrap_or_else(|_| "h200/smollm2-135m/q4_1".into());
-    let p: Vec<&str> = target.split('/').collect();
-    let spec =
-        TargetSpec::load(&targets_root(), &TargetId::new(p[0], p[1], p[2])).expect("target spec");
+    let id: TargetId = target.parse().expect("METRALE_CUDA_TARGET: hw/model/quant");
+    let spec = TargetSpec::load(&targets_root(), &id).expect("target spec");
     let set = metrale_backend::cuda::KernelSet::from_dir(std::path::Path::new(kernel_dir), &spec)
         .expect("kernel set");
     (target, spec, set)
