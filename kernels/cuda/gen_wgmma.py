@@ -2,8 +2,9 @@
 """Write kernels/cuda/wgmma.cuh: one wrapper per width N of the Hopper instruction
 wgmma.mma_async m64nNk16 (f32 accumulators, bf16 operands, both from shared memory through
 matrix descriptors): gemm_hopper's token tiles (16-128) and gemm_tma's weight-row widths per
-consumer warpgroup (64-256). The inline assembly names every accumulator register, so each N needs
-its own operand list; this script writes them. Run it after changing NS, from the repository root:
+consumer warpgroup (64-256), and the helpers their operands need (shared addresses, the 128-byte
+swizzle's matrix descriptors, accumulator pinning). The inline assembly names every accumulator
+register, so each N needs its own operand list; this script writes them. Run it after changing NS, from the repository root:
 
     python3 kernels/cuda/gen_wgmma.py > kernels/cuda/wgmma.cuh
 """
