@@ -10,8 +10,8 @@ use std::ffi::c_void;
 
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
-    ATT_THREADS, DECODE_THREADS, EMBED_THREADS, GEMM_THREADS, MV_THREADS, SAMPLE_THREADS,
-    SPLIT_THREADS, TMA_THREADS, WG_THREADS,
+    ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MV_THREADS,
+    SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS,
 };
 
 macro_rules! field_ty {
@@ -125,6 +125,21 @@ entries! {
         part_ml: ptr<"float2">,
         part_acc: ptr<"float">,
         counter: ptr<"unsigned int">,
+        out: ptr<"float">,
+    }
+    /// Causal GQA attention of prompt chunks on the tensor cores (flash attention) over the paged KV
+    /// cache. grid = (ntiles, kv_heads), dynamic shared memory `layout::flash_smem_bytes`; `tiles`
+    /// holds (first token, tokens) per block, each tile one sequence's consecutive positions.
+    AttentionFlash = "attention_flash" / "attention_flash", threads FLASH_THREADS, {
+        q: ptr<"const float">,
+        kc: ptr<"const kv_t">,
+        vc: ptr<"const kv_t">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
+        layer: i32,
+        max_blocks: i32,
+        tiles: ptr<"const int">,
         out: ptr<"float">,
     }
     /// Output projection + residual: `x += Wo att`.

@@ -9,8 +9,9 @@
 use metrale_core::shape::Dims;
 
 use crate::{
-    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, PADDED_BLOCK, TMA_BK, TMA_MAX_STAGES, TMA_SMEM,
-    TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM, WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL,
+    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, FLASH_BN, FLASH_THREADS, PADDED_BLOCK, TMA_BK,
+    TMA_MAX_STAGES, TMA_SMEM, TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM, WG_MAX_STAGES,
+    WG_SMEM_LARGE, WG_SMEM_SMALL,
 };
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
@@ -169,6 +170,18 @@ pub fn tma_smem_bytes(cfg: usize) -> usize {
     tma_stages(cfg) * tma_stage_bytes(cfg) + 1024
 }
 
+/// Tokens per block of `attention_flash` for `group` query heads per KV head: its 64 query rows
+/// (16 per warp) hold every head of the group for each token (`fa::TOK`).
+pub fn flash_tokens(group: usize) -> usize {
+    (16 * FLASH_THREADS as usize / 32) / group.max(1)
+}
+
+/// Dynamic shared memory of `attention_flash` (`fa::smem_bytes`): two buffers of a K and a V tile
+/// of `FLASH_BN` positions, each row padded by 8 bf16.
+pub fn flash_smem_bytes(head_dim: usize) -> usize {
+    2 * 2 * FLASH_BN as usize * (head_dim + 8) * 2
+}
+
 /// The `static_assert`s of template `template` for a target of shape `d` on `sm_count` SMs: each
 /// compares an expression the kernel computes with the number the host computes for it. Empty for
 /// templates whose launches depend on no host formula.
@@ -203,6 +216,18 @@ pub fn asserts(template: &str, d: &Dims, sm_count: usize) -> String {
             }
         }
         "ffn_out" => s += &check("TB", tok_tile(d.ffn), "tokens per block"),
+        "attention_flash" => {
+            s += &check(
+                "fa::TOK",
+                flash_tokens(d.heads / d.kv_heads),
+                "tokens per block",
+            );
+            s += &check(
+                "fa::smem_bytes()",
+                flash_smem_bytes(d.head_dim),
+                "dynamic shared memory per block",
+            );
+        }
         "decode" => {
             s += &check(
                 "S_PART",

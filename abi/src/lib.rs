@@ -158,6 +158,10 @@ pub const ATT_MAX_CLUSTER: u32 = 8;
 /// score; the default, `METRALE_CUDA_TUNING=attention_transpose=off` turns it off), else one warp
 /// sum per score.
 pub const ATT_FLAG_TRANSPOSE: u32 = 1;
+/// Threads per block of `attention_flash` (4 warps of 16 query rows each) and the key positions of
+/// one of its K/V tiles in shared memory (`kernels/cuda/attention_flash.cu.hbs`).
+pub const FLASH_THREADS: u32 = 128;
+pub const FLASH_BN: u32 = 64;
 /// Threads per block of `argmax_logprob` and `sample_probs`.
 pub const SAMPLE_THREADS: u32 = 1024;
 /// Floats of a 32-element block of an activation row staged in shared memory (padded from 32 so
@@ -230,6 +234,8 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),
+    ("FLASH_THREADS", FLASH_THREADS as i64),
+    ("FLASH_BN", FLASH_BN as i64),
     ("SAMPLE_THREADS", SAMPLE_THREADS as i64),
     ("PADDED_BLOCK", PADDED_BLOCK as i64),
     ("TOK_TILE_BYTES", TOK_TILE_BYTES as i64),

@@ -12,8 +12,14 @@
 #        check against HF transformers; then the rest of the 8B bf16 kernel tests and those of
 #        the other h200 targets (`shapes`)
 #   bash ci/gpu/gemm.sh bench  carry .gm1 .gm2  the product table alone, then `shapes`
+#   bash ci/gpu/gemm.sh prefill carry .gm1 .gm2 .peer  llama.cpp's build started in the background;
+#        the attention kernel tests of 8B bf16 (flash and split-K against the CPU ops); cuda_bench
+#        (pp512, one 8,192-token prompt in 512-token chunks, decode of 64 and 256 sequences) with
+#        flash attention and without (flash_attention=off); the 2-layer check against HF
+#        transformers; the rest of the 8B bf16 kernel tests and the other h200 targets' (`shapes`)
 #   bash ci/gpu/gemm.sh peer   carry .gm1 .peer  llama.cpp's build, then this build's cuda_bench and
-#        llama-bench / llama-batched-bench on the same 8B bf16 GGUF (one call, ~8 min)
+#        llama-bench (pp512, pp8192, tg128) / llama-batched-bench on the same 8B bf16 GGUF (one
+#        call, ~8 min)
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -25,7 +31,7 @@ bench() {
   step "cuda_bench $n ${METRALE_CUDA_TUNING:-}"
   METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_bench" "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 \
     --out "$R/$n.json" "$@" > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
-  grep -E "copy:|prefill 512:|decode batch|rc=" "$R/$n.txt"
+  grep -E "copy:|prefill 512:|prefill of one|decode batch|rc=" "$R/$n.txt"
 }
 
 # gemm_bench --sweep over the 8B bf16 products, cuBLAS on the same shapes, the joined table
@@ -121,10 +127,40 @@ peer)
   step "llama.cpp build: waiting for it"
   for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
   cat "$H/llamacpp/build.done"
-  bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
+  bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16 --batch 16,64,256 --steps 32 --pp 512 --long 8192
   step "llama.cpp on the same GGUF"
-  OUT=$R bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-bf16.gguf" 16,64,256 2>&1 | tail -12
+  OUT=$R LLAMACPP_PP=512,8192 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-bf16.gguf" 16,64,256 2>&1 | tail -12
   finish peer
+  ;;
+prefill)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
+  [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 GGUF, 2-layer HF folder"
+  for a in "--out $H/s/l8b-bf16.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
+  step "cuda_kernels h200/llama-3.1-8b/bf16: attention first"
+  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
+    timeout 150 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 attention > "$R/kernel-tests-attention.txt" 2>&1
+  echo "rc=$?" >> "$R/kernel-tests-attention.txt"; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-attention.txt" | tail -30
+  grep -q "test result: ok" "$R/kernel-tests-attention.txt" || { finish prefill; exit 1; }
+  bench "$K" bench-bf16 --batch 64,256 --steps 32 --pp 512 --long 8192
+  METRALE_CUDA_TUNING=flash_attention=off bench "$K" bench-bf16-split --batch 64 --steps 32 --pp 512 --long 8192
+  step "2-layer check against HF transformers (prompt through the GEMMs and flash attention)"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
+  tail -1 "$R/golden2.txt"
+  METRALE_TARGETS=$H/b/t2/targets timeout 120 "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
+    --cuda "$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --repeat 2 | tee -a "$R/check-2l.jsonl" \
+    | python3 -c 'import sys,json; d=json.load(sys.stdin); print("pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
+  step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
+  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
+    timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 --skip attention > "$R/kernel-tests-rest.txt" 2>&1
+  echo "rc=$?" >> "$R/kernel-tests-rest.txt"; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+  [ -f .gm2/b.tar.xz ] && tar xJf .gm2/b.tar.xz -C "$H" && kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
+  finish prefill
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"
@@ -132,6 +168,6 @@ shapes)
   finish shapes
   ;;
 *)
-  sed -n 2,16p "$0"; exit 2
+  sed -n 2,22p "$0"; exit 2
   ;;
 esac

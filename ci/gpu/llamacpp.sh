@@ -8,7 +8,8 @@
 #                                            (GPU machine) build llama-bench and llama-batched-bench once
 #                                            (CUDA, sm_90; ~5 min on 16 cores, in the background: run it
 #                                            early, run it again to wait and measure), then llama-bench
-#                                            pp512/tg128 (-fa 1, 5 repetitions) and llama-batched-bench
+#                                            pp512/tg128 (-fa 1, 5 repetitions; LLAMACPP_PP=512,8192
+#                                            for more prompt sizes) and llama-batched-bench
 #                                            (128 prompt + 128 generated tokens per sequence) at BATCHES
 #                                            (default 1,8,32,64); tables to $OUT (else the working dir)
 set -euo pipefail
@@ -62,7 +63,7 @@ bench)
   grep -q "rc=0" "$dir/build.done" || { tail -30 "$dir/build.log"; exit 1; }
   out=${OUT:-.}
   bin=$dir/build/bin
-  "$bin/llama-bench" -m "$gguf" -ngl 99 -fa 1 -p 512 -n 128 -r 5 -o md 2>/dev/null | tee "$out/llamacpp-bench.md"
+  "$bin/llama-bench" -m "$gguf" -ngl 99 -fa 1 -p "${LLAMACPP_PP:-512}" -n 128 -r 5 -o md 2>/dev/null | tee "$out/llamacpp-bench.md"
   "$bin/llama-batched-bench" -m "$gguf" -ngl 99 -c 70000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl "$batches" 2>/dev/null \
     | grep '^|' | tee "$out/llamacpp-batched.txt"
   ;;

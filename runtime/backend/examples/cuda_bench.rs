@@ -19,7 +19,12 @@
 //! Reads `METRALE_TARGETS` (the targets/ folder, default `targets`) and `METRALE_CUDA_TUNING`
 //! (`Tuning::parse`: the runtime choices to compare, e.g. `run_ahead=off`).
 //!
-//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--depth N,N,...] [--out FILE] [--trace FILE]
+//! Long prompts (`--long N,...`): one prompt of N tokens prefilled from position 0 in chunks of
+//! `max_step_tokens` (the `--pp` size, at least 512), as a server does, each chunk reading the
+//! earlier ones' K and V through the pages; the median of 3 after one warm-up, with the FLOPs of
+//! the matrix products and of the causal attention (4 x head_dim x heads x layers x N^2 / 2).
+//!
+//! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--depth N,N,...] [--long N,N,...] [--out FILE] [--trace FILE]
 
 #[cfg(feature = "cuda")]
 fn main() {
@@ -53,6 +58,12 @@ fn main() {
         .filter(|s| !s.is_empty())
         .map(|s| s.parse().unwrap())
         .collect();
+    let longs: Vec<usize> = opt("--long", "")
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let long_cap = longs.iter().copied().max().unwrap_or(0);
     let depth_steps = 64usize;
     let out = opt("--out", "");
     let target = &args[3];
@@ -69,18 +80,19 @@ fn main() {
     let t0 = Instant::now();
     let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
-    // slots 0..=maxb: 2048 positions each; slot maxb + 1: the depth runs
+    // slots 0..=maxb: 2048 positions each; slot maxb + 1: the depth runs; maxb + 2: long prompts
     let depth_cap = depths.iter().max().map_or(0, |d| d + depth_steps + 1);
     let mut b = CudaBackend::new(
         &set,
         &model.config,
         &model.weights,
         CudaOptions {
-            slots: maxb + 2,
-            slot_capacity: depth_cap.max(2048),
+            slots: maxb + 3,
+            slot_capacity: depth_cap.max(long_cap).max(2048),
             // each slot its own run of blocks (metrale_backend::slot_blocks)
             kv_blocks: (maxb + 1) * metrale_backend::blocks_for(2048)
-                + metrale_backend::blocks_for(depth_cap),
+                + metrale_backend::blocks_for(depth_cap)
+                + metrale_backend::blocks_for(long_cap),
             max_step_tokens: pp.max(512),
             tuning,
             ..Default::default()
@@ -377,6 +389,37 @@ fn main() {
         ));
     }
 
+    // long prompts: one sequence prefilled in max_step_tokens chunks
+    let long_first = first + metrale_backend::blocks_for(depth_cap);
+    let long_table: Vec<u32> = (long_first..long_first + metrale_backend::blocks_for(long_cap))
+        .map(|x| x as u32)
+        .collect();
+    let mut long_res = Vec::new();
+    for &n in &longs {
+        let ids: Vec<u32> = (0..n).map(|i| prompt[i % prompt.len()]).collect();
+        let mut ts = Vec::new();
+        for rep in 0..4 {
+            b.release(maxb + 2);
+            let t = Instant::now();
+            step1(&mut b, (maxb + 2, &long_table), 0, &ids, &ids, 0);
+            if rep > 0 {
+                ts.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let (ms, _, _) = median(&mut ts);
+        let d = metrale_backend::Dims::from_shape(&spec.model);
+        let att_flop = 4.0 * (d.head_dim * d.heads * d.layers) as f64 * (n * n) as f64 / 2.0;
+        let tflops = (n as f64 * flops_tok + att_flop) / ms / 1e9;
+        eprintln!(
+            "prefill of one {n}-token prompt: median {ms:.1} ms ({:.0} tok/s), {tflops:.1} TFLOP/s (products + causal attention)",
+            n as f64 / ms * 1e3
+        );
+        long_res.push(format!(
+            "{{\"tokens\": {n}, \"ms_median\": {ms:.3}, \"tok_s\": {:.1}, \"attention_flop\": {att_flop:.0}, \"tflops\": {tflops:.2}}}",
+            n as f64 / ms * 1e3
+        ));
+    }
+
     // batched decode: every sequence starts from the prompt (prefilled together), then decodes
     let mut batch_res = Vec::new();
     for &nb in &batches {
@@ -431,7 +474,7 @@ fn main() {
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"masked_pick_us\": {pick_json}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"masked_pick_us\": {pick_json}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"long\": [{}], \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         floor_us(wbytes),
@@ -447,6 +490,7 @@ fn main() {
         tuning,
         batch_res.join(", "),
         depth_res.join(", "),
+        long_res.join(", "),
         b.stats
     );
     println!("{json}");

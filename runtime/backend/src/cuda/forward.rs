@@ -31,12 +31,14 @@ pub(super) struct Bufs {
     /// the split-combine tickets `[maxt][kv_heads]` (zero between launches)
     pub att_counter: DevBuf,
     pub logits: DevBuf,
-    /// i32 inputs, one copy per chunk: tokens[maxt] | pos[maxt] | slot[maxt] | sel[slots]
+    /// i32 inputs, one copy per chunk: tokens[maxt] | pos[maxt] | slot[maxt] | sel[slots] |
+    /// tiles[maxt][2] (`attention_flash`'s query tiles, [`io_words`])
     pub io_in: DevBuf,
     pub tokens: u64,
     pub pos: u64,
     pub slot: u64,
     pub sel: u64,
+    pub tiles: u64,
     /// outputs, one copy back: out_tok[slots] (i32) | out_lp[slots] (f32)
     pub io_out: DevBuf,
     pub out_tok: u64,
@@ -59,7 +61,7 @@ impl Bufs {
     pub fn new(gpu: &Gpu, maxt: usize, nout: usize) -> Result<Bufs, BackendError> {
         let d = gpu.dims;
         let f = 4usize;
-        let io_in = gpu.alloc((3 * maxt + nout) * 4)?;
+        let io_in = gpu.alloc(io_words(maxt, nout) * 4)?;
         let io_out = gpu.alloc(2 * nout * 4)?;
         let (part_bytes, counter_bytes) = gpu.lm_head_scratch(nout);
         Ok(Bufs {
@@ -75,6 +77,7 @@ impl Bufs {
             pos: io_in.ptr + (maxt * 4) as u64,
             slot: io_in.ptr + (2 * maxt * 4) as u64,
             sel: io_in.ptr + (3 * maxt * 4) as u64,
+            tiles: io_in.ptr + ((3 * maxt + nout) * 4) as u64,
             io_in,
             out_tok: io_out.ptr,
             out_lp: io_out.ptr + (nout * 4) as u64,
@@ -87,6 +90,21 @@ impl Bufs {
             mask_out: gpu.alloc(2 * nout * 4)?,
         })
     }
+}
+
+/// The i32 words of the input buffer for chunks of up to `maxt` tokens and `nout` outputs: tokens,
+/// positions and slots per token, the selected rows, and up to one flash tile (two words) per token.
+pub fn io_words(maxt: usize, nout: usize) -> usize {
+    3 * maxt + nout + 2 * maxt
+}
+
+/// How a chunk's attention runs: the split-K kernel (`attention`) with this many splits per KV
+/// head, or the flash kernel (`attention_flash`) over this many query tiles, written to
+/// [`Bufs::tiles`] with the chunk's inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Attn {
+    Split(usize),
+    Flash(usize),
 }
 
 /// The launches of a chunk's forward pass: the embedding, five per layer, the LM head.
@@ -124,7 +142,7 @@ impl CudaBackend {
         stage: Stage,
         l: usize,
         pf: Option<&GemmPath>,
-        (ntok, nout, nsplit): (usize, usize, usize),
+        (ntok, nout, attn): (usize, usize, Attn),
     ) -> Result<(), BackendError> {
         let g = &self.gpu;
         let b = &self.b;
@@ -174,25 +192,42 @@ impl CudaBackend {
                 max_blocks,
                 ntok: n,
             }),
-            (Stage::Attention, _) => g.attention(
-                abi::Attention {
-                    q: b.q.ptr,
-                    kc: kv.kc.ptr,
-                    vc: kv.vc.ptr,
-                    pos: b.pos,
-                    slot: b.slot,
-                    tables: kv.tables.ptr,
-                    layer: l as i32,
-                    max_blocks,
-                    nsplit: nsplit as i32,
-                    flags: g.att_flags,
-                    part_ml: b.part_ml.ptr,
-                    part_acc: b.part_acc.ptr,
-                    counter: b.att_counter.ptr,
-                    out: b.att.ptr,
-                },
-                ntok,
-            ),
+            (Stage::Attention, _) => match attn {
+                Attn::Flash(ntiles) => g.attention_flash(
+                    abi::AttentionFlash {
+                        q: b.q.ptr,
+                        kc: kv.kc.ptr,
+                        vc: kv.vc.ptr,
+                        pos: b.pos,
+                        slot: b.slot,
+                        tables: kv.tables.ptr,
+                        layer: l as i32,
+                        max_blocks,
+                        tiles: b.tiles,
+                        out: b.att.ptr,
+                    },
+                    ntiles,
+                ),
+                Attn::Split(nsplit) => g.attention(
+                    abi::Attention {
+                        q: b.q.ptr,
+                        kc: kv.kc.ptr,
+                        vc: kv.vc.ptr,
+                        pos: b.pos,
+                        slot: b.slot,
+                        tables: kv.tables.ptr,
+                        layer: l as i32,
+                        max_blocks,
+                        nsplit: nsplit as i32,
+                        flags: g.att_flags,
+                        part_ml: b.part_ml.ptr,
+                        part_acc: b.part_acc.ptr,
+                        counter: b.att_counter.ptr,
+                        out: b.att.ptr,
+                    },
+                    ntok,
+                ),
+            },
             (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok),
             (Stage::Out, None) => g.attn_out(abi::AttnOut {
                 att: b.att.ptr,
@@ -262,11 +297,11 @@ impl CudaBackend {
         &self,
         ntok: usize,
         nout: usize,
-        nsplit: usize,
+        attn: Attn,
         gemm: bool,
     ) -> Result<(), BackendError> {
         let pf = gemm.then_some(&self.gemm);
-        let shape = (ntok, nout, nsplit);
+        let shape = (ntok, nout, attn);
         self.launch_stage(Stage::Embed, 0, None, shape)?;
         for l in 0..self.w.layers.len() {
             for stage in Stage::LAYER {

@@ -54,6 +54,9 @@ pub struct Gpu {
     /// The Hopper GEMM path may run the warp-specialised kernels (`tma_*`, `gemm_tma.cu.hbs`): as
     /// [`Gpu::hopper_gemm`], and the driver gave their blocks the dynamic shared memory they need.
     pub tma_gemm: bool,
+    /// Prompt chunks run their attention on the tensor cores (`attention_flash`): the target's KV
+    /// cache is bf16 and the driver gave the kernel the dynamic shared memory it needs.
+    pub flash_attention: bool,
     /// The target's embedding (and LM head) is bf16.
     pub embedding_bf16: bool,
 }
@@ -164,6 +167,9 @@ impl Gpu {
             && set.spec.quant.weights == "bf16"
             && hopper_gemm_ready(&kernels);
         let tma_gemm = hopper_gemm && tma_gemm_ready(&kernels);
+        let flash_smem = abi::layout::flash_smem_bytes(set.spec.model.head_dim as usize);
+        let flash_attention = set.spec.quant.kv == "bf16"
+            && allow_smem(&kernels, &[abi::AttentionFlash::ID], flash_smem);
         let lm1_per_sm = mv_resident_per_sm(&kernels, abi::LmHeadOne::ID, 2);
         let mv_per_sm = MvPerSm::query(&kernels);
         let cluster_max = if sm90 {
@@ -181,6 +187,7 @@ impl Gpu {
             att_flags: 0,
             hopper_gemm,
             tma_gemm,
+            flash_attention,
             embedding_bf16: set.spec.quant.embedding == "bf16",
             kernels,
             dev,
@@ -242,6 +249,20 @@ impl Gpu {
         let grid = (self.dims.kv_heads as u32, a.nsplit as u32, ntok as u32);
         let how = LaunchHow {
             cluster_y: plan::attention_cluster(a.nsplit as usize, self.cluster_max),
+            ..self.plain()
+        };
+        self.launch(grid, how, a)
+    }
+
+    /// Flash attention of the `ntiles` query tiles in `a.tiles` (`abi::AttentionFlash`).
+    pub fn attention_flash(
+        &self,
+        a: abi::AttentionFlash,
+        ntiles: usize,
+    ) -> Result<(), BackendError> {
+        let grid = (ntiles as u32, self.dims.kv_heads as u32, 1);
+        let how = LaunchHow {
+            smem: abi::layout::flash_smem_bytes(self.dims.head_dim) as u32,
             ..self.plain()
         };
         self.launch(grid, how, a)

@@ -64,7 +64,7 @@ use metrale_model::{ModelConfig, Weights};
 use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId, KV_BLOCK};
 use decode1::{Decode1, Step};
 pub use device::{device_count, DevBuf, Device, HostStage, HostWrite};
-use forward::Bufs;
+use forward::{Attn, Bufs};
 use gemm::GemmPath;
 pub use kernels::{KernelBlob, KernelSet};
 use kv::KvCache;
@@ -106,6 +106,9 @@ pub struct Tuning {
     /// warp-specialised kernels (`gemm_tma.cu.hbs`: TMA producer, two wgmma consumer warpgroups,
     /// persistent tiles), else on `gemm_hopper.cu.hbs`'s.
     pub tma_gemm: bool,
+    /// Prompt chunks run their attention on the tensor cores (`attention_flash`, targets with a bf16
+    /// KV cache), else on the split-K `attention` kernel as decode steps do.
+    pub flash_attention: bool,
     /// Grammar masks are read by the kernels from mapped page-locked host memory where the host
     /// wrote them (else copied to the device first, one more operation in the stream per step:
     /// SmolLM2's constrained decode_1 step took 344.7 instead of 357.6 us, H200, 2026-12-02).
@@ -125,6 +128,7 @@ impl Default for Tuning {
             attention_transpose: true,
             hopper_gemm: true,
             tma_gemm: true,
+            flash_attention: true,
             mask_zero_copy: true,
         }
     }
@@ -134,7 +138,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 11] = [
+    pub const KEYS: [&'static str; 12] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -145,6 +149,7 @@ impl Tuning {
         "attention_transpose",
         "hopper_gemm",
         "tma_gemm",
+        "flash_attention",
         "mask_zero_copy",
     ];
 
@@ -177,6 +182,7 @@ impl Tuning {
                 "attention_transpose" => self.attention_transpose = on,
                 "hopper_gemm" => self.hopper_gemm = on,
                 "tma_gemm" => self.tma_gemm = on,
+                "flash_attention" => self.flash_attention = on,
                 "mask_zero_copy" => self.mask_zero_copy = on,
                 k => {
                     return Err(format!(
@@ -232,7 +238,7 @@ pub struct CudaBackend {
     w: ModelWeights,
     b: Bufs,
     kv: KvCache,
-    graphs: HashMap<(usize, usize), CudaGraph>,
+    graphs: HashMap<(usize, Attn), CudaGraph>,
     gemm: GemmPath,
     /// The persistent batch-1 decode kernel (`None` when `Tuning::persistent_decode` is off or
     /// the device cannot run it).
@@ -247,8 +253,8 @@ pub struct CudaBackend {
     out_stage: Option<HostStage>,
     /// The grammar masks' staging area (`forward::mask_words` for every slot).
     mask_stage: HostWrite,
-    /// (tokens, splits) of the last chunk run
-    last_key: Option<(usize, usize)>,
+    /// (tokens, attention plan) of the last chunk run
+    last_key: Option<(usize, Attn)>,
     /// Counters for tests and benchmarks.
     pub stats: Stats,
 }
@@ -467,21 +473,32 @@ impl CudaBackend {
             plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
         // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
         let t = self.opts.max_step_tokens;
-        let mut io = vec![0i32; 3 * t + self.opts.slots];
+        let slots = self.opts.slots;
+        let mut io = vec![0i32; forward::io_words(t, slots)];
         io[..ntok].copy_from_slice(tokens);
         io[t..t + ntok].copy_from_slice(pos);
         io[2 * t..2 * t + ntok].copy_from_slice(slot);
         io[3 * t..3 * t + nout].copy_from_slice(sel);
+        // prompt chunks: flash attention over query tiles of one sequence each
+        let attn = if !decode && self.gpu.flash_attention && self.opts.tuning.flash_attention {
+            let d = &self.gpu.dims;
+            let tok = abi::layout::flash_tokens(d.heads / d.kv_heads);
+            let tiles = plan::flash_tiles(pos, slot, tok);
+            io[3 * t + slots..][..tiles.len()].copy_from_slice(&tiles);
+            Attn::Flash(tiles.len() / 2)
+        } else {
+            Attn::Split(nsplit)
+        };
         self.gpu.write_async(&self.b.io_in, 0, &io)?;
-        self.last_key = Some((ntok, nsplit));
+        self.last_key = Some((ntok, attn));
         // long chunks take the tensor-core GEMM path; decode steps too unless tuned off
         let gemm = gemm::gemm_pays_on(&self.gpu.dims, ntok, self.gemm.hopper())
             && (!decode || self.opts.tuning.decode_gemm);
         if decode && self.opts.tuning.graphs && nout == ntok {
-            let key = (ntok, nsplit);
+            let key = (ntok, attn);
             if !self.graphs.contains_key(&key) {
                 self.gpu.begin_capture()?;
-                let r = self.enqueue(ntok, nout, nsplit, gemm);
+                let r = self.enqueue(ntok, nout, attn, gemm);
                 let graph = self.gpu.end_capture();
                 r?;
                 self.graphs.insert(key, graph?);
@@ -490,7 +507,7 @@ impl CudaBackend {
             self.gpu.replay(&self.graphs[&key])?;
             self.stats.graph_launches += 1;
         } else {
-            self.enqueue(ntok, nout, nsplit, gemm)?;
+            self.enqueue(ntok, nout, attn, gemm)?;
             self.stats.direct_steps += 1;
         }
         Ok(())

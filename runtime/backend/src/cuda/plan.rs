@@ -37,6 +37,33 @@ pub fn attention_splits(seq_len: usize, kv_heads: usize, ntok: usize, sm_count: 
     1usize << (usize::BITS - 1 - want.leading_zeros())
 }
 
+/// The query tiles of an `attention_flash` launch over a chunk: each sequence's run of consecutive
+/// positions cut into pieces of at most `tok` tokens, as (first token, tokens) pairs, the pieces
+/// with the latest positions (the most keys to read) first, so the longest blocks start in the
+/// first wave.
+pub fn flash_tiles(pos: &[i32], slot: &[i32], tok: usize) -> Vec<i32> {
+    let tok = tok.max(1);
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    let mut t = 0;
+    while t < pos.len() {
+        let mut n = 1;
+        while t + n < pos.len()
+            && n < tok
+            && slot[t + n] == slot[t]
+            && pos[t + n] == pos[t] + n as i32
+        {
+            n += 1;
+        }
+        tiles.push((t, n));
+        t += n;
+    }
+    tiles.sort_by_key(|&(t, n)| std::cmp::Reverse(pos[t + n - 1]));
+    tiles
+        .into_iter()
+        .flat_map(|(t, n)| [t as i32, n as i32])
+        .collect()
+}
+
 /// The thread-block cluster an `attention` launch of `nsplit` splits runs as: all its splits when
 /// there are at least two and at most `cluster_max` (the target's `attention_cluster`, capped by
 /// the kernel's `ATT_MAX_CLUSTER`), else none (1).
@@ -386,6 +413,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn flash_tiles_cut_runs_and_put_the_longest_first() {
+        // slot 0 continues at 40 (37 tokens), slot 1 starts (5), slot 2 decodes one token at 900
+        let mut pos: Vec<i32> = (40..77).collect();
+        let mut slot = vec![0; 37];
+        pos.extend(0..5);
+        slot.extend([1; 5]);
+        pos.push(900);
+        slot.push(2);
+        let tiles = flash_tiles(&pos, &slot, 16);
+        let pairs: Vec<(i32, i32)> = tiles.chunks(2).map(|c| (c[0], c[1])).collect();
+        assert_eq!(pairs, [(42, 1), (32, 5), (16, 16), (0, 16), (37, 5)]);
+        // every token in exactly one tile, each tile one sequence at consecutive positions
+        let mut seen = vec![0; pos.len()];
+        for &(t0, n) in &pairs {
+            for t in t0..t0 + n {
+                seen[t as usize] += 1;
+                assert_eq!(slot[t as usize], slot[t0 as usize]);
+                assert_eq!(pos[t as usize], pos[t0 as usize] + t - t0);
+            }
+        }
+        assert!(seen.iter().all(|&k| k == 1));
+        // a run that breaks its positions (same slot) starts a new tile
+        assert_eq!(flash_tiles(&[3, 4, 9], &[0, 0, 0], 16), [2, 1, 0, 2]);
     }
 
     #[test]

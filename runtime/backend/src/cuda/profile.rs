@@ -4,7 +4,7 @@
 
 use metrale_core::BackendError;
 
-use super::forward::Stage;
+use super::forward::{Attn, Stage};
 use super::gemm::{Product, QkvOut};
 use super::launch::Occupancy;
 use super::plan::{self, TmaPlan};
@@ -233,7 +233,7 @@ impl CudaBackend {
         reps: usize,
         rounds: usize,
     ) -> Result<Vec<(&'static str, f64)>, BackendError> {
-        let Some((ntok, nsplit)) = self.last_key else {
+        let Some((ntok, attn)) = self.last_key else {
             return Ok(Vec::new());
         };
         let nout = ntok.min(self.opts.slots);
@@ -241,7 +241,14 @@ impl CudaBackend {
         let stages = [
             ("embed", Stage::Embed, false),
             ("attn_in", Stage::Qkv, false),
-            ("attention", Stage::Attention, false),
+            (
+                match attn {
+                    Attn::Flash(_) => "attention_flash",
+                    Attn::Split(_) => "attention",
+                },
+                Stage::Attention,
+                false,
+            ),
             ("attn_out", Stage::Out, false),
             ("ffn_in", Stage::GateUp, false),
             ("ffn_out", Stage::Down, false),
@@ -255,7 +262,7 @@ impl CudaBackend {
             let g = &self.gpu;
             let pf = gemm.then_some(&self.gemm);
             let graph = capture_warm(g, reps, || {
-                self.launch_stage(stage, 0, pf, (ntok, nout, nsplit))
+                self.launch_stage(stage, 0, pf, (ntok, nout, attn))
             })?;
             let t = std::time::Instant::now();
             for _ in 0..rounds {
