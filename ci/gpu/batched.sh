@@ -18,13 +18,7 @@
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 # KERNEL_DIR NAME [cuda_bench args]: one cuda_bench run of 8B bf16, its JSON to $R/NAME.json
-bench() {
-  local k=$1 n=$2; shift 2
-  step "cuda_bench $n ${METRALE_CUDA_TUNING:-}"
-  METRALE_TARGETS=$PWD/targets timeout 240 "$H/b/bin/cuda_bench" "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 \
-    --out "$R/$n.json" "$@" > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
-  grep -E "copy:|decode b=1:|tg128|prefill 512:|decode batch|gemm|wg_|rc=" "$R/$n.txt"
-}
+bench() { local k=$1 n=$2; shift 2; CB_GREP="gemm|wg_" cb_run "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 "$n" "$@"; }
 
 case "${1:-}" in
 prepare)

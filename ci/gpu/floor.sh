@@ -26,10 +26,7 @@ Q="bf16 q4_1"
 bench() {
   local k=$1 q=$2 n=$3 cb=$H/b/bin/cuda_bench tg=$PWD/targets; shift 3
   [ "${BASE:-}" = 1 ] && cb=$H/b/base/bin/cuda_bench tg=$H/b/base/targets
-  step "cuda_bench $n"
-  METRALE_TARGETS=$tg timeout 200 "$cb" "$H/s/l8b-$q.gguf" "$k" $T8/$q --out "$R/$n.json" "$@" \
-    > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
-  grep -E "copy:|decode b=1|attention alone|tg128|prefill 512:|sum of kernels|rc=" "$R/$n.txt"
+  CB=$cb TG=$tg CB_TIMEOUT=200 cb_run "$H/s/l8b-$q.gguf" "$k" $T8/$q "$n" "$@"
 }
 
 case "${1:-}" in

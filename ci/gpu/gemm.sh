@@ -26,13 +26,7 @@
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 # KERNEL_DIR NAME [cuda_bench args]: one cuda_bench run of 8B bf16, its JSON to $R/NAME.json
-bench() {
-  local k=$1 n=$2; shift 2
-  step "cuda_bench $n ${METRALE_CUDA_TUNING:-}"
-  METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_bench" "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 \
-    --out "$R/$n.json" "$@" > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
-  grep -E "copy:|prefill 512:|prefill of one|decode batch|rc=" "$R/$n.txt"
-}
+bench() { local k=$1 n=$2; shift 2; cb_run "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 "$n" "$@"; }
 
 # gemm_bench --sweep over the 8B bf16 products, cuBLAS on the same shapes, the joined table
 table() {

@@ -55,6 +55,16 @@ left() { echo $((560 - $(date +%s) + T0)); }
 # the executable a cargo command builds (the last one it names)
 exe() { cargo "$@" --message-format=json 2>/dev/null \
   | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
+# cb_run GGUF KERNEL_DIR TARGET NAME [cuda_bench args]: one cuda_bench run, its JSON to $R/NAME.json and
+# its output to $R/NAME.txt, the summary lines printed (CB: the binary, TG: the targets folder,
+# CB_TIMEOUT: seconds; default this tree's binary and targets/, 240 s)
+cb_run() {
+  local m=$1 k=$2 t=$3 n=$4; shift 4
+  step "cuda_bench $n ${METRALE_CUDA_TUNING:-}"
+  METRALE_TARGETS=${TG:-$PWD/targets} timeout "${CB_TIMEOUT:-240}" "${CB:-$H/b/bin/cuda_bench}" "$m" "$k" "$t" \
+    --out "$R/$n.json" "$@" > "$R/$n.txt" 2>&1; echo "rc=$?" >> "$R/$n.txt"
+  grep -E "copy:|decode b=1|attention alone|tg128|prefill 512:|prefill of one|decode batch|sum of kernels|${CB_GREP:-rc=}|rc=" "$R/$n.txt"
+}
 # kernel_tests MODEL/QUANT...: cuda_kernels (each kernel against the CPU reference ops) for each
 # h200 target whose kernels are in $H/b/k/h200-MODEL-QUANT; its output in $R/kernel-tests-MODEL-QUANT.txt
 kernel_tests() {

@@ -27,6 +27,9 @@
 //! Usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch N,N,...] [--depth N,N,...] [--long N,N,...] [--out FILE] [--trace FILE]
 
 #[cfg(feature = "cuda")]
+mod args;
+
+#[cfg(feature = "cuda")]
 fn main() {
     use metrale_backend::cuda::{abi, CudaBackend, CudaOptions, KernelSet, Tuning};
     use metrale_backend::sampler::SamplingParams;
@@ -39,30 +42,13 @@ fn main() {
         eprintln!("usage: cuda_bench MODEL.gguf KERNEL_DIR TARGET_ID [--steps N] [--pp N] [--batch 1,8,32] [--out FILE]");
         std::process::exit(2);
     }
-    let opt = |name: &str, dflt: &str| -> String {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-            .unwrap_or_else(|| dflt.to_string())
-    };
+    let opt = |name: &str, dflt: &str| args::opt(&args, name, dflt);
     // the first 16 decode steps are a warm-up: at least 8 timed ones
     let steps: usize = opt("--steps", "256").parse::<usize>().unwrap().max(25);
     let pp: usize = opt("--pp", "512").parse().unwrap();
-    let batches: Vec<usize> = opt("--batch", "1,8,32,64")
-        .split(',')
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let depths: Vec<usize> = opt("--depth", "")
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let longs: Vec<usize> = opt("--long", "")
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
+    let batches = args::counts(&args, "--batch", "1,8,32,64");
+    let depths = args::counts(&args, "--depth", "");
+    let longs = args::counts(&args, "--long", "");
     let long_cap = longs.iter().copied().max().unwrap_or(0);
     let depth_steps = 64usize;
     let out = opt("--out", "");

@@ -14,6 +14,9 @@
 //! [--out FILE]   (reads `METRALE_TARGETS` and `METRALE_CUDA_TUNING` as cuda_bench does)
 
 #[cfg(feature = "cuda")]
+mod args;
+
+#[cfg(feature = "cuda")]
 fn main() {
     use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet, Tuning};
     use metrale_backend::sampler::SamplingParams;
@@ -25,19 +28,9 @@ fn main() {
         eprintln!("usage: gemm_bench MODEL.gguf KERNEL_DIR TARGET_ID [--tokens 16,64,256,512,4096] [--sweep] [--out FILE]");
         std::process::exit(2);
     }
-    let opt = |name: &str, dflt: &str| -> String {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-            .unwrap_or_else(|| dflt.to_string())
-    };
-    let tokens: Vec<usize> = opt("--tokens", "16,64,256,512,4096")
-        .split(',')
-        .map(|s| s.parse().expect("--tokens: comma-separated counts"))
-        .collect();
+    let tokens = args::counts(&args, "--tokens", "16,64,256,512,4096");
     let sweep = args.iter().any(|a| a == "--sweep");
-    let out = opt("--out", "");
+    let out = args::opt(&args, "--out", "");
     let id: TargetId = args[3].parse().unwrap_or_else(|e| {
         eprintln!("TARGET_ID: {e}");
         std::process::exit(2)
