@@ -91,11 +91,20 @@ fuzz_target!(|data: &[u8]| {
         // structured output off: the grammar fields are still parsed and checked (ours), not compiled
         grammars: None,
         tool_format: metrale_server::tools::ToolFormat::Hermes,
+        embeddings: Some(metrale_server::embeddings::Pooling::Mean),
+        hidden: sv.model.config.hidden,
     };
     // A budget of 256 MiB: the harness's heap cap is 512 MiB, so a reservation that let a request
     // past its worst case would show as an abort here.
     let budget = Arc::new(MemoryBudget::new(Source::Flag, 256 << 20, 256 << 20));
-    for step in [Step::Chat, Step::Responses, Step::Completion, Step::Tokenize, Step::Detokenize] {
+    for step in [
+        Step::Chat,
+        Step::Responses,
+        Step::Completion,
+        Step::Embeddings,
+        Step::Tokenize,
+        Step::Detokenize,
+    ] {
         let mut res = budget.reserve(0, "to fuzz").expect("an empty reservation fits");
         if let Err(e) = step.run(&prep, data, &mut res) {
             assert!(e.status.is_client_error(), "{step:?}: a client's body gave {e}");

@@ -97,7 +97,8 @@ def stop_server(proc):
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    s = start_server(log_path, ["--ctx-size", str(CTX_SIZE), "--parallel", str(PARALLEL), "--api-key", API_KEY])
+    s = start_server(log_path, ["--ctx-size", str(CTX_SIZE), "--parallel", str(PARALLEL), "--api-key", API_KEY,
+                               "--embeddings"])
     try:
         yield s
     finally:

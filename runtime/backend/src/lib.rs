@@ -118,6 +118,78 @@ pub struct SeqOutput {
     pub logits: Option<Vec<f32>>,
 }
 
+/// One entry's hidden states from [`Backend::hidden`]: the final-normed hidden state of each of its
+/// tokens summed (`[hidden]`), and that of its last token (`[hidden]`). Embeddings pool these over a
+/// prompt's chunks ([`Pooling`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HiddenSums {
+    pub sum: Vec<f32>,
+    pub last: Vec<f32>,
+    /// Tokens summed.
+    pub tokens: usize,
+}
+
+impl HiddenSums {
+    /// `other` (a later chunk of the same sequence) added: the sums add, its last row replaces ours.
+    pub fn extend(&mut self, other: HiddenSums) {
+        if self.tokens == 0 {
+            *self = other;
+            return;
+        }
+        for (a, b) in self.sum.iter_mut().zip(&other.sum) {
+            *a += b;
+        }
+        self.last = other.last;
+        self.tokens += other.tokens;
+    }
+
+    /// The embedding: the pooled hidden state scaled to unit L2 norm (a zero vector stays zero).
+    pub fn embedding(&self, pooling: Pooling) -> Vec<f32> {
+        let mut v: Vec<f32> = match pooling {
+            Pooling::Mean => {
+                let n = self.tokens.max(1) as f32;
+                self.sum.iter().map(|x| x / n).collect()
+            }
+            Pooling::Last => self.last.clone(),
+        };
+        let norm = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        if norm > 0.0 {
+            for x in &mut v {
+                *x = (*x as f64 / norm) as f32;
+            }
+        }
+        v
+    }
+}
+
+/// How the final-normed hidden states of a prompt's tokens become one embedding: their mean, or the
+/// last token's (what a causal model has seen everything at), then scaled to unit length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    Mean,
+    Last,
+}
+
+impl Pooling {
+    /// `mean` or `last`; anything else is an error naming the choices.
+    pub fn parse(s: &str) -> Result<Pooling, String> {
+        match s {
+            "mean" => Ok(Pooling::Mean),
+            "last" => Ok(Pooling::Last),
+            o => Err(format!(
+                "pooling `{o}` is not supported; the choices are mean, last"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Last => "last",
+        }
+    }
+}
+
 /// Static facts a backend reports once it is loaded.
 #[derive(Debug, Clone)]
 pub struct BackendInfo {
@@ -235,6 +307,10 @@ pub trait Backend: Send {
             .collect();
         self.step(&steps)
     }
+    /// Run the batch's tokens through the layers, writing their K/V as [`Backend::step`] does, and
+    /// return each entry's final-normed hidden states ([`HiddenSums`]) instead of sampling: the
+    /// embeddings path. `sampling`, `draw`, `want_logits` and `allowed` are ignored.
+    fn hidden(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<HiddenSums>, BackendError>;
     /// The slot's sequence has ended: the slot is free for a new one. KV blocks belong to the
     /// caller's allocator; their entries stay as they are until a later step overwrites them (the
     /// engine's prefix caching hands full blocks to later sequences that share their tokens).

@@ -1,6 +1,8 @@
 //! Host numerics both backends' reference paths share: the f32 exponential of attention and
 //! sampling (one polynomial, written once: the scalar [`exp_approx`] and the sampler's AVX2 form
-//! use the same constants), so a token's probabilities do not depend on which path computed them.
+//! use the same constants), so a token's probabilities do not depend on which path computed them;
+//! and the RMSNorm of one row (the CPU forward pass's, and the final norm of the hidden states both
+//! backends hand to embeddings).
 
 /// Cody-Waite reduction: `ln 2` split into a part exact in f32 and the rest.
 pub const EXP_LN2_HI: f32 = 0.693_359_4;
@@ -34,6 +36,44 @@ pub fn exp_approx(x: f32) -> f32 {
     }
     let e = p * r * r + r + 1.0;
     e * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * w` (RMSNorm of one row).
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss = dot_f32(x, x);
+    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = xi * scale * wi;
+    }
+}
+
+/// f32 dot product with 16 independent lanes (vectorizes; the summation order is fixed).
+#[inline(always)]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = 0.0;
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    hsum16(&acc) + s
+}
+
+/// The sum of 16 lanes in a fixed tree order.
+#[inline(always)]
+pub(crate) fn hsum16(acc: &[f32; 16]) -> f32 {
+    let mut h = [0f32; 8];
+    for l in 0..8 {
+        h[l] = acc[l] + acc[l + 8];
+    }
+    (h[0] + h[4]) + (h[1] + h[5]) + ((h[2] + h[6]) + (h[3] + h[7]))
 }
 
 #[cfg(test)]

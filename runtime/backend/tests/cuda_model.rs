@@ -660,3 +660,69 @@ fn constrained_greedy_decode_matches_cpu_backend() {
     assert_eq!(got_ab[0], want[0], "sequence 0 of two: tokens differ");
     assert_eq!(got_ab[1], want2[0], "sequence 1 of two: tokens differ");
 }
+
+/// The embeddings path (`Backend::hidden`): a prompt of > 256 tokens in 128-token chunks beside a
+/// short one, in one call, against the CPU backend's hidden states: each sequence's summed and
+/// last final-normed rows to rel L2 < 1e-3 (the logits' bound above), and their mean-pooled
+/// embeddings to a cosine above 0.9999.
+#[test]
+fn hidden_states_for_embeddings_match_cpu_backend() {
+    let Some(s) = setup("cuda_model hidden states") else {
+        return;
+    };
+    let long = prompt(
+        &s,
+        &"The harbour was quiet that morning; fishing boats rocked against the pier. ".repeat(20),
+    );
+    let short = prompt(&s, "What is the capital of France?");
+    assert!(long.len() > 256, "prompt of {} tokens", long.len());
+    let p = SamplingParams::default();
+    let tables: Vec<Vec<u32>> = (0..2).map(|i| metrale_backend::slot_blocks(i, 1024)).collect();
+    let batch = |b: &mut dyn Backend| {
+        let steps: Vec<SeqStep> = [&long, &short]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| SeqStep {
+                slot: i,
+                blocks: &tables[i],
+                start_pos: 0,
+                tokens: t,
+                history: t,
+                sampling: &p,
+                draw: 0,
+                want_logits: false,
+                allowed: None,
+            })
+            .collect();
+        b.hidden(&steps).expect("hidden")
+    };
+    let mut cpu = CpuBackend::load(&s.model, 2, 1024, 0).expect("cpu backend");
+    cpu.set_exact_activations(true);
+    let want = batch(&mut cpu);
+    let mut gpu = cuda(
+        &s,
+        CudaOptions {
+            slots: 2,
+            slot_capacity: 1024,
+            kv_blocks: 2 * metrale_backend::blocks_for(1024),
+            max_step_tokens: 128,
+            ..Default::default()
+        },
+    );
+    let got = batch(&mut gpu);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.tokens, w.tokens);
+        let (rs, rl) = (rel_l2(&g.sum, &w.sum), rel_l2(&g.last, &w.last));
+        let (ge, we) = (
+            g.embedding(metrale_backend::Pooling::Mean),
+            w.embedding(metrale_backend::Pooling::Mean),
+        );
+        let cos: f32 = ge.iter().zip(&we).map(|(a, b)| a * b).sum();
+        eprintln!(
+            "sequence {i} ({} tokens): sum rel L2 {rs:.2e}, last rel L2 {rl:.2e}, embedding cosine {cos:.6}",
+            g.tokens
+        );
+        assert!(rs < 1e-3 && rl < 1e-3, "sequence {i}: hidden states differ");
+        assert!(cos > 0.9999, "sequence {i}: embeddings differ (cosine {cos})");
+    }
+}

@@ -30,6 +30,10 @@
 //! A step the backend refuses is re-run entry by entry so that only the offending request gets an
 //! `Error`; a backend panic ends every request and the engine (submit then answers `Stopped`).
 //!
+//! Embedding requests (`GenerateRequest::embed`) run their prompt's chunks like any prompt, through
+//! `Backend::hidden` in the same iteration as the step (no prefix-cache hits: every token's hidden
+//! state is pooled); the last chunk sends `Event::Embedding` and `Done` with no completion tokens.
+//!
 //! Invariants: a running request owns exactly one slot, released exactly once per admission; it holds
 //! each block of its table once, released when it ends or is preempted; it writes only blocks no
 //! other sequence holds; `start_pos` given to the backend is always the number of its tokens already
@@ -44,7 +48,7 @@ pub use metrale_backend::BackendInfo;
 pub use metrics::{Histogram, MetricsSnapshot};
 
 use blocks::{BlockKey, BlockPool};
-use metrale_backend::{blocks_for, Backend, SeqOutput, SeqStep, KV_BLOCK};
+use metrale_backend::{blocks_for, Backend, HiddenSums, Pooling, SeqOutput, SeqStep, KV_BLOCK};
 use metrale_core::BackendError;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -126,6 +130,9 @@ pub struct GenerateRequest {
     pub link: Arc<RequestLink>,
     /// The grammar every generated token must follow (`None`: any token).
     pub constraint: Option<Constraint>,
+    /// Pool the prompt's hidden states into one embedding (`Event::Embedding`) instead of
+    /// generating; `max_tokens`, `sampling` and `constraint` are then unused.
+    pub embed: Option<Pooling>,
 }
 
 /// What the engine and the caller share about one running request, besides its events: the
@@ -167,6 +174,8 @@ pub enum Event {
         logprob: f32,
         top_logprobs: Vec<(u32, f32)>,
     },
+    /// The prompt's embedding (unit length), before its `Done`.
+    Embedding(Vec<f32>),
     Done {
         reason: FinishReason,
         prompt_tokens: usize,
@@ -357,6 +366,8 @@ struct Seq {
     last_token_at: Option<Instant>,
     /// Admission order (preemption takes the latest).
     order: u64,
+    /// An embedding request's hidden states pooled over the chunks computed so far.
+    hidden: HiddenSums,
 }
 
 impl Seq {
@@ -502,7 +513,7 @@ impl Loop {
         while !self.free.is_empty() {
             let (mut seq, fresh) = match self.waiting.pop_front() {
                 None => return,
-                Some(Waiting::New(s)) if s.req.max_tokens == 0 => {
+                Some(Waiting::New(s)) if s.req.max_tokens == 0 && s.req.embed.is_none() => {
                     self.admitted(1);
                     let ev = Event::Done {
                         reason: FinishReason::Length,
@@ -530,6 +541,7 @@ impl Loop {
                         submitted: s.at,
                         last_token_at: None,
                         order: 0,
+                        hidden: HiddenSums::default(),
                     };
                     (seq, true)
                 }
@@ -538,7 +550,8 @@ impl Loop {
             };
             // the prefix cache: whole registered blocks, leaving at least the last token to compute
             let end = seq.prefill_end;
-            let (found, keys) = if self.cfg.prefix_caching {
+            // (an embedding pools every token's hidden state: no cached blocks)
+            let (found, keys) = if self.cfg.prefix_caching && seq.req.embed.is_none() {
                 self.pool.lookup(&seq.history[..end], (end - 1) / KV_BLOCK)
             } else {
                 (Vec::new(), Vec::new())
@@ -617,7 +630,8 @@ impl Loop {
         s.blocks.clear();
         s.keys.clear();
         s.cached = 0;
-        // recompute everything but the last generated token, which the next decode feeds
+        s.hidden = HiddenSums::default(); // an embedding pools its tokens again
+                                          // recompute everything but the last generated token, which the next decode feeds
         s.prefill_end = s.history.len();
         self.backend.release(s.slot);
         self.free.push(s.slot);
@@ -682,6 +696,19 @@ impl Loop {
                 budget -= n.min(budget);
                 any_prefill = true;
             }
+        }
+        // embedding requests' chunks go to `Backend::hidden`, the rest to the step
+        let (eplan, plan): (Vec<_>, Vec<_>) = plan
+            .into_iter()
+            .partition(|&(i, _, _)| self.running[i].req.embed.is_some());
+        let mut ended: Vec<(usize, End)> = Vec::new();
+        if !eplan.is_empty() {
+            if let Err(msg) = self.run_hidden(&eplan, &mut ended) {
+                return self.die(msg);
+            }
+        }
+        if plan.is_empty() {
+            return self.end_all(ended);
         }
         // the grammars of the entries whose sample is a generated token (decodes, last chunks),
         // taken out of their sequences for the step: the backend asks for their masks once it has
@@ -759,7 +786,6 @@ impl Loop {
             })
             .collect();
         let now = Instant::now();
-        let mut ended: Vec<(usize, End)> = Vec::new();
         for (&(i, a, b), out) in plan.iter().zip(outs) {
             let out = match out {
                 Ok(o) => o,
@@ -820,10 +846,84 @@ impl Loop {
                 ended.push((i, End::Length));
             }
         }
+        self.end_all(ended);
+    }
+
+    /// Finish the running sequences `ended` names (indices into `running`, any order).
+    fn end_all(&mut self, mut ended: Vec<(usize, End)>) {
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, e) in ended {
             self.finish(i, e);
         }
+    }
+
+    /// Run the embedding requests' chunks of `eplan` through `Backend::hidden`: pool each chunk's
+    /// hidden states into its sequence, and for a prompt whose last chunk this was, send the
+    /// embedding and mark it ended. A refused batch ends its entries with the error; `Err` carries
+    /// a panic message.
+    fn run_hidden(
+        &mut self,
+        eplan: &[(usize, usize, usize)],
+        ended: &mut Vec<(usize, End)>,
+    ) -> Result<(), String> {
+        let steps: Vec<SeqStep<'_>> = eplan
+            .iter()
+            .map(|&(i, a, b)| {
+                let s = &self.running[i];
+                SeqStep {
+                    slot: s.slot,
+                    start_pos: a,
+                    tokens: &s.history[a..b],
+                    blocks: &s.blocks,
+                    history: &s.history[..b],
+                    sampling: &s.req.sampling,
+                    draw: 0,
+                    want_logits: false,
+                    allowed: None,
+                }
+            })
+            .collect();
+        let backend = &mut self.backend;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.hidden(&steps)))
+            .map_err(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            format!("the backend panicked: {msg}")
+        })?;
+        let sums = match r {
+            Ok(v) if v.len() == eplan.len() => v,
+            Ok(v) => {
+                let msg = format!(
+                    "backend returned {} hidden states for {} sequences",
+                    v.len(),
+                    eplan.len()
+                );
+                ended.extend(eplan.iter().map(|&(i, _, _)| (i, End::Error(msg.clone()))));
+                return Ok(());
+            }
+            Err(e) => {
+                let msg = format!("backend error: {e}");
+                ended.extend(eplan.iter().map(|&(i, _, _)| (i, End::Error(msg.clone()))));
+                return Ok(());
+            }
+        };
+        for (&(i, a, b), h) in eplan.iter().zip(sums) {
+            self.running[i].cached = b;
+            self.register_full_blocks(i);
+            self.m.prompt_tokens_total += (b - a) as u64;
+            let s = &mut self.running[i];
+            s.hidden.extend(h);
+            if !s.prefilling() {
+                let pooling = s.req.embed.unwrap_or(Pooling::Mean);
+                let ev = Event::Embedding(s.hidden.embedding(pooling));
+                self.outbox.push((s.tx.clone(), ev));
+                ended.push((i, End::Stop));
+            }
+        }
+        Ok(())
     }
 
     /// Run one backend step over `plan`, the entries flagged in `lazy` asking `grammars` for their

@@ -1,6 +1,7 @@
 //! Engine tests on the real CPU backend with a small random-weight model (no model file needed).
 use super::*;
 use metrale_backend::cpu::synthetic::tiny_backend_kv;
+use metrale_backend::Backend;
 use metrale_core::dtype::DType;
 
 fn engine(slots: usize, capacity: usize) -> EngineHandle {
@@ -38,6 +39,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         ignore_eos: false,
         link: Default::default(),
         constraint: None,
+        embed: None,
     }
 }
 
@@ -459,5 +461,88 @@ fn many_constraints_at_once_each_decide_their_own_tokens() {
             assert_eq!(&ids, s, "request {i}: {done:?}");
             assert!(matches!(done, Event::Done { .. }), "{done:?}");
         }
+    }
+}
+
+/// An embedding request and its events: the vector, then `Done`.
+fn embedding(e: &EngineHandle, prompt: Vec<u32>) -> (Vec<f32>, Event) {
+    let mut rx = e
+        .submit(GenerateRequest {
+            embed: Some(Pooling::Mean),
+            ..req(prompt, 0)
+        })
+        .unwrap();
+    let v = match rx.blocking_recv() {
+        Some(Event::Embedding(v)) => v,
+        other => panic!("expected the embedding first, got {other:?}"),
+    };
+    (v, rx.blocking_recv().expect("Done after the embedding"))
+}
+
+#[test]
+fn embeddings_pool_every_chunk_and_leave_generation_alone() {
+    let prompt: Vec<u32> = (0..23u32).map(|j| (j * 5 + 1) % 50).collect();
+    // the reference: the same backend's hidden states of the whole prompt in one call
+    let kv = metrale_backend::KvConfig {
+        slots: 1,
+        slot_capacity: 64,
+        blocks: 0,
+        dtype: metrale_backend::KvDtype::F32,
+    };
+    let mut b = tiny_backend_kv(DType::Q4_1, 3, kv, 2);
+    let p = SamplingParams::default();
+    let table = metrale_backend::slot_blocks(0, 64);
+    let want = b
+        .hidden(&[SeqStep {
+            slot: 0,
+            start_pos: 0,
+            tokens: &prompt,
+            blocks: &table,
+            history: &prompt,
+            sampling: &p,
+            draw: 0,
+            want_logits: false,
+            allowed: None,
+        }])
+        .unwrap()
+        .pop()
+        .unwrap()
+        .embedding(Pooling::Mean);
+    let solo = engine(1, 64);
+    let gen_want: Vec<Vec<u32>> = prompts()
+        .into_iter()
+        .map(|p| collect(solo.submit(req(p, 7)).unwrap()).0)
+        .collect();
+    // 23 tokens in chunks of at most 4, beside six generations on 3 slots; asked twice (the second
+    // time its full blocks are registered, and must not be reused: every token is pooled)
+    let e = engine(3, 64);
+    let gens: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| e.submit(req(p, 7)).unwrap())
+        .collect();
+    for _ in 0..2 {
+        let (v, done) = embedding(&e, prompt.clone());
+        let diff = v
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-5, "the engine's embedding differs by {diff}");
+        match done {
+            Event::Done {
+                prompt_tokens: 23,
+                completion_tokens: 0,
+                cached_tokens: 0,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    for (i, rx) in gens.into_iter().enumerate() {
+        assert_eq!(
+            collect(rx).0,
+            gen_want[i],
+            "generation {i} changed beside embeddings"
+        );
     }
 }

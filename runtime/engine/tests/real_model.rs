@@ -48,6 +48,7 @@ fn concurrent_chats_on_the_real_model() {
         ignore_eos: false,
         link: Default::default(),
         constraint: None,
+        embed: None,
     };
     let solo = Engine::spawn(
         Box::new(CpuBackend::load(&m, 1, 256, 2).unwrap()),

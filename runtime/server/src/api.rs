@@ -218,6 +218,26 @@ pub struct TokenizeRequest {
     pub add_special: bool,
 }
 
+/// POST /v1/embeddings (`input`: a string, strings, token ids or lists of token ids, as
+/// /v1/completions' `prompt`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct EmbeddingsRequest {
+    pub input: PromptSpec,
+    #[serde(default)]
+    pub encoding_format: Option<String>,
+    #[serde(default)]
+    pub dimensions: Option<i64>,
+    /// Accepted and unused (the server serves one model).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Accepted and unused.
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// Most inputs of one /v1/embeddings request (OpenAI's limit).
+pub const MAX_EMBEDDING_INPUTS: usize = 2048;
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct DetokenizeRequest {
     pub tokens: Vec<i64>,

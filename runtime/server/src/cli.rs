@@ -64,6 +64,16 @@ pub struct Cli {
     #[arg(long, value_delimiter = ',')]
     pub cors_origins: Vec<String>,
 
+    /// Serve POST /v1/embeddings: each input's final-normed hidden states pooled (--pooling) and
+    /// scaled to unit length.
+    #[arg(long)]
+    pub embeddings: bool,
+
+    /// How /v1/embeddings pools a prompt's hidden states: `mean` (over its tokens) or `last` (the
+    /// last token's).
+    #[arg(long, default_value = "mean")]
+    pub pooling: String,
+
     /// Do not serve the chat page at `/` (the API is served either way).
     #[arg(long)]
     pub no_webui: bool,

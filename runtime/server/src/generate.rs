@@ -291,6 +291,8 @@ impl Choice {
                     let end = (reason, completion_tokens.max(self.tokens), cached_tokens);
                     self.queue_text(last, Some(end));
                 }
+                // only embedding requests (crate::embeddings) get one
+                Some(Event::Embedding(_)) => {}
                 Some(Event::Error(m)) => {
                     self.rx = None;
                     return Some(ChoiceOut::Error {
@@ -370,6 +372,7 @@ fn start(
                 ignore_eos: p.ignore_eos,
                 link: link.clone(),
                 constraint: p.grammar.as_ref().map(|g| g.constraint()),
+                embed: None,
             };
             let rx = served.engine.submit(req).map_err(submit_error)?;
             all.push(

@@ -34,6 +34,7 @@ pub mod budget;
 pub mod cli;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod embeddings;
 pub mod error;
 pub mod generate;
 pub mod grammar;

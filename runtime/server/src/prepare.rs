@@ -41,6 +41,10 @@ pub struct Prep<'a> {
     pub grammars: Option<&'a crate::grammar::Grammars>,
     /// The syntax this target's model writes tool calls in.
     pub tool_format: crate::tools::ToolFormat,
+    /// `--embeddings`: how /v1/embeddings pools (`None`: the endpoint is off).
+    pub embeddings: Option<metrale_backend::Pooling>,
+    /// Length of the model's hidden state (an embedding's dimensions).
+    pub hidden: usize,
 }
 
 /// Compile the request's structured-output constraint, if it asks for one (a 400 names the field
@@ -74,6 +78,7 @@ pub enum Step {
     Chat,
     Responses,
     Completion,
+    Embeddings,
     Tokenize,
     Detokenize,
 }
@@ -85,6 +90,7 @@ impl Step {
             Step::Chat => chat(p, body, res).map(drop),
             Step::Responses => responses(p, body, res).map(drop),
             Step::Completion => completion(p, body, res).map(drop),
+            Step::Embeddings => embeddings(p, body, res).map(drop),
             Step::Tokenize => tokenize(p, body, res).map(drop),
             Step::Detokenize => detokenize(p, body, res).map(drop),
         }
@@ -360,6 +366,106 @@ pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, A
         prompts,
         params,
         responses: None,
+    })
+}
+
+/// POST /v1/embeddings: the inputs as token ids, each checked against the context, and the
+/// encoding asked for (`crate::embeddings` submits and answers).
+pub fn embeddings(
+    p: &Prep,
+    body: &[u8],
+    res: &mut Reservation,
+) -> Result<crate::embeddings::EmbedJob, ApiError> {
+    let Some(pooling) = p.embeddings else {
+        return Err(ApiError::invalid(
+            "this server does not compute embeddings: start it with --embeddings (and --pooling mean|last)",
+            None,
+        ));
+    };
+    reserve_parse(res, body)?;
+    let r: api::EmbeddingsRequest = api::parse_body(body)?;
+    let base64 = match r.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(o) => {
+            return Err(ApiError::invalid(
+                format!("'encoding_format' must be \"float\" or \"base64\", not {o:?}"),
+                Some("encoding_format"),
+            ))
+        }
+    };
+    if let Some(d) = r.dimensions {
+        if d != p.hidden as i64 {
+            return Err(ApiError::invalid(
+                format!(
+                    "'dimensions' {d} is not supported: this model's embeddings have {} dimensions (its \
+                     hidden size); leave 'dimensions' out",
+                    p.hidden
+                ),
+                Some("dimensions"),
+            ));
+        }
+    }
+    let texts: &[String] = match &r.input {
+        PromptSpec::Text(t) => std::slice::from_ref(t),
+        PromptSpec::Texts(ts) => ts,
+        PromptSpec::Tokens(_) | PromptSpec::TokenLists(_) => &[],
+    };
+    if let Some(t) = texts.iter().find(|t| t.len() > p.prompt_byte_cap()) {
+        return Err(too_many_bytes(p, t.len(), "input"));
+    }
+    let inputs: Vec<Vec<u32>> = match &r.input {
+        PromptSpec::Text(t) => vec![encode_prompt(p, res, t, "input")?],
+        PromptSpec::Texts(ts) => ts
+            .iter()
+            .map(|t| encode_prompt(p, res, t, "input"))
+            .collect::<Result<_, _>>()?,
+        PromptSpec::Tokens(ids) => vec![api::check_token_ids(ids, p.vocab, "input")?],
+        PromptSpec::TokenLists(l) => l
+            .iter()
+            .map(|ids| api::check_token_ids(ids, p.vocab, "input"))
+            .collect::<Result<_, _>>()?,
+    };
+    if inputs.is_empty() {
+        return Err(ApiError::invalid(
+            "'input' must not be an empty list",
+            Some("input"),
+        ));
+    }
+    if inputs.len() > api::MAX_EMBEDDING_INPUTS {
+        return Err(ApiError::invalid(
+            format!(
+                "'input' has {} items; at most {} per request",
+                inputs.len(),
+                api::MAX_EMBEDDING_INPUTS
+            ),
+            Some("input"),
+        ));
+    }
+    for (i, ids) in inputs.iter().enumerate() {
+        if ids.is_empty() {
+            return Err(ApiError::invalid(
+                format!("'input' item {i} is empty (0 tokens)"),
+                Some("input"),
+            ));
+        }
+        if ids.len() > p.ctx_size {
+            return Err(ApiError::invalid_code(
+                format!(
+                    "'input' item {i} has {} tokens but this model's context holds {}; shorten it, or \
+                     restart the server with a larger --ctx-size",
+                    ids.len(),
+                    p.ctx_size
+                ),
+                Some("input"),
+                "context_length_exceeded",
+            ));
+        }
+    }
+    Ok(crate::embeddings::EmbedJob {
+        inputs,
+        pooling,
+        base64,
     })
 }
 

@@ -31,6 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit));
@@ -448,6 +449,11 @@ async fn chat(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
 async fn responses(State(s): St, body: RequestBody) -> Result<Response, ApiError> {
     let (sv, job, ticket): (_, Job, _) = prepare_on_pool(body, prepare::responses).await?;
     generate::respond(sv, job, ticket, s.abort.clone()).await
+}
+
+async fn embeddings(body: RequestBody) -> Result<Response, ApiError> {
+    let (sv, job, ticket) = prepare_on_pool(body, prepare::embeddings).await?;
+    crate::embeddings::respond(sv, job, ticket).await
 }
 
 async fn completions(State(s): St, body: RequestBody) -> Result<Response, ApiError> {

@@ -514,6 +514,7 @@ fn load(
         cli.max_queue,
         cli.client_timeout
     );
+    let hidden = model.config.hidden;
     Ok(Served {
         model,
         pool,
@@ -541,6 +542,12 @@ fn load(
             .map_err(anyhow::Error::msg)?,
         sse_keepalive: (cli.sse_keepalive > 0).then(|| Duration::from_secs(cli.sse_keepalive)),
         log_json: cli.log_format == crate::cli::LogFormat::Json,
+        embeddings: cli
+            .embeddings
+            .then(|| metrale_backend::Pooling::parse(&cli.pooling))
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
+        hidden,
     })
 }
 

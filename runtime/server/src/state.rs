@@ -53,6 +53,10 @@ pub struct Served {
     pub sse_keepalive: Option<Duration>,
     /// The per-request log line as JSON (else text).
     pub log_json: bool,
+    /// `--embeddings`: how /v1/embeddings pools (`None`: off).
+    pub embeddings: Option<metrale_backend::Pooling>,
+    /// Length of the model's hidden state.
+    pub hidden: usize,
 }
 
 impl Served {
@@ -67,6 +71,8 @@ impl Served {
             ctx_size: self.ctx_size,
             grammars: self.grammars.as_deref(),
             tool_format: self.tool_format,
+            embeddings: self.embeddings,
+            hidden: self.hidden,
         }
     }
 }

@@ -84,6 +84,8 @@ fn reservations_cover_the_heap_peak_of_adversarial_requests() {
         ctx_size: CTX,
         grammars: None,
         tool_format: metrale_server::tools::ToolFormat::Hermes,
+        embeddings: Some(metrale_backend::Pooling::Mean),
+        hidden: 576,
     };
     let digits = "7".repeat(cap - 64);
     let spaces = " ".repeat(cap - 64);
@@ -146,6 +148,19 @@ fn reservations_cover_the_heap_peak_of_adversarial_requests() {
                     .join(",")
             ),
             prepare::Step::Responses,
+        ),
+        (
+            "embeddings, 2048 texts of digits",
+            format!(
+                "{{\"input\":[{}]}}",
+                vec![json(&digits[..4000]); 2048].join(",")
+            ),
+            prepare::Step::Embeddings,
+        ),
+        (
+            "embeddings, digits at the byte cap",
+            format!("{{\"input\":{}}}", json(&digits[1000..])),
+            prepare::Step::Embeddings,
         ),
         (
             "responses, digits at the byte cap",

@@ -28,7 +28,9 @@ pub mod qact;
 pub mod synthetic;
 
 use crate::sampler;
-use crate::{Backend, BackendInfo, KvConfig, KvDtype, SeqOutput, SeqStep, SlotId, KV_BLOCK};
+use crate::{
+    Backend, BackendInfo, HiddenSums, KvConfig, KvDtype, SeqOutput, SeqStep, SlotId, KV_BLOCK,
+};
 use metrale_core::dtype::{dequantize_row, DType};
 use metrale_core::BackendError;
 use metrale_model::Model;
@@ -462,6 +464,19 @@ impl CpuBackend {
     /// Run the layers over the batch and return the final-normed hidden state of the last position of
     /// each entry (`[batch.len()][hidden]`). Writes the entries' K/V into their slots.
     fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
+        let h = self.dims.hidden;
+        let (x, last_rows) = self.forward_layers(batch);
+        let mut out = vec![0f32; batch.len() * h];
+        for (dst, &r) in out.chunks_exact_mut(h).zip(&last_rows) {
+            ops::rmsnorm(&x[r * h..(r + 1) * h], &self.out_norm, self.norm_eps, dst);
+        }
+        out
+    }
+
+    /// Run the layers over the batch: the residual stream after the last layer for every token
+    /// (`[tokens][hidden]`, batch order) and the row of each entry's last token. Writes the
+    /// entries' K/V into their slots.
+    fn forward_layers(&mut self, batch: &[SeqStep<'_>]) -> (Vec<f32>, Vec<usize>) {
         let d = self.dims;
         let (h, qd, kvd, hd) = (d.hidden, d.qd(), d.kd(), d.head_dim);
         // (batch entry, position) of every token, in batch order.
@@ -573,11 +588,7 @@ impl CpuBackend {
                 ops::add_inplace(&mut x, &o);
             }
         });
-        let mut out = vec![0f32; batch.len() * h];
-        for (dst, &r) in out.chunks_exact_mut(h).zip(&last_rows) {
-            ops::rmsnorm(&x[r * h..(r + 1) * h], &self.out_norm, self.norm_eps, dst);
-        }
-        out
+        (x, last_rows)
     }
 
     /// Logits (`[rows][vocab]`) of final-normed hidden states (`[rows][hidden]`).
@@ -768,6 +779,43 @@ impl Backend for CpuBackend {
                 .collect()
         });
         Ok(outs)
+    }
+
+    fn hidden(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<HiddenSums>, BackendError> {
+        crate::validate_batch(
+            batch,
+            self.slots,
+            self.slot_capacity,
+            self.kv.blocks,
+            self.dims.vocab,
+        )?;
+        let h = self.dims.hidden;
+        let (x, last_rows) = self.forward_layers(batch);
+        let mut row = vec![0f32; h];
+        let mut first = 0;
+        Ok(batch
+            .iter()
+            .zip(&last_rows)
+            .map(|(_, &last)| {
+                let mut sums = HiddenSums {
+                    sum: vec![0f32; h],
+                    last: Vec::new(),
+                    tokens: last + 1 - first,
+                };
+                for r in first..=last {
+                    ops::rmsnorm(
+                        &x[r * h..(r + 1) * h],
+                        &self.out_norm,
+                        self.norm_eps,
+                        &mut row,
+                    );
+                    ops::add_inplace(&mut sums.sum, &row);
+                }
+                sums.last = row.clone();
+                first = last + 1;
+                sums
+            })
+            .collect())
     }
 
     fn release(&mut self, _slot: SlotId) {

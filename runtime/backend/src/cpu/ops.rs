@@ -20,42 +20,8 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
-/// `out = x / sqrt(mean(x^2) + eps) * w` (RMSNorm of one row).
-pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let ss = dot_f32(x, x);
-    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
-    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
-        *o = xi * scale * wi;
-    }
-}
-
-/// f32 dot product with 16 independent lanes (vectorizes; the summation order is fixed).
-#[inline(always)]
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let ca = a.chunks_exact(16);
-    let cb = b.chunks_exact(16);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut s = 0.0;
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    hsum16(&acc) + s
-}
-
-#[inline(always)]
-fn hsum16(acc: &[f32; 16]) -> f32 {
-    let mut h = [0f32; 8];
-    for l in 0..8 {
-        h[l] = acc[l] + acc[l + 8];
-    }
-    (h[0] + h[4]) + (h[1] + h[5]) + ((h[2] + h[6]) + (h[3] + h[7]))
-}
+use crate::numerics::hsum16;
+pub use crate::numerics::{dot_f32, rmsnorm};
 
 /// `out += y`.
 pub fn add_inplace(x: &mut [f32], y: &[f32]) {

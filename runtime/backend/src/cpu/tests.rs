@@ -270,3 +270,67 @@ fn masks_asked_on_demand_constrain_only_their_entries() {
     assert_eq!(src.0, vec![1, 2], "asked for the lazy entries, once each");
     assert_eq!((out[1].token, out[2].token), (41, 7));
 }
+
+/// `Backend::hidden` on the forward pass `step` runs: the last token's final-normed hidden state is
+/// the one whose LM head gives `step`'s logits; the sums over a prompt do not depend on how it is
+/// chunked (f32 grouping only); each token's row is the one a prompt ending there gives as `last`;
+/// the embedding has unit length and mean pooling differs from last.
+#[test]
+fn hidden_states_match_the_step_and_do_not_depend_on_chunks() {
+    let toks: Vec<u32> = (0..11u32).map(|i| (i * 7 + 3) % 32).collect();
+    let p = SamplingParams::default();
+    let table = crate::slot_blocks(0, 32);
+    let entry = |start: usize, n: usize| SeqStep {
+        slot: 0,
+        start_pos: start,
+        tokens: &toks[start..start + n],
+        blocks: &table,
+        history: &toks[..start + n],
+        sampling: &p,
+        draw: 0,
+        want_logits: false,
+        allowed: None,
+    };
+    let mut b = tiny(DType::Q4_1);
+    let whole = b.hidden(&[entry(0, 11)]).unwrap().pop().unwrap();
+    assert_eq!(whole.tokens, 11);
+    // the LM head of `last` is what `step` samples from
+    let logits = run(&mut b, 0, 0, &toks, &toks);
+    close(&b.lm_head(&whole.last, 1), &logits, 1e-5);
+    // three chunks pooled
+    let mut chunked = HiddenSums::default();
+    for (a, n) in [(0, 4), (4, 5), (9, 2)] {
+        chunked.extend(b.hidden(&[entry(a, n)]).unwrap().pop().unwrap());
+    }
+    assert_eq!(chunked.tokens, 11);
+    close(&chunked.sum, &whole.sum, 1e-4);
+    close(&chunked.last, &whole.last, 1e-5);
+    // the sum is of every token's row: prompts ending at each position give those rows as `last`
+    let mut rows = vec![0f32; whole.sum.len()];
+    for n in 1..=11 {
+        let h = b.hidden(&[entry(0, n)]).unwrap().pop().unwrap();
+        crate::cpu::ops::add_inplace(&mut rows, &h.last);
+    }
+    close(&rows, &whole.sum, 1e-4);
+    for pool in [crate::Pooling::Mean, crate::Pooling::Last] {
+        let e = whole.embedding(pool);
+        let norm: f32 = e.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{pool:?}: norm {norm}");
+    }
+    let (m, l) = (
+        whole.embedding(crate::Pooling::Mean),
+        whole.embedding(crate::Pooling::Last),
+    );
+    assert!(m.iter().zip(&l).any(|(a, b)| (a - b).abs() > 1e-3));
+    // two sequences in one call give what each gives alone
+    let table1 = crate::slot_blocks(1, 32);
+    let other = SeqStep {
+        slot: 1,
+        blocks: &table1,
+        ..entry(0, 6)
+    };
+    let both = b.hidden(&[entry(0, 11), other]).unwrap();
+    close(&both[0].sum, &whole.sum, 1e-4);
+    let alone = b.hidden(&[other]).unwrap().pop().unwrap();
+    close(&both[1].sum, &alone.sum, 1e-4);
+}

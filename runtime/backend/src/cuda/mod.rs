@@ -61,7 +61,7 @@ pub use metrale_abi as abi;
 use metrale_core::BackendError;
 use metrale_model::{ModelConfig, Weights};
 
-use crate::{sampler, Backend, BackendInfo, SeqOutput, SeqStep, SlotId, KV_BLOCK};
+use crate::{sampler, Backend, BackendInfo, HiddenSums, SeqOutput, SeqStep, SlotId, KV_BLOCK};
 use decode1::{Decode1, Step};
 pub use device::{device_count, DevBuf, Device, HostStage, HostWrite};
 use forward::{Attn, Bufs};
@@ -239,6 +239,8 @@ pub struct CudaBackend {
     b: Bufs,
     kv: KvCache,
     graphs: HashMap<(usize, Attn), CudaGraph>,
+    /// The final RMSNorm's epsilon (the embeddings path norms on the host).
+    norm_eps: f32,
     gemm: GemmPath,
     /// The persistent batch-1 decode kernel (`None` when `Tuning::persistent_decode` is off or
     /// the device cannot run it).
@@ -367,6 +369,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             gpu,
             opts,
+            norm_eps: config.norm_eps,
             target: set.target.clone(),
             w,
             b,
@@ -818,6 +821,69 @@ impl Backend for CudaBackend {
 
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<SeqOutput>, BackendError> {
         self.step_masked(batch, &[], &mut crate::NoMasks)
+    }
+
+    /// The prompt chunks through the per-stage kernels with no output row (no LM head), then each
+    /// token's residual stream read back and final-normed on the host (`numerics::rmsnorm`, the
+    /// CPU reference's): a copy of `[tokens][hidden]` f32 per chunk, small beside the forward pass.
+    fn hidden(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<HiddenSums>, BackendError> {
+        crate::validate_batch(
+            batch,
+            self.opts.slots,
+            self.opts.slot_capacity,
+            self.kv.blocks,
+            self.gpu.dims.vocab,
+        )?;
+        for s in batch {
+            self.kv.sync(&self.gpu, s.slot, s.blocks)?;
+        }
+        self.ahead = None; // a run-ahead decode_1 launch is spare work now (`release`)
+        let h = self.gpu.dims.hidden;
+        let mut norm = vec![0f32; h];
+        self.gpu.read(&self.w.out_norm, 0, &mut norm)?;
+        let mut out: Vec<HiddenSums> = batch
+            .iter()
+            .map(|s| HiddenSums {
+                sum: vec![0f32; h],
+                last: vec![0f32; h],
+                tokens: s.tokens.len(),
+            })
+            .collect();
+        let maxt = self.opts.max_step_tokens;
+        let (mut tokens, mut pos, mut slot, mut owner) = (vec![], vec![], vec![], vec![]);
+        let mut x = vec![0f32; maxt * h];
+        let mut row = vec![0f32; h];
+        let pieces = batch
+            .iter()
+            .enumerate()
+            .flat_map(|(e, s)| s.tokens.iter().enumerate().map(move |(j, &t)| (e, j, t)));
+        let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        for (k, (e, j, t)) in pieces.enumerate() {
+            tokens.push(t as i32);
+            pos.push((batch[e].start_pos + j) as i32);
+            slot.push(batch[e].slot as i32);
+            owner.push((e, j + 1 == batch[e].tokens.len()));
+            if tokens.len() < maxt && k + 1 < total {
+                continue;
+            }
+            self.run_chunk(&tokens, &pos, &slot, &[], false)?;
+            let n = tokens.len();
+            self.gpu.read(&self.b.x, 0, &mut x[..n * h])?;
+            for (r, &(e, last)) in owner.iter().enumerate() {
+                crate::numerics::rmsnorm(&x[r * h..(r + 1) * h], &norm, self.norm_eps, &mut row);
+                for (a, b) in out[e].sum.iter_mut().zip(&row) {
+                    *a += b;
+                }
+                if last {
+                    out[e].last.copy_from_slice(&row);
+                }
+            }
+            tokens.clear();
+            pos.clear();
+            slot.clear();
+            owner.clear();
+        }
+        Ok(out)
     }
 
     fn release(&mut self, slot: SlotId) {
