@@ -677,7 +677,9 @@ fn hidden_states_for_embeddings_match_cpu_backend() {
     let short = prompt(&s, "What is the capital of France?");
     assert!(long.len() > 256, "prompt of {} tokens", long.len());
     let p = SamplingParams::default();
-    let tables: Vec<Vec<u32>> = (0..2).map(|i| metrale_backend::slot_blocks(i, 1024)).collect();
+    let tables: Vec<Vec<u32>> = (0..2)
+        .map(|i| metrale_backend::slot_blocks(i, 1024))
+        .collect();
     let batch = |b: &mut dyn Backend| {
         let steps: Vec<SeqStep> = [&long, &short]
             .iter()
@@ -723,6 +725,9 @@ fn hidden_states_for_embeddings_match_cpu_backend() {
             g.tokens
         );
         assert!(rs < 1e-3 && rl < 1e-3, "sequence {i}: hidden states differ");
-        assert!(cos > 0.9999, "sequence {i}: embeddings differ (cosine {cos})");
+        assert!(
+            cos > 0.9999,
+            "sequence {i}: embeddings differ (cosine {cos})"
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! The shape of a Llama-family model as kernels and backends see it: layers, widths and heads. One
 //! struct for the CPU backend (read from the checkpoint), the CUDA backend and the kernel ABI's
 //! layout formulas (the constants the kernels were compiled with, from the target's MODEL.toml);
-//! hyper-parameters such as the norm epsilon stay with whoever uses them.
+//! hyper-parameters such as the norm epsilon stay with whoever uses them. This module knows nothing
+//! of targets: `target` builds a `Dims` from its model shape (`Dims::from_shape`, defined there).
 
 /// Shape constants of a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,19 +17,6 @@ pub struct Dims {
 }
 
 impl Dims {
-    /// The kernel constants of a target's model shape.
-    pub fn from_shape(s: &crate::target::ModelShape) -> Dims {
-        Dims {
-            layers: s.layers as usize,
-            hidden: s.hidden as usize,
-            heads: s.heads as usize,
-            kv_heads: s.kv_heads as usize,
-            head_dim: s.head_dim as usize,
-            ffn: s.ffn as usize,
-            vocab: s.vocab as usize,
-        }
-    }
-
     /// Width of the query projection (heads x head_dim).
     pub fn qd(&self) -> usize {
         self.heads * self.head_dim

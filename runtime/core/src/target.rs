@@ -215,6 +215,21 @@ pub struct ModelShape {
     pub rope_scaling: Option<RopeScaling>,
 }
 
+impl crate::shape::Dims {
+    /// The kernel constants of a target's model shape.
+    pub fn from_shape(s: &ModelShape) -> crate::shape::Dims {
+        crate::shape::Dims {
+            layers: s.layers as usize,
+            hidden: s.hidden as usize,
+            heads: s.heads as usize,
+            kv_heads: s.kv_heads as usize,
+            head_dim: s.head_dim as usize,
+            ffn: s.ffn as usize,
+            vocab: s.vocab as usize,
+        }
+    }
+}
+
 /// `[quant]`: how weights are stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -18,16 +18,8 @@ use serde::Serialize;
 
 use crate::error::ApiError;
 use crate::generate::submit_error;
+use crate::prepare::EmbedJob;
 use crate::state::{Served, Ticket};
-
-/// A prepared /v1/embeddings request (`prepare::embeddings`).
-#[derive(Debug)]
-pub struct EmbedJob {
-    pub inputs: Vec<Vec<u32>>,
-    pub pooling: Pooling,
-    /// `encoding_format: "base64"`: each vector as its little-endian f32 bytes in base64.
-    pub base64: bool,
-}
 
 /// Bytes of the answer per dimension per input, at most: a float in JSON (`-0.012345678,` is 13; 16
 /// kept), or 4 bytes as base64 (5.4); with the vectors themselves (4).

@@ -21,8 +21,8 @@ use metrale_engine::{Event, FinishReason, GenerateRequest, SubmitError};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::watch;
 
-use crate::api::GenParams;
 use crate::error::ApiError;
+use crate::prepare::Job;
 use crate::sse::{self, Header, Kind, TokenLogprob, Usage};
 use crate::state::{Served, Ticket};
 use crate::textstream::TextStreamer;
@@ -314,15 +314,6 @@ impl Choice {
     fn into_stream(self) -> BoxStream<'static, ChoiceOut> {
         stream::unfold(self, |mut c| async move { c.next().await.map(|o| (o, c)) }).boxed()
     }
-}
-
-/// A validated request ready to run: prompts (each run `params.n` times) and settings.
-pub struct Job {
-    pub kind: Kind,
-    pub prompts: Vec<Vec<u32>>,
-    pub params: GenParams,
-    /// A Responses request's fields its response repeats (`Kind::Responses`).
-    pub responses: Option<Arc<crate::responses::Echo>>,
 }
 
 /// Submit every choice to the engine; errors here are answered before any byte is sent.

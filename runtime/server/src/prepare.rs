@@ -19,7 +19,6 @@ use crate::api::{
 };
 use crate::budget::{parse_worst_case, Reservation, TOKENIZE_BYTES_PER_BYTE};
 use crate::error::ApiError;
-use crate::generate::Job;
 use crate::sse::Kind;
 
 /// Heap of rendering a conversation whose text fits the prompt byte cap, per byte of that cap: the
@@ -27,7 +26,26 @@ use crate::sse::Kind;
 /// + role + '\n' + content`, one new string each) and the output's growth by doubling.
 pub const RENDER_BYTES_PER_CAP_BYTE: u64 = 8;
 
+/// A validated request ready to run: prompts (each run `params.n` times) and settings; what the
+/// generation endpoints' preparation hands to `generate`.
+pub struct Job {
+    pub kind: Kind,
+    pub prompts: Vec<Vec<u32>>,
+    pub params: api::GenParams,
+    /// A Responses request's fields its response repeats (`Kind::Responses`).
+    pub responses: Option<std::sync::Arc<crate::responses::Echo>>,
+}
+
 /// What preparing a request needs from the served model.
+/// A prepared /v1/embeddings request (`crate::embeddings` submits and answers it).
+#[derive(Debug)]
+pub struct EmbedJob {
+    pub inputs: Vec<Vec<u32>>,
+    pub pooling: metrale_backend::Pooling,
+    /// `encoding_format: "base64"`: each vector as its little-endian f32 bytes in base64.
+    pub base64: bool,
+}
+
 pub struct Prep<'a> {
     pub tokenizer: &'a Tokenizer,
     pub template: Option<&'a ChatTemplate>,
@@ -371,11 +389,7 @@ pub fn completion(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, A
 
 /// POST /v1/embeddings: the inputs as token ids, each checked against the context, and the
 /// encoding asked for (`crate::embeddings` submits and answers).
-pub fn embeddings(
-    p: &Prep,
-    body: &[u8],
-    res: &mut Reservation,
-) -> Result<crate::embeddings::EmbedJob, ApiError> {
+pub fn embeddings(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<EmbedJob, ApiError> {
     let Some(pooling) = p.embeddings else {
         return Err(ApiError::invalid(
             "this server does not compute embeddings: start it with --embeddings (and --pooling mean|last)",
@@ -414,11 +428,20 @@ pub fn embeddings(
     if let Some(t) = texts.iter().find(|t| t.len() > p.prompt_byte_cap()) {
         return Err(too_many_bytes(p, t.len(), "input"));
     }
+    // each text's ids are kept while the next is tokenized: reserve them (up to 2,048 inputs)
+    let mut encode_kept = |t: &str| -> Result<Vec<u32>, ApiError> {
+        let ids = encode_prompt(p, res, t, "input")?;
+        res.grow(
+            (ids.capacity() * 4 + 24) as u64,
+            &format!("to keep an input's {} tokens", ids.len()),
+        )?;
+        Ok(ids)
+    };
     let inputs: Vec<Vec<u32>> = match &r.input {
-        PromptSpec::Text(t) => vec![encode_prompt(p, res, t, "input")?],
+        PromptSpec::Text(t) => vec![encode_kept(t)?],
         PromptSpec::Texts(ts) => ts
             .iter()
-            .map(|t| encode_prompt(p, res, t, "input"))
+            .map(|t| encode_kept(t))
             .collect::<Result<_, _>>()?,
         PromptSpec::Tokens(ids) => vec![api::check_token_ids(ids, p.vocab, "input")?],
         PromptSpec::TokenLists(l) => l
@@ -462,7 +485,7 @@ pub fn embeddings(
             ));
         }
     }
-    Ok(crate::embeddings::EmbedJob {
+    Ok(EmbedJob {
         inputs,
         pooling,
         base64,

@@ -20,8 +20,8 @@ use serde_json::json;
 
 use crate::budget::{Reservation, BODY_BYTES_PER_BYTE};
 use crate::error::{ApiError, Refused};
-use crate::generate::{self, Job};
-use crate::prepare::{self, Prep};
+use crate::generate;
+use crate::prepare::{self, Job, Prep};
 use crate::state::{AppState, Served, Ticket};
 
 type St = State<Arc<AppState>>;
