@@ -93,6 +93,7 @@ fuzz_target!(|data: &[u8]| {
         tool_format: metrale_server::tools::ToolFormat::Hermes,
         embeddings: Some(metrale_server::embeddings::Pooling::Mean),
         hidden: sv.model.config.hidden,
+        reasoning: metrale_server::reasoning::Format::Deepseek,
     };
     // A budget of 256 MiB: the harness's heap cap is 512 MiB, so a reservation that let a request
     // past its worst case would show as an abort here.

@@ -345,6 +345,19 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> std::result::Result<String, RenderError> {
+        self.render_with_kwargs(messages, tools, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with a request's `chat_template_kwargs` (an object) as
+    /// further variables (e.g. Qwen3's `enable_thinking`); they cannot replace the ones above.
+    pub fn render_with_kwargs(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, RenderError> {
+        let extra = minijinja::Value::from_serialize(kwargs.cloned().unwrap_or_default());
         let t = self
             .env
             .get_template("chat")
@@ -361,6 +374,7 @@ impl ChatTemplate {
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
                 tools => tools,
+                ..extra
             },
             &mut w,
         );

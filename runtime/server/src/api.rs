@@ -176,6 +176,9 @@ pub struct ChatRequest {
     pub tools: Option<Vec<crate::tools::ToolIn>>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Further variables for the chat template (vLLM's and llama-server's field), e.g.
+    /// `{"enable_thinking": false}`; an object.
+    pub chat_template_kwargs: Option<serde_json::Value>,
 }
 
 /// `prompt` of /v1/completions: text, token ids, or a batch of either.
@@ -275,6 +278,9 @@ pub struct GenParams {
     pub grammar: Option<crate::grammar::Compiled>,
     /// The offered tools (`crate::tools`); set by `prepare`.
     pub tools: Option<std::sync::Arc<crate::tools::Tools>>,
+    /// The text is split into thought and content (`crate::reasoning`): `Some(in_thought)`, true
+    /// when the prompt opened the thought; set by `prepare` for chat requests.
+    pub reasoning: Option<bool>,
 }
 
 fn check_range(v: Option<f32>, name: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
@@ -479,6 +485,7 @@ pub fn validate_common(
         logprobs,
         grammar: None,
         tools: None,
+        reasoning: None,
     })
 }
 

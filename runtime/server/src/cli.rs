@@ -71,8 +71,14 @@ pub struct Cli {
 
     /// How /v1/embeddings pools a prompt's hidden states: `mean` (over its tokens) or `last` (the
     /// last token's).
-    #[arg(long, default_value = "mean")]
+    #[arg(long, default_value = "mean", value_parser = ["mean", "last"])]
     pub pooling: String,
+
+    /// How a thinking model's `<think>...</think>` comes back from the chat endpoint: `deepseek`
+    /// (as `reasoning_content`, apart from `content`), `none` (in the text as written), or `auto`
+    /// (`deepseek` when the chat template writes `<think>`).
+    #[arg(long, default_value = "auto", value_parser = ["none", "deepseek", "auto"])]
+    pub reasoning_format: String,
 
     /// Do not serve the chat page at `/` (the API is served either way).
     #[arg(long)]

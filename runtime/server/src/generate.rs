@@ -142,6 +142,11 @@ enum ChoiceOut {
         /// The tool calls the text made (streamed already as `ToolCall`s; `reason` "tool_calls").
         tool_calls: Option<Vec<crate::tools::Call>>,
     },
+    /// A piece of the model's thought (`crate::reasoning`), before the content's deltas.
+    Reasoning {
+        index: usize,
+        text: String,
+    },
     /// A piece of a tool call (tools offered): its start or more of its arguments.
     ToolCall {
         index: usize,
@@ -166,6 +171,8 @@ struct Choice {
     link: Arc<metrale_engine::RequestLink>,
     /// Offered tools: the text goes through the streaming reader of calls.
     tools: Option<crate::tools::ToolStream>,
+    /// The text is split into thought and content first (`--reasoning-format`).
+    reasoning: Option<crate::reasoning::Splitter>,
     /// What the last text produced beyond the one item `next` returns.
     queued: VecDeque<ChoiceOut>,
 }
@@ -176,6 +183,25 @@ impl Choice {
     /// generation was not cut by the length limit).
     fn queue_text(&mut self, text: String, finish: Option<(&'static str, usize, usize)>) {
         let index = self.index;
+        // the thought first; the content goes on to the tools' reader
+        let text = match &mut self.reasoning {
+            Some(sp) => {
+                let (mut thought, mut content) = sp.push(&text);
+                if finish.is_some() {
+                    let (t, c) = self.reasoning.take().expect("checked").finish();
+                    thought += &t;
+                    content += &c;
+                }
+                if !thought.is_empty() {
+                    self.queued.push_back(ChoiceOut::Reasoning {
+                        index,
+                        text: thought,
+                    });
+                }
+                content
+            }
+            None => text,
+        };
         let mut events = match &mut self.tools {
             Some(ts) => ts.push(&text),
             None if text.is_empty() => Vec::new(),
@@ -379,6 +405,7 @@ fn start(
                     pending_logprobs: Vec::new(),
                     link,
                     tools: p.tools.clone().map(crate::tools::ToolStream::new),
+                    reasoning: p.reasoning.map(crate::reasoning::Splitter::new),
                     queued: VecDeque::new(),
                 }
                 .into_stream(),
@@ -480,6 +507,8 @@ async fn whole_response(
     let mut lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
     let mut finish = vec![String::from("stop"); n];
     let mut calls: Vec<Option<Vec<crate::tools::Call>>> = vec![None; n];
+    // the thought of each choice, when the text is split (`--reasoning-format`)
+    let mut reasoning: Vec<Option<String>> = vec![None; n];
     let mut completion_tokens = 0;
     let mut cached = 0;
     while let Some(out) = choices.next().await {
@@ -512,6 +541,9 @@ async fn whole_response(
                 }
             }
             ChoiceOut::ToolCall { .. } => {} // the calls come whole with the Finish
+            ChoiceOut::Reasoning { index, text } => reasoning[index]
+                .get_or_insert_with(String::new)
+                .push_str(&text),
             ChoiceOut::Error { error, .. } => {
                 log.end("error");
                 return Err(error);
@@ -537,7 +569,9 @@ async fn whole_response(
             .zip(lps)
             .zip(finish)
             .zip(calls)
-            .map(|(((t, l), f), c)| sse::ChoiceBody {
+            .zip(reasoning)
+            .map(|((((t, l), f), c), r)| sse::ChoiceBody {
+                reasoning: r,
                 text: t,
                 logprobs: logprobs.then(|| sse::logprobs_json(header.kind, &l, 0)),
                 finish: f,
@@ -611,6 +645,10 @@ impl StreamState {
                 }
                 self.emit(index, "", &[], Some(reason));
             }
+            ChoiceOut::Reasoning { index, text } => {
+                let chunk = self.header.reasoning_chunk(index, &text);
+                self.queue.push_back(sse::data(&chunk));
+            }
             ChoiceOut::ToolCall { index, event } => {
                 let delta = sse::tool_call_delta(&self.header.id, &event);
                 let chunk = self.header.tool_calls_chunk(index, delta);
@@ -631,6 +669,8 @@ impl StreamState {
         let ev = self.events.as_mut().expect("a Responses stream");
         let frames = match out {
             ChoiceOut::Delta { text, .. } => ev.text(&text),
+            // the Responses output has no reasoning item: the thought is left out of output_text
+            ChoiceOut::Reasoning { .. } => Vec::new(),
             ChoiceOut::ToolCall { event, .. } => ev.tool(&event),
             ChoiceOut::Finish {
                 reason,

@@ -41,6 +41,7 @@ pub mod grammar;
 pub mod listen;
 pub mod pool;
 pub mod prepare;
+pub mod reasoning;
 pub mod responses;
 pub mod routes;
 pub mod serve;

@@ -63,6 +63,8 @@ pub struct Prep<'a> {
     pub embeddings: Option<metrale_backend::Pooling>,
     /// Length of the model's hidden state (an embedding's dimensions).
     pub hidden: usize,
+    /// `--reasoning-format`, resolved against the template.
+    pub reasoning: crate::reasoning::Format,
 }
 
 /// Compile the request's structured-output constraint, if it asks for one (a 400 names the field
@@ -173,7 +175,7 @@ fn encode_prompt(
 /// POST /v1/chat/completions.
 pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiError> {
     reserve_parse(res, body)?;
-    let r: ChatRequest = api::parse_request(body)?;
+    let mut r: ChatRequest = api::parse_request(body)?;
     let mut params = api::validate_chat(&r, p.chat_preset, p.vocab)?;
     params.grammar = compile_grammar(p, &r.common.grammar)?;
     let tools = crate::tools::Tools::from_request(
@@ -264,6 +266,18 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         msgs.push(msg);
     }
     let tools_value = params.tools.as_ref().map(|t| t.template_value());
+    let kwargs = match r.chat_template_kwargs.take() {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::Object(m)) => Some(m),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "'chat_template_kwargs' must be an object of template variables (e.g. {{\"enable_thinking\": false}}), got {other}"
+                ),
+                Some("chat_template_kwargs"),
+            ))
+        }
+    };
     drop(r);
     // Every message's text is part of the prompt, so together they must fit before rendering
     // (rendering copies and concatenates them, whatever the output cap).
@@ -277,7 +291,7 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         "to render the chat template",
     )?;
     let text = template
-        .render_with_tools(&msgs, tools_value.as_ref(), true)
+        .render_with_kwargs(&msgs, tools_value.as_ref(), kwargs.as_ref(), true)
         .map_err(|e| match e {
         RenderError::TooLong { .. } => ApiError::invalid_code(
             format!(
@@ -302,6 +316,9 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         ),
     })?;
     drop(msgs);
+    // a template that opened the thought (DeepSeek-R1's `<think>\n` after the assistant header)
+    params.reasoning = (p.reasoning == crate::reasoning::Format::Deepseek)
+        .then(|| text.trim_end().ends_with("<think>"));
     let prompt = encode_prompt(p, res, &text, "messages")?;
     Ok(Job {
         kind: Kind::Chat,

@@ -515,6 +515,14 @@ fn load(
         cli.client_timeout
     );
     let hidden = model.config.hidden;
+    let reasoning = crate::reasoning::Format::resolve(
+        &cli.reasoning_format,
+        chat_template.as_ref().map(|t| t.source()),
+    )
+    .map_err(anyhow::Error::msg)?;
+    if reasoning == crate::reasoning::Format::Deepseek {
+        eprintln!("  reasoning: the text between <think> and </think> is returned as reasoning_content (--reasoning-format)");
+    }
     Ok(Served {
         model,
         pool,
@@ -548,6 +556,7 @@ fn load(
             .transpose()
             .map_err(anyhow::Error::msg)?,
         hidden,
+        reasoning,
     })
 }
 

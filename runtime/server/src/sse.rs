@@ -48,6 +48,8 @@ pub struct ChoiceBody {
     pub finish: String,
     /// The choice's tool calls (`tool_calls_json`): the message's content is then null.
     pub tool_calls: Option<Value>,
+    /// The model's thought (`crate::reasoning`; `None`: the text was not split).
+    pub reasoning: Option<String>,
 }
 
 /// The API's `tool_calls` list: `[{index, id, type, function: {name, arguments}}]`, ids derived from
@@ -170,6 +172,22 @@ impl Header {
 
     /// A whole (non-streamed) response. `choices`: (text, logprobs, finish_reason) per choice.
     /// A chunk whose delta carries a choice's tool calls (chat).
+    /// A chunk whose delta is a piece of the model's thought (`reasoning_content`).
+    pub fn reasoning_chunk(&self, index: usize, text: &str) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": index, "delta": {"reasoning_content": text}, "logprobs": null,
+                         "finish_reason": null}],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
     pub fn tool_calls_chunk(&self, index: usize, calls: Value) -> Value {
         let mut v = json!({
             "id": self.id,
@@ -191,13 +209,16 @@ impl Header {
             .enumerate()
             .map(|(index, c)| match self.kind {
                 Kind::Chat | Kind::Responses => {
-                    let message = match c.tool_calls {
+                    let mut message = match c.tool_calls {
                         Some(calls) => {
                             let content = (!c.text.is_empty()).then_some(c.text);
                             json!({"role": "assistant", "content": content, "tool_calls": calls})
                         }
                         None => json!({"role": "assistant", "content": c.text}),
                     };
+                    if let Some(r) = c.reasoning {
+                        message["reasoning_content"] = (!r.is_empty()).then_some(r).into();
+                    }
                     json!({
                         "index": index,
                         "message": message,
@@ -338,6 +359,7 @@ mod tests {
         assert_eq!(c["choices"][0]["index"], 1);
         let full = h.full(
             vec![ChoiceBody {
+                reasoning: None,
                 text: "a".into(),
                 logprobs: None,
                 finish: "stop".into(),
@@ -354,6 +376,7 @@ mod tests {
         let hc = header(Kind::Chat, false);
         let full = hc.full(
             vec![ChoiceBody {
+                reasoning: None,
                 text: "a".into(),
                 logprobs: None,
                 finish: "stop".into(),
@@ -372,6 +395,7 @@ mod tests {
         );
         let full = hc.full(
             vec![ChoiceBody {
+                reasoning: None,
                 text: String::new(),
                 logprobs: None,
                 finish: "tool_calls".into(),

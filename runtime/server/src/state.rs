@@ -57,6 +57,8 @@ pub struct Served {
     pub embeddings: Option<metrale_backend::Pooling>,
     /// Length of the model's hidden state.
     pub hidden: usize,
+    /// `--reasoning-format`, resolved against the chat template at start-up.
+    pub reasoning: crate::reasoning::Format,
 }
 
 impl Served {
@@ -73,6 +75,7 @@ impl Served {
             tool_format: self.tool_format,
             embeddings: self.embeddings,
             hidden: self.hidden,
+            reasoning: self.reasoning,
         }
     }
 }

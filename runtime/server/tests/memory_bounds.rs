@@ -86,6 +86,7 @@ fn reservations_cover_the_heap_peak_of_adversarial_requests() {
         tool_format: metrale_server::tools::ToolFormat::Hermes,
         embeddings: Some(metrale_backend::Pooling::Mean),
         hidden: 576,
+        reasoning: metrale_server::reasoning::Format::Deepseek,
     };
     let digits = "7".repeat(cap - 64);
     let spaces = " ".repeat(cap - 64);
