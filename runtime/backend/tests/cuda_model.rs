@@ -6,6 +6,7 @@
 //! the CPU's logits at every step. The persistent decode kernel (`decode_1`, every one-sequence
 //! decode step) is checked step by step: its logits against the CPU's at every step (rel L2 < 1e-3),
 //! at short and long (multi-tile, 8-split attention) contexts, and its tokens against the graph path.
+//! The embeddings path (`Backend::hidden`) gives the CPU's final-normed hidden states (rel L2 < 1e-3).
 //!
 //! Needs `METRALE_MODEL` (the SmolLM2-135M-Instruct Q4_1 GGUF), `METRALE_CUDA_KERNELS` (the
 //! target's kernel folder), a CUDA device; `METRALE_CUDA_TARGET` defaults to "h200/smollm2-135m/q4_1".
