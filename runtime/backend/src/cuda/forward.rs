@@ -1,6 +1,7 @@
 //! The per-stage forward pass of one chunk: the activation and I/O buffers (allocated once, for
 //! `max_step_tokens`) and the launch sequence over them: `embed`, then per layer `attn_in` (RMSNorm,
-//! QKV, RoPE, KV write), `attention` (split-K GQA), `attn_out` (O projection and residual), `ffn_in`
+//! QKV, RoPE, KV write), `attention` (split-K GQA; prompt chunks on bf16-KV targets:
+//! `attention_flash`, tensor-core flash attention over query tiles, [`Attn`]), `attn_out` (O projection and residual), `ffn_in`
 //! (RMSNorm, gate/up, SiLU), `ffn_out` (down projection and residual), then `lm_head` (final norm
 //! and LM head on each sequence's last token, with the greedy pick fused): 2 + 5 x layers launches,
 //! the four layer products as tensor-core GEMMs (`gemm`) for chunks where they pay, and, on the

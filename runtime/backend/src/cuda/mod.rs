@@ -16,8 +16,8 @@
 //! buffers (allocated once for `max_step_tokens`), the decode CUDA graphs.
 //! Entry points: [`CudaBackend::from_registry`] (a built binary: embedded, attestation-checked
 //! kernels) and [`CudaBackend::new`] (any [`KernelSet`], e.g. a dist/ folder, for tests and tools).
-//! Not here: a tensor-core prefill attention, a persistent kernel for batched decode
-//! (bench/cuda/NOTES.md).
+//! Not here: a persistent kernel for batched decode (bench/cuda/NOTES.md), W4A16 tensor-core
+//! products for q4_1 weights (q4_1 chunks run the mma.sync GEMMs of `gemm.cu.hbs`).
 //!
 //! Invariants:
 //! - Nothing is allocated on the device after `CudaBackend::new`; a step larger than
