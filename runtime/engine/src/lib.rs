@@ -630,8 +630,9 @@ impl Loop {
         s.blocks.clear();
         s.keys.clear();
         s.cached = 0;
-        s.hidden = HiddenSums::default(); // an embedding pools its tokens again
-                                          // recompute everything but the last generated token, which the next decode feeds
+        // an embedding pools its tokens again; recompute everything but the last generated
+        // token, which the next decode feeds
+        s.hidden = HiddenSums::default();
         s.prefill_end = s.history.len();
         self.backend.release(s.slot);
         self.free.push(s.slot);
@@ -885,14 +886,7 @@ impl Loop {
             .collect();
         let backend = &mut self.backend;
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.hidden(&steps)))
-            .map_err(|p| {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            format!("the backend panicked: {msg}")
-        })?;
+            .map_err(panic_message)?;
         let sums = match r {
             Ok(v) if v.len() == eplan.len() => v,
             Ok(v) => {
@@ -957,14 +951,7 @@ impl Loop {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             backend.step_masked(&steps, lazy, &mut masks)
         }))
-        .map_err(|p| {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            format!("the backend panicked: {msg}")
-        })
+        .map_err(panic_message)
     }
 
     /// The backend panicked: its state is unknown, so end every request and refuse new ones.
@@ -1035,6 +1022,16 @@ impl Loop {
                 .observe(s.submitted.elapsed().as_secs_f64());
         }
     }
+}
+
+/// What a caught backend panic says, for the requests it ends.
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    let msg = p
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into());
+    format!("the backend panicked: {msg}")
 }
 
 #[cfg(test)]
