@@ -215,6 +215,7 @@ mod tests {
             bos: Some(128000),
             eos: vec![128001],
             add_bos: true,
+            pooling: None,
         }
     }
 }

@@ -62,6 +62,9 @@ pub struct ModelConfig {
     pub eos: Vec<u32>,
     /// Whether prompts start with `bos` by default.
     pub add_bos: bool,
+    /// How the file says its hidden states pool into an embedding (GGUF `<arch>.pooling_type`:
+    /// "none", "mean", "cls", "last" or "rank"); `None`: it does not say.
+    pub pooling: Option<String>,
 }
 
 fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
@@ -239,6 +242,18 @@ impl ModelConfig {
             }
         };
         let (bos, eos, add_bos) = Self::special_tokens_from_gguf(g)?;
+        // llama.cpp's enum llama_pooling_type
+        let pooling = g.opt_u64(&k("pooling_type"))?.map(|v| {
+            match v {
+                0 => "none",
+                1 => "mean",
+                2 => "cls",
+                3 => "last",
+                4 => "rank",
+                _ => "unknown",
+            }
+            .to_string()
+        });
         let name = match g.opt_str("general.name")? {
             Some(n) => n.to_string(),
             None => file_stem(path),
@@ -262,6 +277,7 @@ impl ModelConfig {
             bos,
             eos,
             add_bos,
+            pooling,
         };
         c.check(path)?;
         Ok(c)
@@ -483,6 +499,7 @@ impl ModelConfig {
             bos,
             eos,
             add_bos: add_bos && bos.is_some(),
+            pooling: None,
         };
         c.check(path)?;
         Ok(c)

@@ -487,3 +487,23 @@ fn every_supported_tensor_type_loads() {
         assert_eq!(t.to_f32().len(), t.n_elems(), "{n}");
     }
 }
+
+#[test]
+fn pooling_type_is_read_as_llama_cpp_numbers_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = tiny_llama();
+    let m = Model::load(&g.write(dir.path(), "none.gguf")).unwrap();
+    assert_eq!(m.config.pooling, None);
+    for (v, name) in [
+        (0, "none"),
+        (1, "mean"),
+        (2, "cls"),
+        (3, "last"),
+        (4, "rank"),
+        (9, "unknown"),
+    ] {
+        g.kv("llama.pooling_type", V::U32(v));
+        let m = Model::load(&g.write(dir.path(), &format!("p{v}.gguf"))).unwrap();
+        assert_eq!(m.config.pooling.as_deref(), Some(name), "pooling_type {v}");
+    }
+}

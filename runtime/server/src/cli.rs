@@ -70,9 +70,10 @@ pub struct Cli {
     pub embeddings: bool,
 
     /// How /v1/embeddings pools a prompt's hidden states: `mean` (over its tokens) or `last` (the
-    /// last token's).
-    #[arg(long, default_value = "mean", value_parser = ["mean", "last"])]
-    pub pooling: String,
+    /// last token's). Default: what the GGUF's `<arch>.pooling_type` says where it is one of those,
+    /// else `mean`.
+    #[arg(long, value_parser = ["mean", "last"])]
+    pub pooling: Option<String>,
 
     /// How a thinking model's `<think>...</think>` comes back from the chat endpoint: `deepseek`
     /// (as `reasoning_content`, apart from `content`), `none` (in the text as written), or `auto`

@@ -515,6 +515,17 @@ fn load(
         cli.client_timeout
     );
     let hidden = model.config.hidden;
+    let embeddings = if cli.embeddings {
+        let (pooling, why) =
+            embedding_pooling(cli.pooling.as_deref(), model.config.pooling.as_deref());
+        eprintln!(
+            "  embeddings: /v1/embeddings pools with {} ({why})",
+            pooling.name()
+        );
+        Some(pooling)
+    } else {
+        None
+    };
     let reasoning = crate::reasoning::Format::resolve(
         &cli.reasoning_format,
         chat_template.as_ref().map(|t| t.source()),
@@ -550,11 +561,7 @@ fn load(
             .map_err(anyhow::Error::msg)?,
         sse_keepalive: (cli.sse_keepalive > 0).then(|| Duration::from_secs(cli.sse_keepalive)),
         log_json: cli.log_format == crate::cli::LogFormat::Json,
-        embeddings: cli
-            .embeddings
-            .then(|| metrale_backend::Pooling::parse(&cli.pooling))
-            .transpose()
-            .map_err(anyhow::Error::msg)?,
+        embeddings,
         hidden,
         reasoning,
     })
@@ -595,5 +602,48 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+/// The pooling of `--embeddings`: the flag's, else the model's (`<arch>.pooling_type`) where the
+/// server has it, else mean; with the reason, for the start-up line.
+fn embedding_pooling(
+    flag: Option<&str>,
+    model: Option<&str>,
+) -> (metrale_backend::Pooling, String) {
+    use metrale_backend::Pooling;
+    if let Some(p) = flag.and_then(|f| Pooling::parse(f).ok()) {
+        return (p, "--pooling".into());
+    }
+    match model {
+        Some(m) => match Pooling::parse(m) {
+            Ok(p) => (p, "the model's pooling_type".into()),
+            Err(_) => (
+                Pooling::Mean,
+                format!("the model's pooling_type is {m}, which this server does not pool by; --pooling mean|last chooses"),
+            ),
+        },
+        None => (Pooling::Mean, "the default; --pooling last for the last token's".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::embedding_pooling;
+    use metrale_backend::Pooling;
+
+    #[test]
+    fn the_flag_wins_then_the_models_pooling_then_mean() {
+        assert_eq!(
+            embedding_pooling(Some("last"), Some("mean")).0,
+            Pooling::Last
+        );
+        assert_eq!(embedding_pooling(None, Some("last")).0, Pooling::Last);
+        let (p, why) = embedding_pooling(None, Some("cls"));
+        assert!(
+            p == Pooling::Mean && why.contains("cls") && why.contains("--pooling"),
+            "{why}"
+        );
+        assert_eq!(embedding_pooling(None, None).0, Pooling::Mean);
     }
 }

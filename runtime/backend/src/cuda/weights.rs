@@ -677,6 +677,7 @@ mod tests {
             bos: Some(1),
             eos: vec![2],
             add_bos: false,
+            pooling: None,
         };
         assert!(check_config(&c, &d, "h200/smollm2-135m/q4_1").is_ok());
         c.hidden = 2048;
