@@ -28,6 +28,30 @@ REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 # KERNEL_DIR NAME [cuda_bench args]: one cuda_bench run of 8B bf16, its JSON to $R/NAME.json
 bench() { local k=$1 n=$2; shift 2; cb_run "$H/s/l8b-bf16.gguf" "$k" $T8/bf16 "$n" "$@"; }
 
+# the 8B bf16 GGUF and the 2-layer HF folder, made from the carried vocabulary
+synth_8b_2l() {
+  local X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0" a
+  step "synth-model: 8B bf16 GGUF, 2-layer HF folder"
+  for a in "--out $H/s/l8b-bf16.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+}
+# check_2l WHAT: the 2-layer model (kernels built for 2 layers) against HF transformers
+check_2l() {
+  step "2-layer check against HF transformers ($1)"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
+  tail -1 "$R/golden2.txt"
+  METRALE_TARGETS=$H/b/t2/targets timeout 120 "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
+    --cuda "$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --repeat 2 | tee -a "$R/check-2l.jsonl" \
+    | python3 -c 'import sys,json; d=json.load(sys.stdin); print("pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
+}
+# tests8 NAME [cuda_kernels args]: the kernel tests of 8B bf16 the args select, to $R/kernel-tests-NAME.txt
+tests8() {
+  local n=$1; shift
+  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$H/b/k/h200-llama-3.1-8b-bf16/kernels METRALE_TARGETS=$PWD/targets \
+    timeout "${TESTS_TIMEOUT:-120}" "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 "$@" > "$R/kernel-tests-$n.txt" 2>&1
+  echo "rc=$?" >> "$R/kernel-tests-$n.txt"
+}
 # gemm_bench --sweep over the 8B bf16 products, cuBLAS on the same shapes, the joined table
 table() {
   local k=$H/b/k/h200-llama-3.1-8b-bf16/kernels
@@ -70,31 +94,18 @@ call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
   GEMM_TOKENS=16,32,64,128,256,512,4096
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  step "synth-model: 8B bf16 GGUF, 2-layer HF folder"
-  for a in "--out $H/s/l8b-bf16.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
-    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  done
+  synth_8b_2l
   K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
   step "cuda_kernels h200/llama-3.1-8b/bf16: the GEMM tests first"
-  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
-    timeout 150 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 tma_gemm gemm_prefill > "$R/kernel-tests-gemm.txt" 2>&1
-  echo "rc=$?" >> "$R/kernel-tests-gemm.txt"; grep -E "rel err|launches|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -40
+  TESTS_TIMEOUT=150 tests8 gemm tma_gemm gemm_prefill; grep -E "rel err|launches|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -40
   # a failing GEMM makes the timings meaningless: stop here (and save the device time)
   grep -q "test result: ok" "$R/kernel-tests-gemm.txt" || { finish call1; exit 1; }
   table
   bench "$K" bench-bf16 --batch 16,32,64,128,256 --steps 32 --pp 512
   METRALE_CUDA_TUNING=tma_gemm=off bench "$K" bench-bf16-wgmma --batch 64,256 --steps 32 --pp 512
-  step "2-layer check against HF transformers (prompt through the GEMMs)"
-  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
-  tail -1 "$R/golden2.txt"
-  METRALE_TARGETS=$H/b/t2/targets timeout 120 "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
-    --cuda "$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --repeat 2 | tee -a "$R/check-2l.jsonl" \
-    | python3 -c 'import sys,json; d=json.load(sys.stdin); print("pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
+  check_2l "prompt through the GEMMs"
   step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
-  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
-    timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 --skip tma_gemm --skip gemm_prefill > "$R/kernel-tests-rest.txt" 2>&1
-  echo "rc=$?" >> "$R/kernel-tests-rest.txt"; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+  tests8 rest --skip tma_gemm --skip gemm_prefill; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
   # the other targets' kernel tests (the shared epilogues and common.cuh changed with these kernels)
   [ -f .gm2/b.tar.xz ] && tar xJf .gm2/b.tar.xz -C "$H" && kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish call1
@@ -130,29 +141,16 @@ prefill)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
   [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  step "synth-model: 8B bf16 GGUF, 2-layer HF folder"
-  for a in "--out $H/s/l8b-bf16.gguf" "--layers 2 --format hf --out $H/s/l8b2-hf"; do
-    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  done
+  synth_8b_2l
   K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
   step "cuda_kernels h200/llama-3.1-8b/bf16: attention first"
-  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
-    timeout 150 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 attention > "$R/kernel-tests-attention.txt" 2>&1
-  echo "rc=$?" >> "$R/kernel-tests-attention.txt"; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-attention.txt" | tail -30
+  TESTS_TIMEOUT=150 tests8 attention attention; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-attention.txt" | tail -30
   grep -q "test result: ok" "$R/kernel-tests-attention.txt" || { finish prefill; exit 1; }
   bench "$K" bench-bf16 --batch 64,256 --steps 32 --pp 512 --long 8192
   METRALE_CUDA_TUNING=flash_attention=off bench "$K" bench-bf16-split --batch 64 --steps 32 --pp 512 --long 8192
-  step "2-layer check against HF transformers (prompt through the GEMMs and flash attention)"
-  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden2.txt" 2>&1
-  tail -1 "$R/golden2.txt"
-  METRALE_TARGETS=$H/b/t2/targets timeout 120 "$H/b/bin/golden_check" "$H/s/l8b2-hf" "$R/l8b2_golden.json" \
-    --cuda "$H/b/k/h200-llama-3.1-8b-2l-bf16/kernels" $T8/bf16 --tol 0.05 --repeat 2 | tee -a "$R/check-2l.jsonl" \
-    | python3 -c 'import sys,json; d=json.load(sys.stdin); print("pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
+  check_2l "prompt through the GEMMs and flash attention"
   step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
-  METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$K METRALE_TARGETS=$PWD/targets \
-    timeout 120 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 --skip attention > "$R/kernel-tests-rest.txt" 2>&1
-  echo "rc=$?" >> "$R/kernel-tests-rest.txt"; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+  tests8 rest --skip attention; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
   [ -f .gm2/b.tar.xz ] && tar xJf .gm2/b.tar.xz -C "$H" && kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish prefill
   ;;

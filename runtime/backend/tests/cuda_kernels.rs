@@ -123,6 +123,15 @@ impl Paged {
             * self.d.head_dim
     }
 
+    /// A whole K (or V) pool of random values in [-1, 1) the cache holds exactly (bf16 caches:
+    /// rounded), so that a reference reading them reads what the kernels read.
+    fn rand_cache(&self, rng: &mut StdRng) -> Vec<f32> {
+        rand_vec(rng, self.elems(), -1.0, 1.0)
+            .into_iter()
+            .map(|v| self.round(v))
+            .collect()
+    }
+
     /// `x` as the cache holds it.
     fn round(&self, x: f32) -> f32 {
         match self.kv {
@@ -505,15 +514,8 @@ fn attention_splits_combine_and_out_projection() {
     let slot: Vec<i32> = vec![0, 1, 1];
     let n = pos.len();
     let pg = Paged::new(d, slots, ctx, e.kv);
-    // values the cache can hold exactly (bf16 caches: rounded), so the reference reads the same
-    let kc: Vec<f32> = rand_vec(&mut e.rng, pg.elems(), -1.0, 1.0)
-        .into_iter()
-        .map(|v| pg.round(v))
-        .collect();
-    let vc: Vec<f32> = rand_vec(&mut e.rng, pg.elems(), -1.0, 1.0)
-        .into_iter()
-        .map(|v| pg.round(v))
-        .collect();
+    let kc = pg.rand_cache(&mut e.rng);
+    let vc = pg.rand_cache(&mut e.rng);
     let q = rand_vec(&mut e.rng, n * qd, -1.0, 1.0);
     let x = rand_vec(&mut e.rng, n * d.hidden, -1.0, 1.0);
     let wo = Mat::new(&mut e.rng, e.wf, d.hidden, qd);
@@ -622,14 +624,8 @@ fn flash_attention_tiles_pages_and_earlier_chunks() {
     slot.push(2);
     let n = pos.len();
     let pg = Paged::new(d, slots, ctx, e.kv);
-    let kc: Vec<f32> = rand_vec(&mut e.rng, pg.elems(), -1.0, 1.0)
-        .into_iter()
-        .map(|v| pg.round(v))
-        .collect();
-    let vc: Vec<f32> = rand_vec(&mut e.rng, pg.elems(), -1.0, 1.0)
-        .into_iter()
-        .map(|v| pg.round(v))
-        .collect();
+    let kc = pg.rand_cache(&mut e.rng);
+    let vc = pg.rand_cache(&mut e.rng);
     // scores of standard deviation ~1 (peaked softmax rows, not uniform ones)
     let q = rand_vec(&mut e.rng, n * qd, -3.0, 3.0);
     let want = attention_ref(&pg, (&kc, &vc), &q, (&pos, &slot), layer);

@@ -867,23 +867,7 @@ impl Loop {
         eplan: &[(usize, usize, usize)],
         ended: &mut Vec<(usize, End)>,
     ) -> Result<(), String> {
-        let steps: Vec<SeqStep<'_>> = eplan
-            .iter()
-            .map(|&(i, a, b)| {
-                let s = &self.running[i];
-                SeqStep {
-                    slot: s.slot,
-                    start_pos: a,
-                    tokens: &s.history[a..b],
-                    blocks: &s.blocks,
-                    history: &s.history[..b],
-                    sampling: &s.req.sampling,
-                    draw: 0,
-                    want_logits: false,
-                    allowed: None,
-                }
-            })
-            .collect();
+        let steps = seq_steps(&self.running, eplan);
         let backend = &mut self.backend;
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.hidden(&steps)))
             .map_err(panic_message)?;
@@ -929,23 +913,7 @@ impl Loop {
         grammars: &mut StepMasks,
         entry: Option<usize>,
     ) -> Result<Result<Vec<SeqOutput>, BackendError>, String> {
-        let steps: Vec<SeqStep<'_>> = plan
-            .iter()
-            .map(|&(i, a, b)| {
-                let s = &self.running[i];
-                SeqStep {
-                    slot: s.slot,
-                    start_pos: a,
-                    tokens: &s.history[a..b],
-                    blocks: &s.blocks,
-                    history: &s.history[..b],
-                    sampling: &s.req.sampling,
-                    draw: s.generated as u64,
-                    want_logits: false,
-                    allowed: None,
-                }
-            })
-            .collect();
+        let steps = seq_steps(&self.running, plan);
         let backend = &mut self.backend;
         let mut masks = Retry(grammars, entry);
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1022,6 +990,27 @@ impl Loop {
                 .observe(s.submitted.elapsed().as_secs_f64());
         }
     }
+}
+
+/// The backend's entries of `plan` (index into `running`, tokens `a..b` of its history): each
+/// sequence's chunk, its block table, and its sampling draw (an embedding has generated none).
+fn seq_steps<'a>(running: &'a [Seq], plan: &[(usize, usize, usize)]) -> Vec<SeqStep<'a>> {
+    plan.iter()
+        .map(|&(i, a, b)| {
+            let s = &running[i];
+            SeqStep {
+                slot: s.slot,
+                start_pos: a,
+                tokens: &s.history[a..b],
+                blocks: &s.blocks,
+                history: &s.history[..b],
+                sampling: &s.req.sampling,
+                draw: s.generated as u64,
+                want_logits: false,
+                allowed: None,
+            }
+        })
+        .collect()
 }
 
 /// What a caught backend panic says, for the requests it ends.

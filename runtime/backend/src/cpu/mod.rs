@@ -591,6 +591,17 @@ impl CpuBackend {
         (x, last_rows)
     }
 
+    /// Refuse a batch this backend cannot run (`crate::validate_batch`), before any work.
+    fn validate(&self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
+        crate::validate_batch(
+            batch,
+            self.slots,
+            self.slot_capacity,
+            self.kv.blocks,
+            self.dims.vocab,
+        )
+    }
+
     /// Logits (`[rows][vocab]`) of final-normed hidden states (`[rows][hidden]`).
     fn lm_head(&self, hidden: &[f32], rows: usize) -> Vec<f32> {
         let w = self.lm_head.as_ref().unwrap_or(&self.embd);
@@ -748,13 +759,7 @@ impl Backend for CpuBackend {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        crate::validate_batch(
-            batch,
-            self.slots,
-            self.slot_capacity,
-            self.kv.blocks,
-            self.dims.vocab,
-        )?;
+        self.validate(batch)?;
         let hidden = self.forward_hidden(batch);
         let mut logits = self.lm_head(&hidden, batch.len());
         let vocab = self.dims.vocab;
@@ -782,13 +787,7 @@ impl Backend for CpuBackend {
     }
 
     fn hidden(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<HiddenSums>, BackendError> {
-        crate::validate_batch(
-            batch,
-            self.slots,
-            self.slot_capacity,
-            self.kv.blocks,
-            self.dims.vocab,
-        )?;
+        self.validate(batch)?;
         let h = self.dims.hidden;
         let (x, last_rows) = self.forward_layers(batch);
         let mut row = vec![0f32; h];

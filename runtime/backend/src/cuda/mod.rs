@@ -239,8 +239,9 @@ pub struct CudaBackend {
     b: Bufs,
     kv: KvCache,
     graphs: HashMap<(usize, Attn), CudaGraph>,
-    /// The final RMSNorm's epsilon (the embeddings path norms on the host).
+    /// The final RMSNorm's epsilon and weights, on the host (the embeddings path norms there).
     norm_eps: f32,
+    out_norm: Vec<f32>,
     gemm: GemmPath,
     /// The persistent batch-1 decode kernel (`None` when `Tuning::persistent_decode` is off or
     /// the device cannot run it).
@@ -366,10 +367,12 @@ impl CudaBackend {
         } else {
             None
         };
+        let out_norm = weights::host_vec(weights, "output_norm.weight", d.hidden)?;
         Ok(CudaBackend {
             gpu,
             opts,
             norm_eps: config.norm_eps,
+            out_norm,
             target: set.target.clone(),
             w,
             b,
@@ -447,6 +450,22 @@ impl CudaBackend {
         k.launch(&self.gpu, s, false)?;
         self.last_decode1 = Some(s);
         self.stats.decode1_launches += 1;
+        Ok(())
+    }
+
+    /// Refuse a batch this backend cannot run (`crate::validate_batch`), then mirror its block
+    /// tables, in stream order before any launch of the step.
+    fn admit_batch(&mut self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
+        crate::validate_batch(
+            batch,
+            self.opts.slots,
+            self.opts.slot_capacity,
+            self.kv.blocks,
+            self.gpu.dims.vocab,
+        )?;
+        for s in batch {
+            self.kv.sync(&self.gpu, s.slot, s.blocks)?;
+        }
         Ok(())
     }
 
@@ -827,20 +846,9 @@ impl Backend for CudaBackend {
     /// token's residual stream read back and final-normed on the host (`numerics::rmsnorm`, the
     /// CPU reference's): a copy of `[tokens][hidden]` f32 per chunk, small beside the forward pass.
     fn hidden(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<HiddenSums>, BackendError> {
-        crate::validate_batch(
-            batch,
-            self.opts.slots,
-            self.opts.slot_capacity,
-            self.kv.blocks,
-            self.gpu.dims.vocab,
-        )?;
-        for s in batch {
-            self.kv.sync(&self.gpu, s.slot, s.blocks)?;
-        }
+        self.admit_batch(batch)?;
         self.ahead = None; // a run-ahead decode_1 launch is spare work now (`release`)
         let h = self.gpu.dims.hidden;
-        let mut norm = vec![0f32; h];
-        self.gpu.read(&self.w.out_norm, 0, &mut norm)?;
         let mut out: Vec<HiddenSums> = batch
             .iter()
             .map(|s| HiddenSums {
@@ -870,7 +878,12 @@ impl Backend for CudaBackend {
             let n = tokens.len();
             self.gpu.read(&self.b.x, 0, &mut x[..n * h])?;
             for (r, &(e, last)) in owner.iter().enumerate() {
-                crate::numerics::rmsnorm(&x[r * h..(r + 1) * h], &norm, self.norm_eps, &mut row);
+                crate::numerics::rmsnorm(
+                    &x[r * h..(r + 1) * h],
+                    &self.out_norm,
+                    self.norm_eps,
+                    &mut row,
+                );
                 for (a, b) in out[e].sum.iter_mut().zip(&row) {
                     *a += b;
                 }
@@ -903,17 +916,7 @@ impl Backend for CudaBackend {
         masks: &mut dyn crate::MaskSource,
     ) -> Result<Vec<SeqOutput>, BackendError> {
         let is_lazy = |i: usize| lazy.get(i) == Some(&true);
-        crate::validate_batch(
-            batch,
-            self.opts.slots,
-            self.opts.slot_capacity,
-            self.kv.blocks,
-            self.gpu.dims.vocab,
-        )?;
-        // block tables first, in stream order before any launch of this step
-        for s in batch {
-            self.kv.sync(&self.gpu, s.slot, s.blocks)?;
-        }
+        self.admit_batch(batch)?;
         let ahead = self.ahead.take();
         if let [s] = batch {
             if s.tokens.len() == 1

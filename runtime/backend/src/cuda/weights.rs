@@ -384,7 +384,7 @@ fn host_mat(
     HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
 }
 
-fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
+pub(super) fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
     let t = w.get(name).map_err(model_err)?;
     if t.n_elems() != n {
         return Err(BackendError::Model(format!(
