@@ -332,39 +332,42 @@ entries! {
         x: ptr<"float">,
         ntok: i32,
     }
-    /// Hopper GEMM path: bf16(RMSNorm(x)), the QKV and gate/up products' input. grid = (ntok): a
+    /// Hopper GEMM path: act_t(RMSNorm(x)), the QKV and gate/up products' input (`act_t`: bf16
+    /// for bf16 weights, f16 for quantized weights, whose products run W4A16 / W8A16). grid = (ntok): a
     /// block per token.
     WgActNorm = "gemm_hopper" / "wg_act_norm", threads SPLIT_THREADS, {
         x: ptr<"const float">,
         norm_w: ptr<"const float">,
-        a: ptr<"__nv_bfloat16">,
+        a: ptr<"act_t">,
         ntok: i32,
     }
-    /// Hopper GEMM path: bf16(RMSNorm(x[sel[t]])) with the output norm, the LM head's input.
+    /// Hopper GEMM path: act_t(RMSNorm(x[sel[t]])) with the output norm, the LM head's input.
     WgActHead = "gemm_hopper" / "wg_act_head", threads SPLIT_THREADS, {
         x: ptr<"const float">,
         sel: ptr<"const int">,
         norm_w: ptr<"const float">,
-        a: ptr<"__nv_bfloat16">,
+        a: ptr<"act_t">,
         ntok: i32,
     }
-    /// Hopper GEMM path: bf16 of the attention output (K = heads x head_dim).
+    /// Hopper GEMM path: act_t of the attention output (K = heads x head_dim).
     WgActQd = "gemm_hopper" / "wg_act_qd", threads SPLIT_THREADS, {
         x: ptr<"const float">,
-        a: ptr<"__nv_bfloat16">,
+        a: ptr<"act_t">,
         ntok: i32,
     }
-    /// Hopper GEMM path: bf16 of the FFN activation (K = ffn).
+    /// Hopper GEMM path: act_t of the FFN activation (K = ffn).
     WgActFfn = "gemm_hopper" / "wg_act_ffn", threads SPLIT_THREADS, {
         x: ptr<"const float">,
-        a: ptr<"__nv_bfloat16">,
+        a: ptr<"act_t">,
         ntok: i32,
     }
     /// Hopper GEMM path: QKV projection with the RoPE + KV-write epilogue. grid and dynamic shared
-    /// memory: `plan::wg_plan`; `ws` and `counters`: its split-K partials and tickets.
+    /// memory: `plan::wg_plan`; `ws` and `counters`: its split-K partials and tickets; `w`, `wsc`: the
+    /// weights' `qs` and `sc` (common.cuh; `wsc` unused for bf16).
     WgQkv = "gemm_hopper" / "wg_qkv", threads WG_THREADS, {
-        a: ptr<"const __nv_bfloat16">,
+        a: ptr<"const act_t">,
         w: ptr<"const void">,
+        wsc: ptr<"const void">,
         rope: ptr<"const float2">,
         q: ptr<"float">,
         kc: ptr<"kv_t">,
@@ -381,8 +384,9 @@ entries! {
     }
     /// Hopper GEMM path: output projection + residual.
     WgO = "gemm_hopper" / "wg_o", threads WG_THREADS, {
-        a: ptr<"const __nv_bfloat16">,
+        a: ptr<"const act_t">,
         w: ptr<"const void">,
+        wsc: ptr<"const void">,
         x: ptr<"float">,
         ntok: i32,
         tile_n: i32,
@@ -391,18 +395,20 @@ entries! {
     }
     /// Hopper GEMM path: gate/up + SiLU(gate) * up.
     WgGu = "gemm_hopper" / "wg_gu", threads WG_THREADS, {
-        a: ptr<"const __nv_bfloat16">,
+        a: ptr<"const act_t">,
         w: ptr<"const void">,
+        wsc: ptr<"const void">,
         h: ptr<"float">,
         ntok: i32,
         tile_n: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }
-    /// Hopper GEMM path: the LM head's logits (bf16 head), `ntok` rows.
+    /// Hopper GEMM path: the LM head's logits (bf16 or q8_0 head), `ntok` rows.
     WgLogits = "gemm_hopper" / "wg_logits", threads WG_THREADS, {
-        a: ptr<"const __nv_bfloat16">,
+        a: ptr<"const act_t">,
         w: ptr<"const void">,
+        wsc: ptr<"const void">,
         logits: ptr<"float">,
         ntok: i32,
         tile_n: i32,
@@ -411,8 +417,9 @@ entries! {
     }
     /// Hopper GEMM path: down projection + residual.
     WgDown = "gemm_hopper" / "wg_down", threads WG_THREADS, {
-        a: ptr<"const __nv_bfloat16">,
+        a: ptr<"const act_t">,
         w: ptr<"const void">,
+        wsc: ptr<"const void">,
         x: ptr<"float">,
         ntok: i32,
         tile_n: i32,

@@ -102,38 +102,77 @@ pub fn wg_rows(n: usize) -> usize {
     WG_BM as usize * wg_row_tiles(n)
 }
 
-/// Hopper GEMM blocks with token tile `n` that fit an SM (`wg::budget`: two for the small tiles,
-/// one for the 128-token tile).
-pub fn wg_blocks_per_sm(n: usize) -> usize {
-    if n >= 128 {
+/// The weight formats of the Hopper GEMMs (`gemm_hopper.cu.hbs`'s `FBf16`, `FQ41`, `FQ80`): bf16
+/// rows on the MMAs' shared-memory A side, or q4_1 / q8_0 blocks staged as stored and dequantised
+/// into register fragments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WgFormat {
+    Bf16,
+    Q4_1,
+    Q8_0,
+}
+
+impl WgFormat {
+    /// The format of a matrix of this dtype, where the Hopper GEMMs have one.
+    pub fn of(dtype: &str) -> Option<WgFormat> {
+        match dtype {
+            "bf16" => Some(WgFormat::Bf16),
+            "q4_1" => Some(WgFormat::Q4_1),
+            "q8_0" => Some(WgFormat::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one weight row per pipeline stage of [`WG_BK`] elements (`ROW_BYTES`): 64 bf16; two
+    /// q4_1 blocks (2 x 16 nibble bytes, 2 x (d, m)); two q8_0 blocks (2 x 32 bytes, 2 x d).
+    pub fn row_bytes(self) -> usize {
+        match self {
+            WgFormat::Bf16 => 128,
+            WgFormat::Q4_1 => 40,
+            WgFormat::Q8_0 => 68,
+        }
+    }
+}
+
+/// Hopper GEMM blocks with token tile `n` that fit an SM (`wg::budget`): one for the 128-token tile
+/// of bf16 weights, else two (quantized weights take a third of the stage bytes, and their
+/// registers allow two blocks; a second warpgroup hides the dequantisation's latency).
+pub fn wg_blocks_per_sm(n: usize, f: WgFormat) -> usize {
+    if n >= 128 && f == WgFormat::Bf16 {
         1
     } else {
         2
     }
 }
 
+/// Bytes of a stage's weight rows (`wg::weight_bytes`): rounded up to the 1024 bytes the 128-byte
+/// swizzle of the token rows after them repeats over.
+pub fn wg_weight_bytes(n: usize, f: WgFormat) -> usize {
+    (wg_rows(n) * f.row_bytes()).next_multiple_of(1024)
+}
+
 /// Bytes of one pipeline stage of a Hopper GEMM block with token tile `n` (`wg::stage_bytes`): its
-/// weight rows and `n` token rows, [`WG_BK`] bf16 elements each.
-pub fn wg_stage_bytes(n: usize) -> usize {
-    (wg_rows(n) + n) * WG_BK as usize * 2
+/// weight rows and `n` token rows of [`WG_BK`] 16-bit activations.
+pub fn wg_stage_bytes(n: usize, f: WgFormat) -> usize {
+    wg_weight_bytes(n, f) + n * WG_BK as usize * 2
 }
 
 /// Pipeline stages of a Hopper GEMM block with token tile `n` (`wg::stages`): as many as fit in its
-/// budget ([`WG_SMEM_SMALL`], or [`WG_SMEM_LARGE`] for the 128-token tile), at most
+/// budget ([`WG_SMEM_SMALL`] where two blocks share an SM, else [`WG_SMEM_LARGE`]), at most
 /// [`WG_MAX_STAGES`].
-pub fn wg_stages(n: usize) -> usize {
-    let budget = if n >= 128 {
+pub fn wg_stages(n: usize, f: WgFormat) -> usize {
+    let budget = if wg_blocks_per_sm(n, f) == 1 {
         WG_SMEM_LARGE
     } else {
         WG_SMEM_SMALL
     } as usize;
-    (budget / wg_stage_bytes(n)).min(WG_MAX_STAGES as usize)
+    (budget / wg_stage_bytes(n, f)).min(WG_MAX_STAGES as usize)
 }
 
 /// Dynamic shared memory of a Hopper GEMM block with token tile `n` (`wg::smem_bytes`): its stages
 /// and 1 KiB to align them to the 1024 bytes the 128-byte swizzle repeats over.
-pub fn wg_smem_bytes(n: usize) -> usize {
-    wg_stages(n) * wg_stage_bytes(n) + 1024
+pub fn wg_smem_bytes(n: usize, f: WgFormat) -> usize {
+    wg_stages(n, f) * wg_stage_bytes(n, f) + 1024
 }
 
 /// The block tiles of the warp-specialised Hopper GEMMs (`tma::bm`, `tma::bn`; a launch's `cfg` is an
@@ -185,7 +224,8 @@ pub fn flash_smem_bytes(head_dim: usize) -> usize {
 /// The `static_assert`s of template `template` for a target of shape `d` on `sm_count` SMs: each
 /// compares an expression the kernel computes with the number the host computes for it. Empty for
 /// templates whose launches depend on no host formula.
-pub fn asserts(template: &str, d: &Dims, sm_count: usize) -> String {
+/// `formats`: the Hopper GEMMs' weight formats of the target (its layers' and LM head's).
+pub fn asserts(template: &str, d: &Dims, sm_count: usize, formats: &[WgFormat]) -> String {
     let check = |expr: &str, host: usize, what: &str| {
         format!("static_assert({expr} == {host}, \"{what}: the kernel's formula and the host's (metrale-abi layout.rs) disagree\");\n")
     };
@@ -196,12 +236,14 @@ pub fn asserts(template: &str, d: &Dims, sm_count: usize) -> String {
         }
         "attn_out" => s += &check("TB", tok_tile(d.qd()), "tokens per block"),
         "gemm_hopper" => {
-            for n in WG_TILES {
-                s += &check(
-                    &format!("wg::smem_bytes({n})"),
-                    wg_smem_bytes(n),
-                    "dynamic shared memory per block",
-                );
+            for &f in formats {
+                for n in WG_TILES {
+                    s += &check(
+                        &format!("wg::smem_bytes({n}, {})", f.row_bytes()),
+                        wg_smem_bytes(n, f),
+                        "dynamic shared memory per block",
+                    );
+                }
             }
         }
         "gemm_tma" => {
@@ -303,10 +345,39 @@ mod tests {
     #[test]
     fn asserts_name_the_kernel_expressions() {
         let d = smollm();
-        let a = asserts("decode", &d, 132);
+        let a = asserts("decode", &d, 132, &[]);
         assert!(a.contains("static_assert(S_PART == 12912,"), "{a}");
         assert!(a.contains("static_assert(part_floats(132) == 432,"), "{a}");
-        assert!(asserts("ffn_out", &d, 132).contains("static_assert(TB == 5,"));
-        assert!(asserts("embed", &d, 132).is_empty());
+        assert!(asserts("ffn_out", &d, 132, &[]).contains("static_assert(TB == 5,"));
+        assert!(asserts("embed", &d, 132, &[]).is_empty());
+        // one per token tile and weight format
+        let g = asserts("gemm_hopper", &d, 132, &[WgFormat::Q4_1, WgFormat::Q8_0]);
+        assert_eq!(g.matches("static_assert").count(), 8);
+        assert!(g.contains("wg::smem_bytes(16, 40) =="), "{g}");
+    }
+
+    #[test]
+    fn quantized_stages_are_smaller_and_two_blocks_share_an_sm() {
+        use WgFormat::*;
+        // bf16: 128-token tiles of 128 rows x 128 bytes + 128 tokens x 128 bytes, one block per SM
+        assert_eq!(wg_stage_bytes(128, Bf16), 32768);
+        assert_eq!(wg_blocks_per_sm(128, Bf16), 1);
+        assert_eq!(wg_stages(128, Bf16), 6);
+        // q4_1: 128 rows x 40 bytes (5120) + 16 KiB of tokens; two blocks per SM, 4 stages each
+        assert_eq!(wg_stage_bytes(128, Q4_1), 5120 + 16384);
+        assert_eq!((wg_blocks_per_sm(128, Q4_1), wg_stages(128, Q4_1)), (2, 4));
+        // 64 rows x 40 = 2560 bytes rounded up to the swizzle's 1024
+        assert_eq!(wg_weight_bytes(16, Q4_1), 3072);
+        assert_eq!(wg_weight_bytes(64, Q8_0), 5120);
+        for n in WG_TILES {
+            for f in [Bf16, Q4_1, Q8_0] {
+                assert!(wg_stages(n, f) >= 3, "{n} {f:?}");
+                assert!(wg_blocks_per_sm(n, f) * wg_smem_bytes(n, f) <= 228 * 1024 - 2048);
+                assert!(
+                    wg_weight_bytes(n, f).is_multiple_of(1024)
+                        && wg_stage_bytes(n, f).is_multiple_of(1024)
+                );
+            }
+        }
     }
 }

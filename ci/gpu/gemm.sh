@@ -20,6 +20,15 @@
 #   bash ci/gpu/gemm.sh peer   carry .gm1 .peer  llama.cpp's build, then this build's cuda_bench and
 #        llama-bench (pp512, pp8192, tg128) / llama-batched-bench on the same 8B bf16 GGUF (one
 #        call, ~8 min)
+#   bash ci/gpu/gemm.sh w4a16  carry .gm1 .gm2 .peer  llama.cpp's build (background); the 8B q4_1 and
+#        bf16 GGUFs; the GEMM tests of 8B q4_1 (W4A16 products and the W8A16 LM head against the CPU
+#        ops; stop on failure); gemm_bench on 8B q4_1 and bf16 at 16-4,096 tokens and cuBLAS on the
+#        same shapes (table.py --w4a16); cuda_bench of 8B q4_1 (decode of 16, 64 and 256
+#        sequences, pp512) on W4A16 and on the exact mma.sync GEMMs (hopper_gemm=off), and of 8B
+#        bf16 beside them; the rest of the 8B q4_1 kernel tests
+#   bash ci/gpu/gemm.sh w4a16-peer carry .gm1 .gm2 .peer  (right after w4a16, on the same machine)
+#        llama.cpp's llama-bench (pp512, tg128) and llama-batched-bench (16, 64, 256) on the same
+#        q4_1 GGUF; the GEMM tests of 8B bf16 and the other h200 targets' kernel tests
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -153,6 +162,50 @@ prefill)
   tests8 rest --skip attention; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
   [ -f .gm2/b.tar.xz ] && tar xJf .gm2/b.tar.xz -C "$H" && kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish prefill
+  ;;
+w4a16)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B q4_1 and bf16 GGUFs"
+  for a in "--quant q4_1 --out $H/s/l8b-q4_1.gguf" "--out $H/s/l8b-bf16.gguf"; do $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"; done
+  KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
+  step "cuda_kernels h200/llama-3.1-8b/q4_1: the GEMM tests first"
+  METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_kernels" \
+    --nocapture --test-threads=1 gemm_prefill > "$R/kernel-tests-q4-gemm.txt" 2>&1; echo "rc=$?" >> "$R/kernel-tests-q4-gemm.txt"
+  grep -E "path:|rel err|test result|panicked|rc=" "$R/kernel-tests-q4-gemm.txt" | tail -30
+  grep -q "test result: ok" "$R/kernel-tests-q4-gemm.txt" || { finish w4a16; exit 1; }
+  step "gemm_bench: 8B q4_1 (W4A16) and bf16 at ${GEMM_TOKENS:=16,64,256,512,4096} tokens, cuBLAS on the same shapes"
+  for q in q4_1 bf16; do
+    k=$H/b/k/h200-llama-3.1-8b-$q/kernels
+    METRALE_TARGETS=$PWD/targets timeout 150 "$H/b/bin/gemm_bench" "$H/s/l8b-$q.gguf" "$k" $T8/$q \
+      --tokens "$GEMM_TOKENS" --out "$R/gemm-$q.jsonl" > "$R/gemm-$q.txt" 2>&1; echo "rc=$?" >> "$R/gemm-$q.txt"
+    grep -E "panicked|rc=" "$R/gemm-$q.txt"
+  done
+  timeout 120 python3 bench/gemm/cublas.py --from "$R/gemm-bf16.jsonl" --out "$R/cublas.jsonl" > "$R/cublas.txt" 2>&1
+  python3 bench/gemm/table.py "$R/gemm-bf16.jsonl" "$R/cublas.jsonl" --w4a16 "$R/gemm-q4_1.jsonl" | tee "$R/table-q4_1.md"
+  cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
+  METRALE_CUDA_TUNING=hopper_gemm=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-mma --batch 16,256 --steps 16 --pp 512
+  bench "$K" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
+  step "cuda_kernels h200/llama-3.1-8b/q4_1: the rest"
+  METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout "$(left)" "$H/b/bin/cuda_kernels" \
+    --nocapture --test-threads=1 --skip gemm_prefill > "$R/kernel-tests-q4-rest.txt" 2>&1; echo "rc=$?" >> "$R/kernel-tests-q4-rest.txt"
+  grep -E "test result|panicked|rc=" "$R/kernel-tests-q4-rest.txt"
+  finish w4a16
+  ;;
+w4a16-peer)
+  # after w4a16 on the same machine: its q4_1 GGUF and llama.cpp's build are in $H
+  rm -rf "$R" && mkdir -p "$R" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  step "llama.cpp build: waiting for it"
+  for _ in $(seq 100); do [ -f "$H/llamacpp/build.done" ] && break; sleep 3; done
+  cat "$H/llamacpp/build.done"
+  step "llama.cpp on the same q4_1 GGUF"
+  OUT=$R bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-q4_1.gguf" 16,64,256 2>&1 | tail -12
+  step "cuda_kernels h200/llama-3.1-8b/bf16: the GEMM tests"
+  TESTS_TIMEOUT=150 tests8 gemm tma_gemm gemm_prefill; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -12
+  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1
+  finish w4a16-peer
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"

@@ -361,7 +361,7 @@ fn build_one(
                 } else {
                     nvrtc::Output::Ptx
                 };
-                let (bytes, _log) = worker::compile(
+                let (bytes, log) = worker::compile(
                     &req.nvrtc_worker,
                     &tc.dir,
                     &nvrtc::Job {
@@ -375,6 +375,20 @@ fn build_one(
                         arch: &step.arch,
                     },
                 )?;
+                // a compile that succeeds may still warn: the front end's warnings, ptxas's
+                // performance notes (spills, wgmma serialized: C7515)
+                let notes: Vec<&str> = log
+                    .lines()
+                    .filter(|l| l.contains("warning") || l.contains("Performance Loss"))
+                    .collect();
+                if !notes.is_empty() {
+                    eprintln!(
+                        "warning: {target}: kernel `{}` for {}:\n  {}",
+                        r.name,
+                        step.arch,
+                        notes.join("\n  ")
+                    );
+                }
                 if output == nvrtc::Output::Ptx {
                     functions = metrale_abi::ptx_entries(&String::from_utf8_lossy(&bytes))
                         .into_iter()

@@ -75,7 +75,16 @@ fn layout_asserts(spec: &TargetSpec, kernel: &str) -> String {
         return String::new();
     }
     let d = metrale_core::shape::Dims::from_shape(&spec.model);
-    metrale_abi::layout::asserts(kernel, &d, spec.hardware.sm_count.unwrap_or(0) as usize)
+    let formats: Vec<_> = [&spec.quant.weights, &spec.quant.embedding]
+        .iter()
+        .filter_map(|t| metrale_abi::layout::WgFormat::of(t))
+        .collect();
+    metrale_abi::layout::asserts(
+        kernel,
+        &d,
+        spec.hardware.sm_count.unwrap_or(0) as usize,
+        &formats,
+    )
 }
 
 fn rel(repo: &Path, p: &Path) -> String {

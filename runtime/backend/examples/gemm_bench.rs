@@ -1,4 +1,4 @@
-//! The Hopper GEMMs of a bf16 target, product by product (numbers, not a test): QKV, O, gate/up,
+//! The Hopper GEMMs of a target (bf16, or q4_1 on W4A16), product by product (numbers, not a test): QKV, O, gate/up,
 //! down and the LM head over chunks of `--tokens` tokens, each timed alone
 //! (`CudaBackend::profile_gemms`): the bf16 conversion and product as the forward pass runs them,
 //! `gemm_hopper.cu.hbs`'s kernel, the warp-specialised launch the plan's estimate picks and, with
@@ -85,7 +85,7 @@ fn main() {
         .expect("prefill chunk");
         for t in b.profile_gemms(n, sweep).expect("profile") {
             let flops = 2.0 * (t.rows * t.k * t.ntok) as f64;
-            let wbytes = (t.rows * t.k * 2) as f64;
+            let wbytes = t.weight_bytes as f64;
             let tflops = flops / t.us / 1e6;
             let floor_us = (flops / (PEAK_TFLOPS * 1e6)).max(wbytes / (copy_gbs * 1e3));
             let (cfg, splits) = t.tma.map_or((String::new(), 0), |p| {

@@ -965,7 +965,9 @@ fn device_sampling_matches_host_sampler() {
 /// half a step (2^-9 to 2^-8 of the value), RMS ~1.6e-3, which the products carry over (random
 /// weights average it, they do not amplify it); a bf16 KV cache adds a one-step flip (3.9e-3) of
 /// the values within that error of a rounding boundary, ~3e-3 in all. Bounded at 1e-2: a wrong
-/// tile, swizzle or fragment layout is an O(1) error.
+/// tile, swizzle, fragment layout, nibble or block scale is an O(1) error. With quantized weights
+/// (W4A16: f16 activations, each weight dequantised once to f16) the roundings are 4x smaller,
+/// ~4e-4 RMS, plus the bf16 KV cache's flips; the same bound holds.
 const HOPPER_TOL: f64 = 1e-2;
 
 /// The GEMM path's four products (`GemmPath`: on Hopper with bf16 weights the wgmma kernels, else
@@ -996,7 +998,11 @@ fn gemm_prefill_products_match_cpu_ops() {
     eprintln!(
         "  path: {}",
         if p.hopper() {
-            "Hopper (wgmma, bf16 activations)"
+            if e.gpu.weights_bf16 {
+                "Hopper (wgmma, bf16 activations)"
+            } else {
+                "Hopper (wgmma, f16 activations, weights dequantised in registers)"
+            }
         } else {
             "mma.sync (f16 hi/lo)"
         }

@@ -248,6 +248,14 @@ pub struct Quant {
     /// relative per product; kernels/cuda/common.cuh, `XRow`).
     #[serde(default = "default_activations")]
     pub activations: String,
+    /// How the tensor-core GEMMs of quantized weights (prefill chunks, decode steps of many
+    /// sequences) take their activations: "split" (the default: f16 hi/lo pairs on mma.sync, exact
+    /// to the f32 reference's ~1e-6) | "f16" (rounded once to f16, the weights dequantised to f16
+    /// in registers feeding Hopper's wgmma: W4A16 for q4_1, W8A16 for a q8_0 LM head; sm_90a
+    /// only, ~5e-4 relative per product; kernels/cuda/gemm_hopper.cu.hbs). bf16 weights always run
+    /// bf16 activations on Hopper.
+    #[serde(default = "default_gemm_activations")]
+    pub gemm_activations: String,
 }
 
 fn default_kv() -> String {
@@ -256,6 +264,10 @@ fn default_kv() -> String {
 
 fn default_activations() -> String {
     "f32".into()
+}
+
+fn default_gemm_activations() -> String {
+    "split".into()
 }
 
 impl Quant {
@@ -761,6 +773,28 @@ impl TargetSpec {
                 ))
             }
         }
+        match (
+            self.quant.gemm_activations.as_str(),
+            self.quant.weights.as_str(),
+        ) {
+            ("split", _) | ("f16", "q4_1") => {}
+            ("f16", w) => {
+                return Err(inv(
+                    model_path,
+                    "quant.gemm_activations",
+                    format!("split (f16 GEMM activations need q4_1 weights, these are {w})"),
+                    self.quant.gemm_activations.clone(),
+                ))
+            }
+            (a, _) => {
+                return Err(inv(
+                    model_path,
+                    "quant.gemm_activations",
+                    "split or f16".into(),
+                    a.to_string(),
+                ))
+            }
+        }
         let mut seen = std::collections::BTreeSet::new();
         for k in &self.kernels {
             if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
@@ -837,12 +871,13 @@ impl TargetSpec {
             ));
         }
         s.push_str(&format!(
-            "quant:    {} (weights {}, embedding {}, KV cache {}, activations {})\n",
+            "quant:    {} (weights {}, embedding {}, KV cache {}, activations {}, GEMM activations {})\n",
             self.quant.name,
             self.quant.weights,
             self.quant.embedding,
             self.quant.kv,
-            self.quant.activations
+            self.quant.activations,
+            self.quant.gemm_activations
         ));
         let pairs: Vec<String> = self
             .model_types
@@ -978,9 +1013,14 @@ mod tests {
     /// h200/llama-3.1-8b/`quant` loaded from a copy of the repository's targets/ whose MODEL.toml
     /// `edit` rewrote.
     fn load_edited(quant: &str, edit: impl Fn(&str) -> String) -> Result<TargetSpec, TargetError> {
+        // one folder per call: tests run in parallel threads of one process
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../targets");
-        let dir =
-            std::env::temp_dir().join(format!("metrale-targets-{}-{quant}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "metrale-targets-{}-{quant}-{n}",
+            std::process::id()
+        ));
         copy_dir(&src, &dir);
         let p = dir.join(format!("h200/llama-3.1-8b/{quant}/MODEL.toml"));
         std::fs::write(&p, edit(&std::fs::read_to_string(&p).unwrap())).unwrap();
@@ -1010,5 +1050,31 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("f32 or i16") && err.contains("i8"), "{err}");
+    }
+
+    #[test]
+    fn f16_gemm_activations_need_q4_1_weights_and_a_known_name() {
+        let q = load_edited("q4_1", |s| s.to_string()).unwrap();
+        assert_eq!(q.quant.gemm_activations, "f16");
+        let b = load_edited("bf16", |s| s.to_string()).unwrap();
+        assert_eq!(b.quant.gemm_activations, "split", "the default");
+        let err = load_edited("bf16", |s| {
+            s.replace("[quant]\n", "[quant]\ngemm_activations = \"f16\"\n")
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("quant.gemm_activations") && err.contains("q4_1"),
+            "{err}"
+        );
+        let err = load_edited("q4_1", |s| {
+            s.replace("gemm_activations = \"f16\"", "gemm_activations = \"bf16\"")
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("split or f16") && err.contains("bf16"),
+            "{err}"
+        );
     }
 }

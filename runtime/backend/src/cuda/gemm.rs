@@ -1,7 +1,9 @@
 //! The GEMM path: the four layer products of a chunk as GEMMs with fused epilogues (RoPE + KV-cache
 //! write, residual add, SiLU * up), and the scratch they need. Two implementations:
-//! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins, bf16 weights), the activations converted once
-//!   per product to bf16 (`gemm_hopper.cu.hbs`'s `wg_act_*`), then warpgroup MMAs (wgmma): from
+//! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins; bf16 weights, or q4_1 weights where the target
+//!   asks for f16 GEMM activations), the activations converted once per product to bf16 (f16
+//!   against quantized weights, which each thread dequantises into its MMA fragments in registers:
+//!   W4A16) by `gemm_hopper.cu.hbs`'s `wg_act_*`, then warpgroup MMAs (wgmma): for bf16 weights from
 //!   [`TMA_MIN_TOKENS`] tokens the warp-specialised kernels of `gemm_tma.cu.hbs` (a producer
 //!   thread's bulk tensor copies into a ring of stages, two consumer warpgroups, persistent tiles
 //!   of 64-128 tokens by 128-256 weight rows, K split where the tiles are few: `plan::tma_plan`),
@@ -18,7 +20,7 @@
 //! both paths.
 //!
 //! Invariants: the activation scratch (`hi`, `lo`: 16-bit `[max_tokens][max K]`, `sx`: f32
-//! `[max_tokens][max K / 32]`; the Hopper path uses `hi` alone, as bf16) is written by a conversion
+//! `[max_tokens][max K / 32]`; the Hopper path uses `hi` alone, as bf16 or f16) is written by a conversion
 //! kernel right before the GEMM that reads it, in stream order; the split-K tickets are zero
 //! between launches (the last split of a tile resets its own); nothing here allocates after
 //! [`GemmPath::new`].
@@ -193,7 +195,7 @@ impl GemmPath {
         // the Hopper path needs no lo half and no block sums
         let split = if hopper.is_some() { 0 } else { max_tokens };
         let hopper_head =
-            hopper.is_some() && gpu.embedding_bf16 && d.vocab.is_multiple_of(abi::WG_BM as usize);
+            hopper.is_some() && gpu.head_gemm && d.vocab.is_multiple_of(abi::WG_BM as usize);
         Ok(GemmPath {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
             lo: gpu.alloc(split * kmax * 2)?,
@@ -271,7 +273,8 @@ impl GemmPath {
         let n = self.check(ntok)?;
         let Some((ws, counters)) = &self.hopper else {
             return Err(BackendError::Invalid(
-                "the Hopper GEMM kernels are not loaded (no sm_90a cubin, or weights not bf16)"
+                "the Hopper GEMM kernels are not loaded (no sm_90a cubin, or q4_1 weights without \
+                 `[quant] gemm_activations = \"f16\"`)"
                     .into(),
             ));
         };
@@ -398,10 +401,12 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let (n, ws, counters) = self.hopper_args(g, &p, w, ntok)?;
         let (a, wq) = (self.hi.ptr, w.qs.ptr);
+        let wsc = w.sc_ptr();
         match p {
             Product::Qkv(o) => g.wg_qkv(abi::WgQkv {
                 a,
                 w: wq,
+                wsc,
                 rope: o.rope,
                 q: o.q,
                 kc: o.kc,
@@ -419,6 +424,7 @@ impl GemmPath {
             Product::Out { x } => g.wg_o(abi::WgO {
                 a,
                 w: wq,
+                wsc,
                 x,
                 ntok: n,
                 tile_n: 0,
@@ -428,6 +434,7 @@ impl GemmPath {
             Product::GateUp { h } => g.wg_gu(abi::WgGu {
                 a,
                 w: wq,
+                wsc,
                 h,
                 ntok: n,
                 tile_n: 0,
@@ -437,6 +444,7 @@ impl GemmPath {
             Product::Down { x } => g.wg_down(abi::WgDown {
                 a,
                 w: wq,
+                wsc,
                 x,
                 ntok: n,
                 tile_n: 0,
@@ -446,6 +454,7 @@ impl GemmPath {
             Product::Head { logits } => g.wg_logits(abi::WgLogits {
                 a,
                 w: wq,
+                wsc,
                 logits,
                 ntok: n,
                 tile_n: 0,

@@ -12,6 +12,7 @@ use std::ops::Deref;
 
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use metrale_abi as abi;
+use metrale_abi::layout::WgFormat;
 use metrale_abi::KernelArgs;
 use metrale_core::shape::Dims;
 use metrale_core::BackendError;
@@ -49,16 +50,24 @@ pub struct Gpu {
     /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
     pub att_flags: i32,
     /// The GEMM path runs the Hopper kernels (`wg_*`): the modules are the sm_90a cubins of a
-    /// bf16-weight target and the driver gave their blocks the dynamic shared memory they need.
+    /// target with bf16 weights or with `[quant] gemm_activations = "f16"` (q4_1 weights, W4A16),
+    /// and the driver gave their blocks the dynamic shared memory they need.
     pub hopper_gemm: bool,
     /// The Hopper GEMM path may run the warp-specialised kernels (`tma_*`, `gemm_tma.cu.hbs`): as
-    /// [`Gpu::hopper_gemm`], and the driver gave their blocks the dynamic shared memory they need.
+    /// [`Gpu::hopper_gemm`] with bf16 weights, and the driver gave their blocks the dynamic shared
+    /// memory they need.
     pub tma_gemm: bool,
     /// Prompt chunks run their attention on the tensor cores (`attention_flash`): the target's KV
     /// cache is bf16 and the driver gave the kernel the dynamic shared memory it needs.
     pub flash_attention: bool,
-    /// The target's embedding (and LM head) is bf16.
-    pub embedding_bf16: bool,
+    /// The Hopper GEMMs have an LM-head body (`wg_logits`): a bf16 head with bf16 layers, or a
+    /// q8_0 head with quantized layers (both take the layers' activation type).
+    pub head_gemm: bool,
+    /// The layer matrices are bf16 (else quantized).
+    pub weights_bf16: bool,
+    /// The Hopper GEMMs' formats of the layer matrices and of the LM head (their stages).
+    wg_layer: abi::layout::WgFormat,
+    wg_head: abi::layout::WgFormat,
 }
 
 /// The driver's resident blocks per SM of each matrix-vector kernel.
@@ -97,10 +106,10 @@ fn allow_smem(kernels: &Kernels, entries: &[abi::Entry], smem: usize) -> bool {
 
 /// Give each Hopper GEMM the dynamic shared memory its largest token tile needs
 /// (`layout::wg_smem_bytes`); false where the driver refuses.
-fn hopper_gemm_ready(kernels: &Kernels) -> bool {
+fn hopper_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
     let smem = abi::layout::WG_TILES
         .iter()
-        .map(|&n| abi::layout::wg_smem_bytes(n))
+        .flat_map(|&n| formats.map(|f| abi::layout::wg_smem_bytes(n, f)))
         .max()
         .unwrap_or(0);
     let entries = [
@@ -162,11 +171,16 @@ impl Gpu {
         })?;
         let kernels = Kernels::load(&dev, set)?;
         let sm90 = dev.cc.0 >= 9;
+        let q = &set.spec.quant;
+        let weights_bf16 = q.weights == "bf16";
         let hopper_gemm = set.arch == "sm_90a"
             && kernels.loaded_from == "cubin"
-            && set.spec.quant.weights == "bf16"
-            && hopper_gemm_ready(&kernels);
-        let tma_gemm = hopper_gemm && tma_gemm_ready(&kernels);
+            && (weights_bf16 || q.gemm_activations == "f16")
+            && hopper_gemm_ready(
+                &kernels,
+                [&q.weights, &q.embedding].map(|t| WgFormat::of(t).unwrap_or(WgFormat::Bf16)),
+            );
+        let tma_gemm = hopper_gemm && weights_bf16 && tma_gemm_ready(&kernels);
         let flash_smem = abi::layout::flash_smem_bytes(set.spec.model.head_dim as usize);
         let flash_attention = set.spec.quant.kv == "bf16"
             && allow_smem(&kernels, &[abi::AttentionFlash::ID], flash_smem);
@@ -188,7 +202,11 @@ impl Gpu {
             hopper_gemm,
             tma_gemm,
             flash_attention,
-            embedding_bf16: set.spec.quant.embedding == "bf16",
+            head_gemm: (weights_bf16 && q.embedding == "bf16")
+                || (!weights_bf16 && q.embedding == "q8_0"),
+            weights_bf16,
+            wg_layer: WgFormat::of(&q.weights).unwrap_or(WgFormat::Bf16),
+            wg_head: WgFormat::of(&q.embedding).unwrap_or(WgFormat::Bf16),
             kernels,
             dev,
         })
@@ -462,8 +480,14 @@ impl Gpu {
 
     /// The launch of a Hopper GEMM of `rows` output rows and row length `k` over `ntok` tokens:
     /// its grid, dynamic shared memory and the token tile its kernel is told.
-    fn wg_how(&self, rows: usize, k: usize, ntok: i32) -> ((u32, u32, u32), LaunchHow, i32) {
-        let p = plan::wg_plan(rows, k, ntok as usize, self.sm_count);
+    fn wg_how(
+        &self,
+        rows: usize,
+        k: usize,
+        ntok: i32,
+        f: abi::layout::WgFormat,
+    ) -> ((u32, u32, u32), LaunchHow, i32) {
+        let p = plan::wg_plan(rows, k, ntok as usize, self.sm_count, f);
         let how = LaunchHow {
             smem: p.smem,
             ..self.plain()
@@ -474,7 +498,7 @@ impl Gpu {
     /// Hopper GEMM path: QKV projection + RoPE + KV write.
     pub fn wg_qkv(&self, mut a: abi::WgQkv) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.qd() + 2 * d.kd(), d.hidden, a.ntok);
+        let (grid, how, tile_n) = self.wg_how(d.qd() + 2 * d.kd(), d.hidden, a.ntok, self.wg_layer);
         a.tile_n = tile_n;
         self.launch(grid, how, a)
     }
@@ -482,7 +506,7 @@ impl Gpu {
     /// Hopper GEMM path: output projection + residual.
     pub fn wg_o(&self, mut a: abi::WgO) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.hidden, d.qd(), a.ntok);
+        let (grid, how, tile_n) = self.wg_how(d.hidden, d.qd(), a.ntok, self.wg_layer);
         a.tile_n = tile_n;
         self.launch(grid, how, a)
     }
@@ -490,7 +514,7 @@ impl Gpu {
     /// Hopper GEMM path: gate/up + SiLU.
     pub fn wg_gu(&self, mut a: abi::WgGu) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(2 * d.ffn, d.hidden, a.ntok);
+        let (grid, how, tile_n) = self.wg_how(2 * d.ffn, d.hidden, a.ntok, self.wg_layer);
         a.tile_n = tile_n;
         self.launch(grid, how, a)
     }
@@ -498,7 +522,7 @@ impl Gpu {
     /// Hopper GEMM path: down projection + residual.
     pub fn wg_down(&self, mut a: abi::WgDown) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.hidden, d.ffn, a.ntok);
+        let (grid, how, tile_n) = self.wg_how(d.hidden, d.ffn, a.ntok, self.wg_layer);
         a.tile_n = tile_n;
         self.launch(grid, how, a)
     }
@@ -511,7 +535,7 @@ impl Gpu {
     /// Hopper GEMM path: the LM head's logits.
     pub fn wg_logits(&self, mut a: abi::WgLogits) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.vocab, d.hidden, a.ntok);
+        let (grid, how, tile_n) = self.wg_how(d.vocab, d.hidden, a.ntok, self.wg_head);
         a.tile_n = tile_n;
         self.launch(grid, how, a)
     }

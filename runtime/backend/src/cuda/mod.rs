@@ -99,8 +99,9 @@ pub struct Tuning {
     /// bf16-KV target the attention alone took 25.0 instead of 31.6 us per layer at depth 8192 and
     /// 78.6 instead of 104.2 at 32768 (H200, 2026-12-02).
     pub attention_transpose: bool,
-    /// On Hopper (sm_90a cubins, bf16 weights) the GEMM path runs on warpgroup MMAs
-    /// (`gemm_hopper.cu.hbs`, bf16 activations), else on the mma.sync GEMMs (`gemm.cu.hbs`).
+    /// On Hopper (sm_90a cubins; bf16 weights, or q4_1 with `gemm_activations = "f16"`) the GEMM
+    /// path runs on warpgroup MMAs (`gemm_hopper.cu.hbs`: bf16 activations, or f16 with the weights
+    /// dequantised in registers), else on the mma.sync GEMMs (`gemm.cu.hbs`, exact).
     pub hopper_gemm: bool,
     /// The Hopper GEMM path runs chunks of [`gemm::TMA_MIN_TOKENS`] tokens and more on the
     /// warp-specialised kernels (`gemm_tma.cu.hbs`: TMA producer, two wgmma consumer warpgroups,
@@ -427,8 +428,10 @@ impl CudaBackend {
         let gemm = if self.opts.tuning.decode_gemm {
             format!(
                 ", tensor-core GEMMs ({}) from {} sequences",
-                if self.gemm.hopper() {
+                if self.gemm.hopper() && self.gpu.weights_bf16 {
                     "wgmma, bf16 activations"
+                } else if self.gemm.hopper() {
+                    "wgmma, f16 activations, weights dequantised in registers"
                 } else {
                     "mma.sync"
                 },

@@ -7,7 +7,7 @@
 //! `metrale_abi::entries` states.
 
 use metrale_abi::layout::{
-    decode_products, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes,
+    decode_products, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes, WgFormat,
     TMA_CONFIGS, WG_TILES,
 };
 use metrale_abi::{
@@ -221,7 +221,8 @@ pub const WG_MIN_SPLIT_STEPS: usize = 4;
 /// (128 beyond, whose blocks cover 128 rows where `rows` allows, else 64), and K split so that the
 /// blocks fill the SMs ([`layout::wg_blocks_per_sm`] each) where the tiles alone are fewer (a
 /// decode step of few sequences: 64 tiles for a 4096-row product).
-pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> WgPlan {
+/// `f`: the weight format (its stages, and how many blocks share an SM).
+pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize, f: WgFormat) -> WgPlan {
     let fits = |t: usize| rows.is_multiple_of(wg_rows(t));
     let tile_n = WG_TILES
         .iter()
@@ -240,12 +241,12 @@ pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> WgPlan {
     let row_tiles = rows / wg_rows(tile_n);
     let tiles = tok_tiles * row_tiles;
     let steps = k / WG_BK as usize;
-    let want = wg_blocks_per_sm(tile_n) * sm_count.max(1);
+    let want = wg_blocks_per_sm(tile_n, f) * sm_count.max(1);
     let splits = (want / tiles.max(1)).clamp(1, (steps / WG_MIN_SPLIT_STEPS).max(1));
     WgPlan {
         tile_n,
         grid: (tok_tiles as u32, row_tiles as u32, splits as u32),
-        smem: wg_smem_bytes(tile_n) as u32,
+        smem: wg_smem_bytes(tile_n, f) as u32,
     }
 }
 
@@ -255,9 +256,11 @@ pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> WgPlan {
 pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
     let (mut ws, mut tickets) = (0, 0);
     for n in WG_TILES {
-        let blocks = wg_blocks_per_sm(n) * sm_count.max(1);
-        ws = ws.max(blocks * wg_rows(n) * n * 4);
-        tickets = tickets.max(blocks * 4);
+        for f in [WgFormat::Bf16, WgFormat::Q4_1] {
+            let blocks = wg_blocks_per_sm(n, f) * sm_count.max(1);
+            ws = ws.max(blocks * wg_rows(n) * n * 4);
+            tickets = tickets.max(blocks * 4);
+        }
     }
     (ws, tickets)
 }
@@ -561,20 +564,38 @@ mod tests {
     #[test]
     fn wg_plans_split_narrow_products_and_stay_in_the_scratch() {
         // 8B, 16 sequences: one 16-token tile; the 4096-row output projection splits K in 4
-        let p = wg_plan(4096, 4096, 16, 132);
+        let p = wg_plan(4096, 4096, 16, 132, WgFormat::Bf16);
         assert_eq!((p.tile_n, p.grid), (16, (1, 64, 4)));
         // the down projection (K = 14336) likewise; gate/up (448 tiles) does not split
-        assert_eq!(wg_plan(4096, 14336, 16, 132).grid, (1, 64, 4));
-        assert_eq!(wg_plan(28672, 4096, 16, 132).grid, (1, 448, 1));
+        assert_eq!(
+            wg_plan(4096, 14336, 16, 132, WgFormat::Bf16).grid,
+            (1, 64, 4)
+        );
+        assert_eq!(
+            wg_plan(28672, 4096, 16, 132, WgFormat::Bf16).grid,
+            (1, 448, 1)
+        );
         // 256 sequences: two 128-token tiles of 128-row blocks, one block per SM
-        assert_eq!(wg_plan(4096, 4096, 256, 132).grid, (2, 32, 2));
-        assert_eq!(wg_plan(28672, 4096, 512, 132).grid, (4, 224, 1));
+        assert_eq!(
+            wg_plan(4096, 4096, 256, 132, WgFormat::Bf16).grid,
+            (2, 32, 2)
+        );
+        assert_eq!(
+            wg_plan(28672, 4096, 512, 132, WgFormat::Bf16).grid,
+            (4, 224, 1)
+        );
         // rows that 128-row blocks do not divide keep 64-row blocks and 64-token tiles
-        assert_eq!(wg_plan(960, 576, 256, 132).tile_n, 64);
-        assert_eq!(wg_plan(6144, 4096, 77, 132).tile_n, 128);
-        assert_eq!(wg_plan(6144, 4096, 33, 132).tile_n, 64);
+        assert_eq!(wg_plan(960, 576, 256, 132, WgFormat::Bf16).tile_n, 64);
+        assert_eq!(wg_plan(6144, 4096, 77, 132, WgFormat::Bf16).tile_n, 128);
+        assert_eq!(wg_plan(6144, 4096, 33, 132, WgFormat::Bf16).tile_n, 64);
         // SmolLM2-sized K: never fewer than 4 stages per split
-        assert_eq!(wg_plan(576, 576, 16, 132).grid.2, 2);
+        assert_eq!(wg_plan(576, 576, 16, 132, WgFormat::Bf16).grid.2, 2);
+        // q4_1: two blocks per SM at 128 tokens too, so 256 sequences split the output
+        // projection's 64 tiles in 4 (bf16: 2)
+        assert_eq!(
+            wg_plan(4096, 4096, 256, 132, WgFormat::Q4_1).grid,
+            (2, 32, 4)
+        );
         let (ws, cnt) = wg_scratch_bytes(132);
         for (rows, k) in [
             (6144, 4096),
@@ -584,7 +605,12 @@ mod tests {
             (576, 576),
         ] {
             for ntok in 1..=600 {
-                let p = wg_plan(rows, k, ntok, 132);
+                let f = if ntok % 2 == 0 {
+                    WgFormat::Bf16
+                } else {
+                    WgFormat::Q4_1
+                };
+                let p = wg_plan(rows, k, ntok, 132, f);
                 let tiles = (p.grid.0 * p.grid.1) as usize;
                 if p.grid.2 > 1 {
                     assert!(tiles * p.grid.2 as usize * wg_rows(p.tile_n) * p.tile_n * 4 <= ws);

@@ -47,6 +47,9 @@ pub struct GemmTiming {
     pub rows: usize,
     pub k: usize,
     pub ntok: usize,
+    /// Bytes of the weight matrix as stored on the device (bf16: 2 per weight; q4_1: 0.625; q8_0:
+    /// 1.0625): the memory floor's numerator.
+    pub weight_bytes: usize,
     /// `with_act` (the bf16 conversion and the product as the forward pass runs them), `wgmma`
     /// (`gemm_hopper.cu.hbs`), `tma` (`gemm_tma.cu.hbs` at `cfg` x `splits`)
     pub kernel: &'static str,
@@ -115,7 +118,7 @@ impl CudaBackend {
         let gp = &self.gemm;
         let mut out = Vec::new();
         for (p, w) in products {
-            let (rows, k) = (w.rows, w.k);
+            let (rows, k, weight_bytes) = (w.rows, w.k, w.bytes());
             // the conversion and product as the forward pass runs them (this also leaves the
             // product's bf16 activations in the scratch for the launches below)
             let act = |g: &super::launch::Gpu| -> Result<(), BackendError> {
@@ -154,6 +157,7 @@ impl CudaBackend {
                     rows,
                     k,
                     ntok,
+                    weight_bytes,
                     kernel,
                     tma,
                     planned,
