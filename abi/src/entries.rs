@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
     ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MV_THREADS,
-    SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS,
+    SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS, WQ_THREADS,
 };
 
 macro_rules! field_ty {
@@ -426,6 +426,70 @@ entries! {
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }
+    /// Warp-specialised Hopper GEMM of quantized weights (`wq_*`: the parameters of the `wg_*`
+    /// entry of the same product; grid and dynamic shared memory: `plan::wq_plan`): QKV + RoPE + KV write.
+    WqQkv = "gemm_hopper" / "wq_qkv", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
+        layer: i32,
+        max_blocks: i32,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM of quantized weights: output projection + residual.
+    WqO = "gemm_hopper" / "wq_o", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM of quantized weights: gate/up + SiLU(gate) * up.
+    WqGu = "gemm_hopper" / "wq_gu", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        h: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM of quantized weights: the q8_0 LM head's logits, `ntok` rows.
+    WqLogits = "gemm_hopper" / "wq_logits", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        logits: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
+    /// Warp-specialised Hopper GEMM of quantized weights: down projection + residual.
+    WqDown = "gemm_hopper" / "wq_down", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        ntok: i32,
+        tile_n: i32,
+        ws: ptr<"float">,
+        counters: ptr<"unsigned int">,
+    }
     /// Warp-specialised Hopper GEMM (kernels/cuda/gemm_tma.cu.hbs): the QKV product with the RoPE +
     /// KV-write epilogue. `amap`, `wmap`: tensor maps of the bf16 activations and weights; `cfg`:
     /// the block tile (`layout::TMA_CONFIGS`); `splits`: K splits; grid = (blocks, 1, 1), each block
@@ -491,5 +555,54 @@ entries! {
         splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+    }
+}
+
+/// The `wq_*` entries take the parameters of their product's `wg_*` entry: its argument struct
+/// converts field by field (a field missing on either side does not compile; the declarations are
+/// compared in a test).
+macro_rules! same_args {
+    ($($from:ident => $to:ident { $($f:ident),* })*) => {$(
+        impl From<$from> for $to {
+            fn from(a: $from) -> $to {
+                $to { $($f: a.$f),* }
+            }
+        }
+    )*};
+}
+
+same_args! {
+    WgQkv => WqQkv { a, w, wsc, rope, q, kc, vc, pos, slot, tables, layer, max_blocks, ntok, tile_n, ws, counters }
+    WgO => WqO { a, w, wsc, x, ntok, tile_n, ws, counters }
+    WgGu => WqGu { a, w, wsc, h, ntok, tile_n, ws, counters }
+    WgDown => WqDown { a, w, wsc, x, ntok, tile_n, ws, counters }
+    WgLogits => WqLogits { a, w, wsc, logits, ntok, tile_n, ws, counters }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wq_entries_take_their_wg_entrys_parameters() {
+        let pairs = [
+            (WgQkv::DECL, WqQkv::DECL),
+            (WgO::DECL, WqO::DECL),
+            (WgGu::DECL, WqGu::DECL),
+            (WgDown::DECL, WqDown::DECL),
+            (WgLogits::DECL, WqLogits::DECL),
+        ];
+        for (g, q) in pairs {
+            assert_eq!(g.template, q.template);
+            assert_eq!(g.params.len(), q.params.len(), "{}", q.entry);
+            for (a, b) in g.params.iter().zip(q.params) {
+                assert_eq!(
+                    (a.name, format!("{:?}", a.ty)),
+                    (b.name, format!("{:?}", b.ty)),
+                    "{}",
+                    q.entry
+                );
+            }
+        }
     }
 }

@@ -11,7 +11,7 @@ use metrale_core::shape::Dims;
 use crate::{
     DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, FLASH_BN, FLASH_THREADS, PADDED_BLOCK, TMA_BK,
     TMA_MAX_STAGES, TMA_SMEM, TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM, WG_MAX_STAGES,
-    WG_SMEM_LARGE, WG_SMEM_SMALL,
+    WG_SMEM_LARGE, WG_SMEM_SMALL, WQ_KS, WQ_MAX_STAGES, WQ_ROWS, WQ_SMEM,
 };
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
@@ -175,6 +175,33 @@ pub fn wg_smem_bytes(n: usize, f: WgFormat) -> usize {
     wg_stages(n, f) * wg_stage_bytes(n, f) + 1024
 }
 
+/// The token tiles of the warp-specialised Hopper GEMMs of quantized weights (`wg::gemm_ws_any`'s
+/// cases). Each block computes [`WQ_ROWS`] weight rows.
+pub const WQ_TILES: [usize; 4] = [16, 32, 64, 128];
+
+/// Bytes of a `wq_*` stage's weight rows (`wq::weight_bytes`): [`WQ_ROWS`] rows of [`WQ_KS`]
+/// k-steps each, rounded up to 1024 as [`wg_weight_bytes`].
+pub fn wq_weight_bytes(f: WgFormat) -> usize {
+    (WQ_ROWS as usize * WQ_KS as usize * f.row_bytes()).next_multiple_of(1024)
+}
+
+/// Bytes of one `wq_*` pipeline stage with token tile `n` (`wq::stage_bytes`): the weight rows,
+/// then [`WQ_KS`] tiles of `n` token rows of [`WG_BK`] 16-bit activations.
+pub fn wq_stage_bytes(n: usize, f: WgFormat) -> usize {
+    wq_weight_bytes(f) + WQ_KS as usize * n * WG_BK as usize * 2
+}
+
+/// Pipeline stages of a `wq_*` block (`wq::stages`): as many as fit in [`WQ_SMEM`], at most
+/// [`WQ_MAX_STAGES`].
+pub fn wq_stages(n: usize, f: WgFormat) -> usize {
+    (WQ_SMEM as usize / wq_stage_bytes(n, f)).min(WQ_MAX_STAGES as usize)
+}
+
+/// Dynamic shared memory of a `wq_*` block (`wq::smem_bytes`): its stages and 1 KiB of alignment.
+pub fn wq_smem_bytes(n: usize, f: WgFormat) -> usize {
+    wq_stages(n, f) * wq_stage_bytes(n, f) + 1024
+}
+
 /// The block tiles of the warp-specialised Hopper GEMMs (`tma::bm`, `tma::bn`; a launch's `cfg` is an
 /// index here): (tokens, weight rows). 128 tokens are the two consumer warpgroups' 64 rows each,
 /// every warpgroup on all the block's weight rows; 64 tokens are shared by both warpgroups, each on
@@ -243,6 +270,15 @@ pub fn asserts(template: &str, d: &Dims, sm_count: usize, formats: &[WgFormat]) 
                         wg_smem_bytes(n, f),
                         "dynamic shared memory per block",
                     );
+                }
+                if f != WgFormat::Bf16 {
+                    for n in WQ_TILES {
+                        s += &check(
+                            &format!("wq::smem_bytes({n}, {})", WQ_KS as usize * f.row_bytes()),
+                            wq_smem_bytes(n, f),
+                            "dynamic shared memory per block",
+                        );
+                    }
                 }
             }
         }
@@ -350,10 +386,17 @@ mod tests {
         assert!(a.contains("static_assert(part_floats(132) == 432,"), "{a}");
         assert!(asserts("ffn_out", &d, 132, &[]).contains("static_assert(TB == 5,"));
         assert!(asserts("embed", &d, 132, &[]).is_empty());
-        // one per token tile and weight format
+        // one per token tile and weight format, and (quantized formats) one per warp-specialised tile
         let g = asserts("gemm_hopper", &d, 132, &[WgFormat::Q4_1, WgFormat::Q8_0]);
-        assert_eq!(g.matches("static_assert").count(), 8);
+        assert_eq!(g.matches("static_assert").count(), 8 + 2 * WQ_TILES.len());
         assert!(g.contains("wg::smem_bytes(16, 40) =="), "{g}");
+        assert!(g.contains("wq::smem_bytes(128, 136) =="), "{g}");
+        assert_eq!(
+            asserts("gemm_hopper", &d, 132, &[WgFormat::Bf16])
+                .matches("static_assert")
+                .count(),
+            4
+        );
     }
 
     #[test]
@@ -369,6 +412,21 @@ mod tests {
         // 64 rows x 40 = 2560 bytes rounded up to the swizzle's 1024
         assert_eq!(wg_weight_bytes(16, Q4_1), 3072);
         assert_eq!(wg_weight_bytes(64, Q8_0), 5120);
+        // warp-specialised quantized blocks: 8 stages of 256 rows x 128 elements at 16 tokens
+        // (160 KiB of weights in flight), 3 at 128 tokens; the output tile fits in the stages
+        assert_eq!((wq_stage_bytes(16, Q4_1), wq_stages(16, Q4_1)), (24576, 8));
+        assert_eq!(
+            (wq_stage_bytes(128, Q4_1), wq_stages(128, Q4_1)),
+            (53248, 3)
+        );
+        for n in WQ_TILES {
+            for f in [Q4_1, Q8_0] {
+                assert!(wq_stages(n, f) >= 2, "{n} {f:?}");
+                assert!(wq_smem_bytes(n, f) <= 227 * 1024 - 1024, "{n} {f:?}");
+                let tile = n * (WQ_ROWS as usize + 4) * 4;
+                assert!(tile <= wq_stages(n, f) * wq_stage_bytes(n, f), "{n} {f:?}");
+            }
+        }
         for n in WG_TILES {
             for f in [Bf16, Q4_1, Q8_0] {
                 assert!(wg_stages(n, f) >= 3, "{n} {f:?}");

@@ -208,6 +208,17 @@ pub const WG_BK: u32 = 64;
 pub const WG_SMEM_SMALL: u32 = 98304;
 pub const WG_SMEM_LARGE: u32 = 200704;
 pub const WG_MAX_STAGES: u32 = 8;
+/// Threads per block of the warp-specialised Hopper GEMMs of quantized weights (`wq_*`,
+/// kernels/cuda/gemm_hopper.cu.hbs): a producer warpgroup (cp.async) and two consumer warpgroups
+/// that dequantise into registers and run wgmma, on [`WQ_ROWS`] weight rows a block. A stage holds
+/// [`WQ_KS`] k-steps of [`WG_BK`] elements (a q4_1 row's stage is 64 contiguous bytes of nibbles);
+/// the stages fill at most [`WQ_SMEM`] bytes, at most [`WQ_MAX_STAGES`] of them
+/// ([`layout::wq_stages`]).
+pub const WQ_THREADS: u32 = 384;
+pub const WQ_ROWS: u32 = 256;
+pub const WQ_KS: u32 = 2;
+pub const WQ_SMEM: u32 = 200704;
+pub const WQ_MAX_STAGES: u32 = 16;
 /// Threads per block of the warp-specialised Hopper GEMMs (`tma_*`, kernels/cuda/gemm_tma.cu.hbs):
 /// a producer warpgroup (one thread issues the bulk tensor copies) and two consumer warpgroups on
 /// wgmma. [`TMA_BK`] elements of K per pipeline stage (one 128-byte swizzle row of bf16); the
@@ -257,6 +268,11 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("WG_SMEM_SMALL", WG_SMEM_SMALL as i64),
     ("WG_SMEM_LARGE", WG_SMEM_LARGE as i64),
     ("WG_MAX_STAGES", WG_MAX_STAGES as i64),
+    ("WQ_THREADS", WQ_THREADS as i64),
+    ("WQ_ROWS", WQ_ROWS as i64),
+    ("WQ_KS", WQ_KS as i64),
+    ("WQ_SMEM", WQ_SMEM as i64),
+    ("WQ_MAX_STAGES", WQ_MAX_STAGES as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
     ("TMA_THREADS", TMA_THREADS as i64),
     ("TMA_BK", TMA_BK as i64),

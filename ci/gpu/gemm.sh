@@ -24,8 +24,8 @@
 #        bf16 GGUFs; the GEMM tests of 8B q4_1 (W4A16 products and the W8A16 LM head against the CPU
 #        ops; stop on failure); gemm_bench on 8B q4_1 and bf16 at 16-4,096 tokens and cuBLAS on the
 #        same shapes (table.py --w4a16); cuda_bench of 8B q4_1 (decode of 16, 64 and 256
-#        sequences, pp512) on W4A16 and on the exact mma.sync GEMMs (hopper_gemm=off), and of 8B
-#        bf16 beside them; the rest of the 8B q4_1 kernel tests
+#        sequences, pp512), both on the warp-specialised wq_* kernels and on the one-warpgroup wg_*
+#        ones (tma_gemm=off), and of 8B bf16 beside them; the rest of the 8B q4_1 kernel tests
 #   bash ci/gpu/gemm.sh w4a16-peer carry .gm1 .gm2 .peer  (right after w4a16, on the same machine)
 #        llama.cpp's llama-bench (pp512, tg128) and llama-batched-bench (16, 64, 256) on the same
 #        q4_1 GGUF; the GEMM tests of 8B bf16 and the other h200 targets' kernel tests
@@ -177,16 +177,19 @@ w4a16)
   grep -E "path:|rel err|test result|panicked|rc=" "$R/kernel-tests-q4-gemm.txt" | tail -30
   grep -q "test result: ok" "$R/kernel-tests-q4-gemm.txt" || { finish w4a16; exit 1; }
   step "gemm_bench: 8B q4_1 (W4A16) and bf16 at ${GEMM_TOKENS:=16,64,256,512,4096} tokens, cuBLAS on the same shapes"
-  for q in q4_1 bf16; do
-    k=$H/b/k/h200-llama-3.1-8b-$q/kernels
-    METRALE_TARGETS=$PWD/targets timeout 150 "$H/b/bin/gemm_bench" "$H/s/l8b-$q.gguf" "$k" $T8/$q \
+  # q4_1 on the warp-specialised wq_* kernels (the default), on the one-warpgroup wg_* kernels
+  # (tma_gemm=off: the A/B of the two), and bf16
+  for q in q4_1 q4_1-wg bf16; do
+    k=$H/b/k/h200-llama-3.1-8b-${q%-wg}/kernels tune=; [ "$q" = q4_1-wg ] && tune=tma_gemm=off
+    METRALE_CUDA_TUNING=$tune METRALE_TARGETS=$PWD/targets timeout 150 "$H/b/bin/gemm_bench" "$H/s/l8b-${q%-wg}.gguf" "$k" $T8/${q%-wg} \
       --tokens "$GEMM_TOKENS" --out "$R/gemm-$q.jsonl" > "$R/gemm-$q.txt" 2>&1; echo "rc=$?" >> "$R/gemm-$q.txt"
     grep -E "panicked|rc=" "$R/gemm-$q.txt"
   done
   timeout 120 python3 bench/gemm/cublas.py --from "$R/gemm-bf16.jsonl" --out "$R/cublas.jsonl" > "$R/cublas.txt" 2>&1
   python3 bench/gemm/table.py "$R/gemm-bf16.jsonl" "$R/cublas.jsonl" --w4a16 "$R/gemm-q4_1.jsonl" | tee "$R/table-q4_1.md"
+  python3 bench/gemm/table.py "$R/gemm-bf16.jsonl" "$R/cublas.jsonl" --w4a16 "$R/gemm-q4_1-wg.jsonl" > "$R/table-q4_1-wg.md"
   cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
-  METRALE_CUDA_TUNING=hopper_gemm=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-mma --batch 16,256 --steps 16 --pp 512
+  METRALE_CUDA_TUNING=tma_gemm=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-wg --batch 16,64,256 --steps 32 --pp 512
   bench "$K" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
   step "cuda_kernels h200/llama-3.1-8b/q4_1: the rest"
   METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout "$(left)" "$H/b/bin/cuda_kernels" \

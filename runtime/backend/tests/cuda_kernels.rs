@@ -972,10 +972,12 @@ const HOPPER_TOL: f64 = 1e-2;
 
 /// The GEMM path's four products (`GemmPath`: on Hopper with bf16 weights the wgmma kernels, else
 /// the mma.sync ones) against the CPU ops, each product fed with the reference input so they are
-/// checked separately, for chunks of 16, 29, 77, 160 and 300 tokens (on Hopper: `gemm_hopper`'s
-/// token tiles of 16, 32 and 128 below `gemm::TMA_MIN_TOKENS`, the warp-specialised kernels from
-/// it, whose 300-token gate/up has more tiles than SMs, so blocks loop; partial tiles, two or three
-/// tiles, and split-K where the tiles are few), two slots, scattered positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
+/// checked separately, for chunks of 16, 29, 77, 160 and 300 tokens (on Hopper with bf16 weights:
+/// `gemm_hopper`'s token tiles of 16, 32 and 128 below `gemm::TMA_MIN_TOKENS`, the
+/// warp-specialised kernels from it, whose 300-token gate/up has more tiles than SMs, so blocks
+/// loop; with quantized weights the warp-specialised `wq_*` at every count, token tiles of 16, 32,
+/// 128 and 256; partial tiles, two or three tiles, and split-K where the tiles are few), two
+/// slots, scattered positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
 /// exactly and activations as f16 hi + lo pairs (~2^-22), so its error is f32 accumulation order;
 /// the Hopper path to [`HOPPER_TOL`]. Split-K is checked to be deterministic: the output projection
 /// run twice gives the same bits.
@@ -998,8 +1000,10 @@ fn gemm_prefill_products_match_cpu_ops() {
     eprintln!(
         "  path: {}",
         if p.hopper() {
-            if e.gpu.weights_bf16 {
+            if e.gpu.weights_bf16() {
                 "Hopper (wgmma, bf16 activations)"
+            } else if e.gpu.wq_gemm {
+                "Hopper (warp-specialised wgmma, f16 activations, weights dequantised in registers)"
             } else {
                 "Hopper (wgmma, f16 activations, weights dequantised in registers)"
             }

@@ -195,7 +195,7 @@ impl GemmPath {
         // the Hopper path needs no lo half and no block sums
         let split = if hopper.is_some() { 0 } else { max_tokens };
         let hopper_head =
-            hopper.is_some() && gpu.head_gemm && d.vocab.is_multiple_of(abi::WG_BM as usize);
+            hopper.is_some() && gpu.head_gemm() && d.vocab.is_multiple_of(abi::WG_BM as usize);
         Ok(GemmPath {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
             lo: gpu.alloc(split * kmax * 2)?,

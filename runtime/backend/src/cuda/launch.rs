@@ -57,18 +57,47 @@ pub struct Gpu {
     /// [`Gpu::hopper_gemm`] with bf16 weights, and the driver gave their blocks the dynamic shared
     /// memory they need.
     pub tma_gemm: bool,
+    /// The Hopper GEMMs of quantized weights run on the warp-specialised kernels (`wq_*`,
+    /// `gemm_hopper.cu.hbs`'s `gemm_ws`): as [`Gpu::hopper_gemm`] with quantized weights, and the
+    /// driver gave their blocks the dynamic shared memory they need.
+    pub wq_gemm: bool,
     /// Prompt chunks run their attention on the tensor cores (`attention_flash`): the target's KV
     /// cache is bf16 and the driver gave the kernel the dynamic shared memory it needs.
     pub flash_attention: bool,
-    /// The Hopper GEMMs have an LM-head body (`wg_logits`): a bf16 head with bf16 layers, or a
-    /// q8_0 head with quantized layers (both take the layers' activation type).
-    pub head_gemm: bool,
-    /// The layer matrices are bf16 (else quantized).
-    pub weights_bf16: bool,
-    /// The Hopper GEMMs' formats of the layer matrices and of the LM head (their stages).
-    wg_layer: abi::layout::WgFormat,
-    wg_head: abi::layout::WgFormat,
+    /// The Hopper GEMMs' formats of the layer matrices and of the LM head (their stages; `None`:
+    /// a dtype they do not read).
+    wg_layer: Option<WgFormat>,
+    wg_head: Option<WgFormat>,
 }
+
+/// The argument structs of the Hopper GEMMs (`wg_*` and their warp-specialised `wq_*` twins):
+/// the token tile their plan chose goes into `tile_n`.
+trait Tiled: KernelArgs {
+    fn set_tile(&mut self, n: i32);
+}
+
+macro_rules! tiled {
+    ($($t:ty),*) => {$(
+        impl Tiled for $t {
+            fn set_tile(&mut self, n: i32) {
+                self.tile_n = n;
+            }
+        }
+    )*};
+}
+
+tiled!(
+    abi::WgQkv,
+    abi::WgO,
+    abi::WgGu,
+    abi::WgDown,
+    abi::WgLogits,
+    abi::WqQkv,
+    abi::WqO,
+    abi::WqGu,
+    abi::WqDown,
+    abi::WqLogits
+);
 
 /// The driver's resident blocks per SM of each matrix-vector kernel.
 #[derive(Debug, Clone, Copy)]
@@ -118,6 +147,24 @@ fn hopper_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
         abi::WgGu::ID,
         abi::WgDown::ID,
         abi::WgLogits::ID,
+    ];
+    allow_smem(kernels, &entries, smem)
+}
+
+/// Give each warp-specialised GEMM of quantized weights the dynamic shared memory its largest
+/// token tile needs (`layout::wq_smem_bytes`); false where the driver refuses.
+fn wq_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
+    let smem = abi::layout::WQ_TILES
+        .iter()
+        .flat_map(|&n| formats.map(|f| abi::layout::wq_smem_bytes(n, f)))
+        .max()
+        .unwrap_or(0);
+    let entries = [
+        abi::WqQkv::ID,
+        abi::WqO::ID,
+        abi::WqGu::ID,
+        abi::WqDown::ID,
+        abi::WqLogits::ID,
     ];
     allow_smem(kernels, &entries, smem)
 }
@@ -173,14 +220,14 @@ impl Gpu {
         let sm90 = dev.cc.0 >= 9;
         let q = &set.spec.quant;
         let weights_bf16 = q.weights == "bf16";
+        // (an unreadable dtype never gets here: `hopper_gemm` needs bf16 or q4_1 layers)
+        let formats = [&q.weights, &q.embedding].map(|t| WgFormat::of(t).unwrap_or(WgFormat::Bf16));
         let hopper_gemm = set.arch == "sm_90a"
             && kernels.loaded_from == "cubin"
             && (weights_bf16 || q.gemm_activations == "f16")
-            && hopper_gemm_ready(
-                &kernels,
-                [&q.weights, &q.embedding].map(|t| WgFormat::of(t).unwrap_or(WgFormat::Bf16)),
-            );
+            && hopper_gemm_ready(&kernels, formats);
         let tma_gemm = hopper_gemm && weights_bf16 && tma_gemm_ready(&kernels);
+        let wq_gemm = hopper_gemm && !weights_bf16 && wq_gemm_ready(&kernels, formats);
         let flash_smem = abi::layout::flash_smem_bytes(set.spec.model.head_dim as usize);
         let flash_attention = set.spec.quant.kv == "bf16"
             && allow_smem(&kernels, &[abi::AttentionFlash::ID], flash_smem);
@@ -201,15 +248,37 @@ impl Gpu {
             att_flags: 0,
             hopper_gemm,
             tma_gemm,
+            wq_gemm,
             flash_attention,
-            head_gemm: (weights_bf16 && q.embedding == "bf16")
-                || (!weights_bf16 && q.embedding == "q8_0"),
-            weights_bf16,
-            wg_layer: WgFormat::of(&q.weights).unwrap_or(WgFormat::Bf16),
-            wg_head: WgFormat::of(&q.embedding).unwrap_or(WgFormat::Bf16),
+            wg_layer: WgFormat::of(&q.weights),
+            wg_head: WgFormat::of(&q.embedding),
             kernels,
             dev,
         })
+    }
+
+    /// The layer matrices are bf16 (else quantized).
+    pub fn weights_bf16(&self) -> bool {
+        self.wg_layer == Some(WgFormat::Bf16)
+    }
+
+    /// The Hopper GEMMs have an LM-head body (`wg_logits`, `wq_logits`): a bf16 head with bf16
+    /// layers, or a q8_0 head with quantized layers (both take the layers' activation type).
+    pub fn head_gemm(&self) -> bool {
+        match (self.wg_layer, self.wg_head) {
+            (Some(WgFormat::Bf16), Some(WgFormat::Bf16)) => true,
+            (Some(l), Some(WgFormat::Q8_0)) => l != WgFormat::Bf16,
+            _ => false,
+        }
+    }
+
+    /// The Hopper GEMMs' format of the layer matrices and of the LM head (bf16 for a dtype they
+    /// do not read: never launched then, `Gpu::hopper_gemm` and `Gpu::head_gemm` are off).
+    fn layer_format(&self) -> WgFormat {
+        self.wg_layer.unwrap_or(WgFormat::Bf16)
+    }
+    fn head_format(&self) -> WgFormat {
+        self.wg_head.unwrap_or(WgFormat::Bf16)
     }
 
     /// How the modules were loaded: "cubin" or "ptx".
@@ -478,53 +547,66 @@ impl Gpu {
         self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
     }
 
-    /// The launch of a Hopper GEMM of `rows` output rows and row length `k` over `ntok` tokens:
-    /// its grid, dynamic shared memory and the token tile its kernel is told.
-    fn wg_how(
+    /// A Hopper GEMM of `rows` output rows and row length `k` over `a`'s `ntok` tokens in format
+    /// `f`: on the warp-specialised kernel `Q` where [`Gpu::wq_gemm`] and `plan::wq_pays`
+    /// (`plan::wq_plan`), else on `G`'s one-warpgroup kernel (`plan::wg_plan`); the arguments carry
+    /// the token tile the plan chose.
+    fn hopper_launch<G: Tiled, Q: Tiled + From<G>>(
         &self,
         rows: usize,
         k: usize,
         ntok: i32,
         f: abi::layout::WgFormat,
-    ) -> ((u32, u32, u32), LaunchHow, i32) {
-        let p = plan::wg_plan(rows, k, ntok as usize, self.sm_count, f);
+        mut a: G,
+    ) -> Result<(), BackendError> {
+        let ntok = ntok.max(0) as usize;
+        if self.wq_gemm && plan::wq_pays(f, ntok) {
+            let p = plan::wq_plan(rows, k, ntok, self.sm_count, f);
+            let mut q = Q::from(a);
+            q.set_tile(p.tile_n as i32);
+            let how = LaunchHow {
+                smem: p.smem,
+                ..self.plain()
+            };
+            return self.launch(p.grid, how, q);
+        }
+        let p = plan::wg_plan(rows, k, ntok, self.sm_count, f);
+        a.set_tile(p.tile_n as i32);
         let how = LaunchHow {
             smem: p.smem,
             ..self.plain()
         };
-        (p.grid, how, p.tile_n as i32)
+        self.launch(p.grid, how, a)
     }
 
     /// Hopper GEMM path: QKV projection + RoPE + KV write.
-    pub fn wg_qkv(&self, mut a: abi::WgQkv) -> Result<(), BackendError> {
+    pub fn wg_qkv(&self, a: abi::WgQkv) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.qd() + 2 * d.kd(), d.hidden, a.ntok, self.wg_layer);
-        a.tile_n = tile_n;
-        self.launch(grid, how, a)
+        self.hopper_launch::<_, abi::WqQkv>(
+            d.qd() + 2 * d.kd(),
+            d.hidden,
+            a.ntok,
+            self.layer_format(),
+            a,
+        )
     }
 
     /// Hopper GEMM path: output projection + residual.
-    pub fn wg_o(&self, mut a: abi::WgO) -> Result<(), BackendError> {
+    pub fn wg_o(&self, a: abi::WgO) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.hidden, d.qd(), a.ntok, self.wg_layer);
-        a.tile_n = tile_n;
-        self.launch(grid, how, a)
+        self.hopper_launch::<_, abi::WqO>(d.hidden, d.qd(), a.ntok, self.layer_format(), a)
     }
 
     /// Hopper GEMM path: gate/up + SiLU.
-    pub fn wg_gu(&self, mut a: abi::WgGu) -> Result<(), BackendError> {
+    pub fn wg_gu(&self, a: abi::WgGu) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(2 * d.ffn, d.hidden, a.ntok, self.wg_layer);
-        a.tile_n = tile_n;
-        self.launch(grid, how, a)
+        self.hopper_launch::<_, abi::WqGu>(2 * d.ffn, d.hidden, a.ntok, self.layer_format(), a)
     }
 
     /// Hopper GEMM path: down projection + residual.
-    pub fn wg_down(&self, mut a: abi::WgDown) -> Result<(), BackendError> {
+    pub fn wg_down(&self, a: abi::WgDown) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.hidden, d.ffn, a.ntok, self.wg_layer);
-        a.tile_n = tile_n;
-        self.launch(grid, how, a)
+        self.hopper_launch::<_, abi::WqDown>(d.hidden, d.ffn, a.ntok, self.layer_format(), a)
     }
 
     /// Hopper GEMM path: bf16(RMSNorm(x[sel])), the LM head's input.
@@ -533,11 +615,9 @@ impl Gpu {
     }
 
     /// Hopper GEMM path: the LM head's logits.
-    pub fn wg_logits(&self, mut a: abi::WgLogits) -> Result<(), BackendError> {
+    pub fn wg_logits(&self, a: abi::WgLogits) -> Result<(), BackendError> {
         let d = self.dims;
-        let (grid, how, tile_n) = self.wg_how(d.vocab, d.hidden, a.ntok, self.wg_head);
-        a.tile_n = tile_n;
-        self.launch(grid, how, a)
+        self.hopper_launch::<_, abi::WqLogits>(d.vocab, d.hidden, a.ntok, self.head_format(), a)
     }
 
     /// A warp-specialised GEMM (`tma_*`) as `p` plans it (`plan::tma_plan`); the arguments carry

@@ -103,9 +103,11 @@ pub struct Tuning {
     /// path runs on warpgroup MMAs (`gemm_hopper.cu.hbs`: bf16 activations, or f16 with the weights
     /// dequantised in registers), else on the mma.sync GEMMs (`gemm.cu.hbs`, exact).
     pub hopper_gemm: bool,
-    /// The Hopper GEMM path runs chunks of [`gemm::TMA_MIN_TOKENS`] tokens and more on the
-    /// warp-specialised kernels (`gemm_tma.cu.hbs`: TMA producer, two wgmma consumer warpgroups,
-    /// persistent tiles), else on `gemm_hopper.cu.hbs`'s.
+    /// The Hopper GEMM path runs on the warp-specialised kernels: bf16 weights in chunks of
+    /// [`gemm::TMA_MIN_TOKENS`] tokens and more (`gemm_tma.cu.hbs`: TMA producer, two wgmma
+    /// consumer warpgroups, persistent tiles), quantized weights always (`gemm_hopper.cu.hbs`'s
+    /// `wq_*`: a cp.async producer warpgroup, two consumer warpgroups dequantising into
+    /// registers); else on `gemm_hopper.cu.hbs`'s one-warpgroup kernels.
     pub tma_gemm: bool,
     /// Prompt chunks run their attention on the tensor cores (`attention_flash`, targets with a bf16
     /// KV cache), else on the split-K `attention` kernel as decode steps do.
@@ -319,6 +321,7 @@ impl CudaBackend {
         }
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
+        gpu.wq_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
@@ -428,7 +431,7 @@ impl CudaBackend {
         let gemm = if self.opts.tuning.decode_gemm {
             format!(
                 ", tensor-core GEMMs ({}) from {} sequences",
-                if self.gemm.hopper() && self.gpu.weights_bf16 {
+                if self.gemm.hopper() && self.gpu.weights_bf16() {
                     "wgmma, bf16 activations"
                 } else if self.gemm.hopper() {
                     "wgmma, f16 activations, weights dequantised in registers"

@@ -7,11 +7,12 @@
 //! `metrale_abi::entries` states.
 
 use metrale_abi::layout::{
-    decode_products, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes, WgFormat,
-    TMA_CONFIGS, WG_TILES,
+    decode_products, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes,
+    wq_smem_bytes, WgFormat, TMA_CONFIGS, WG_TILES, WQ_TILES,
 };
 use metrale_abi::{
     DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_BK, WG_BK,
+    WQ_KS, WQ_ROWS,
 };
 use metrale_core::shape::Dims;
 
@@ -250,9 +251,45 @@ pub fn wg_plan(rows: usize, k: usize, ntok: usize, sm_count: usize, f: WgFormat)
     }
 }
 
-/// Bytes of the split-K partials and of the tickets any [`wg_plan`] launch on `sm_count` SMs
-/// uses: a launch splits only while its tiles times splits fill the SMs at most once, and each
-/// split's partial is one block's output tile in f32.
+/// The warp-specialised launch of a product of quantized weights (`wq_*`, one block per SM) with
+/// `rows` output rows (a multiple of `WQ_ROWS`) and row length `k` over `ntok` tokens on
+/// `sm_count` SMs: the smallest token tile that holds them all (128 beyond), and K split so that
+/// the blocks fill the SMs where the tiles alone are fewer (a decode step of 16 sequences: 24
+/// tiles of 256 rows for QKV), in stages of `WQ_KS * WG_BK` elements.
+pub fn wq_plan(rows: usize, k: usize, ntok: usize, sm_count: usize, f: WgFormat) -> WgPlan {
+    let tile_n = WQ_TILES
+        .iter()
+        .copied()
+        .find(|&t| t >= ntok)
+        .unwrap_or(WQ_TILES[WQ_TILES.len() - 1]);
+    let tok_tiles = ntok.div_ceil(tile_n).max(1);
+    let row_tiles = rows / WQ_ROWS as usize;
+    let tiles = tok_tiles * row_tiles;
+    let steps = k / (WQ_KS * WG_BK) as usize;
+    let splits = (sm_count.max(1) / tiles.max(1)).clamp(1, (steps / WG_MIN_SPLIT_STEPS).max(1));
+    WgPlan {
+        tile_n,
+        grid: (tok_tiles as u32, row_tiles as u32, splits as u32),
+        smem: wq_smem_bytes(tile_n, f) as u32,
+    }
+}
+
+/// Whether a product of quantized weights in format `f` over `ntok` tokens runs on the
+/// warp-specialised kernels ([`wq_plan`]) rather than the one-warpgroup ones ([`wg_plan`]): q4_1
+/// always; the q8_0 LM head up to 64 tokens (H200, 8B head, 2026-12-03: 231 against 260 us at 16
+/// tokens, 292 against 309 at 64, but 1,022 against 685 at 256, where the one-warpgroup kernel's
+/// two blocks per SM hold more stages of its 68-byte rows).
+pub fn wq_pays(f: WgFormat, ntok: usize) -> bool {
+    match f {
+        WgFormat::Q4_1 => true,
+        WgFormat::Q8_0 => ntok <= 64,
+        WgFormat::Bf16 => false,
+    }
+}
+
+/// Bytes of the split-K partials and of the tickets any [`wg_plan`] or [`wq_plan`] launch on
+/// `sm_count` SMs uses: a launch splits only while its tiles times splits fill the SMs at most
+/// once, and each split's partial is one block's output tile in f32.
 pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
     let (mut ws, mut tickets) = (0, 0);
     for n in WG_TILES {
@@ -261,6 +298,10 @@ pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
             ws = ws.max(blocks * wg_rows(n) * n * 4);
             tickets = tickets.max(blocks * 4);
         }
+    }
+    for n in WQ_TILES {
+        ws = ws.max(sm_count.max(1) * WQ_ROWS as usize * n * 4);
+        tickets = tickets.max(sm_count.max(1) * 4);
     }
     (ws, tickets)
 }
@@ -617,8 +658,50 @@ mod tests {
                     assert!(tiles * 4 <= cnt);
                 }
                 assert!(p.tile_n * p.grid.0 as usize >= ntok);
+                if rows.is_multiple_of(256) {
+                    let q = wq_plan(rows, k, ntok, 132, WgFormat::Q4_1);
+                    let tiles = (q.grid.0 * q.grid.1) as usize;
+                    assert_eq!(q.grid.1 as usize * WQ_ROWS as usize, rows);
+                    if q.grid.2 > 1 {
+                        assert!(tiles * q.grid.2 as usize <= 132);
+                        assert!(tiles * q.grid.2 as usize * WQ_ROWS as usize * q.tile_n * 4 <= ws);
+                        assert!(tiles * 4 <= cnt);
+                    }
+                    assert!(q.tile_n * q.grid.0 as usize >= ntok);
+                }
             }
         }
+    }
+
+    #[test]
+    fn wq_plans_fill_the_sms_with_one_block_each() {
+        // 8B q4_1, 16 sequences: QKV's 24 tiles of 256 rows split K in 5 (120 blocks); gate/up's
+        // 112 tiles do not split
+        let p = wq_plan(6144, 4096, 16, 132, WgFormat::Q4_1);
+        assert_eq!((p.tile_n, p.grid), (16, (1, 24, 5)));
+        assert_eq!(
+            wq_plan(28672, 4096, 16, 132, WgFormat::Q4_1).grid,
+            (1, 112, 1)
+        );
+        // 256 sequences: two 128-token tiles; 4,096 tokens: 32 of them
+        assert_eq!(
+            wq_plan(4096, 4096, 256, 132, WgFormat::Q4_1).grid,
+            (2, 16, 4)
+        );
+        assert_eq!(
+            wq_plan(28672, 4096, 4096, 132, WgFormat::Q4_1).grid,
+            (32, 112, 1)
+        );
+        assert_eq!(wq_plan(6144, 4096, 100, 132, WgFormat::Q4_1).tile_n, 128);
+        // the down projection (K = 14336: 112 stages of 128) at 16 tokens: 16 tiles, 8 splits
+        assert_eq!(
+            wq_plan(4096, 14336, 16, 132, WgFormat::Q4_1).grid,
+            (1, 16, 8)
+        );
+        assert_eq!(
+            wq_plan(6144, 4096, 16, 132, WgFormat::Q8_0).smem as usize,
+            wq_smem_bytes(16, WgFormat::Q8_0)
+        );
     }
 
     #[test]
