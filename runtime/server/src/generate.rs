@@ -388,7 +388,7 @@ fn start(
                 stop_tokens: served.stop_tokens.clone(),
                 ignore_eos: p.ignore_eos,
                 link: link.clone(),
-                constraint: p.grammar.as_ref().map(|g| g.constraint()),
+                constraint: p.grammar.as_ref().map(|g| g.constraint_for(p.reasoning)),
                 embed: None,
             };
             let rx = served.engine.submit(req).map_err(submit_error)?;

@@ -3,7 +3,8 @@
 //! endpoint returns the thought as `reasoning_content` (in the message, and in stream deltas before
 //! the content ones), as vLLM's and llama-server's reasoning parsers do, and the rest as `content`;
 //! `none` leaves the text as the model wrote it; `auto` (the default) is `deepseek` for a template
-//! that writes `<think>` and `none` otherwise.
+//! that writes `<think>` and `none` otherwise. A grammar asked for with the request applies after
+//! the thought (`crate::grammar`, `Compiled::constraint_for`).
 //!
 //! Invariants: the thought and the content concatenate to the model's text minus the two tags and
 //! the whitespace between `</think>` and the answer; a tag split across tokens is held back until it
