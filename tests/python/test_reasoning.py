@@ -111,3 +111,22 @@ def test_a_bad_reasoning_format_stops_the_start(tmp_path):
         s = serve(tmp_path, "--reasoning-format", "r1")
         stop_server(s.proc)
     assert "possible values: none, deepseek, auto" in open(tmp_path / "server.log").read()
+
+
+def test_responses_carry_the_thought_as_a_reasoning_item(deepseek):
+    # /v1/responses: the thought is a reasoning item before the message, whole and streamed
+    ask_r = dict(model="m", input=ASK[0]["content"], temperature=0, max_output_tokens=40,
+                 extra_body={"guided_regex": FORCED})
+    r = deepseek.responses.create(**ask_r)
+    assert [o.type for o in r.output] == ["reasoning", "message"], r.output
+    thought = r.output[0].content[0].text
+    assert re.fullmatch(THOUGHT, thought) and r.output_text in ("Paris", "Lyon"), r
+    events = list(deepseek.responses.create(**ask_r, stream=True))
+    types = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    last_thought = max(i for i, t in enumerate(types) if t == "response.reasoning_text.delta")
+    assert types.index("response.output_text.delta") > types.index("response.output_item.done") > last_thought
+    done = events[-1].response
+    assert types[-1] == "response.completed" and [o.type for o in done.output] == ["reasoning", "message"]
+    assert done.output[0].content[0].text == thought and done.output_text == r.output_text

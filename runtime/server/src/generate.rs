@@ -561,7 +561,14 @@ async fn whole_response(
     let json = tokio::task::spawn_blocking(move || {
         if let Some(echo) = &echo {
             // one choice: Responses requests have no `n`
-            let r = echo.response(&header, &text[0], &finish[0], calls[0].as_deref(), usage);
+            let r = echo.response(
+                &header,
+                reasoning[0].as_deref(),
+                &text[0],
+                &finish[0],
+                calls[0].as_deref(),
+                usage,
+            );
             return serde_json::to_vec(&r);
         }
         let out: Vec<sse::ChoiceBody> = text
@@ -669,8 +676,8 @@ impl StreamState {
         let ev = self.events.as_mut().expect("a Responses stream");
         let frames = match out {
             ChoiceOut::Delta { text, .. } => ev.text(&text),
-            // the Responses output has no reasoning item: the thought is left out of output_text
-            ChoiceOut::Reasoning { .. } => Vec::new(),
+            // the thought as a reasoning item, before the message
+            ChoiceOut::Reasoning { text, .. } => ev.reasoning(&text),
             ChoiceOut::ToolCall { event, .. } => ev.tool(&event),
             ChoiceOut::Finish {
                 reason,

@@ -8,7 +8,9 @@
 //! typed stream events ([`Events`]): `response.created`, `response.in_progress`, then per output
 //! item `response.output_item.added`, its content part or arguments deltas, their `done` events
 //! and `response.output_item.done`, then `response.completed` (or `response.incomplete` when
-//! `max_output_tokens` cut the answer).
+//! `max_output_tokens` cut the answer). Where the chat text is split into thought and content
+//! (`crate::reasoning`), the thought is a `reasoning` item (one `reasoning_text` part, no summary)
+//! before the message, streamed as `response.reasoning_text.delta` events.
 //!
 //! Invariants: nothing is stored, so `store: true` and `previous_response_id` are refused with a
 //! 400 saying to send the whole conversation; every item a stream adds is done before the
@@ -55,6 +57,12 @@ const SAME_NAME: &[&str] = &[
     "user",
     "stream",
     "parallel_tool_calls",
+    "chat_template_kwargs",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ];
 
 fn bad(message: impl Into<String>, param: &str) -> ApiError {
@@ -181,8 +189,8 @@ fn messages(r: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
                         let text = content_text(output, &format!("{param}.output"))?;
                         out.push(json!({"role": "tool", "tool_call_id": call_id, "content": text}));
                     }
-                    // a reasoning item from an earlier response: this server's models write none,
-                    // and a model never reads its earlier reasoning back
+                    // a reasoning item from an earlier response: a model never reads its earlier
+                    // reasoning back (thinking models' chat templates drop it)
                     "reasoning" => {}
                     "item_reference" => {
                         return Err(bad(
@@ -452,6 +460,10 @@ fn message_id(response_id: &str) -> String {
     format!("msg_{}", tail(response_id))
 }
 
+fn reasoning_id(response_id: &str) -> String {
+    format!("rs_{}", tail(response_id))
+}
+
 fn function_call_id(response_id: &str, k: usize) -> String {
     format!("fc_{}_{k}", tail(response_id))
 }
@@ -480,6 +492,21 @@ fn message_item(response_id: &str, text: &str, status: &str) -> Value {
         "role": "assistant",
         "content": if status == "in_progress" { json!([]) } else { json!([text_part(text)]) },
     })
+}
+
+/// The model's thought (`--reasoning-format`): its text as one `reasoning_text` part, no summary.
+fn reasoning_item(response_id: &str, text: &str, status: &str) -> Value {
+    json!({
+        "type": "reasoning",
+        "id": reasoning_id(response_id),
+        "status": status,
+        "summary": [],
+        "content": if status == "in_progress" { json!([]) } else { json!([reasoning_part(text)]) },
+    })
+}
+
+fn reasoning_part(text: &str) -> Value {
+    json!({"type": "reasoning_text", "text": text})
 }
 
 fn text_part(text: &str) -> Value {
@@ -543,11 +570,12 @@ impl Echo {
         })
     }
 
-    /// A whole response: the message (when there is text, or nothing else), then the function
-    /// calls.
+    /// A whole response: the thought (a reasoning item, where the text was split and the model
+    /// thought), the message (when there is text, or nothing else), then the function calls.
     pub fn response(
         &self,
         h: &Header,
+        reasoning: Option<&str>,
         text: &str,
         finish: &str,
         calls: Option<&[Call]>,
@@ -555,6 +583,9 @@ impl Echo {
     ) -> Value {
         let calls = calls.unwrap_or(&[]);
         let mut output = Vec::new();
+        if let Some(r) = reasoning.filter(|r| !r.is_empty()) {
+            output.push(reasoning_item(&h.id, r, "completed"));
+        }
         if !text.is_empty() || calls.is_empty() {
             output.push(message_item(&h.id, text, "completed"));
         }
@@ -579,6 +610,10 @@ fn frame(v: &Value) -> Bytes {
 
 /// The item a stream is writing.
 enum Open {
+    Reasoning {
+        index: usize,
+        text: String,
+    },
     Text {
         index: usize,
         text: String,
@@ -646,6 +681,23 @@ impl Events {
         let id = self.header.id.clone();
         match self.open.take() {
             None => {}
+            Some(Open::Reasoning { index, text }) => {
+                let item_id = reasoning_id(&id);
+                out.push(self.event(
+                    "response.reasoning_text.done",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "text": text}),
+                ));
+                out.push(self.event(
+                    "response.content_part.done",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": reasoning_part(&text)}),
+                ));
+                let item = reasoning_item(&id, &text, "completed");
+                out.push(self.event(
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item}),
+                ));
+                self.done.push(item);
+            }
             Some(Open::Text { index, text }) => {
                 let item_id = message_id(&id);
                 out.push(self.event(
@@ -681,6 +733,44 @@ impl Events {
                 self.done.push(item);
             }
         }
+    }
+
+    /// More of the model's thought: a reasoning item is opened first where none is (the thought
+    /// comes before the answer's text, `crate::reasoning`).
+    pub fn reasoning(&mut self, delta: &str) -> Vec<Bytes> {
+        let mut out = Vec::new();
+        if delta.is_empty() {
+            return out;
+        }
+        let id = self.header.id.clone();
+        if !matches!(self.open, Some(Open::Reasoning { .. })) {
+            self.close(&mut out);
+            let index = self.next_index();
+            out.push(self.event(
+                "response.output_item.added",
+                json!({"output_index": index, "item": reasoning_item(&id, "", "in_progress")}),
+            ));
+            out.push(self.event(
+                "response.content_part.added",
+                json!({"item_id": reasoning_id(&id), "output_index": index, "content_index": 0, "part": reasoning_part("")}),
+            ));
+            self.open = Some(Open::Reasoning {
+                index,
+                text: String::new(),
+            });
+        }
+        let index = match &mut self.open {
+            Some(Open::Reasoning { index, text }) => {
+                text.push_str(delta);
+                *index
+            }
+            _ => unreachable!("a reasoning item is open"),
+        };
+        out.push(self.event(
+            "response.reasoning_text.delta",
+            json!({"item_id": reasoning_id(&id), "output_index": index, "content_index": 0, "delta": delta}),
+        ));
+        out
     }
 
     /// More of the answer's text: a message item is opened first where none is.
@@ -1046,12 +1136,59 @@ mod tests {
             name: "f".into(),
             arguments: "{}".into(),
         }];
-        let r = e.response(&h, "", "tool_calls", Some(&calls), Usage::default());
+        let r = e.response(&h, None, "", "tool_calls", Some(&calls), Usage::default());
         assert_eq!(r["output"].as_array().unwrap().len(), 1);
         assert_eq!(r["output"][0]["type"], "function_call");
-        let r = e.response(&h, "Hi", "stop", None, Usage::default());
+        let r = e.response(&h, None, "Hi", "stop", None, Usage::default());
         assert_eq!(r["output"][0]["content"][0]["text"], "Hi");
         assert_eq!(r["status"], "completed");
         assert!(r["incomplete_details"].is_null());
+        // a thought: its reasoning item first (an empty one is no item)
+        let r = e.response(&h, Some("hmm"), "Hi", "stop", None, Usage::default());
+        assert_eq!(r["output"][0]["type"], "reasoning");
+        assert_eq!(r["output"][0]["content"][0]["text"], "hmm");
+        assert_eq!(r["output"][1]["content"][0]["text"], "Hi");
+        let r = e.response(&h, Some(""), "Hi", "stop", None, Usage::default());
+        assert_eq!(r["output"].as_array().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_streamed_thought_is_a_reasoning_item_done_before_the_message() {
+        let mut ev = Events::new(header(), echo());
+        let mut frames = ev.start();
+        frames.extend(ev.reasoning("let me "));
+        frames.extend(ev.reasoning("see"));
+        frames.extend(ev.text("Paris"));
+        ev.finish("stop");
+        frames.extend(ev.end(Usage::default()));
+        let v = parse(&frames);
+        let types: Vec<&str> = v.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            &types[2..],
+            [
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_eq!(v[6]["text"], "let me see");
+        assert_eq!(v[8]["item"]["content"][0]["text"], "let me see");
+        assert_eq!(v[9]["output_index"], 1);
+        let done = &v.last().unwrap()["response"]["output"];
+        assert_eq!(done[0]["type"], "reasoning");
+        assert_eq!(done[1]["content"][0]["text"], "Paris");
+        // sequence numbers count every event
+        assert!(v.iter().enumerate().all(|(i, e)| e["sequence_number"] == i));
     }
 }
