@@ -608,13 +608,59 @@ fn frame(v: &Value) -> Bytes {
     Bytes::from(out)
 }
 
+/// The items whose text a stream writes piece by piece: the thought and the answer's message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Reasoning,
+    Message,
+}
+
+impl Part {
+    fn item_id(self, response_id: &str) -> String {
+        match self {
+            Part::Reasoning => reasoning_id(response_id),
+            Part::Message => message_id(response_id),
+        }
+    }
+
+    fn item(self, response_id: &str, text: &str, status: &str) -> Value {
+        match self {
+            Part::Reasoning => reasoning_item(response_id, text, status),
+            Part::Message => message_item(response_id, text, status),
+        }
+    }
+
+    fn part(self, text: &str) -> Value {
+        match self {
+            Part::Reasoning => reasoning_part(text),
+            Part::Message => text_part(text),
+        }
+    }
+
+    /// The event a piece of text is (`delta`) and the one its whole text is (`done`).
+    fn events(self) -> (&'static str, &'static str) {
+        match self {
+            Part::Reasoning => (
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+            ),
+            Part::Message => ("response.output_text.delta", "response.output_text.done"),
+        }
+    }
+
+    /// `fields` of a text event, with what the kind adds (an answer's text carries its logprobs).
+    fn text_event(self, mut fields: Value) -> Value {
+        if self == Part::Message {
+            fields["logprobs"] = json!([]);
+        }
+        fields
+    }
+}
+
 /// The item a stream is writing.
 enum Open {
-    Reasoning {
-        index: usize,
-        text: String,
-    },
     Text {
+        part: Part,
         index: usize,
         text: String,
     },
@@ -681,34 +727,17 @@ impl Events {
         let id = self.header.id.clone();
         match self.open.take() {
             None => {}
-            Some(Open::Reasoning { index, text }) => {
-                let item_id = reasoning_id(&id);
+            Some(Open::Text { part, index, text }) => {
+                let item_id = part.item_id(&id);
                 out.push(self.event(
-                    "response.reasoning_text.done",
-                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "text": text}),
+                    part.events().1,
+                    part.text_event(json!({"item_id": item_id, "output_index": index, "content_index": 0, "text": text})),
                 ));
                 out.push(self.event(
                     "response.content_part.done",
-                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": reasoning_part(&text)}),
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": part.part(&text)}),
                 ));
-                let item = reasoning_item(&id, &text, "completed");
-                out.push(self.event(
-                    "response.output_item.done",
-                    json!({"output_index": index, "item": item}),
-                ));
-                self.done.push(item);
-            }
-            Some(Open::Text { index, text }) => {
-                let item_id = message_id(&id);
-                out.push(self.event(
-                    "response.output_text.done",
-                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
-                ));
-                out.push(self.event(
-                    "response.content_part.done",
-                    json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": text_part(&text)}),
-                ));
-                let item = message_item(&id, &text, "completed");
+                let item = part.item(&id, &text, "completed");
                 out.push(self.event(
                     "response.output_item.done",
                     json!({"output_index": index, "item": item}),
@@ -738,62 +767,35 @@ impl Events {
     /// More of the model's thought: a reasoning item is opened first where none is (the thought
     /// comes before the answer's text, `crate::reasoning`).
     pub fn reasoning(&mut self, delta: &str) -> Vec<Bytes> {
-        let mut out = Vec::new();
-        if delta.is_empty() {
-            return out;
-        }
-        let id = self.header.id.clone();
-        if !matches!(self.open, Some(Open::Reasoning { .. })) {
-            self.close(&mut out);
-            let index = self.next_index();
-            out.push(self.event(
-                "response.output_item.added",
-                json!({"output_index": index, "item": reasoning_item(&id, "", "in_progress")}),
-            ));
-            out.push(self.event(
-                "response.content_part.added",
-                json!({"item_id": reasoning_id(&id), "output_index": index, "content_index": 0, "part": reasoning_part("")}),
-            ));
-            self.open = Some(Open::Reasoning {
-                index,
-                text: String::new(),
-            });
-        }
-        let index = match &mut self.open {
-            Some(Open::Reasoning { index, text }) => {
-                text.push_str(delta);
-                *index
-            }
-            _ => unreachable!("a reasoning item is open"),
-        };
-        out.push(self.event(
-            "response.reasoning_text.delta",
-            json!({"item_id": reasoning_id(&id), "output_index": index, "content_index": 0, "delta": delta}),
-        ));
-        out
+        self.text_of(Part::Reasoning, delta)
     }
 
     /// More of the answer's text: a message item is opened first where none is.
     pub fn text(&mut self, delta: &str) -> Vec<Bytes> {
+        self.text_of(Part::Message, delta)
+    }
+
+    /// More text of a `part` item: one is opened first where another item (or none) is open.
+    fn text_of(&mut self, part: Part, delta: &str) -> Vec<Bytes> {
         let mut out = Vec::new();
         if delta.is_empty() {
             return out;
         }
-        let id = self.header.id.clone();
-        if !matches!(self.open, Some(Open::Text { .. })) {
+        if !matches!(self.open, Some(Open::Text { part: p, .. }) if p == part) {
             self.close(&mut out);
-            self.open_text(&mut out);
+            self.open_text(part, &mut out);
         }
         let index = match &mut self.open {
-            Some(Open::Text { index, text }) => {
+            Some(Open::Text { index, text, .. }) => {
                 text.push_str(delta);
                 *index
             }
             _ => unreachable!("a text item is open"),
         };
+        let item_id = part.item_id(&self.header.id);
         out.push(self.event(
-            "response.output_text.delta",
-            json!({"item_id": message_id(&id), "output_index": index, "content_index": 0, "delta": delta, "logprobs": []}),
+            part.events().0,
+            part.text_event(json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": delta})),
         ));
         out
     }
@@ -853,7 +855,7 @@ impl Events {
         self.close(&mut out);
         if self.done.is_empty() {
             // an answer with no text and no call still has its (empty) message
-            self.open_text(&mut out);
+            self.open_text(Part::Message, &mut out);
             self.close(&mut out);
         }
         let (status, incomplete) = status_of(self.finish.unwrap_or("stop"));
@@ -873,19 +875,20 @@ impl Events {
         out
     }
 
-    /// Open a message item at the next output index: its `added` events (no item is open).
-    fn open_text(&mut self, out: &mut Vec<Bytes>) {
+    /// Open a `part` item at the next output index: its `added` events (no item is open).
+    fn open_text(&mut self, part: Part, out: &mut Vec<Bytes>) {
         let id = self.header.id.clone();
         let index = self.next_index();
         out.push(self.event(
             "response.output_item.added",
-            json!({"output_index": index, "item": message_item(&id, "", "in_progress")}),
+            json!({"output_index": index, "item": part.item(&id, "", "in_progress")}),
         ));
         out.push(self.event(
             "response.content_part.added",
-            json!({"item_id": message_id(&id), "output_index": index, "content_index": 0, "part": text_part("")}),
+            json!({"item_id": part.item_id(&id), "output_index": index, "content_index": 0, "part": part.part("")}),
         ));
         self.open = Some(Open::Text {
+            part,
             index,
             text: String::new(),
         });

@@ -133,14 +133,25 @@ fn allow_smem(kernels: &Kernels, entries: &[abi::Entry], smem: usize) -> bool {
     })
 }
 
-/// Give each Hopper GEMM the dynamic shared memory its largest token tile needs
-/// (`layout::wg_smem_bytes`); false where the driver refuses.
-fn hopper_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
-    let smem = abi::layout::WG_TILES
+/// Give each of `entries` the dynamic shared memory its largest token tile needs: the most
+/// `smem(n, f)` over `tiles` and the target's `formats`; false where the driver refuses.
+fn tiles_ready(
+    kernels: &Kernels,
+    entries: &[abi::Entry],
+    tiles: &[usize],
+    formats: [WgFormat; 2],
+    smem: fn(usize, WgFormat) -> usize,
+) -> bool {
+    let most = tiles
         .iter()
-        .flat_map(|&n| formats.map(|f| abi::layout::wg_smem_bytes(n, f)))
+        .flat_map(|&n| formats.map(|f| smem(n, f)))
         .max()
         .unwrap_or(0);
+    allow_smem(kernels, entries, most)
+}
+
+/// The Hopper GEMMs (`wg_*`) ready for their largest token tile (`layout::wg_smem_bytes`).
+fn hopper_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
     let entries = [
         abi::WgQkv::ID,
         abi::WgO::ID,
@@ -148,17 +159,19 @@ fn hopper_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
         abi::WgDown::ID,
         abi::WgLogits::ID,
     ];
-    allow_smem(kernels, &entries, smem)
+    let tiles = abi::layout::WG_TILES;
+    tiles_ready(
+        kernels,
+        &entries,
+        &tiles,
+        formats,
+        abi::layout::wg_smem_bytes,
+    )
 }
 
-/// Give each warp-specialised GEMM of quantized weights the dynamic shared memory its largest
-/// token tile needs (`layout::wq_smem_bytes`); false where the driver refuses.
+/// The warp-specialised GEMMs of quantized weights (`wq_*`) ready for their largest token tile
+/// (`layout::wq_smem_bytes`).
 fn wq_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
-    let smem = abi::layout::WQ_TILES
-        .iter()
-        .flat_map(|&n| formats.map(|f| abi::layout::wq_smem_bytes(n, f)))
-        .max()
-        .unwrap_or(0);
     let entries = [
         abi::WqQkv::ID,
         abi::WqO::ID,
@@ -166,7 +179,14 @@ fn wq_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
         abi::WqDown::ID,
         abi::WqLogits::ID,
     ];
-    allow_smem(kernels, &entries, smem)
+    let tiles = abi::layout::WQ_TILES;
+    tiles_ready(
+        kernels,
+        &entries,
+        &tiles,
+        formats,
+        abi::layout::wq_smem_bytes,
+    )
 }
 
 /// Give each warp-specialised GEMM the dynamic shared memory its largest tile needs
