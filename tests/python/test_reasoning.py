@@ -59,6 +59,16 @@ def streamed(c, regex, **kw):
     return thought, content, kinds
 
 
+def thought_tokens(r):
+    """The tokens of a completion up to the one that completes `</think>` (from its logprobs)."""
+    text = ""
+    for n, t in enumerate(r.choices[0].logprobs.content, 1):
+        text += t.token
+        if "</think>" in text:
+            return n
+    raise AssertionError(f"no </think> in {text!r}")
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     s = serve(tmp_path_factory.mktemp("deepseek"), "--reasoning-format", "deepseek")
@@ -78,10 +88,24 @@ def test_the_thought_comes_apart_from_the_answer(deepseek):
     assert all("think>" not in piece for piece in (thought, content))
 
 
+def test_usage_counts_the_thought(deepseek):
+    # completion_tokens_details.reasoning_tokens: the tokens from the one that opens the thought to
+    # the one that closes it (the token texts, from logprobs, say which those are)
+    r = ask(deepseek, FORCED, logprobs=True)
+    want = thought_tokens(r)
+    assert 0 < want < r.usage.completion_tokens, r
+    assert r.usage.completion_tokens_details.reasoning_tokens == want, r.usage
+    chunks = list(ask(deepseek, FORCED, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == want, chunks[-1].usage
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
 def test_none_leaves_the_text_as_written(client):
     # the session's server: --reasoning-format auto on a template without <think>
-    m = ask(client, FORCED).choices[0].message
+    r = ask(client, FORCED)
+    m = r.choices[0].message
     assert re.fullmatch(FORCED, m.content) and getattr(m, "reasoning_content", None) is None
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0, "no thought split, none counted"
 
 
 def test_a_template_that_opens_the_thought_and_chat_template_kwargs(tmp_path):
@@ -91,9 +115,10 @@ def test_a_template_that_opens_the_thought_and_chat_template_kwargs(tmp_path):
     try:
         c = client_of(s)
         # the prompt ends inside the thought: the model writes the rest of it, then </think>
-        r = ask(c, THOUGHT + "</think>\n\n(Paris|Lyon)")
+        r = ask(c, THOUGHT + "</think>\n\n(Paris|Lyon)", logprobs=True)
         m = r.choices[0].message
         assert re.fullmatch(THOUGHT, m.reasoning_content) and m.content in ("Paris", "Lyon")
+        assert r.usage.completion_tokens_details.reasoning_tokens == thought_tokens(r), r.usage
         # enable_thinking false: the template closes an empty thought; the answer is all content
         off = ask(c, "(Paris|Lyon)", chat_template_kwargs={"enable_thinking": False})
         assert off.choices[0].message.content in ("Paris", "Lyon")
@@ -130,3 +155,6 @@ def test_responses_carry_the_thought_as_a_reasoning_item(deepseek):
     done = events[-1].response
     assert types[-1] == "response.completed" and [o.type for o in done.output] == ["reasoning", "message"]
     assert done.output[0].content[0].text == thought and done.output_text == r.output_text
+    # the thought's tokens counted apart, streamed and whole alike
+    n = r.usage.output_tokens_details.reasoning_tokens
+    assert 0 < n < r.usage.output_tokens and done.usage.output_tokens_details.reasoning_tokens == n, r.usage

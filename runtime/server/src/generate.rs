@@ -137,6 +137,8 @@ enum ChoiceOut {
         logprobs: Vec<TokenLogprob>,
         reason: &'static str,
         completion_tokens: usize,
+        /// Of those, the thought's (`Usage::reasoning_tokens`).
+        reasoning_tokens: usize,
         /// Prompt tokens the prefix cache served this choice.
         cached_tokens: usize,
         /// The tool calls the text made (streamed already as `ToolCall`s; `reason` "tool_calls").
@@ -173,6 +175,11 @@ struct Choice {
     tools: Option<crate::tools::ToolStream>,
     /// The text is split into thought and content first (`--reasoning-format`).
     reasoning: Option<crate::reasoning::Splitter>,
+    /// Tokens that came while a thought was open, or opened or closed it (`usage`).
+    reasoning_tokens: usize,
+    /// Tokens before any thought opened, held until the text says whether one did (`<think>`
+    /// arrives in pieces).
+    start_tokens: usize,
     /// What the last text produced beyond the one item `next` returns.
     queued: VecDeque<ChoiceOut>,
 }
@@ -236,9 +243,29 @@ impl Choice {
                 logprobs: std::mem::take(&mut self.pending_logprobs),
                 reason,
                 completion_tokens,
+                reasoning_tokens: self.reasoning_tokens,
                 cached_tokens,
                 tool_calls: calls,
             });
+        }
+    }
+
+    /// Count the token just queued as the thought's or not, from the splitter's (at start,
+    /// thinking) before it: inside the thought it is; before any, it waits in `start_tokens` until
+    /// the text opens a thought (then those tokens were its opening) or rules one out.
+    fn count_reasoning(&mut self, before: Option<(bool, bool)>) {
+        let Some(sp) = &self.reasoning else { return };
+        match before {
+            Some((_, true)) => self.reasoning_tokens += 1,
+            Some((true, false)) => {
+                self.start_tokens += 1;
+                if sp.opened() {
+                    self.reasoning_tokens += std::mem::take(&mut self.start_tokens);
+                } else if !sp.at_start() {
+                    self.start_tokens = 0;
+                }
+            }
+            _ => {}
         }
     }
 
@@ -291,16 +318,22 @@ impl Choice {
                         tk.token_bytes(id)
                     };
                     let r = self.streamer.push(&bytes);
+                    let before = self
+                        .reasoning
+                        .as_ref()
+                        .map(|s| (s.at_start(), s.thinking()));
                     if r.stopped {
                         // a stop string: the engine counts it as a stop, then the dropped
                         // receiver cancels the rest of this sequence
                         self.link.end_on_stop_string();
                         self.rx = None;
                         let end = ("stop", self.tokens, self.link.cached_tokens());
+                        self.reasoning_tokens += before.is_some_and(|b| b.1) as usize;
                         self.queue_text(r.text, Some(end));
                         continue;
                     }
                     self.queue_text(r.text, None);
+                    self.count_reasoning(before);
                 }
                 Some(Event::Done {
                     reason,
@@ -406,6 +439,8 @@ fn start(
                     link,
                     tools: p.tools.clone().map(crate::tools::ToolStream::new),
                     reasoning: p.reasoning.map(crate::reasoning::Splitter::new),
+                    reasoning_tokens: 0,
+                    start_tokens: 0,
                     queued: VecDeque::new(),
                 }
                 .into_stream(),
@@ -509,7 +544,7 @@ async fn whole_response(
     let mut calls: Vec<Option<Vec<crate::tools::Call>>> = vec![None; n];
     // the thought of each choice, when the text is split (`--reasoning-format`)
     let mut reasoning: Vec<Option<String>> = vec![None; n];
-    let mut completion_tokens = 0;
+    let (mut completion_tokens, mut reasoning_tokens) = (0, 0);
     let mut cached = 0;
     while let Some(out) = choices.next().await {
         drop(ticket.take()); // running now
@@ -528,6 +563,7 @@ async fn whole_response(
                 logprobs: l,
                 reason,
                 completion_tokens: c,
+                reasoning_tokens: rt,
                 cached_tokens,
                 tool_calls,
             } => {
@@ -536,6 +572,7 @@ async fn whole_response(
                 finish[index] = reason.to_owned();
                 log.finish[index] = reason;
                 completion_tokens += c;
+                reasoning_tokens += rt;
                 if index % per_prompt.max(1) == 0 {
                     cached += cached_tokens;
                 }
@@ -554,6 +591,7 @@ async fn whole_response(
         prompt_tokens,
         completion_tokens,
         cached_tokens: cached,
+        reasoning_tokens,
     };
     // The body is built and serialized on a blocking thread: with logprobs it can hold hundreds of
     // thousands of entries (n x max_tokens x top_logprobs), tens of milliseconds of CPU that must
@@ -639,10 +677,12 @@ impl StreamState {
                 logprobs,
                 reason,
                 completion_tokens,
+                reasoning_tokens,
                 cached_tokens,
                 tool_calls: _, // streamed piece by piece as they came
             } => {
                 self.usage.completion_tokens += completion_tokens;
+                self.usage.reasoning_tokens += reasoning_tokens;
                 if index % self.per_prompt.max(1) == 0 {
                     self.usage.cached_tokens += cached_tokens;
                 }
@@ -682,10 +722,12 @@ impl StreamState {
             ChoiceOut::Finish {
                 reason,
                 completion_tokens,
+                reasoning_tokens,
                 cached_tokens,
                 ..
             } => {
                 self.usage.completion_tokens += completion_tokens;
+                self.usage.reasoning_tokens += reasoning_tokens;
                 self.usage.cached_tokens += cached_tokens;
                 self.log.finish[0] = reason;
                 ev.finish(reason);
@@ -744,6 +786,7 @@ fn stream_response(
             prompt_tokens: log.usage.prompt_tokens,
             cached_tokens: 0,
             completion_tokens: 0,
+            reasoning_tokens: 0,
         },
         logprobs,
         sent_chars: vec![0; n],

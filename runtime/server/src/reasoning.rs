@@ -4,7 +4,8 @@
 //! the content ones), as vLLM's and llama-server's reasoning parsers do, and the rest as `content`;
 //! `none` leaves the text as the model wrote it; `auto` (the default) is `deepseek` for a template
 //! that writes `<think>` and `none` otherwise. A grammar asked for with the request applies after
-//! the thought (`crate::grammar`, `Compiled::constraint_for`).
+//! the thought (`crate::grammar`, `Compiled::constraint_for`). The tokens that came while a thought
+//! was open, with the ones that open and close it, are `usage`'s reasoning tokens.
 //!
 //! Invariants: the thought and the content concatenate to the model's text minus the two tags and
 //! the whitespace between `</think>` and the answer; a tag split across tokens is held back until it
@@ -61,6 +62,8 @@ enum State {
 pub struct Splitter {
     state: State,
     held: String,
+    /// A thought has opened (it may have closed since).
+    opened: bool,
 }
 
 /// The length of the longest suffix of `s` that is a proper prefix of `tag` (text that may be the
@@ -83,7 +86,24 @@ impl Splitter {
                 State::Start
             },
             held: String::new(),
+            opened: in_thought,
         }
+    }
+
+    /// Whether a thought has opened (it may have closed since).
+    pub fn opened(&self) -> bool {
+        self.opened
+    }
+
+    /// Whether the text so far has opened a thought and not closed it.
+    pub fn thinking(&self) -> bool {
+        self.state == State::Thinking
+    }
+
+    /// Whether no thought has opened yet and none is ruled out: the text so far is whitespace, or
+    /// the start of `<think>` still arriving.
+    pub fn at_start(&self) -> bool {
+        self.state == State::Start
     }
 
     /// The next piece of text: what it adds to the thought and to the content.
@@ -97,6 +117,7 @@ impl Splitter {
                     if let Some(rest) = t.strip_prefix(OPEN) {
                         self.held = rest.to_string();
                         self.state = State::Thinking;
+                        self.opened = true;
                     } else if OPEN.starts_with(t) {
                         return (thought, content); // empty, or a tag still arriving
                     } else {

@@ -479,7 +479,7 @@ fn usage_json(u: Usage) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     })
 }
@@ -1079,7 +1079,7 @@ mod tests {
         frames.extend(ev.end(Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
-            cached_tokens: 0,
+            ..Usage::default()
         }));
         let v = parse(&frames);
         let types: Vec<&str> = v.iter().map(|e| e["type"].as_str().unwrap()).collect();

@@ -97,6 +97,9 @@ pub struct Usage {
     /// Prompt tokens the prefix cache served (for n > 1, the first choice of each prompt's):
     /// `prompt_tokens_details.cached_tokens`, as OpenAI reports it.
     pub cached_tokens: usize,
+    /// Completion tokens of the thought (`--reasoning-format`: from the token that opens it to
+    /// the one that closes it): `completion_tokens_details.reasoning_tokens`.
+    pub reasoning_tokens: usize,
 }
 
 impl Usage {
@@ -106,6 +109,7 @@ impl Usage {
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         })
     }
 }
@@ -344,10 +348,15 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens: 4,
             cached_tokens: 2,
+            reasoning_tokens: 3,
         });
         assert_eq!(u["choices"], json!([]));
         assert_eq!(u["usage"]["total_tokens"], 7);
         assert_eq!(u["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(
+            u["usage"]["completion_tokens_details"]["reasoning_tokens"],
+            3
+        );
     }
 
     #[test]
@@ -368,7 +377,7 @@ mod tests {
             Usage {
                 prompt_tokens: 1,
                 completion_tokens: 1,
-                cached_tokens: 0,
+                ..Usage::default()
             },
         );
         assert_eq!(full["choices"][0]["text"], "a");
