@@ -44,38 +44,85 @@ macro_rules! param_ty {
     };
 }
 
-macro_rules! entries {
-    ($(
-        $(#[doc = $doc:literal])*
+// One entry's argument struct and its `KernelArgs` (what `entries!` makes of each declaration).
+macro_rules! entry_struct {
+    (
+        $(#[doc = $doc:expr])*
         $name:ident = $template:literal / $entry:literal, threads $threads:expr, {
             $($field:ident : $kind:ident $(<$cty:literal>)?),* $(,)?
         }
+    ) => {
+        $(#[doc = $doc])*
+        #[repr(C)]
+        #[derive(Debug, Clone, Copy, Default, PartialEq)]
+        pub struct $name { $(pub $field: field_ty!($kind)),* }
+
+        impl KernelArgs for $name {
+            const ID: Entry = Entry::$name;
+            const DECL: EntryDecl = EntryDecl {
+                template: $template,
+                entry: $entry,
+                threads: $threads,
+                params: &[$(Param { name: stringify!($field), ty: param_ty!($kind $(, $cty)?) }),*],
+            };
+            fn with_ptrs<R>(&mut self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
+                let mut p = [$(std::ptr::addr_of_mut!(self.$field) as *mut c_void),*];
+                f(&mut p)
+            }
+        }
+    };
+}
+
+// `From` an entry's arguments to its twin's (the same fields).
+macro_rules! twin_from {
+    ($from:ident => $to:ident, { $($field:ident : $kind:ident $(<$cty:literal>)?),* $(,)? }) => {
+        impl From<$from> for $to {
+            fn from(a: $from) -> $to {
+                $to { $($field: a.$field),* }
+            }
+        }
+    };
+}
+
+// One declaration of `entries!`: the entry, and its twin where it has one.
+macro_rules! entry_pair {
+    ([$(#[doc = $doc:expr])*] $name:ident = $template:literal / $entry:literal, threads $threads:expr, [] $fields:tt) => {
+        entry_struct! { $(#[doc = $doc])* $name = $template / $entry, threads $threads, $fields }
+    };
+    (
+        [$(#[doc = $doc:expr])*] $name:ident = $template:literal / $entry:literal, threads $threads:expr,
+        [twin $twin:ident = $tentry:literal, threads $tthreads:expr] $fields:tt
+    ) => {
+        entry_struct! { $(#[doc = $doc])* $name = $template / $entry, threads $threads, $fields }
+        entry_struct! {
+            #[doc = concat!("`", $tentry, "`: the twin of [`", stringify!($name), "`] (the same parameters).")]
+            $twin = $template / $tentry, threads $tthreads, $fields
+        }
+        twin_from!($name => $twin, $fields);
+    };
+}
+
+// Every entry: `Name = "template" / "entry", threads N, { params }`. `twin Name2 = "entry2",
+// threads M` after the threads declares a second entry of the same template taking the same
+// parameters (another block shape of the same product), with `From<Name> for Name2`.
+macro_rules! entries {
+    ($(
+        $(#[doc = $doc:literal])*
+        $name:ident = $template:literal / $entry:literal, threads $threads:expr,
+        $(twin $twin:ident = $tentry:literal, threads $tthreads:expr,)?
+        { $($fields:tt)* }
     )*) => {
         /// Every entry point: the index of its declaration in [`ENTRIES`].
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum Entry { $($name),* }
+        pub enum Entry { $($name, $($twin,)?)* }
 
         /// Every entry point's declaration, in [`Entry`] order.
-        pub const ENTRIES: &[EntryDecl] = &[$(<$name as KernelArgs>::DECL),*];
+        pub const ENTRIES: &[EntryDecl] = &[$(<$name as KernelArgs>::DECL, $(<$twin as KernelArgs>::DECL,)?)*];
 
         $(
-            $(#[doc = $doc])*
-            #[repr(C)]
-            #[derive(Debug, Clone, Copy, Default, PartialEq)]
-            pub struct $name { $(pub $field: field_ty!($kind)),* }
-
-            impl KernelArgs for $name {
-                const ID: Entry = Entry::$name;
-                const DECL: EntryDecl = EntryDecl {
-                    template: $template,
-                    entry: $entry,
-                    threads: $threads,
-                    params: &[$(Param { name: stringify!($field), ty: param_ty!($kind $(, $cty)?) }),*],
-                };
-                fn with_ptrs<R>(&mut self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
-                    let mut p = [$(std::ptr::addr_of_mut!(self.$field) as *mut c_void),*];
-                    f(&mut p)
-                }
+            entry_pair! {
+                [$(#[doc = $doc])*] $name = $template / $entry, threads $threads,
+                [$(twin $twin = $tentry, threads $tthreads)?] { $($fields)* }
             }
         )*
     };
@@ -125,7 +172,7 @@ entries! {
         part_ml: ptr<"float2">,
         part_acc: ptr<"float">,
         counter: ptr<"unsigned int">,
-        out: ptr<"float">,
+        out: ptr<"void">,
     }
     /// Causal GQA attention of prompt chunks on the tensor cores (flash attention) over the paged KV
     /// cache. grid = (ntiles, kv_heads), dynamic shared memory `layout::flash_smem_bytes`; `tiles`
@@ -140,7 +187,8 @@ entries! {
         layer: i32,
         max_blocks: i32,
         tiles: ptr<"const int">,
-        out: ptr<"float">,
+        flags: i32,
+        out: ptr<"void">,
     }
     /// Output projection + residual: `x += Wo att`.
     AttnOut = "attn_out" / "attn_out", threads MV_THREADS, {
@@ -349,22 +397,13 @@ entries! {
         a: ptr<"act_t">,
         ntok: i32,
     }
-    /// Hopper GEMM path: act_t of the attention output (K = heads x head_dim).
-    WgActQd = "gemm_hopper" / "wg_act_qd", threads SPLIT_THREADS, {
-        x: ptr<"const float">,
-        a: ptr<"act_t">,
-        ntok: i32,
-    }
-    /// Hopper GEMM path: act_t of the FFN activation (K = ffn).
-    WgActFfn = "gemm_hopper" / "wg_act_ffn", threads SPLIT_THREADS, {
-        x: ptr<"const float">,
-        a: ptr<"act_t">,
-        ntok: i32,
-    }
     /// Hopper GEMM path: QKV projection with the RoPE + KV-write epilogue. grid and dynamic shared
     /// memory: `plan::wg_plan`; `ws` and `counters`: its split-K partials and tickets; `w`, `wsc`: the
-    /// weights' `qs` and `sc` (common.cuh; `wsc` unused for bf16).
-    WgQkv = "gemm_hopper" / "wg_qkv", threads WG_THREADS, {
+    /// weights' `qs` and `sc` (common.cuh; `wsc` unused for bf16). Each `wg_*` entry (one warpgroup)
+    /// has a `wq_*` twin for quantized weights: warp-specialised blocks (a producer and two consumer
+    /// warpgroups), grid and dynamic shared memory `plan::wq_plan`.
+    WgQkv = "gemm_hopper" / "wg_qkv", threads WG_THREADS,
+        twin WqQkv = "wq_qkv", threads WQ_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -383,7 +422,8 @@ entries! {
         counters: ptr<"unsigned int">,
     }
     /// Hopper GEMM path: output projection + residual.
-    WgO = "gemm_hopper" / "wg_o", threads WG_THREADS, {
+    WgO = "gemm_hopper" / "wg_o", threads WG_THREADS,
+        twin WqO = "wq_o", threads WQ_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -393,19 +433,22 @@ entries! {
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }
-    /// Hopper GEMM path: gate/up + SiLU(gate) * up.
-    WgGu = "gemm_hopper" / "wg_gu", threads WG_THREADS, {
+    /// Hopper GEMM path: gate/up + SiLU(gate) * up, h in act_t: the down product's activations
+    /// as it reads them (no conversion between the two).
+    WgGu = "gemm_hopper" / "wg_gu", threads WG_THREADS,
+        twin WqGu = "wq_gu", threads WQ_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
-        h: ptr<"float">,
+        h: ptr<"act_t">,
         ntok: i32,
         tile_n: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }
     /// Hopper GEMM path: the LM head's logits (bf16 or q8_0 head), `ntok` rows.
-    WgLogits = "gemm_hopper" / "wg_logits", threads WG_THREADS, {
+    WgLogits = "gemm_hopper" / "wg_logits", threads WG_THREADS,
+        twin WqLogits = "wq_logits", threads WQ_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -416,71 +459,8 @@ entries! {
         counters: ptr<"unsigned int">,
     }
     /// Hopper GEMM path: down projection + residual.
-    WgDown = "gemm_hopper" / "wg_down", threads WG_THREADS, {
-        a: ptr<"const act_t">,
-        w: ptr<"const void">,
-        wsc: ptr<"const void">,
-        x: ptr<"float">,
-        ntok: i32,
-        tile_n: i32,
-        ws: ptr<"float">,
-        counters: ptr<"unsigned int">,
-    }
-    /// Warp-specialised Hopper GEMM of quantized weights (`wq_*`: the parameters of the `wg_*`
-    /// entry of the same product; grid and dynamic shared memory: `plan::wq_plan`): QKV + RoPE + KV write.
-    WqQkv = "gemm_hopper" / "wq_qkv", threads WQ_THREADS, {
-        a: ptr<"const act_t">,
-        w: ptr<"const void">,
-        wsc: ptr<"const void">,
-        rope: ptr<"const float2">,
-        q: ptr<"float">,
-        kc: ptr<"kv_t">,
-        vc: ptr<"kv_t">,
-        pos: ptr<"const int">,
-        slot: ptr<"const int">,
-        tables: ptr<"const unsigned int">,
-        layer: i32,
-        max_blocks: i32,
-        ntok: i32,
-        tile_n: i32,
-        ws: ptr<"float">,
-        counters: ptr<"unsigned int">,
-    }
-    /// Warp-specialised Hopper GEMM of quantized weights: output projection + residual.
-    WqO = "gemm_hopper" / "wq_o", threads WQ_THREADS, {
-        a: ptr<"const act_t">,
-        w: ptr<"const void">,
-        wsc: ptr<"const void">,
-        x: ptr<"float">,
-        ntok: i32,
-        tile_n: i32,
-        ws: ptr<"float">,
-        counters: ptr<"unsigned int">,
-    }
-    /// Warp-specialised Hopper GEMM of quantized weights: gate/up + SiLU(gate) * up.
-    WqGu = "gemm_hopper" / "wq_gu", threads WQ_THREADS, {
-        a: ptr<"const act_t">,
-        w: ptr<"const void">,
-        wsc: ptr<"const void">,
-        h: ptr<"float">,
-        ntok: i32,
-        tile_n: i32,
-        ws: ptr<"float">,
-        counters: ptr<"unsigned int">,
-    }
-    /// Warp-specialised Hopper GEMM of quantized weights: the q8_0 LM head's logits, `ntok` rows.
-    WqLogits = "gemm_hopper" / "wq_logits", threads WQ_THREADS, {
-        a: ptr<"const act_t">,
-        w: ptr<"const void">,
-        wsc: ptr<"const void">,
-        logits: ptr<"float">,
-        ntok: i32,
-        tile_n: i32,
-        ws: ptr<"float">,
-        counters: ptr<"unsigned int">,
-    }
-    /// Warp-specialised Hopper GEMM of quantized weights: down projection + residual.
-    WqDown = "gemm_hopper" / "wq_down", threads WQ_THREADS, {
+    WgDown = "gemm_hopper" / "wg_down", threads WG_THREADS,
+        twin WqDown = "wq_down", threads WQ_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -523,11 +503,12 @@ entries! {
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }
-    /// Warp-specialised Hopper GEMM: gate/up + SiLU(gate) * up.
+    /// Warp-specialised Hopper GEMM: gate/up + SiLU(gate) * up, h in bf16 (the down product's
+    /// activations).
     TmaGu = "gemm_tma" / "tma_gu", threads TMA_THREADS, {
         amap: tmap,
         wmap: tmap,
-        h: ptr<"float">,
+        h: ptr<"__nv_bfloat16">,
         ntok: i32,
         cfg: i32,
         splits: i32,
@@ -555,54 +536,5 @@ entries! {
         splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
-    }
-}
-
-/// The `wq_*` entries take the parameters of their product's `wg_*` entry: its argument struct
-/// converts field by field (a field missing on either side does not compile; the declarations are
-/// compared in a test).
-macro_rules! same_args {
-    ($($from:ident => $to:ident { $($f:ident),* })*) => {$(
-        impl From<$from> for $to {
-            fn from(a: $from) -> $to {
-                $to { $($f: a.$f),* }
-            }
-        }
-    )*};
-}
-
-same_args! {
-    WgQkv => WqQkv { a, w, wsc, rope, q, kc, vc, pos, slot, tables, layer, max_blocks, ntok, tile_n, ws, counters }
-    WgO => WqO { a, w, wsc, x, ntok, tile_n, ws, counters }
-    WgGu => WqGu { a, w, wsc, h, ntok, tile_n, ws, counters }
-    WgDown => WqDown { a, w, wsc, x, ntok, tile_n, ws, counters }
-    WgLogits => WqLogits { a, w, wsc, logits, ntok, tile_n, ws, counters }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn wq_entries_take_their_wg_entrys_parameters() {
-        let pairs = [
-            (WgQkv::DECL, WqQkv::DECL),
-            (WgO::DECL, WqO::DECL),
-            (WgGu::DECL, WqGu::DECL),
-            (WgDown::DECL, WqDown::DECL),
-            (WgLogits::DECL, WqLogits::DECL),
-        ];
-        for (g, q) in pairs {
-            assert_eq!(g.template, q.template);
-            assert_eq!(g.params.len(), q.params.len(), "{}", q.entry);
-            for (a, b) in g.params.iter().zip(q.params) {
-                assert_eq!(
-                    (a.name, format!("{:?}", a.ty)),
-                    (b.name, format!("{:?}", b.ty)),
-                    "{}",
-                    q.entry
-                );
-            }
-        }
     }
 }

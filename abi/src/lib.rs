@@ -158,6 +158,10 @@ pub const ATT_MAX_CLUSTER: u32 = 8;
 /// score; the default, `METRALE_CUDA_TUNING=attention_transpose=off` turns it off), else one warp
 /// sum per score.
 pub const ATT_FLAG_TRANSPOSE: u32 = 1;
+/// `attention`'s and `attention_flash`'s `flags` bit that writes the output as the Hopper GEMMs'
+/// 16-bit activations (`act_t`: bf16 for bf16 weights, f16 for quantized ones), which the O
+/// product reads as they are; else f32. Set where the chunk's products run on the Hopper path.
+pub const ATT_FLAG_OUT16: u32 = 2;
 /// Threads per block of `attention_flash` (4 warps of 16 query rows each) and the key positions of
 /// one of its K/V tiles in shared memory (`kernels/cuda/attention_flash.cu.hbs`).
 pub const FLASH_THREADS: u32 = 128;
@@ -245,6 +249,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),
+    ("ATT_FLAG_OUT16", ATT_FLAG_OUT16 as i64),
     ("FLASH_THREADS", FLASH_THREADS as i64),
     ("FLASH_BN", FLASH_BN as i64),
     ("SAMPLE_THREADS", SAMPLE_THREADS as i64),

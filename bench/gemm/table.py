@@ -12,6 +12,11 @@ each product's W4A16 time beside cuBLAS bf16 and metrale's bf16 launch on the sa
 own floor (the q4_1 weights at the copy rate, or the FLOPs at the peak).
 
     python3 bench/gemm/table.py gemm-bf16.jsonl cublas.jsonl --w4a16 gemm-q4_1.jsonl > table-q4_1.md
+
+With --probe NAME GEMM.jsonl: one line, each product's time (the planned launch) at each token
+count of a kernel variant's gemm_bench run (ci/gpu/gemm.sh's probes).
+
+    python3 bench/gemm/table.py --probe NAME gemm-NAME.jsonl
 """
 import json
 import sys
@@ -37,7 +42,15 @@ def w4a16(ours, lib, path):
         print(f"{r['floor_us']:.1f} | {r['weight_gbs']:.0f} |")
 
 
+def probe(name, path):
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    print(name + ": " + " ".join(f"{r['product']}@{r['ntok']} {r['us']:.1f} us ({r['weight_gbs']:.0f} GB/s)"
+                                 for r in rows if r["kernel"] == "wgmma"))
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--probe":
+        return probe(sys.argv[2], sys.argv[3])
     ours = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
     lib = {(r["product"], r["ntok"]): r for r in (json.loads(l) for l in open(sys.argv[2]) if l.strip())}
     if len(sys.argv) > 4 and sys.argv[3] == "--w4a16":

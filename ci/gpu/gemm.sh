@@ -20,15 +20,21 @@
 #   bash ci/gpu/gemm.sh peer   carry .gm1 .peer  llama.cpp's build, then this build's cuda_bench and
 #        llama-bench (pp512, pp8192, tg128) / llama-batched-bench on the same 8B bf16 GGUF (one
 #        call, ~8 min)
-#   bash ci/gpu/gemm.sh w4a16  carry .gm1 .gm2 .peer  llama.cpp's build (background); the 8B q4_1 and
+#   bash ci/gpu/gemm.sh w4a16  carry .gm1 .gm2 .peer  the 8B q4_1 and
 #        bf16 GGUFs; the GEMM tests of 8B q4_1 (W4A16 products and the W8A16 LM head against the CPU
 #        ops; stop on failure); gemm_bench on 8B q4_1 and bf16 at 16-4,096 tokens and cuBLAS on the
 #        same shapes (table.py --w4a16); cuda_bench of 8B q4_1 (decode of 16, 64 and 256
 #        sequences, pp512), both on the warp-specialised wq_* kernels and on the one-warpgroup wg_*
-#        ones (tma_gemm=off), and of 8B bf16 beside them; the rest of the 8B q4_1 kernel tests
+#        ones (tma_gemm=off), and of 8B bf16 beside them; llama.cpp's build (background, from
+#        here on); the rest of the 8B q4_1 kernel tests
+#        (with .gm3/probes.tar.xz carried too: gemm_bench at 16 and 256 tokens on each kernel
+#        folder k-NAME/ in it, variants built from edited copies of the templates)
 #   bash ci/gpu/gemm.sh w4a16-peer carry .gm1 .gm2 .peer  (right after w4a16, on the same machine)
 #        llama.cpp's llama-bench (pp512, tg128) and llama-batched-bench (16, 64, 256) on the same
 #        q4_1 GGUF; the GEMM tests of 8B bf16 and the other h200 targets' kernel tests
+#   bash ci/gpu/gemm.sh ab     carry .gm1 .gm2  the decode steps of 16 and 64 sequences taken apart
+#        (8B q4_1 under the tunings in $AB, bf16 beside them): each stage alone beside the step
+#   bash ci/gpu/gemm.sh tests  carry .gm1 .gm2  every kernel test of 8B bf16, then `shapes`
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -72,6 +78,22 @@ table() {
   timeout 120 python3 bench/gemm/cublas.py --from "$R/gemm.jsonl" --out "$R/cublas.jsonl" > "$R/cublas.txt" 2>&1
   echo "rc=$?" >> "$R/cublas.txt"
   python3 bench/gemm/table.py "$R/gemm.jsonl" "$R/cublas.jsonl" | tee "$R/table.md"
+}
+
+# probes: with .gm3/probes.tar.xz carried, kernel folders k-NAME/ of h200/llama-3.1-8b/q4_1 built
+# from edited copies of the templates (`xtask build-target --repo COPY`): each product timed at 16
+# and 256 tokens on the 8B q4_1 GGUF in $H/s
+probes() {
+  [ -f .gm3/probes.tar.xz ] || return 0
+  step "probes: gemm_bench on each variant's kernels"
+  mkdir -p "$R/probes" "$H/p" && tar xJf .gm3/probes.tar.xz -C "$H/p"
+  local v n
+  for v in "$H"/p/k-*; do
+    n=${v##*/k-}
+    METRALE_TARGETS=$PWD/targets timeout 90 "$H/b/bin/gemm_bench" "$H/s/l8b-q4_1.gguf" "$v/kernels" $T8/q4_1 \
+      --tokens 16,256 --out "$R/probes/gemm-$n.jsonl" > "$R/probes/gemm-$n.txt" 2>&1; echo "rc=$?" >> "$R/probes/gemm-$n.txt"
+    python3 bench/gemm/table.py --probe "$n" "$R/probes/gemm-$n.jsonl"
+  done
 }
 
 case "${1:-}" in
@@ -165,7 +187,6 @@ prefill)
   ;;
 w4a16)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
-  [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
   step "synth-model: 8B q4_1 and bf16 GGUFs"
@@ -191,6 +212,10 @@ w4a16)
   cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
   METRALE_CUDA_TUNING=tma_gemm=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-wg --batch 16,64,256 --steps 32 --pp 512
   bench "$K" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
+  # llama.cpp's build for w4a16-peer only now: its compilers on every core would slow the host
+  # side of the steps timed above (16 sequences: 3.9 ms a step measured as 8.0 ms during it)
+  [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  probes
   step "cuda_kernels h200/llama-3.1-8b/q4_1: the rest"
   METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout "$(left)" "$H/b/bin/cuda_kernels" \
     --nocapture --test-threads=1 --skip gemm_prefill > "$R/kernel-tests-q4-rest.txt" 2>&1; echo "rc=$?" >> "$R/kernel-tests-q4-rest.txt"
@@ -201,14 +226,41 @@ w4a16-peer)
   # after w4a16 on the same machine: its q4_1 GGUF and llama.cpp's build are in $H
   rm -rf "$R" && mkdir -p "$R" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
   step "llama.cpp build: waiting for it"
-  for _ in $(seq 100); do [ -f "$H/llamacpp/build.done" ] && break; sleep 3; done
+  for _ in $(seq 150); do [ -f "$H/llamacpp/build.done" ] && break; sleep 3; done
   cat "$H/llamacpp/build.done"
   step "llama.cpp on the same q4_1 GGUF"
   OUT=$R bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-q4_1.gguf" 16,64,256 2>&1 | tail -12
-  step "cuda_kernels h200/llama-3.1-8b/bf16: the GEMM tests"
-  TESTS_TIMEOUT=150 tests8 gemm tma_gemm gemm_prefill; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -12
+  step "cuda_kernels h200/llama-3.1-8b/bf16: the GEMM and attention tests"
+  TESTS_TIMEOUT=150 tests8 gemm tma_gemm gemm_prefill attention; grep -E "rel err|rounded|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -16
   kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1
   finish w4a16-peer
+  ;;
+ab)
+  # carry .gm1 .gm2: 8B q4_1 and bf16 decode steps taken apart: cuda_bench at 16 and 64 sequences
+  # (each step's stages alone beside the step) under each tuning in AB (default: as built, pdl=off,
+  # attention_cluster=off, tma_gemm=off), bf16 as built beside them
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model
+  KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  for t in ${AB:-default pdl=off attention_cluster=off tma_gemm=off}; do
+    [ "$t" = default ] && t=
+    CB_GREP="stages alone|decode batch 16: kernel" METRALE_CUDA_TUNING=$t cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 \
+      "ab-q4_1-${t:-default}" --batch 16,64 --steps 25 --pp 16
+  done
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" 2>&1 | grep synth-model
+  CB_GREP="stages alone" bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" ab-bf16 --batch 16,64 --steps 25 --pp 16
+  probes
+  finish ab
+  ;;
+tests)
+  # carry .gm1 .gm2: every kernel test of h200/llama-3.1-8b/bf16, then `shapes`' (a kernel change's
+  # check on all five h200 targets, no benchmark)
+  rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  step "cuda_kernels h200/llama-3.1-8b/bf16: all"
+  TESTS_TIMEOUT=300 tests8 all; grep -E "rel err|rounded|test result|panicked|rc=" "$R/kernel-tests-all.txt" | tail -12
+  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
+  finish tests
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"

@@ -615,6 +615,28 @@ using kv_t = __nv_bfloat16;
 using kv_t = float;
 #endif
 
+// ---- The 16-bit activations of the Hopper GEMMs ----
+// act_t: bf16 against bf16 weights; f16 against quantized weights, which enter the MMAs
+// dequantised to f16 (an f16 weight carries 2 more bits than bf16, and q * d + m of a q4_1 nibble
+// is one FMA in f16). f16 saturates at 65504: the conversions clamp there (bf16 would keep the
+// range at 8 bits of precision). The GEMMs' conversion kernels write it, and so do the kernels
+// that hand their output straight to a product (attention to O, gate/up to down).
+#if defined(METRALE_W_bf16)
+typedef __nv_bfloat16 act_t;
+typedef __nv_bfloat162 act2_t;
+MT_INLINE act2_t act2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+#else
+typedef __half act_t;
+typedef __half2 act2_t;
+MT_INLINE act2_t act2(float a, float b) {
+    return __floats2half2_rn(fminf(fmaxf(a, -65504.f), 65504.f), fminf(fmaxf(b, -65504.f), 65504.f));
+}
+#endif
+// One value into an array of T: f32 as is; bf16 and f16 rounded to nearest, f16 saturating as act2.
+MT_INLINE void st1(float* p, float v) { *p = v; }
+MT_INLINE void st1(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+MT_INLINE void st1(__half* p, float v) { *p = __float2half_rn(fminf(fmaxf(v, -65504.f), 65504.f)); }
+
 namespace mt {
 
 // E consecutive cache elements as raw 32-bit words, fetched by one vector load (E * sizeof(kv_t)

@@ -74,15 +74,17 @@ struct Residual {
     }
 };
 
-// Gate/up (rows interleaved: n even is gate row n/2, n + 1 its up row): h = SiLU(gate) * up.
-struct SiluUp {
-    float* h;
+// Gate/up (rows interleaved: n even is gate row n/2, n + 1 its up row): h = SiLU(gate) * up, into
+// h[ntok][FFN] of T: f32 on the mma.sync path; the down product's 16-bit activations on the Hopper
+// paths (the value they converted h to before, so down reads it as written).
+template <class T> struct SiluUp {
+    T* h;
     struct Row {
-        float* p;
+        T* p;
     };
     MT_INLINE Row row(int t) const { return Row{h + (size_t)t * FFN}; }
     MT_INLINE float2 pre(const Row&, int) const { return make_float2(0.f, 0.f); }
-    MT_INLINE void post(const Row& r, int n, float2, float g, float u) const { r.p[n / 2] = g / (1.f + expf(-g)) * u; }
+    MT_INLINE void post(const Row& r, int n, float2, float g, float u) const { st1(r.p + n / 2, g / (1.f + expf(-g)) * u); }
     MT_INLINE void operator()(int t, int n, float g, float u) const { post(row(t), n, make_float2(0.f, 0.f), g, u); }
 };
 

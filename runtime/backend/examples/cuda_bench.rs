@@ -447,15 +447,43 @@ fn main() {
                 hs[i].push(o.token);
             }
         }
-        let (m, _, _) = median(&mut ts);
+        let (m, p10, p90) = median(&mut ts);
         let tok_s = nb as f64 * 1e6 / m;
         // the products' rate, and the weights' bytes per step over its time
         let (tflops, weight_gbs) = (tok_s * flops_tok / 1e12, wbytes as f64 / m / 1e3);
         eprintln!(
-            "decode batch {nb}: median {m:.1} us/step, {tok_s:.0} tok/s, {tflops:.1} TFLOP/s, weights at {weight_gbs:.0} GB/s"
+            "decode batch {nb}: median {m:.1} us/step (p10 {p10:.1}, p90 {p90:.1}), {tok_s:.0} tok/s, {tflops:.1} TFLOP/s, weights at {weight_gbs:.0} GB/s"
         );
+        // each stage of the last step alone (a graph of its launches back to back), and their sum
+        // over the layers on the path the step ran: where a step's time goes
+        let prof_b = b.profile_kernels(20, 5).unwrap();
+        let gemm_path = prof_b.iter().any(|(n, _)| n.starts_with("gemm_"))
+            && metrale_backend::cuda::gemm::gemm_pays_on(
+                &metrale_backend::Dims::from_shape(&spec.model),
+                nb,
+                true,
+            );
+        let mut sum = 0.0;
+        for (name, us) in &prof_b {
+            let counted = match *name {
+                "embed" | "lm_head" => Some(1.0),
+                "attention" | "attention_flash" => Some(layers),
+                n if n.starts_with("gemm_") == gemm_path => Some(layers),
+                _ => None,
+            };
+            if let Some(times) = counted {
+                sum += us * times;
+                eprintln!("  decode batch {nb}: kernel {name:15} {us:9.2} us/launch");
+            }
+        }
+        eprintln!("  decode batch {nb}: the stages alone sum to {sum:.1} us/step");
+        let prof_b_json: Vec<String> = prof_b
+            .iter()
+            .map(|(n, us)| format!("\"{n}\": {us:.3}"))
+            .collect();
         batch_res.push(format!(
-            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}}}"
+            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"us_p10\": {p10:.2}, \"us_p90\": {p90:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}, \"stages_alone_us\": {sum:.1}, \"kernel_us\": {{{}}}}}",
+            prof_b_json.join(", ")
         ));
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;

@@ -349,6 +349,41 @@ fn poisoned(g: &Gpu, n: usize) -> DevBuf {
     g.upload(&vec![f32::NAN; n]).unwrap()
 }
 
+/// The first `n` values of an activation the GEMM path hands to a product (`ActType`: the
+/// attention output, the FFN activation `h`), widened to f32.
+fn read_act(g: &Gpu, b: &DevBuf, n: usize, ty: metrale_backend::cuda::gemm::ActType) -> Vec<f32> {
+    use metrale_backend::cuda::gemm::ActType;
+    if ty == ActType::F32 {
+        return read_f32(g, b, n);
+    }
+    let mut v = vec![0u16; n];
+    g.read(b, 0, &mut v).unwrap();
+    v.into_iter()
+        .map(|u| match ty {
+            ActType::Bf16 => half::bf16::from_bits(u).to_f32(),
+            _ => half::f16::from_bits(u).to_f32(),
+        })
+        .collect()
+}
+
+/// An activation in the GEMM path's hand-over type (`ActType`), rounded to nearest as the kernels
+/// round it.
+fn upload_act(g: &Gpu, h: &[f32], ty: metrale_backend::cuda::gemm::ActType) -> DevBuf {
+    use metrale_backend::cuda::gemm::ActType;
+    let bits: Vec<u16> = match ty {
+        ActType::F32 => return g.upload(h).unwrap(),
+        ActType::Bf16 => h
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect(),
+        ActType::F16 => h
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect(),
+    };
+    g.upload(&bits).unwrap()
+}
+
 #[test]
 fn embed_rows_are_exact() {
     let Some(mut e) = env("embed") else { return };
@@ -546,31 +581,26 @@ fn attention_splits_combine_and_out_projection() {
     let runs = [1usize, 2, 3, 4, 8, 32, auto]
         .into_iter()
         .flat_map(|s| [(s, 0), (s, abi::ATT_FLAG_TRANSPOSE as i32)]);
+    let args = |nsplit: usize, flags: i32, out: u64| abi::Attention {
+        q: qb.ptr,
+        kc: kb.ptr,
+        vc: vb.ptr,
+        pos: pb.ptr,
+        slot: sb.ptr,
+        tables: tb.ptr,
+        layer: layer as i32,
+        max_blocks: pg.max_blocks as i32,
+        nsplit: nsplit as i32,
+        flags,
+        part_ml: ml.ptr,
+        part_acc: acc.ptr,
+        counter: counter.ptr,
+        out,
+    };
     for (nsplit, flags) in runs {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
-        let launch = || {
-            g.attention(
-                abi::Attention {
-                    q: qb.ptr,
-                    kc: kb.ptr,
-                    vc: vb.ptr,
-                    pos: pb.ptr,
-                    slot: sb.ptr,
-                    tables: tb.ptr,
-                    layer: layer as i32,
-                    max_blocks: pg.max_blocks as i32,
-                    nsplit: nsplit as i32,
-                    flags,
-                    part_ml: ml.ptr,
-                    part_acc: acc.ptr,
-                    counter: counter.ptr,
-                    out: att.ptr,
-                },
-                n,
-            )
-            .unwrap()
-        };
+        let launch = || g.attention(args(nsplit, flags, att.ptr), n).unwrap();
         launch();
         check(
             &format!("attention, {nsplit} splits, flags {flags}"),
@@ -594,7 +624,62 @@ fn attention_splits_combine_and_out_projection() {
             &got,
             &want_x,
         );
+        // the output in the Hopper O product's 16-bit activations: the f32 output, rounded
+        let f32_out = read_f32(g, &att, n * qd);
+        let (ty, out16) = (act_type(g), flags | abi::ATT_FLAG_OUT16 as i32);
+        let att16 = g.alloc(n * qd * 2).unwrap();
+        g.attention(
+            abi::Attention {
+                flags: out16,
+                out: att16.ptr,
+                ..args(nsplit, flags, att.ptr)
+            },
+            n,
+        )
+        .unwrap();
+        assert_rounded(
+            &format!("attention, {nsplit} splits, flags {out16}"),
+            &read_act(g, &att16, n * qd, ty),
+            &f32_out,
+            ty,
+        );
     }
+}
+
+/// The 16-bit type a target's attention output reaches the Hopper O product in.
+fn act_type(g: &Gpu) -> metrale_backend::cuda::gemm::ActType {
+    use metrale_backend::cuda::gemm::ActType;
+    if g.weights_bf16() {
+        ActType::Bf16
+    } else {
+        ActType::F16
+    }
+}
+
+/// `got` (16-bit values widened) is exactly `want` (f32) rounded to nearest in `ty`.
+fn assert_rounded(what: &str, got: &[f32], want: &[f32], ty: metrale_backend::cuda::gemm::ActType) {
+    use metrale_backend::cuda::gemm::ActType;
+    let round = |v: f32| match ty {
+        ActType::Bf16 => half::bf16::from_f32(v).to_f32(),
+        ActType::F16 => half::f16::from_f32(v.clamp(-65504.0, 65504.0)).to_f32(),
+        ActType::F32 => v,
+    };
+    let bad = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a.to_bits() != round(*b).to_bits());
+    assert!(
+        bad.is_none(),
+        "{what}: element {} is {} where {} rounds to {}",
+        bad.unwrap_or(0),
+        got[bad.unwrap_or(0)],
+        want[bad.unwrap_or(0)],
+        round(want[bad.unwrap_or(0)])
+    );
+    eprintln!(
+        "  {what}: {} values, each the f32 output rounded to {ty:?}",
+        got.len()
+    );
 }
 
 /// `attention_flash` against the CPU reference. q and the softmax weights enter the tensor cores
@@ -635,24 +720,25 @@ fn flash_attention_tiles_pages_and_earlier_chunks() {
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
     let tiles = plan::flash_tiles(&pos, &slot, abi::layout::flash_tokens(d.heads / d.kv_heads));
     let tiles_b = g.upload(&tiles).unwrap();
+    let launch = |flags: i32, out: u64| {
+        let a = abi::AttentionFlash {
+            q: qb.ptr,
+            kc: kb.ptr,
+            vc: vb.ptr,
+            pos: pb.ptr,
+            slot: sb.ptr,
+            tables: tb.ptr,
+            layer: layer as i32,
+            max_blocks: pg.max_blocks as i32,
+            tiles: tiles_b.ptr,
+            flags,
+            out,
+        };
+        g.attention_flash(a, tiles.len() / 2).unwrap();
+    };
     let run = || {
         let att = poisoned(g, n * qd);
-        g.attention_flash(
-            abi::AttentionFlash {
-                q: qb.ptr,
-                kc: kb.ptr,
-                vc: vb.ptr,
-                pos: pb.ptr,
-                slot: sb.ptr,
-                tables: tb.ptr,
-                layer: layer as i32,
-                max_blocks: pg.max_blocks as i32,
-                tiles: tiles_b.ptr,
-                out: att.ptr,
-            },
-            tiles.len() / 2,
-        )
-        .unwrap();
+        launch(0, att.ptr);
         read_f32(g, &att, n * qd)
     };
     let got = run();
@@ -672,6 +758,16 @@ fn flash_attention_tiles_pages_and_earlier_chunks() {
             .zip(&again)
             .all(|(a, b)| a.to_bits() == b.to_bits()),
         "attention_flash: a repeat differs"
+    );
+    // the output in the Hopper O product's 16-bit activations: the f32 output, rounded
+    let ty = act_type(g);
+    let att16 = g.alloc(n * qd * 2).unwrap();
+    launch(abi::ATT_FLAG_OUT16 as i32, att16.ptr);
+    assert_rounded(
+        "attention_flash, ATT_FLAG_OUT16",
+        &read_act(g, &att16, n * qd, ty),
+        &got,
+        ty,
     );
 }
 
@@ -1054,10 +1150,8 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
     let g = &e.gpu;
     let p = GemmPath::new(g, n).expect("gemm kernels");
     let wo_b = DevMat::upload(g, &wo.host(e.wf)).unwrap();
-    let ab = g.upload(&att).unwrap();
-    // the conversion (and the planned product, on a scratch row set) leaves bf16(att) in the scratch
-    let scratch = g.upload(&x).unwrap();
-    p.out_proj(g, ab.ptr, &wo_b, scratch.ptr, n).unwrap();
+    // att as the attention kernel hands it to the O product (bf16 on this path)
+    let ab = upload_act(g, &att, p.act_type());
     let mut tried = 0;
     for (cfg, &(bm, bn)) in abi::layout::TMA_CONFIGS.iter().enumerate() {
         for splits in [1, 2, 5] {
@@ -1068,8 +1162,11 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
             let mut bits = Vec::new();
             for _ in 0..if splits > 1 { 2 } else { 1 } {
                 let xo = g.upload(&x).unwrap();
-                p.tma_product(g, Product::Out { x: xo.ptr }, &wo_b, n, l)
-                    .unwrap();
+                let o = Product::Out {
+                    att: ab.ptr,
+                    x: xo.ptr,
+                };
+                p.tma_product(g, o, &wo_b, n, l).unwrap();
                 let got = read_f32(g, &xo, n * d.hidden);
                 check_tol(&what, &got, &want, HOPPER_TOL);
                 bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
@@ -1270,20 +1367,21 @@ fn check_gemm_products(
     let hb = poisoned(g, n * d.ffn);
     p.norm_gate_up(g, xb.ptr, nb.ptr, &wgu_b, hb.ptr, n)
         .unwrap();
+    // the Hopper path leaves h in the down product's 16-bit type: within the bound as it is
     check_tol(
-        &format!("{what}h = silu(gate)*up"),
-        &read_f32(g, &hb, n * d.ffn),
+        &format!("{what}h = silu(gate)*up ({:?})", p.act_type()),
+        &read_act(g, &hb, n * d.ffn, p.act_type()),
         &want_h,
         tol,
     );
 
     // output projection + residual (twice: split-K must give the same bits), then down projection
     // + residual (reference inputs)
-    let ab = g.upload(&att).unwrap();
+    let ab = upload_act(g, &att, p.act_type());
     let (xo, xo2) = (g.upload(&x).unwrap(), g.upload(&x).unwrap());
     p.out_proj(g, ab.ptr, &wo_b, xo.ptr, n).unwrap();
     p.out_proj(g, ab.ptr, &wo_b, xo2.ptr, n).unwrap();
-    let hb2 = g.upload(&want_h).unwrap();
+    let hb2 = upload_act(g, &want_h, p.act_type());
     let xd = g.upload(&x).unwrap();
     p.down(g, hb2.ptr, &wd_b, xd.ptr, n).unwrap();
     let plus = |m: &Mat, a: &[f32], k: usize| -> Vec<f32> {

@@ -193,6 +193,7 @@ impl CudaBackend {
                 max_blocks,
                 ntok: n,
             }),
+            // where the O product runs on the Hopper GEMMs, the output in their activations' type
             (Stage::Attention, _) => match attn {
                 Attn::Flash(ntiles) => g.attention_flash(
                     abi::AttentionFlash {
@@ -205,6 +206,7 @@ impl CudaBackend {
                         layer: l as i32,
                         max_blocks,
                         tiles: b.tiles,
+                        flags: pf.map_or(0, |p| p.att_flags()),
                         out: b.att.ptr,
                     },
                     ntiles,
@@ -220,7 +222,7 @@ impl CudaBackend {
                         layer: l as i32,
                         max_blocks,
                         nsplit: nsplit as i32,
-                        flags: g.att_flags,
+                        flags: g.att_flags | pf.map_or(0, |p| p.att_flags()),
                         part_ml: b.part_ml.ptr,
                         part_acc: b.part_acc.ptr,
                         counter: b.att_counter.ptr,

@@ -3,7 +3,9 @@
 //! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins; bf16 weights, or q4_1 weights where the target
 //!   asks for f16 GEMM activations), the activations converted once per product to bf16 (f16
 //!   against quantized weights, which each thread dequantises into its MMA fragments in registers:
-//!   W4A16) by `gemm_hopper.cu.hbs`'s `wg_act_*`, then warpgroup MMAs (wgmma): for bf16 weights from
+//!   W4A16) by `gemm_hopper.cu.hbs`'s `wg_act_*` (the O and down products' are the attention's and
+//!   the gate/up epilogue's output, written in that type: [`ActType`]), then warpgroup MMAs
+//!   (wgmma): for bf16 weights from
 //!   [`TMA_MIN_TOKENS`] tokens the warp-specialised kernels of `gemm_tma.cu.hbs` (a producer
 //!   thread's bulk tensor copies into a ring of stages, two consumer warpgroups, persistent tiles
 //!   of 64-128 tokens by 128-256 weight rows, K split where the tiles are few: `plan::tma_plan`),
@@ -122,17 +124,28 @@ pub struct QkvOut {
 pub enum Product {
     /// QKV projection, RoPE, q out and K/V into the cache.
     Qkv(QkvOut),
-    /// x += a * Wo^T
-    Out { x: u64 },
-    /// h = SiLU(gate) * up (gate and up rows interleaved)
+    /// x += att * Wo^T, att as the attention wrote it ([`GemmPath::act_type`])
+    Out { att: u64, x: u64 },
+    /// h = SiLU(gate) * up (gate and up rows interleaved), in the activations' 16-bit type
+    /// ([`GemmPath::act_type`])
     GateUp { h: u64 },
-    /// x += a * Wdown^T
-    Down { x: u64 },
+    /// x += h * Wdown^T, h as the gate/up product wrote it
+    Down { h: u64, x: u64 },
     /// logits = a * Whead^T (a bf16 head)
     Head { logits: u64 },
 }
 
 impl Product {
+    /// Where its activations are when not in the conversion scratch: the attention output for the
+    /// O product, `h` for the down product.
+    fn input(&self) -> Option<u64> {
+        match self {
+            Product::Down { h, .. } => Some(*h),
+            Product::Out { att, .. } => Some(*att),
+            _ => None,
+        }
+    }
+
     /// Its short name (the benchmarks' tables).
     pub fn name(&self) -> &'static str {
         match self {
@@ -159,6 +172,23 @@ impl Product {
 /// A tensor map's inputs: (address, rows, row length, box rows).
 type MapKey = (u64, usize, usize, u32);
 
+/// The most tensor maps [`GemmPath`] keeps encoded (each layer's four matrices and the head, the
+/// scratch's maps, and att's and h's, one per chunk length seen).
+const MAX_MAPS: usize = 1024;
+
+/// The element type in which the attention output and the FFN activation `h` reach the O and down
+/// products (the attention kernels write it with `abi::ATT_FLAG_OUT16`, the gate/up product's
+/// epilogue always).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActType {
+    /// the mma.sync path: f32 (split into f16 pairs by each product's conversion)
+    F32,
+    /// the Hopper path with bf16 weights: the down product's bf16 activations
+    Bf16,
+    /// the Hopper path with quantized weights (W4A16): f16, saturated at +-65504
+    F16,
+}
+
 /// The GEMM path of one backend: which kernels it runs, and their scratch.
 pub struct GemmPath {
     hi: DevBuf,
@@ -178,6 +208,8 @@ pub struct GemmPath {
     /// The LM head of several outputs runs on the Hopper GEMM too (a bf16 head whose rows are a
     /// multiple of `WG_BM`).
     hopper_head: bool,
+    /// How the O and down products' activations arrive.
+    act_type: ActType,
 }
 
 impl GemmPath {
@@ -196,6 +228,11 @@ impl GemmPath {
         let split = if hopper.is_some() { 0 } else { max_tokens };
         let hopper_head =
             hopper.is_some() && gpu.head_gemm() && d.vocab.is_multiple_of(abi::WG_BM as usize);
+        let act_type = match (&hopper, gpu.weights_bf16()) {
+            (None, _) => ActType::F32,
+            (Some(_), true) => ActType::Bf16,
+            (Some(_), false) => ActType::F16,
+        };
         Ok(GemmPath {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
             lo: gpu.alloc(split * kmax * 2)?,
@@ -204,6 +241,7 @@ impl GemmPath {
             kmax,
             hopper,
             tma: gpu.tma_gemm,
+            act_type,
             maps: Mutex::new(HashMap::new()),
             hopper_head,
         })
@@ -212,6 +250,21 @@ impl GemmPath {
     /// Whether the products run on the Hopper kernels.
     pub fn hopper(&self) -> bool {
         self.hopper.is_some()
+    }
+
+    /// The attention kernels' `flags` bits for a chunk whose O product runs here.
+    pub fn att_flags(&self) -> i32 {
+        if self.act_type == ActType::F32 {
+            0
+        } else {
+            abi::ATT_FLAG_OUT16 as i32
+        }
+    }
+
+    /// What the attention writes for [`Self::out_proj`] (with [`Self::att_flags`]) and
+    /// [`Self::norm_gate_up`] for [`Self::down`].
+    pub fn act_type(&self) -> ActType {
+        self.act_type
     }
 
     /// Which kernels run a product of `rows` x `k` over `ntok` tokens: the warp-specialised launch
@@ -240,13 +293,19 @@ impl GemmPath {
             return Ok(*m);
         }
         let m = g.tma_map_bf16(ptr, rows, k, box_rows)?;
+        // att's and h's maps are one per chunk length: bound the cache (graphs hold their maps by
+        // value)
+        if maps.len() >= MAX_MAPS {
+            maps.clear();
+        }
         maps.insert(key, m);
         Ok(m)
     }
 
-    /// Product `p` of the weights `w` over the bf16 activations the conversion kernel last wrote
-    /// to the scratch (`ntok` rows of `w.k`), on the Hopper kernels: the warp-specialised launch
-    /// `force` names, else the one [`Self::tma_plan`] chooses, else `gemm_hopper.cu.hbs`'s.
+    /// Product `p` of the weights `w` over its 16-bit activations (`ntok` rows of `w.k`: what the
+    /// conversion kernel last wrote to the scratch, or the O and down products' inputs), on the
+    /// Hopper kernels: the warp-specialised launch `force` names, else the one
+    /// [`Self::tma_plan`] chooses, else `gemm_hopper.cu.hbs`'s.
     pub fn hopper_product(
         &self,
         g: &Gpu,
@@ -305,13 +364,13 @@ impl GemmPath {
                 "the warp-specialised GEMM kernels are not ready on this device".into(),
             ));
         }
-        let amap = self.map(
-            g,
-            self.hi.ptr,
-            self.max_tokens * self.kmax / w.k,
-            w.k,
-            abi::TMA_ABOX,
-        )?;
+        // the scratch's map covers all of it; att's and h's the chunk's rows (TMA reads zeros past
+        // them)
+        let (a, a_rows) = match p.input() {
+            Some(a) => (a, ntok),
+            None => (self.hi.ptr, self.max_tokens * self.kmax / w.k),
+        };
+        let amap = self.map(g, a, a_rows, w.k, abi::TMA_ABOX)?;
         let wmap = self.map(g, w.qs.ptr, w.rows, w.k, abi::TMA_WBOX)?;
         let (cfg, splits) = (tp.cfg as i32, tp.splits as i32);
         match p {
@@ -336,7 +395,7 @@ impl GemmPath {
                     counters,
                 },
             ),
-            Product::Out { x } => g.tma_gemm(
+            Product::Out { x, .. } => g.tma_gemm(
                 &tp,
                 abi::TmaO {
                     amap,
@@ -362,7 +421,7 @@ impl GemmPath {
                     counters,
                 },
             ),
-            Product::Down { x } => g.tma_gemm(
+            Product::Down { x, .. } => g.tma_gemm(
                 &tp,
                 abi::TmaDown {
                     amap,
@@ -400,7 +459,7 @@ impl GemmPath {
         ntok: usize,
     ) -> Result<(), BackendError> {
         let (n, ws, counters) = self.hopper_args(g, &p, w, ntok)?;
-        let (a, wq) = (self.hi.ptr, w.qs.ptr);
+        let (a, wq) = (p.input().unwrap_or(self.hi.ptr), w.qs.ptr);
         let wsc = w.sc_ptr();
         match p {
             Product::Qkv(o) => g.wg_qkv(abi::WgQkv {
@@ -421,7 +480,7 @@ impl GemmPath {
                 ws,
                 counters,
             }),
-            Product::Out { x } => g.wg_o(abi::WgO {
+            Product::Out { x, .. } => g.wg_o(abi::WgO {
                 a,
                 w: wq,
                 wsc,
@@ -441,7 +500,7 @@ impl GemmPath {
                 ws,
                 counters,
             }),
-            Product::Down { x } => g.wg_down(abi::WgDown {
+            Product::Down { x, .. } => g.wg_down(abi::WgDown {
                 a,
                 w: wq,
                 wsc,
@@ -553,7 +612,8 @@ impl GemmPath {
         })
     }
 
-    /// x += att * Wo^T (what `attn_out` does).
+    /// x += att * Wo^T (what `attn_out` does), att of [`Self::act_type`] (the attention kernels
+    /// write it so with `abi::ATT_FLAG_OUT16` on the Hopper path).
     pub fn out_proj(
         &self,
         g: &Gpu,
@@ -564,9 +624,7 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            let a = self.hi.ptr;
-            g.wg_act_qd(abi::WgActQd { x: att, a, ntok })?;
-            return self.hopper_product(g, Product::Out { x }, w, ntok as usize, None);
+            return self.hopper_product(g, Product::Out { att, x }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_qd(abi::SplitQd {
@@ -587,7 +645,8 @@ impl GemmPath {
         })
     }
 
-    /// h = SiLU(gate) * up of RMSNorm(x) (what `ffn_in` does).
+    /// h = SiLU(gate) * up of RMSNorm(x) (what `ffn_in` does), h of [`Self::act_type`]: on the
+    /// Hopper path already the down product's activations.
     pub fn norm_gate_up(
         &self,
         g: &Gpu,
@@ -623,7 +682,8 @@ impl GemmPath {
         })
     }
 
-    /// x += h * Wdown^T (what `ffn_out` does).
+    /// x += h * Wdown^T (what `ffn_out` does), h as [`Self::norm_gate_up`] wrote it
+    /// ([`Self::act_type`]).
     pub fn down(
         &self,
         g: &Gpu,
@@ -634,9 +694,7 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            let a = self.hi.ptr;
-            g.wg_act_ffn(abi::WgActFfn { x: h, a, ntok })?;
-            return self.hopper_product(g, Product::Down { x }, w, ntok as usize, None);
+            return self.hopper_product(g, Product::Down { h, x }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_ffn(abi::SplitFfn {

@@ -557,16 +557,6 @@ impl Gpu {
         self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
     }
 
-    /// Hopper GEMM path: bf16 of the attention output.
-    pub fn wg_act_qd(&self, a: abi::WgActQd) -> Result<(), BackendError> {
-        self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
-    }
-
-    /// Hopper GEMM path: bf16 of the FFN activation.
-    pub fn wg_act_ffn(&self, a: abi::WgActFfn) -> Result<(), BackendError> {
-        self.launch((a.ntok.max(1) as u32, 1, 1), self.plain(), a)
-    }
-
     /// A Hopper GEMM of `rows` output rows and row length `k` over `a`'s `ntok` tokens in format
     /// `f`: on the warp-specialised kernel `Q` where [`Gpu::wq_gemm`] and `plan::wq_pays`
     /// (`plan::wq_plan`), else on `G`'s one-warpgroup kernel (`plan::wg_plan`); the arguments carry
