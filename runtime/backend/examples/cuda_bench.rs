@@ -454,8 +454,12 @@ fn main() {
         eprintln!(
             "decode batch {nb}: median {m:.1} us/step (p10 {p10:.1}, p90 {p90:.1}), {tok_s:.0} tok/s, {tflops:.1} TFLOP/s, weights at {weight_gbs:.0} GB/s"
         );
-        // each stage of the last step alone (a graph of its launches back to back), and their sum
-        // over the layers on the path the step ran: where a step's time goes
+        // the last step's graph replayed back to back (the device's share of a step: the rest is
+        // the host's input and output work), then each of its stages alone (a graph of its
+        // launches back to back) summed over the layers on the path the step ran: where a step's
+        // time goes
+        let replay = b.time_graph_replay(50).unwrap().unwrap_or(f64::NAN);
+        eprintln!("  decode batch {nb}: the step's graph replayed alone {replay:.1} us");
         let prof_b = b.profile_kernels(20, 5).unwrap();
         let gemm_path = prof_b.iter().any(|(n, _)| n.starts_with("gemm_"))
             && metrale_backend::cuda::gemm::gemm_pays_on(
@@ -482,7 +486,7 @@ fn main() {
             .map(|(n, us)| format!("\"{n}\": {us:.3}"))
             .collect();
         batch_res.push(format!(
-            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"us_p10\": {p10:.2}, \"us_p90\": {p90:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}, \"stages_alone_us\": {sum:.1}, \"kernel_us\": {{{}}}}}",
+            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"us_p10\": {p10:.2}, \"us_p90\": {p90:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}, \"graph_replay_us\": {replay:.1}, \"stages_alone_us\": {sum:.1}, \"kernel_us\": {{{}}}}}",
             prof_b_json.join(", ")
         ));
     }
