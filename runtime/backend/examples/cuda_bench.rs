@@ -29,6 +29,15 @@
 #[cfg(feature = "cuda")]
 mod args;
 
+/// Per-kernel timings (`CudaBackend::profile_kernels`) as the members of a JSON object.
+#[cfg(feature = "cuda")]
+fn kernel_us_json(prof: &[(&str, f64)]) -> String {
+    prof.iter()
+        .map(|(n, us)| format!("\"{n}\": {us:.3}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(feature = "cuda")]
 fn main() {
     use metrale_backend::cuda::{abi, CudaBackend, CudaOptions, KernelSet, Tuning};
@@ -201,10 +210,7 @@ fn main() {
         eprintln!("  kernel {name:15} {us:7.2} us/launch  -> {per_token:7.1} us/token");
     }
     eprintln!("  sum of kernels alone: {est:.1} us/token");
-    let prof_json: Vec<String> = prof
-        .iter()
-        .map(|(n, us)| format!("\"{n}\": {us:.3}"))
-        .collect();
+    let prof_json = kernel_us_json(&prof);
     let warm: Vec<f64> = times.iter().skip(16).copied().collect();
     let (med, p10, p90) = median(&mut warm.clone());
     let text = model.tokenizer.decode(&hist[prompt.len()..], false);
@@ -318,10 +324,7 @@ fn main() {
     for (name, us) in &prof_pp {
         eprintln!("  prefill {pp}: kernel {name:15} {us:9.2} us/launch");
     }
-    let prof_pp_json: Vec<String> = prof_pp
-        .iter()
-        .map(|(n, us)| format!("\"{n}\": {us:.3}"))
-        .collect();
+    let prof_pp_json = kernel_us_json(&prof_pp);
 
     // batch-1 decode after `depth` cached positions (zeros, see the module docs)
     let depth_slot = maxb + 1;
@@ -481,13 +484,10 @@ fn main() {
             }
         }
         eprintln!("  decode batch {nb}: the stages alone sum to {sum:.1} us/step");
-        let prof_b_json: Vec<String> = prof_b
-            .iter()
-            .map(|(n, us)| format!("\"{n}\": {us:.3}"))
-            .collect();
+        let prof_b_json = kernel_us_json(&prof_b);
         batch_res.push(format!(
             "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"us_p10\": {p10:.2}, \"us_p90\": {p90:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}, \"graph_replay_us\": {replay:.1}, \"stages_alone_us\": {sum:.1}, \"kernel_us\": {{{}}}}}",
-            prof_b_json.join(", ")
+            prof_b_json
         ));
     }
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
@@ -500,11 +500,11 @@ fn main() {
         nodes as f64 * 0.9,
         1e6 / med,
         b.decode1_info(),
-        prof_json.join(", "),
+        prof_json,
         b.gpu().pdl,
         warm.len(),
         pp as f64 / pp_ms * 1e3,
-        prof_pp_json.join(", "),
+        prof_pp_json,
         tuning,
         batch_res.join(", "),
         depth_res.join(", "),

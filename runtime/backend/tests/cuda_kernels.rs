@@ -358,29 +358,34 @@ fn read_act(g: &Gpu, b: &DevBuf, n: usize, ty: metrale_backend::cuda::gemm::ActT
     }
     let mut v = vec![0u16; n];
     g.read(b, 0, &mut v).unwrap();
-    v.into_iter()
-        .map(|u| match ty {
-            ActType::Bf16 => half::bf16::from_bits(u).to_f32(),
-            _ => half::f16::from_bits(u).to_f32(),
-        })
-        .collect()
+    v.into_iter().map(|u| act_f32(u, ty)).collect()
 }
 
-/// An activation in the GEMM path's hand-over type (`ActType`), rounded to nearest as the kernels
-/// round it.
-fn upload_act(g: &Gpu, h: &[f32], ty: metrale_backend::cuda::gemm::ActType) -> DevBuf {
+/// A 16-bit `ActType` value's bits, widened to f32.
+fn act_f32(bits: u16, ty: metrale_backend::cuda::gemm::ActType) -> f32 {
+    match ty {
+        metrale_backend::cuda::gemm::ActType::Bf16 => half::bf16::from_bits(bits).to_f32(),
+        _ => half::f16::from_bits(bits).to_f32(),
+    }
+}
+
+/// `v` rounded to nearest in a 16-bit `ActType`, as the kernels round it (f16 saturating at
+/// +-65504), as bits.
+fn act_bits(v: f32, ty: metrale_backend::cuda::gemm::ActType) -> u16 {
     use metrale_backend::cuda::gemm::ActType;
-    let bits: Vec<u16> = match ty {
-        ActType::F32 => return g.upload(h).unwrap(),
-        ActType::Bf16 => h
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect(),
-        ActType::F16 => h
-            .iter()
-            .map(|&v| half::f16::from_f32(v).to_bits())
-            .collect(),
-    };
+    match ty {
+        ActType::Bf16 => half::bf16::from_f32(v).to_bits(),
+        ActType::F16 => half::f16::from_f32(v.clamp(-65504.0, 65504.0)).to_bits(),
+        ActType::F32 => panic!("f32 has no 16-bit form"),
+    }
+}
+
+/// An activation in the GEMM path's hand-over type (`ActType`), rounded as the kernels round it.
+fn upload_act(g: &Gpu, h: &[f32], ty: metrale_backend::cuda::gemm::ActType) -> DevBuf {
+    if ty == metrale_backend::cuda::gemm::ActType::F32 {
+        return g.upload(h).unwrap();
+    }
+    let bits: Vec<u16> = h.iter().map(|&v| act_bits(v, ty)).collect();
     g.upload(&bits).unwrap()
 }
 
@@ -648,21 +653,15 @@ fn attention_splits_combine_and_out_projection() {
 
 /// The 16-bit type a target's attention output reaches the Hopper O product in.
 fn act_type(g: &Gpu) -> metrale_backend::cuda::gemm::ActType {
-    use metrale_backend::cuda::gemm::ActType;
-    if g.weights_bf16() {
-        ActType::Bf16
-    } else {
-        ActType::F16
-    }
+    metrale_backend::cuda::gemm::ActType::hopper(g.weights_bf16())
 }
 
 /// `got` (16-bit values widened) is exactly `want` (f32) rounded to nearest in `ty`.
 fn assert_rounded(what: &str, got: &[f32], want: &[f32], ty: metrale_backend::cuda::gemm::ActType) {
     use metrale_backend::cuda::gemm::ActType;
     let round = |v: f32| match ty {
-        ActType::Bf16 => half::bf16::from_f32(v).to_f32(),
-        ActType::F16 => half::f16::from_f32(v.clamp(-65504.0, 65504.0)).to_f32(),
         ActType::F32 => v,
+        _ => act_f32(act_bits(v, ty), ty),
     };
     let bad = got
         .iter()

@@ -194,43 +194,46 @@ impl CudaBackend {
                 ntok: n,
             }),
             // where the O product runs on the Hopper GEMMs, the output in their activations' type
-            (Stage::Attention, _) => match attn {
-                Attn::Flash(ntiles) => g.attention_flash(
-                    abi::AttentionFlash {
-                        q: b.q.ptr,
-                        kc: kv.kc.ptr,
-                        vc: kv.vc.ptr,
-                        pos: b.pos,
-                        slot: b.slot,
-                        tables: kv.tables.ptr,
-                        layer: l as i32,
-                        max_blocks,
-                        tiles: b.tiles,
-                        flags: pf.map_or(0, |p| p.att_flags()),
-                        out: b.att.ptr,
-                    },
-                    ntiles,
-                ),
-                Attn::Split(nsplit) => g.attention(
-                    abi::Attention {
-                        q: b.q.ptr,
-                        kc: kv.kc.ptr,
-                        vc: kv.vc.ptr,
-                        pos: b.pos,
-                        slot: b.slot,
-                        tables: kv.tables.ptr,
-                        layer: l as i32,
-                        max_blocks,
-                        nsplit: nsplit as i32,
-                        flags: g.att_flags | pf.map_or(0, |p| p.att_flags()),
-                        part_ml: b.part_ml.ptr,
-                        part_acc: b.part_acc.ptr,
-                        counter: b.att_counter.ptr,
-                        out: b.att.ptr,
-                    },
-                    ntok,
-                ),
-            },
+            (Stage::Attention, _) => {
+                let out16 = pf.map_or(0, |p| p.att_flags());
+                match attn {
+                    Attn::Flash(ntiles) => g.attention_flash(
+                        abi::AttentionFlash {
+                            q: b.q.ptr,
+                            kc: kv.kc.ptr,
+                            vc: kv.vc.ptr,
+                            pos: b.pos,
+                            slot: b.slot,
+                            tables: kv.tables.ptr,
+                            layer: l as i32,
+                            max_blocks,
+                            tiles: b.tiles,
+                            flags: out16,
+                            out: b.att.ptr,
+                        },
+                        ntiles,
+                    ),
+                    Attn::Split(nsplit) => g.attention(
+                        abi::Attention {
+                            q: b.q.ptr,
+                            kc: kv.kc.ptr,
+                            vc: kv.vc.ptr,
+                            pos: b.pos,
+                            slot: b.slot,
+                            tables: kv.tables.ptr,
+                            layer: l as i32,
+                            max_blocks,
+                            nsplit: nsplit as i32,
+                            flags: g.att_flags | out16,
+                            part_ml: b.part_ml.ptr,
+                            part_acc: b.part_acc.ptr,
+                            counter: b.att_counter.ptr,
+                            out: b.att.ptr,
+                        },
+                        ntok,
+                    ),
+                }
+            }
             (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok),
             (Stage::Out, None) => g.attn_out(abi::AttnOut {
                 att: b.att.ptr,

@@ -189,6 +189,17 @@ pub enum ActType {
     F16,
 }
 
+impl ActType {
+    /// The Hopper path's type for bf16 weights or quantized ones (`Gpu::weights_bf16`).
+    pub fn hopper(weights_bf16: bool) -> ActType {
+        if weights_bf16 {
+            ActType::Bf16
+        } else {
+            ActType::F16
+        }
+    }
+}
+
 /// The GEMM path of one backend: which kernels it runs, and their scratch.
 pub struct GemmPath {
     hi: DevBuf,
@@ -228,10 +239,9 @@ impl GemmPath {
         let split = if hopper.is_some() { 0 } else { max_tokens };
         let hopper_head =
             hopper.is_some() && gpu.head_gemm() && d.vocab.is_multiple_of(abi::WG_BM as usize);
-        let act_type = match (&hopper, gpu.weights_bf16()) {
-            (None, _) => ActType::F32,
-            (Some(_), true) => ActType::Bf16,
-            (Some(_), false) => ActType::F16,
+        let act_type = match hopper {
+            Some(_) => ActType::hopper(gpu.weights_bf16()),
+            None => ActType::F32,
         };
         Ok(GemmPath {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
