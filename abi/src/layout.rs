@@ -9,9 +9,9 @@
 use metrale_core::shape::Dims;
 
 use crate::{
-    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, FLASH_BN, FLASH_THREADS, PADDED_BLOCK, TMA_BK,
-    TMA_MAX_STAGES, TMA_SMEM, TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM, WG_MAX_STAGES,
-    WG_SMEM_LARGE, WG_SMEM_SMALL, WQ_KS, WQ_MAX_STAGES, WQ_ROWS, WQ_SMEM,
+    DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, FLASH_BN, FLASH_THREADS, PADDED_BLOCK,
+    Q41_PANEL, TMA_BK, TMA_MAX_STAGES, TMA_SMEM, TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM,
+    WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL, WQ_KS, WQ_MAX_STAGES, WQ_ROWS, WQ_SMEM,
 };
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
@@ -197,6 +197,20 @@ pub fn wq_stages(n: usize, f: WgFormat) -> usize {
     (WQ_SMEM as usize / wq_stage_bytes(n, f)).min(WQ_MAX_STAGES as usize)
 }
 
+/// 32-element blocks per panel of a q4_1 matrix with rows of `k` elements (`mt::q41_panel<K>()`):
+/// [`Q41_PANEL`] where it divides the row's blocks, else the whole row (then the panelled layout is
+/// row-major). Block `b` of row `r` of a matrix of `rows` rows sits at
+/// `(b / P) * rows * P + r * P + b % P` in both the nibble array (16 bytes a block) and the (d, m)
+/// array (4 bytes a block).
+pub fn q41_panel(k: usize) -> usize {
+    let nb = k / 32;
+    if nb.is_multiple_of(Q41_PANEL as usize) {
+        Q41_PANEL as usize
+    } else {
+        nb
+    }
+}
+
 /// Dynamic shared memory of a `wq_*` block (`wq::smem_bytes`): its stages and 1 KiB of alignment.
 pub fn wq_smem_bytes(n: usize, f: WgFormat) -> usize {
     wq_stages(n, f) * wq_stage_bytes(n, f) + 1024
@@ -270,6 +284,15 @@ pub fn asserts(template: &str, d: &Dims, sm_count: usize, formats: &[WgFormat]) 
                         wg_smem_bytes(n, f),
                         "dynamic shared memory per block",
                     );
+                }
+                if f == WgFormat::Q4_1 {
+                    for k in [d.hidden, d.qd(), d.ffn] {
+                        s += &check(
+                            &format!("mt::q41_panel<{k}>()"),
+                            q41_panel(k),
+                            "q4_1 blocks per panel",
+                        );
+                    }
                 }
                 if f != WgFormat::Bf16 {
                     for n in WQ_TILES {
@@ -386,10 +409,17 @@ mod tests {
         assert!(a.contains("static_assert(part_floats(132) == 432,"), "{a}");
         assert!(asserts("ffn_out", &d, 132, &[]).contains("static_assert(TB == 5,"));
         assert!(asserts("embed", &d, 132, &[]).is_empty());
-        // one per token tile and weight format, and (quantized formats) one per warp-specialised tile
+        // one per token tile and weight format, (quantized formats) one per warp-specialised tile,
+        // and (q4_1) one per row length: the panel
         let g = asserts("gemm_hopper", &d, 132, &[WgFormat::Q4_1, WgFormat::Q8_0]);
-        assert_eq!(g.matches("static_assert").count(), 8 + 2 * WQ_TILES.len());
+        assert_eq!(
+            g.matches("static_assert").count(),
+            8 + 2 * WQ_TILES.len() + 3
+        );
         assert!(g.contains("wg::smem_bytes(16, 40) =="), "{g}");
+        // SmolLM2: 576 = 18 blocks, row-major; 1536 = 48 blocks, panels of Q41_PANEL
+        assert!(g.contains("mt::q41_panel<576>() == 18,"), "{g}");
+        assert!(g.contains("mt::q41_panel<1536>() == 4,"), "{g}");
         assert!(g.contains("wq::smem_bytes(128, 136) =="), "{g}");
         assert_eq!(
             asserts("gemm_hopper", &d, 132, &[WgFormat::Bf16])

@@ -223,6 +223,10 @@ pub const WQ_ROWS: u32 = 256;
 pub const WQ_KS: u32 = 2;
 pub const WQ_SMEM: u32 = 200704;
 pub const WQ_MAX_STAGES: u32 = 16;
+/// The q4_1 device layout's panel: [`Q41_PANEL`] 32-element blocks of K (one `wq_*` stage of
+/// [`WQ_KS`] k-steps). A q4_1 matrix is stored panel by panel, each panel row-major over all the
+/// rows, so that one stage of every row tile is one contiguous span (`layout::q41_panel`).
+pub const Q41_PANEL: u32 = 2 * WQ_KS;
 /// Threads per block of the warp-specialised Hopper GEMMs (`tma_*`, kernels/cuda/gemm_tma.cu.hbs):
 /// a producer warpgroup (one thread issues the bulk tensor copies) and two consumer warpgroups on
 /// wgmma. [`TMA_BK`] elements of K per pipeline stage (one 128-byte swizzle row of bf16); the
@@ -278,6 +282,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("WQ_KS", WQ_KS as i64),
     ("WQ_SMEM", WQ_SMEM as i64),
     ("WQ_MAX_STAGES", WQ_MAX_STAGES as i64),
+    ("Q41_PANEL", Q41_PANEL as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
     ("TMA_THREADS", TMA_THREADS as i64),
     ("TMA_BK", TMA_BK as i64),

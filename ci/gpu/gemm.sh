@@ -25,10 +25,11 @@
 #        ops; stop on failure); gemm_bench on 8B q4_1 and bf16 at 16-4,096 tokens and cuBLAS on the
 #        same shapes (table.py --w4a16); cuda_bench of 8B q4_1 (decode of 16, 64 and 256
 #        sequences, pp512), both on the warp-specialised wq_* kernels and on the one-warpgroup wg_*
-#        ones (tma_gemm=off), and of 8B bf16 beside them; llama.cpp's build (background, from
+#        ones (tma_gemm=off), and of 8B bf16 beside them, and of SmolLM2 q4_1 (batch 1: decode_1); llama.cpp's build (background, from
 #        here on); the rest of the 8B q4_1 kernel tests
 #        (with .gm3/probes.tar.xz carried too: gemm_bench at 16 and 256 tokens on each kernel
-#        folder k-NAME/ in it, variants built from edited copies of the templates)
+#        folder k-NAME/ in it, variants built from edited copies of the templates); Nsight
+#        Compute's warp states of wq_gu at 16 tokens (ncu_gu)
 #   bash ci/gpu/gemm.sh w4a16-peer carry .gm1 .gm2 .peer  (right after w4a16, on the same machine)
 #        llama.cpp's llama-bench (pp512, tg128) and llama-batched-bench (16, 64, 256) on the same
 #        q4_1 GGUF; the GEMM tests of 8B bf16 and the other h200 targets' kernel tests
@@ -96,6 +97,19 @@ probes() {
   done
 }
 
+# ncu_gu: Nsight Compute on the first wq_gu launch at 16 tokens (8B q4_1): where its warps wait
+# (warp states, scheduler, memory); skipped where ncu is missing or cannot read the counters
+ncu_gu() {
+  command -v ncu > /dev/null || return 0
+  step "ncu: wq_gu at 16 tokens"
+  METRALE_TARGETS=$PWD/targets timeout 120 ncu --clock-control none -k regex:wq_gu -c 1 --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis "$H/b/bin/gemm_bench" \
+    "$H/s/l8b-q4_1.gguf" "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --tokens 16 --out "$R/ncu-gemm.jsonl" \
+    2>&1 | sed "s|$H/|\$H/|g" > "$R/ncu-wq_gu-16.txt"; echo "rc=${PIPESTATUS[0]}" >> "$R/ncu-wq_gu-16.txt"
+  grep -E "Duration|Memory Throughput|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Stall|==ERROR|rc=" \
+    "$R/ncu-wq_gu-16.txt" | head -24
+}
+
 case "${1:-}" in
 prepare)
   set -e
@@ -111,6 +125,7 @@ prepare)
   cp "$(exe build --release -p xtask)" .gm1/b/bin/xtask
   strip .gm1/b/bin/*
   cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .gm1/b/vocab-8b.gguf >/dev/null
+  cargo xtask synth-model smollm2-135m --tokenizer "$model" --format vocab --out .gm1/b/vocab-smollm2.gguf >/dev/null
   tar cJf .gm1/b.tar.xz -C .gm1 b && rm -rf .gm1/b
   rm -rf .gm2 && mkdir -p .gm2/b/bin .gm2/b/k
   tar xJf .gm1/b.tar.xz -C .gm2 b/bin/cuda_kernels
@@ -212,10 +227,16 @@ w4a16)
   cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
   METRALE_CUDA_TUNING=tma_gemm=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-wg --batch 16,64,256 --steps 32 --pp 512
   bench "$K" bench-bf16 --batch 16,64,256 --steps 32 --pp 512
+  # SmolLM2 q4_1 at batch 1 (its persistent decode_1 reads the q4_1 layout too; 2026-12-01: tg128
+  # ~2,990 tok/s, replay ~341 us), on a synthetic GGUF of its shape
+  "$H/b/bin/xtask" synth-model smollm2-135m --tokenizer "$H/b/vocab-smollm2.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/smollm2-q4_1.gguf" 2>&1 | grep synth-model
+  cb_run "$H/s/smollm2-q4_1.gguf" "$H/b/k/h200-smollm2-135m-q4_1/kernels" h200/smollm2-135m/q4_1 bench-smollm2-q4_1 --batch 8 --steps 32 --pp 512
   # llama.cpp's build for w4a16-peer only now: its compilers on every core would slow the host
   # side of the steps timed above (16 sequences: 3.9 ms a step measured as 8.0 ms during it)
   [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
   probes
+  ncu_gu
   step "cuda_kernels h200/llama-3.1-8b/q4_1: the rest"
   METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout "$(left)" "$H/b/bin/cuda_kernels" \
     --nocapture --test-threads=1 --skip gemm_prefill > "$R/kernel-tests-q4-rest.txt" 2>&1; echo "rc=$?" >> "$R/kernel-tests-q4-rest.txt"

@@ -6,9 +6,11 @@
 // the layouts below; activations are f32, row-major [token][feature].
 //
 // Weight formats (a matrix has ROWS rows of K elements, K a multiple of 32; NB = K/32 blocks per row):
-//   q4_1: qs  = uint4  [ROWS][NB]  (the 16 nibble bytes of each GGUF block, GGUF nibble order:
-//                                   low nibble of byte j is element j, high nibble element j+16)
-//         sc  = half2  [ROWS][NB]  (d, m): w = q*d + m
+//   q4_1: qs  = uint4  [NB/P][ROWS][P]  (the 16 nibble bytes of each GGUF block, GGUF nibble order:
+//                                        low nibble of byte j is element j, high nibble element j+16)
+//         sc  = half2  [NB/P][ROWS][P]  (d, m): w = q*d + m
+//         panelled: P = q41_panel<K>() blocks of K (abi::Q41_PANEL, or NB where that does not divide
+//         NB: row-major), so that one warp-specialised GEMM stage of every row tile is one span
 //   q8_0: qs  = int8   [ROWS][NB][32]  (32-byte aligned)
 //         sc  = half   [ROWS][NB]      w = q*d
 //   bf16: qs  = bf16   [ROWS][K]       sc unused (may be null)
@@ -145,14 +147,27 @@ constexpr float MAGIC = 8388608.f;           // 2^23: magic_byte(w, i) - MAGIC =
 constexpr float MAGIC_S8 = 8388608.f + 128.f; // for signed bytes stored as byte ^ 0x80
 
 // ---- weight formats: each loads one 32-element block of one row, dequantised to f32 ----
+// `rows`: the matrix's rows (the stride of q4_1's panels; unused by the other formats).
+
+// 32-element blocks per panel of a q4_1 matrix with rows of K elements (the host's
+// layout::q41_panel): abi::Q41_PANEL where it divides the row's blocks, else the whole row.
+template <int K> __host__ __device__ constexpr int q41_panel() {
+    return (K / 32) % abi::Q41_PANEL == 0 ? abi::Q41_PANEL : K / 32;
+}
+
 struct WQ41 {
-    const uint4* qs; const half2* sc;
+    const uint4* qs; const half2* sc; int rows;
     struct Raw { uint4 q; half2 dm; };
+    // where block b of row `row` sits in qs and sc
+    template <int K> MT_INLINE size_t at(int row, int b) const {
+        constexpr int P = q41_panel<K>();
+        return (size_t)(b / P) * rows * P + (size_t)row * P + b % P;
+    }
     template <int K> MT_INLINE Raw fetch(int row, int b) const {
-        constexpr int NB = K / 32;
+        const size_t i = at<K>(row, b);
         Raw r;
-        r.q = __ldg(qs + (size_t)row * NB + b);
-        r.dm = __ldg(sc + (size_t)row * NB + b);
+        r.q = __ldg(qs + i);
+        r.dm = __ldg(sc + i);
         return r;
     }
     static MT_INLINE void dequant(const Raw& r, float w[32]) {
@@ -171,8 +186,17 @@ struct WQ41 {
     template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
 };
 
+// Blocks per panel of W's layout for rows of K elements: q4_1's panels, the whole row for the
+// row-major formats.
+template <class W, int K> struct Panel {
+    static constexpr int P = K / 32;
+};
+template <int K> struct Panel<WQ41, K> {
+    static constexpr int P = q41_panel<K>();
+};
+
 struct WQ80 {
-    const signed char* qs; const half* sc;
+    const signed char* qs; const half* sc; int rows;
     struct Raw { uint4 a, c; half d; };
     template <int K> MT_INLINE Raw fetch(int row, int b) const {
         constexpr int NB = K / 32;
@@ -222,7 +246,7 @@ struct WQ80 {
 };
 
 struct WBF16 {
-    const __nv_bfloat16* qs; const void* sc;
+    const __nv_bfloat16* qs; const void* sc; int rows;
     struct Raw { uint4 u[4]; };
     template <int K> MT_INLINE Raw fetch(int row, int b) const {
         const uint4* p = reinterpret_cast<const uint4*>(qs + (size_t)row * K + (size_t)b * 32);
@@ -278,11 +302,12 @@ typedef WBF16 WEmbed;
 #error "define METRALE_E_<quant> (q8_0 or bf16) before including common.cuh"
 #endif
 
-// Build a weight view from the two raw pointers the runtime passes.
-template <class W> MT_INLINE W make_w(const void* qs, const void* sc) {
+// Build a weight view of a matrix of `rows` rows from the two raw pointers the runtime passes.
+template <class W> MT_INLINE W make_w(const void* qs, const void* sc, int rows) {
     W w;
     w.qs = reinterpret_cast<decltype(w.qs)>(qs);
     w.sc = reinterpret_cast<decltype(w.sc)>(sc);
+    w.rows = rows;
     return w;
 }
 
@@ -423,10 +448,32 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
 // p0/p1 hold the raw block `lane` of rows r0 and r0+1, fetched ahead by the caller (see
 // prefetch2); once consumed they are refilled with block `lane` of rows r_next, r_next+1 (r_next < 0:
 // none), so the next row pair's first loads are in flight while this one computes.
+// With q4_1 panels of 4 blocks (PanelLanes) the lanes follow the memory instead: lane l reads row
+// r0 + ((l >> 2) & 1), blocks 16c + 4 (l >> 3) + (l & 3) (c = 0, 1, ...), so that 8 lanes read the
+// two rows' 128 contiguous bytes of one panel and a warp's load is 4 whole lines, as a row-major
+// row's 512 bytes are (block `lane` of each row reads 64-byte halves of 8 lines); p0/p1 then hold
+// the lane's blocks c = 0 and 1 of its row.
+template <class W, int K> struct PanelLanes {
+    static constexpr bool ON = false;
+};
+#if defined(METRALE_A_i16)
+template <int K> struct PanelLanes<WQ41, K> {
+    static constexpr bool ON = q41_panel<K>() == 4 && (K / 32) % 16 == 0 && K / 32 >= 32;
+};
+#endif
+MT_INLINE int panel_lane_row(int lane) { return (lane >> 2) & 1; }
+MT_INLINE int panel_lane_block(int lane, int c) { return 16 * c + 4 * (lane >> 3) + (lane & 3); }
+
 template <class W, int K>
 MT_INLINE void prefetch2(const W& w, int r0, typename W::Raw& p0, typename W::Raw& p1) {
     const int lane = threadIdx.x & 31;
-    if (r0 >= 0 && lane < K / 32) {
+    if constexpr (PanelLanes<W, K>::ON) {
+        if (r0 >= 0) {
+            const int r = r0 + panel_lane_row(lane);
+            p0 = w.template fetch<K>(r, panel_lane_block(lane, 0));
+            p1 = w.template fetch<K>(r, panel_lane_block(lane, 1));
+        }
+    } else if (r0 >= 0 && lane < K / 32) {
         p0 = w.template fetch<K>(r0, lane);
         p1 = w.template fetch<K>(r0 + 1, lane);
     }
@@ -481,10 +528,84 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
 // A lane's blocks of the two rows are loaded G at a time (all four of a 4096-wide row at once), so
 // that each lane has G x 40 bytes in flight instead of 40: at 20 bytes per 32 weights a q4_1 lane
 // otherwise moves too little per memory round trip to keep up with the bandwidth.
+// Two versions: rows2_dot_panels where the lanes follow q4_1's panels (PanelLanes: one row a lane,
+// 8 blocks of it in flight), rows2_dot_pairs elsewhere (block `lane` of both rows).
 #if defined(METRALE_A_i16)
+// A q4_1 block as dp2a reads it: word i's nibbles widened to bytes, elements 4i.. (lo) and
+// 16 + 4i.. (hi), and (d, m).
+struct Q41Bytes {
+    int lo[4], hi[4];
+    float2 dm;
+    MT_INLINE explicit Q41Bytes(const WQ41::Raw& raw) {
+        const unsigned int wd[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo[i] = (int)(wd[i] & 0x0f0f0f0fu);
+            hi[i] = (int)((wd[i] >> 4) & 0x0f0f0f0fu);
+        }
+        dm = __half22float2(raw.dm);
+    }
+};
+// sum over a q4_1 block of w * x for staged Q16 block `blk`: d_w * d * (integer dot) + m_w * s
+MT_INLINE float q41_block_dot(const Q41Bytes& w, const float* blk) {
+    const uint4* xv = reinterpret_cast<const uint4*>(blk);
+    const uint4 x0 = xv[0], x1 = xv[1], x2 = xv[2], x3 = xv[3];
+    const float2 ds = *reinterpret_cast<const float2*>(blk + 16);
+    const int xw[16] = {(int)x0.x, (int)x0.y, (int)x0.z, (int)x0.w, (int)x1.x, (int)x1.y, (int)x1.z, (int)x1.w,
+                        (int)x2.x, (int)x2.y, (int)x2.z, (int)x2.w, (int)x3.x, (int)x3.y, (int)x3.z, (int)x3.w};
+    int is = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        is = __dp2a_lo(xw[2 * i], w.lo[i], is);
+        is = __dp2a_hi(xw[2 * i + 1], w.lo[i], is);
+        is = __dp2a_lo(xw[8 + 2 * i], w.hi[i], is);
+        is = __dp2a_hi(xw[8 + 2 * i + 1], w.hi[i], is);
+    }
+    return w.dm.x * ds.x * (float)is + w.dm.y * ds.y;
+}
+
+// rows2_dot on q4_1 panels (PanelLanes): each lane sums its row's blocks (NB / 16 of them, up to
+// 8 loads in flight, as the row-pair version has), then both rows are reduced over the warp (a
+// lane adds nothing to the row it does not read).
 template <int K, int TB>
-MT_INLINE void rows2_dot(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
-                         WQ41::Raw& p0, WQ41::Raw& p1) {
+MT_INLINE void rows2_dot_panels(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
+                                WQ41::Raw& p0, WQ41::Raw& p1) {
+    constexpr int NC = K / 32 / 16;  // blocks per lane
+    constexpr int G = NC < 8 ? NC : 8;
+    constexpr int XW = XRow<WQ41, K>::WORDS;
+    const int lane = threadIdx.x & 31, rl = panel_lane_row(lane);
+    float a[TB];
+#pragma unroll
+    for (int t = 0; t < TB; ++t) a[t] = 0.f;
+    for (int c0 = 0; c0 < NC; c0 += G) {
+        WQ41::Raw raw[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const int c = c0 + j;
+            if (c < NC) raw[j] = c == 0 ? p0 : (c == 1 ? p1 : w.template fetch<K>(r0 + rl, panel_lane_block(lane, c)));
+        }
+        if (c0 == 0) prefetch2<WQ41, K>(w, r_next, p0, p1);  // the next row pair's first blocks
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const int c = c0 + j;
+            if (c >= NC) continue;
+            const Q41Bytes wb(raw[j]);
+            const float* blk = xs + panel_lane_block(lane, c) * Q16_WORDS;
+#pragma unroll
+            for (int t = 0; t < TB; ++t)
+                if (t < nt) a[t] += q41_block_dot(wb, blk + t * XW);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TB; ++t) {
+        acc[0][t] = warp_sum(rl == 0 ? a[t] : 0.f);
+        acc[1][t] = warp_sum(rl == 1 ? a[t] : 0.f);
+    }
+}
+
+template <int K, int TB>
+MT_INLINE void rows2_dot_pairs(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
+                               WQ41::Raw& p0, WQ41::Raw& p1) {
     constexpr int NB = K / 32;
     constexpr int NBL = (NB + 31) / 32;  // blocks per lane (lanes past NB % 32 have one fewer)
     constexpr int G = NBL < 4 ? NBL : 4;
@@ -555,6 +676,13 @@ MT_INLINE void rows2_dot(const WQ41& w, int r0, int r_next, const float* xs, int
     for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+template <int K, int TB>
+MT_INLINE void rows2_dot(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
+                         WQ41::Raw& p0, WQ41::Raw& p1) {
+    if constexpr (PanelLanes<WQ41, K>::ON) rows2_dot_panels<K, TB>(w, r0, r_next, xs, nt, acc, p0, p1);
+    else rows2_dot_pairs<K, TB>(w, r0, r_next, xs, nt, acc, p0, p1);
 }
 #endif
 

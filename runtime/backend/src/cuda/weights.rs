@@ -1,7 +1,7 @@
 //! The weights of a CUDA target on the device: each GGUF tensor checked against the shape the
 //! kernels were compiled for, repacked once into the device layouts of `kernels/cuda/common.cuh`
-//! (Q4_1 nibbles and (d, m) pairs split, Q8_0 int8 and scales split, bf16 as is; q/k/v stacked,
-//! gate/up interleaved) and uploaded, with the model tables the kernels read (final norm, the RoPE
+//! (Q4_1 nibbles and (d, m) pairs split and stored in panels of K, Q8_0 int8 and scales split, bf16
+//! as is; q/k/v stacked, gate/up interleaved) and uploaded, with the model tables the kernels read (final norm, the RoPE
 //! cos/sin table of `crate::rope`).
 //!
 //! Invariants: a checkpoint whose shape differs from the compiled one is refused naming the field;
@@ -20,7 +20,8 @@ fn model_err(e: impl std::fmt::Display) -> BackendError {
 }
 
 /// A weight matrix in a device layout, still on the host: `rows` rows of `k` elements; `qs` holds
-/// `qs_row` bytes per row, `sc` holds `sc_row` bytes per row (empty for bf16).
+/// `qs_row` bytes per row, `sc` holds `sc_row` bytes per row (empty for bf16), row-major. The
+/// upload puts Q4_1 in its panels ([`HostMat::panelled`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostMat {
     pub format: DevFormat,
@@ -236,6 +237,34 @@ impl HostMat {
         Ok(out)
     }
 
+    /// The bytes as the kernels read them: Q4_1 in panels of `P = layout::q41_panel(k)` blocks of
+    /// K, each panel row-major over all the rows (block `b` of row `r` at `(b / P) * rows * P +
+    /// r * P + b % P`, in the nibbles and in the (d, m) pairs alike), so that one warp-specialised
+    /// GEMM stage of a tile of rows is one contiguous span; the other formats as they are. Where
+    /// `P` is the whole row, the panelled layout is the row-major one.
+    pub fn panelled(&self) -> (std::borrow::Cow<'_, [u8]>, std::borrow::Cow<'_, [u8]>) {
+        use std::borrow::Cow;
+        let nb = self.k / QK;
+        let p = metrale_abi::layout::q41_panel(self.k);
+        if self.format != DevFormat::Q4_1 || p == nb {
+            return (Cow::Borrowed(&self.qs), Cow::Borrowed(&self.sc));
+        }
+        let panel = |src: &[u8], unit: usize| {
+            let mut out = Vec::with_capacity(src.len());
+            for c in 0..nb / p {
+                for r in 0..self.rows {
+                    let at = (r * nb + c * p) * unit;
+                    out.extend_from_slice(&src[at..at + p * unit]);
+                }
+            }
+            out
+        };
+        (
+            Cow::Owned(panel(&self.qs, 16)),
+            Cow::Owned(panel(&self.sc, 4)),
+        )
+    }
+
     /// Dequantise row `r` from the device layout (tests: the inverse of `repack`).
     pub fn dequant_row(&self, r: usize) -> Vec<f32> {
         let nb = self.k / QK;
@@ -282,11 +311,12 @@ pub struct DevMat {
 
 impl DevMat {
     pub fn upload(dev: &Device, m: &HostMat) -> Result<DevMat, BackendError> {
-        let qs = dev.upload(&m.qs)?;
-        let sc = if m.sc.is_empty() {
+        let (qs, sc) = m.panelled();
+        let qs = dev.upload(&qs[..])?;
+        let sc = if sc.is_empty() {
             None
         } else {
-            Some(dev.upload(&m.sc)?)
+            Some(dev.upload(&sc[..])?)
         };
         Ok(DevMat {
             qs,
@@ -645,6 +675,41 @@ mod tests {
         let c = HostMat::concat_rows("ab", &[a.clone(), b.clone()]).unwrap();
         assert_eq!(c.rows, 6);
         assert_eq!(c.dequant_row(4), b.dequant_row(1));
+    }
+
+    #[test]
+    fn q4_1_panels_put_each_block_where_the_kernels_read_it() {
+        // k = 384: 12 blocks a row, panels of Q41_PANEL (4) blocks; k = 96: 3 blocks, row-major
+        for (rows, k) in [(5, 384), (3, 96)] {
+            let m = HostMat::repack(
+                "p",
+                DevFormat::Q4_1,
+                DType::Q4_1,
+                rows,
+                k,
+                &random_blocks(DType::Q4_1, rows, k, 3),
+            )
+            .unwrap();
+            let (qs, sc) = m.panelled();
+            assert_eq!((qs.len(), sc.len()), (m.qs.len(), m.sc.len()));
+            let nb = k / QK;
+            let p = metrale_abi::layout::q41_panel(k);
+            assert_eq!(p, if k == 384 { 4 } else { nb });
+            for r in 0..rows {
+                for b in 0..nb {
+                    let at = (b / p) * rows * p + r * p + b % p; // common.cuh: WQ41::at
+                    let row_major = r * nb + b;
+                    assert_eq!(
+                        qs[16 * at..16 * at + 16],
+                        m.qs[16 * row_major..16 * row_major + 16]
+                    );
+                    assert_eq!(
+                        sc[4 * at..4 * at + 4],
+                        m.sc[4 * row_major..4 * row_major + 4]
+                    );
+                }
+            }
+        }
     }
 
     #[test]
