@@ -35,6 +35,8 @@
 #        q4_1 GGUF; the GEMM tests of 8B bf16 and the other h200 targets' kernel tests
 #   bash ci/gpu/gemm.sh ab     carry .gm1 .gm2  the decode steps of 16 and 64 sequences taken apart
 #        (8B q4_1 under the tunings in $AB, bf16 beside them): each stage alone beside the step
+#   bash ci/gpu/gemm.sh b1     carry .gm1 .gm2 (.gm3)  SmolLM2 q4_1's cuda_model (decode_1 against the
+#        CPU backend) on a synthetic GGUF; 8B q4_1 at batch 1 as built and on each probe folder
 #   bash ci/gpu/gemm.sh tests  carry .gm1 .gm2  every kernel test of 8B bf16, then `shapes`
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
@@ -122,6 +124,7 @@ prepare)
   C="--release -p metrale-backend --features cuda"
   cp "$(exe test $C --no-run --test cuda_kernels)" .gm1/b/bin/cuda_kernels
   for e in cuda_bench gemm_bench golden_check; do cp "$(exe build $C --example $e)" .gm1/b/bin/$e; done
+  cp "$(exe test $C --no-run --test cuda_model)" .gm1/b/bin/cuda_model
   cp "$(exe build --release -p xtask)" .gm1/b/bin/xtask
   strip .gm1/b/bin/*
   cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .gm1/b/vocab-8b.gguf >/dev/null
@@ -273,6 +276,35 @@ ab)
   CB_GREP="stages alone" bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" ab-bf16 --batch 16,64 --steps 25 --pp 16
   probes
   finish ab
+  ;;
+b1)
+  # carry .gm1 .gm2 (.gm3): SmolLM2 q4_1's whole-model tests (cuda_model: decode_1 and the GEMM
+  # decode path against the CPU backend, logits step by step) on a synthetic GGUF of its shape; 8B
+  # q4_1 at batch 1 (tg128, each kernel's time) as built and on each probe folder of .gm3
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  X="$H/b/bin/xtask synth-model"
+  $X smollm2-135m --tokenizer "$H/b/vocab-smollm2.gguf" --seed 0 --quant q4_1 --out "$H/s/smollm2-q4_1.gguf" 2>&1 | tail -1
+  $X llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 --out "$H/s/l8b-q4_1.gguf" 2>&1 | tail -1
+  step "cuda_model h200/smollm2-135m/q4_1 (synthetic weights)"
+  METRALE_MODEL=$H/s/smollm2-q4_1.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-q4_1/kernels \
+    METRALE_CUDA_TARGET=h200/smollm2-135m/q4_1 METRALE_TARGETS=$PWD/targets timeout 240 "$H/b/bin/cuda_model" \
+    --nocapture --test-threads=1 > "$R/model-test-smollm2-q4_1.txt" 2>&1; echo "rc=$?" >> "$R/model-test-smollm2-q4_1.txt"
+  grep -E "test result|panicked|worst|rc=" "$R/model-test-smollm2-q4_1.txt"
+  KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 b1-q4_1 --batch 1 --steps 25 --pp 16
+  if [ -f .gm3/probes.tar.xz ]; then
+    # each probe's kernel tests first (8B q4_1 in k-NAME/, SmolLM2 q4_1 in s-NAME/), then its timing
+    mkdir -p "$H/p" && tar xJf .gm3/probes.tar.xz -C "$H/p"
+    for v in "$H"/p/[ks]-*; do
+      n=${v##*/} t=$T8/q4_1; [ "${n%%-*}" = s ] && t=h200/smollm2-135m/q4_1
+      step "cuda_kernels $t on probe $n"
+      METRALE_CUDA_TARGET=$t METRALE_CUDA_KERNELS=$v/kernels METRALE_TARGETS=$PWD/targets timeout 150 "$H/b/bin/cuda_kernels" \
+        --nocapture --test-threads=1 > "$R/probe-tests-$n.txt" 2>&1; echo "rc=$?" >> "$R/probe-tests-$n.txt"
+      grep -E "test result|panicked|rc=" "$R/probe-tests-$n.txt"
+    done
+    for v in "$H"/p/k-*; do cb_run "$H/s/l8b-q4_1.gguf" "$v/kernels" $T8/q4_1 "b1-q4_1-${v##*/k-}" --batch 1 --steps 25 --pp 16; done
+  fi
+  finish b1
   ;;
 tests)
   # carry .gm1 .gm2: every kernel test of h200/llama-3.1-8b/bf16, then `shapes`' (a kernel change's
