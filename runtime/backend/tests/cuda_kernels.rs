@@ -1071,8 +1071,8 @@ const HOPPER_TOL: f64 = 1e-2;
 /// `gemm_hopper`'s token tiles of 16, 32 and 128 below `gemm::TMA_MIN_TOKENS`, the
 /// warp-specialised kernels from it, whose 300-token gate/up has more tiles than SMs, so blocks
 /// loop; with quantized weights the warp-specialised `wq_*` at every count, token tiles of 16, 32,
-/// 128 and 256; partial tiles, two or three tiles, and split-K where the tiles are few), two
-/// slots, scattered positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
+/// 128 and 256; partial tiles, two or three tiles, and split-K where the tiles are few; then the
+/// one-warpgroup ones at 16, 77 and 300), two slots, scattered positions. The mma.sync path is held to the matvec kernels' 1e-4: weights enter its MMAs
 /// exactly and activations as f16 hi + lo pairs (~2^-22), so its error is f32 accumulation order;
 /// the Hopper path to [`HOPPER_TOL`]. Split-K is checked to be deterministic: the output projection
 /// run twice gives the same bits.
@@ -1108,6 +1108,16 @@ fn gemm_prefill_products_match_cpu_ops() {
     );
     for n in [16, 29, 77, 160, 300] {
         check_gemm_products(&mut e, &p, &w, n);
+    }
+    if p.hopper() && e.gpu.wq_gemm {
+        // the one-warpgroup wg_* kernels too (what `tma_gemm=off` runs): their stages read half a
+        // q4_1 panel each
+        e.gpu.wq_gemm = false;
+        eprintln!("  path: Hopper (one-warpgroup wgmma, f16 activations, weights dequantised in registers)");
+        for n in [16, 77, 300] {
+            check_gemm_products(&mut e, &p, &w, n);
+        }
+        e.gpu.wq_gemm = true;
     }
     if p.head_pays(&d, 5) {
         check_gemm_logits(&mut e, &p);
