@@ -157,7 +157,8 @@ entries! {
         ntok: i32,
     }
     /// Split-K GQA attention over the paged KV cache, the splits combined in the same launch.
-    /// grid = (kv_heads, nsplit, ntok); `counter` holds ntok * kv_heads zeroed tickets.
+    /// grid = (kv_heads >> pack, nsplit, ntok), pack = (flags >> ATT_PACK_SHIFT) & 3 (0 unless
+    /// nsplit = 1); `counter` holds ntok * kv_heads zeroed tickets.
     Attention = "attention" / "attention", threads ATT_THREADS, {
         q: ptr<"const float">,
         kc: ptr<"const kv_t">,

@@ -37,6 +37,10 @@
 #        (8B q4_1 under the tunings in $AB, bf16 beside them): each stage alone beside the step
 #   bash ci/gpu/gemm.sh b1     carry .gm1 .gm2 (.gm3)  SmolLM2 q4_1's cuda_model (decode_1 against the
 #        CPU backend) on a synthetic GGUF; 8B q4_1 at batch 1 as built and on each probe folder
+#   bash ci/gpu/gemm.sh decode carry .gm1 .gm2 (.gm3)  batched decode's attention: the attention
+#        tests of 8B bf16 (stop on failure); cuda_bench of 8B bf16 (16-256 sequences, pp512) with
+#        the pairs packed into blocks and without (attention_pack=off), of 8B q4_1 beside them;
+#        the rest of the 8B bf16 kernel tests and the other targets' (`shapes`)
 #   bash ci/gpu/gemm.sh tests  carry .gm1 .gm2  every kernel test of 8B bf16, then `shapes`
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
@@ -276,6 +280,25 @@ ab)
   CB_GREP="stages alone" bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" ab-bf16 --batch 16,64 --steps 25 --pp 16
   probes
   finish ab
+  ;;
+decode)
+  # carry .gm1 .gm2
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 and q4_1 GGUFs"
+  for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf"; do $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"; done
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  step "cuda_kernels h200/llama-3.1-8b/bf16: attention first"
+  TESTS_TIMEOUT=150 tests8 attention attention; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-attention.txt" | tail -60
+  grep -q "test result: ok" "$R/kernel-tests-attention.txt" || { finish decode; exit 1; }
+  CB_GREP="stages alone|attention" bench "$K" bench-bf16 --batch 16,64,128,256 --steps 32 --pp 512
+  CB_GREP="stages alone|attention" METRALE_CUDA_TUNING=attention_pack=off bench "$K" bench-bf16-nopack --batch 64,128,256 --steps 32 --pp 16
+  cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
+  step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
+  tests8 rest --skip attention; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+  kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
+  finish decode
   ;;
 b1)
   # carry .gm1 .gm2 (.gm3): SmolLM2 q4_1's whole-model tests (cuda_model: decode_1 and the GEMM

@@ -583,9 +583,16 @@ fn attention_splits_combine_and_out_projection() {
     // on sm_90, 2..=attention_cluster splits (the target's HARDWARE.toml) run as one thread-block
     // cluster combined through distributed shared memory; more use the ticket combine. Each with
     // the scores summed by warp sums and by the transpose-reduce (flags).
+    // One split also with 2, 4 and 8 (token, KV head) pairs a block where they divide the KV heads
+    // (`plan::attention_pack`: 4, 2 and 1 warps a pair; one warp writes from its registers).
+    let packs = (1..=3u32)
+        .filter(|p| d.kv_heads % (1 << p) == 0)
+        .map(|p| (1usize, (p << abi::ATT_PACK_SHIFT) as i32));
     let runs = [1usize, 2, 3, 4, 8, 32, auto]
         .into_iter()
-        .flat_map(|s| [(s, 0), (s, abi::ATT_FLAG_TRANSPOSE as i32)]);
+        .map(|s| (s, 0))
+        .chain(packs)
+        .flat_map(|(s, pack)| [(s, pack), (s, pack | abi::ATT_FLAG_TRANSPOSE as i32)]);
     let args = |nsplit: usize, flags: i32, out: u64| abi::Attention {
         q: qb.ptr,
         kc: kb.ptr,

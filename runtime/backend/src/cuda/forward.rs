@@ -224,7 +224,7 @@ impl CudaBackend {
                             layer: l as i32,
                             max_blocks,
                             nsplit: nsplit as i32,
-                            flags: g.att_flags | out16,
+                            flags: g.att_flags | out16 | g.att_pack_flags(ntok, nsplit),
                             part_ml: b.part_ml.ptr,
                             part_acc: b.part_acc.ptr,
                             counter: b.att_counter.ptr,

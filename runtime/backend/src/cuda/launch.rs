@@ -49,6 +49,11 @@ pub struct Gpu {
     pub lm_head_1: bool,
     /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
     pub att_flags: i32,
+    /// One-split `attention` launches serve several (token, KV head) pairs a block
+    /// ([`plan::attention_pack`]), else one.
+    pub att_pack: bool,
+    /// Resident blocks of `attention` per SM (the driver's occupancy for its registers).
+    pub att_per_sm: usize,
     /// The GEMM path runs the Hopper kernels (`wg_*`): the modules are the sm_90a cubins of a
     /// target with bf16 weights or with `[quant] gemm_activations = "f16"` (q4_1 weights, W4A16),
     /// and the driver gave their blocks the dynamic shared memory they need.
@@ -109,12 +114,12 @@ struct MvPerSm {
     lm_head: usize,
 }
 
-/// Resident blocks per SM of matrix-vector kernel `e` (`abi::MV_THREADS` threads, static shared
-/// memory only), as the driver says; `fallback` where it does not answer.
-fn mv_resident_per_sm(kernels: &Kernels, e: abi::Entry, fallback: usize) -> usize {
+/// Resident blocks per SM of kernel `e` at `threads` a block (static shared memory only), as the
+/// driver says; `fallback` where it does not answer.
+fn resident_per_sm(kernels: &Kernels, e: abi::Entry, threads: u32, fallback: usize) -> usize {
     kernels
         .get(e)
-        .occupancy_max_active_blocks_per_multiprocessor(abi::MV_THREADS, 0, None)
+        .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
         .map_or(fallback, |n| n as usize)
         .max(1)
 }
@@ -209,7 +214,7 @@ fn tma_gemm_ready(kernels: &Kernels) -> bool {
 impl MvPerSm {
     fn query(kernels: &Kernels) -> MvPerSm {
         // 4 (the grid cap before occupancy was asked) where the driver does not answer
-        let per_sm = |e| mv_resident_per_sm(kernels, e, 4);
+        let per_sm = |e| resident_per_sm(kernels, e, abi::MV_THREADS, 4);
         MvPerSm {
             attn_in: per_sm(abi::AttnIn::ID),
             attn_out: per_sm(abi::AttnOut::ID),
@@ -251,7 +256,8 @@ impl Gpu {
         let flash_smem = abi::layout::flash_smem_bytes(set.spec.model.head_dim as usize);
         let flash_attention = set.spec.quant.kv == "bf16"
             && allow_smem(&kernels, &[abi::AttentionFlash::ID], flash_smem);
-        let lm1_per_sm = mv_resident_per_sm(&kernels, abi::LmHeadOne::ID, 2);
+        let lm1_per_sm = resident_per_sm(&kernels, abi::LmHeadOne::ID, abi::MV_THREADS, 2);
+        let att_per_sm = resident_per_sm(&kernels, abi::Attention::ID, abi::ATT_THREADS, 2);
         let mv_per_sm = MvPerSm::query(&kernels);
         let cluster_max = if sm90 {
             set.spec.hardware.attention_cluster.unwrap_or(0) as usize
@@ -266,6 +272,8 @@ impl Gpu {
             mv_per_sm,
             lm_head_1: true,
             att_flags: 0,
+            att_pack: true,
+            att_per_sm,
             hopper_gemm,
             tma_gemm,
             wq_gemm,
@@ -350,10 +358,37 @@ impl Gpu {
         self.launch(g, self.plain(), a)
     }
 
+    /// `attention`'s flag bits packing the pairs of a launch of `ntok` tokens in `nsplit` splits
+    /// ([`plan::attention_pack`]; none where [`Gpu::att_pack`] is off).
+    pub fn att_pack_flags(&self, ntok: usize, nsplit: usize) -> i32 {
+        if !self.att_pack {
+            return 0;
+        }
+        let p = plan::attention_pack(
+            self.dims.kv_heads,
+            ntok,
+            nsplit,
+            self.sm_count,
+            self.att_per_sm,
+        );
+        (p << abi::ATT_PACK_SHIFT) as i32
+    }
+
     /// Split-K attention of `ntok` tokens in `a.nsplit` splits (one cluster per (KV head, token)
-    /// where the target allows it); `a.counter` holds `ntok * kv_heads` zeroed tickets.
+    /// where the target allows it), several (token, KV head) pairs a block where `a.flags` packs
+    /// them (one split only); `a.counter` holds `ntok * kv_heads` zeroed tickets.
     pub fn attention(&self, a: abi::Attention, ntok: usize) -> Result<(), BackendError> {
-        let grid = (self.dims.kv_heads as u32, a.nsplit as u32, ntok as u32);
+        let pack = (a.flags as u32 >> abi::ATT_PACK_SHIFT) & 3;
+        let kv = self.dims.kv_heads as u32;
+        if pack > 0 && (a.nsplit != 1 || !kv.is_multiple_of(1 << pack)) {
+            return Err(BackendError::Invalid(format!(
+                "attention: {} pairs a block need one split and a divisor of the {kv} KV heads \
+                 (asked: {} splits)",
+                1 << pack,
+                a.nsplit
+            )));
+        }
+        let grid = (kv >> pack, a.nsplit as u32, ntok as u32);
         let how = LaunchHow {
             cluster_y: plan::attention_cluster(a.nsplit as usize, self.cluster_max),
             ..self.plain()

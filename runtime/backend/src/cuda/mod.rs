@@ -116,6 +116,10 @@ pub struct Tuning {
     /// wrote them (else copied to the device first, one more operation in the stream per step:
     /// SmolLM2's constrained decode_1 step took 344.7 instead of 357.6 us, H200, 2026-12-02).
     pub mask_zero_copy: bool,
+    /// `attention` launches of one split serve several (token, KV head) pairs a block, as many
+    /// warps a pair as one wave holds (`plan::attention_pack`; batched decode steps), else every
+    /// pair takes a whole block.
+    pub attention_pack: bool,
 }
 
 impl Default for Tuning {
@@ -133,6 +137,7 @@ impl Default for Tuning {
             tma_gemm: true,
             flash_attention: true,
             mask_zero_copy: true,
+            attention_pack: true,
         }
     }
 }
@@ -141,7 +146,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 12] = [
+    pub const KEYS: [&'static str; 13] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -154,6 +159,7 @@ impl Tuning {
         "tma_gemm",
         "flash_attention",
         "mask_zero_copy",
+        "attention_pack",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -187,6 +193,7 @@ impl Tuning {
                 "tma_gemm" => self.tma_gemm = on,
                 "flash_attention" => self.flash_attention = on,
                 "mask_zero_copy" => self.mask_zero_copy = on,
+                "attention_pack" => self.attention_pack = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -319,6 +326,7 @@ impl CudaBackend {
         if opts.tuning.attention_transpose {
             gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
         }
+        gpu.att_pack = opts.tuning.attention_pack;
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         gpu.wq_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;

@@ -65,6 +65,36 @@ pub fn flash_tiles(pos: &[i32], slot: &[i32], tok: usize) -> Vec<i32> {
         .collect()
 }
 
+/// log2 of the (token, KV head) pairs one `attention` block serves (`abi::ATT_PACK_SHIFT`), its warps
+/// shared evenly among them. A launch of one split gives each pair as many warps as one wave of
+/// resident blocks (`per_sm` a SM) holds for all pairs: a pair's warps take turns over its
+/// positions, so fewer warps a pair means more rounds of loads each, while warps beyond one wave
+/// wait for a second. The pairs of a block are KV heads of one token, so their count divides
+/// `kv_heads`. Split launches (`nsplit` > 1) keep a block a pair (0).
+pub fn attention_pack(
+    kv_heads: usize,
+    ntok: usize,
+    nsplit: usize,
+    sm_count: usize,
+    per_sm: usize,
+) -> u32 {
+    let nw = (metrale_abi::ATT_THREADS / 32) as usize;
+    if nsplit != 1 {
+        return 0;
+    }
+    let wave = sm_count.max(1) * per_sm.max(1) * nw;
+    let pairs = kv_heads.max(1) * ntok.max(1);
+    let mut wpp = nw;
+    while wpp > 1 && pairs * wpp > wave {
+        wpp /= 2;
+    }
+    let mut log = (nw / wpp).trailing_zeros();
+    while !kv_heads.is_multiple_of(1 << log) {
+        log -= 1;
+    }
+    log
+}
+
 /// The thread-block cluster an `attention` launch of `nsplit` splits runs as: all its splits when
 /// there are at least two and at most `cluster_max` (the target's `attention_cluster`, capped by
 /// the kernel's `ATT_MAX_CLUSTER`), else none (1).
@@ -455,6 +485,26 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_packs_pairs_into_one_wave() {
+        // the 8B shape on an H200: 8 KV heads, 132 SMs, 2 resident blocks of 8 warps (2,112 warps)
+        assert_eq!(attention_pack(8, 256, 1, 132, 2), 3); // 2,048 pairs: a warp each
+        assert_eq!(attention_pack(8, 128, 1, 132, 2), 2); // 1,024: two warps each
+        assert_eq!(attention_pack(8, 64, 1, 132, 2), 1); // 512: four
+        assert_eq!(attention_pack(8, 16, 1, 132, 2), 0); // 128: all eight
+        assert_eq!(attention_pack(8, 256, 2, 132, 2), 0); // splits: a block a pair
+                                                          // SmolLM2's 3 KV heads: pairs of a block are one token's KV heads, so never more than one
+        assert_eq!(attention_pack(3, 512, 1, 132, 2), 0);
+        // Llama-3.2-1B's 8 at 1,024 tokens: a warp a pair, the rest in further waves
+        assert_eq!(attention_pack(8, 1024, 1, 132, 2), 3);
+        for kv in [1usize, 2, 3, 4, 8, 12] {
+            for ntok in [1usize, 7, 64, 300, 4096] {
+                let p = attention_pack(kv, ntok, 1, 132, 2);
+                assert!(p <= 3 && kv % (1 << p) == 0, "{kv} {ntok} -> {p}");
             }
         }
     }
