@@ -39,8 +39,9 @@
 #        CPU backend) on a synthetic GGUF; 8B q4_1 at batch 1 as built and on each probe folder
 #   bash ci/gpu/gemm.sh decode carry .gm1 .gm2 (.gm3)  batched decode's attention: the attention
 #        tests of 8B bf16 (stop on failure); cuda_bench of 8B bf16 (16-256 sequences, pp512) with
-#        the pairs packed into blocks and without (attention_pack=off), of 8B q4_1 beside them;
-#        the rest of the 8B bf16 kernel tests and the other targets' (`shapes`)
+#        the pairs packed into blocks and without (attention_pack=off), of 8B q4_1 beside them,
+#        and of 8B bf16 on each probe folder d-NAME/ of .gm3/probes.tar.xz; the rest of the 8B
+#        bf16 kernel tests and the other targets' (`shapes`)
 #   bash ci/gpu/gemm.sh tests  carry .gm1 .gm2  every kernel test of 8B bf16, then `shapes`
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
@@ -295,6 +296,13 @@ decode)
   CB_GREP="stages alone|attention" bench "$K" bench-bf16 --batch 16,64,128,256 --steps 32 --pp 512
   CB_GREP="stages alone|attention" METRALE_CUDA_TUNING=attention_pack=off bench "$K" bench-bf16-nopack --batch 64,128,256 --steps 32 --pp 16
   cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
+  # probes: 8B bf16 kernel folders d-NAME/ in .gm3/probes.tar.xz, each timed the same way
+  if [ -f .gm3/probes.tar.xz ]; then
+    mkdir -p "$H/p" && tar xJf .gm3/probes.tar.xz -C "$H/p"
+    for v in "$H"/p/d-*; do
+      CB_GREP="stages alone|attention" bench "$v/kernels" "bench-bf16-${v##*/d-}" --batch 16,64,128,256 --steps 32 --pp 16
+    done
+  fi
   step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
   tests8 rest --skip attention; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
   kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
