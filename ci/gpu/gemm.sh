@@ -300,7 +300,11 @@ decode)
   if [ -f .gm3/probes.tar.xz ]; then
     mkdir -p "$H/p" && tar xJf .gm3/probes.tar.xz -C "$H/p"
     for v in "$H"/p/d-*; do
-      CB_GREP="stages alone|attention" bench "$v/kernels" "bench-bf16-${v##*/d-}" --batch 16,64,128,256 --steps 32 --pp 16
+      n=${v##*/d-}
+      METRALE_CUDA_TARGET=$T8/bf16 METRALE_CUDA_KERNELS=$v/kernels METRALE_TARGETS=$PWD/targets timeout 100 \
+        "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 attention > "$R/probe-tests-$n.txt" 2>&1
+      echo "rc=$?" >> "$R/probe-tests-$n.txt"; grep -E "test result|panicked|rc=" "$R/probe-tests-$n.txt"
+      CB_GREP="stages alone|attention" bench "$v/kernels" "bench-bf16-$n" --batch 16,64,128,256 --steps 32 --pp 16
     done
   fi
   step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
