@@ -4,8 +4,11 @@ The model is tests/golden/tiny-llama3.toml (llama-3.1-8b's features at test size
 4 query heads per KV head, untied LM head, llama3 RoPE scaling, padded vocabulary) with seed 0:
     cargo xtask synth-model tests/golden/tiny-llama3.toml --format hf --out DIR
     cargo xtask synth-model tests/golden/tiny-llama3.toml --out FILE.gguf
-Reference: HF transformers' LlamaForCausalLM in float32, eager attention, on CPU, loading the HF
-folder (bf16 safetensors widened to f32). Nobody in this project wrote it. The sequence is a
+or tests/golden/tiny-qwen3.toml (Qwen3 dense's features) the same way, its golden written with
+    python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3_hf
+Reference: HF transformers' model class of the folder's config (LlamaForCausalLM,
+Qwen3ForCausalLM) in float32, eager attention, on CPU, loading the HF folder (bf16 safetensors
+widened to f32). Nobody in this project wrote it. The sequence is a
 >= 100-token prompt followed by 16 teacher-forced tokens; the golden holds the logits of the prompt's
 last position and of each of the 16 decode positions.
 

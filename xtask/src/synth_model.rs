@@ -33,6 +33,7 @@ use metrale_core::dtype::{f32_to_bf16, quantize_row, DType};
 use metrale_core::target::{load_model_shape, read_model_shape, ModelShape};
 use metrale_model::gguf::{Array, GgufFile, StrArray, Value};
 use metrale_model::gguf_writer::{self, TensorSpec};
+use metrale_model::Family;
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -131,7 +132,14 @@ pub fn run(args: Args) -> Result<()> {
     let tok = GgufFile::open(&tok_path)
         .with_context(|| format!("reading the tokenizer from {}", tok_path.display()))?;
     let tok_meta = tokenizer_metadata(&tok, shape.vocab as usize)?;
-    let tensors = tensors(&shape, wt, et, args.format)?;
+    let family = Family::from_arch(&shape.family).with_context(|| {
+        format!(
+            "model family '{}': synth-model writes {}",
+            shape.family,
+            metrale_model::config::SUPPORTED_ARCHS
+        )
+    })?;
+    let tensors = tensors(&shape, family, wt, et, args.format)?;
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -149,8 +157,10 @@ pub fn run(args: Args) -> Result<()> {
             println!("{}", args.out.display());
             return Ok(());
         }
-        Format::Gguf => write_gguf(&args, &shape, &tensors, tok_meta, threads)?,
-        Format::Hf => write_hf(&args, &shape, &tensors, tok_meta, &tok_path, threads)?,
+        Format::Gguf => write_gguf(&args, &shape, family, &tensors, tok_meta, threads)?,
+        Format::Hf => write_hf(
+            &args, &shape, family, &tensors, tok_meta, &tok_path, threads,
+        )?,
     };
     let params: usize = tensors.iter().map(|t| t.rows * t.cols).sum();
     let s = t0.elapsed().as_secs_f64();
@@ -168,8 +178,14 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The tensors of a llama model of this shape (GGUF names, HF names, HF orientation).
-fn tensors(s: &ModelShape, wt: DType, et: DType, format: Format) -> Result<Vec<Tensor>> {
+/// The tensors of a model of this shape and family (GGUF names, HF names, HF orientation).
+fn tensors(
+    s: &ModelShape,
+    family: Family,
+    wt: DType,
+    et: DType,
+    format: Format,
+) -> Result<Vec<Tensor>> {
     let (h, ffn, vocab) = (s.hidden as usize, s.ffn as usize, s.vocab as usize);
     let (hd, heads, kv) = (s.head_dim as usize, s.heads as usize, s.kv_heads as usize);
     let (qd, kd) = (heads * hd, kv * hd);
@@ -179,14 +195,16 @@ fn tensors(s: &ModelShape, wt: DType, et: DType, format: Format) -> Result<Vec<T
         DType::BF16
     };
     let u = |fan_in: usize, k: f32| Init::Uniform(k * (3.0 / fan_in as f32).sqrt());
-    let t = |gguf: &str, hf: &str, rows, cols, dtype, init, qk_heads| Tensor {
+    // GGUF llama rows of q/k are permuted to adjacent-pair RoPE; qwen3 GGUFs keep HF's order
+    let permuted = !family.gguf_rope_halves();
+    let t = |gguf: &str, hf: &str, rows, cols, dtype, init, qk_heads: Option<usize>| Tensor {
         gguf: gguf.into(),
         hf: Some(hf.into()),
         rows,
         cols,
         dtype,
         init,
-        qk_heads,
+        qk_heads: qk_heads.filter(|_| permuted),
     };
     let mut v = vec![t(
         "token_embd.weight",
@@ -237,6 +255,30 @@ fn tensors(s: &ModelShape, wt: DType, et: DType, format: Format) -> Result<Vec<T
                 u(h, 1.0),
                 None,
             ),
+        ]);
+        if family.qk_norm() {
+            v.extend([
+                t(
+                    &g("attn_q_norm"),
+                    &f("self_attn.q_norm"),
+                    1,
+                    hd,
+                    norm_t,
+                    Init::Norm,
+                    None,
+                ),
+                t(
+                    &g("attn_k_norm"),
+                    &f("self_attn.k_norm"),
+                    1,
+                    hd,
+                    norm_t,
+                    Init::Norm,
+                    None,
+                ),
+            ]);
+        }
+        v.extend([
             t(
                 &g("attn_output"),
                 &f("self_attn.o_proj"),
@@ -388,13 +430,19 @@ fn tokenizer_metadata(g: &GgufFile, vocab: usize) -> Result<Vec<(String, Value)>
     Ok(out)
 }
 
-fn gguf_metadata(args: &Args, s: &ModelShape, tok: Vec<(String, Value)>) -> Vec<(String, Value)> {
+fn gguf_metadata(
+    args: &Args,
+    s: &ModelShape,
+    family: Family,
+    tok: Vec<(String, Value)>,
+) -> Vec<(String, Value)> {
     let file_type = if args.quant == "q4_1" { 3 } else { 32 }; // LLAMA_FTYPE_MOSTLY_Q4_1 / _BF16
-    let u = |k: &str, v: u32| (format!("llama.{k}"), Value::U32(v));
+    let arch = family.name();
+    let u = |k: &str, v: u32| (format!("{arch}.{k}"), Value::U32(v));
     let mut m = vec![
         (
             "general.architecture".to_string(),
-            Value::String("llama".into()),
+            Value::String(arch.into()),
         ),
         (
             "general.name".into(),
@@ -412,11 +460,11 @@ fn gguf_metadata(args: &Args, s: &ModelShape, tok: Vec<(String, Value)>) -> Vec<
         u("rope.dimension_count", s.head_dim),
         u("vocab_size", s.vocab),
         (
-            "llama.rope.freq_base".into(),
+            format!("{arch}.rope.freq_base"),
             Value::F32(s.rope_theta as f32),
         ),
         (
-            "llama.attention.layer_norm_rms_epsilon".into(),
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
             Value::F32(s.norm_eps as f32),
         ),
     ];
@@ -427,6 +475,7 @@ fn gguf_metadata(args: &Args, s: &ModelShape, tok: Vec<(String, Value)>) -> Vec<
 fn write_gguf(
     args: &Args,
     s: &ModelShape,
+    family: Family,
     tensors: &[Tensor],
     tok: Vec<(String, Value)>,
     threads: usize,
@@ -443,8 +492,8 @@ fn write_gguf(
             },
         })
         .collect();
-    let layout =
-        gguf_writer::layout(&gguf_metadata(args, s, tok), &specs).map_err(anyhow::Error::msg)?;
+    let layout = gguf_writer::layout(&gguf_metadata(args, s, family, tok), &specs)
+        .map_err(anyhow::Error::msg)?;
     let file = create(&args.out, layout.len)?;
     file.write_all_at(&layout.header, 0)?;
     fill(
@@ -462,6 +511,7 @@ fn write_gguf(
 fn write_hf(
     args: &Args,
     s: &ModelShape,
+    family: Family,
     tensors: &[Tensor],
     tok: Vec<(String, Value)>,
     tok_path: &Path,
@@ -495,8 +545,8 @@ fn write_hf(
         serde_json::to_string_pretty(&tc)?,
     )?;
     let mut config = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.hf_architecture()],
+        "model_type": family.name(),
         "hidden_size": s.hidden,
         "intermediate_size": s.ffn,
         "num_hidden_layers": s.layers,

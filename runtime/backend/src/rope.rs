@@ -197,6 +197,7 @@ mod tests {
 
     fn llama_1b_config() -> metrale_model::ModelConfig {
         metrale_model::ModelConfig {
+            family: metrale_model::Family::Llama,
             name: "llama-3.2-1b".into(),
             arch: "llama".into(),
             model_type: "llama".into(),

@@ -1,11 +1,12 @@
 //! The typed model configuration, normalised from GGUF metadata or an HF `config.json`.
 //!
-//! Owns: [`ModelConfig`] and the two readers that fill it, plus the check that a model's tensors have
-//! the shapes and types a llama forward pass needs ([`validate_llama`]).
-//! Invariants: only the llama architecture is accepted (GGUF `general.architecture = llama`; HF
-//! `model_type = llama` / `LlamaForCausalLM`); every count is > 0; `n_heads` is a multiple of
-//! `n_kv_heads`; `head_dim` is even; after [`validate_llama`], every tensor a llama forward pass reads
-//! exists with the shape these numbers imply.
+//! Owns: [`ModelConfig`], the [`Family`] a checkpoint belongs to (what differs between the
+//! architectures this runtime reads), the two readers that fill them, and the check that a model's
+//! tensors have the shapes and types its family's forward pass needs ([`validate_model`]).
+//! Invariants: only the families of [`Family`] are accepted (GGUF `general.architecture`; HF
+//! `model_type` / `architectures`); every count is > 0; `n_heads` is a multiple of `n_kv_heads`;
+//! `head_dim` is even; after [`validate_model`], every tensor the family's forward pass reads exists
+//! with the shape these numbers imply.
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -15,7 +16,66 @@ use serde_json::Value as Json;
 use std::path::Path;
 
 /// The architectures this runtime runs.
-pub const SUPPORTED_ARCHS: &str = "llama (GGUF general.architecture = llama; HF LlamaForCausalLM)";
+pub const SUPPORTED_ARCHS: &str =
+    "llama (GGUF general.architecture = llama; HF LlamaForCausalLM), \
+     qwen3 (GGUF qwen3; HF Qwen3ForCausalLM)";
+
+/// A model family: the block's features that differ between the architectures this runtime reads.
+/// Every family is a pre-norm decoder (RMSNorm, attention with grouped KV heads and RoPE, RMSNorm,
+/// gated SiLU MLP, residual adds); what a family changes is listed by the methods below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// Llama 2/3 (and the models laid out as it, SmolLM2 among them).
+    Llama,
+    /// Qwen3 dense: RMSNorm of each head of Q and K (learned, `head_dim` weights) before RoPE.
+    Qwen3,
+}
+
+impl Family {
+    /// The family whose GGUF `general.architecture` (= HF `model_type`) is `arch`.
+    pub fn from_arch(arch: &str) -> Option<Family> {
+        match arch {
+            "llama" => Some(Family::Llama),
+            "qwen3" => Some(Family::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// GGUF `general.architecture`, HF `model_type` and the `family` of a target's MODEL.toml.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+
+    /// HF `architectures` entry of a causal LM of this family.
+    pub fn hf_architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    /// Each head of Q and K is RMS-normalised (weights `blk.N.attn_q_norm` / `attn_k_norm`, one per
+    /// head dimension, shared by the heads) after the projections and before RoPE.
+    pub fn qk_norm(self) -> bool {
+        self == Family::Qwen3
+    }
+
+    /// Its GGUF files keep Q/K rows in HF's order (RoPE rotating the two halves of each head:
+    /// llama.cpp's NEOX rope), so the reader permutes them to adjacent pairs as it does HF rows of
+    /// every family; llama GGUFs come permuted by the converter.
+    pub fn gguf_rope_halves(self) -> bool {
+        self == Family::Qwen3
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// RoPE frequency scaling.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,14 +94,15 @@ pub enum RopeScaling {
     FreqFactors,
 }
 
-/// Everything a backend needs to size and run a llama model.
+/// Everything a backend needs to size and run a model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// Human name (GGUF general.name, HF `_name_or_path`, else the file/dir name).
     pub name: String,
-    /// "llama".
+    pub family: Family,
+    /// The family's name (GGUF `general.architecture`).
     pub arch: String,
-    /// "llama" for GGUF llama and HF LlamaForCausalLM alike.
+    /// The family's name for GGUF and HF files alike (HF `model_type`).
     pub model_type: String,
     pub n_layers: usize,
     pub hidden: usize,
@@ -153,38 +214,36 @@ impl ModelConfig {
     pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         let path = g.path.as_path();
         let arch = g.req_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ModelError::UnsupportedArch {
-                path: path.to_path_buf(),
-                arch: arch.to_string(),
-                supported: SUPPORTED_ARCHS.into(),
-            });
-        }
-        let k = |s: &str| format!("llama.{s}");
-        let n_layers = positive(path, "llama.block_count", g.req_usize(&k("block_count"))?)?;
+        let family = Family::from_arch(arch).ok_or_else(|| ModelError::UnsupportedArch {
+            path: path.to_path_buf(),
+            arch: arch.to_string(),
+            supported: SUPPORTED_ARCHS.into(),
+        })?;
+        let k = |s: &str| format!("{arch}.{s}");
+        let n_layers = positive(path, &k("block_count"), g.req_usize(&k("block_count"))?)?;
         let hidden = positive(
             path,
-            "llama.embedding_length",
+            &k("embedding_length"),
             g.req_usize(&k("embedding_length"))?,
         )?;
         let n_heads = positive(
             path,
-            "llama.attention.head_count",
+            &k("attention.head_count"),
             g.req_usize(&k("attention.head_count"))?,
         )?;
         let n_kv_heads = match g.opt_u64(&k("attention.head_count_kv"))? {
-            Some(v) => positive(path, "llama.attention.head_count_kv", v as usize)?,
+            Some(v) => positive(path, &k("attention.head_count_kv"), v as usize)?,
             None => n_heads,
         };
         let head_dim = match g.opt_u64(&k("attention.key_length"))? {
-            Some(v) => positive(path, "llama.attention.key_length", v as usize)?,
-            None => derived_head_dim(path, "llama.attention.head_count", hidden, n_heads)?,
+            Some(v) => positive(path, &k("attention.key_length"), v as usize)?,
+            None => derived_head_dim(path, &k("attention.head_count"), hidden, n_heads)?,
         };
         if let Some(rot) = g.opt_u64(&k("rope.dimension_count"))? {
             if rot != head_dim as u64 {
                 return Err(ModelError::Unsupported {
                     path: path.to_path_buf(),
-                    field: "metadata 'llama.rope.dimension_count'".into(),
+                    field: format!("metadata '{}'", k("rope.dimension_count")),
                     value: format!("{rot} (partial rotary embedding)"),
                     supported: format!("the head dimension, {head_dim}"),
                 });
@@ -192,7 +251,7 @@ impl ModelConfig {
         }
         let ffn = positive(
             path,
-            "llama.feed_forward_length",
+            &k("feed_forward_length"),
             g.req_usize(&k("feed_forward_length"))?,
         )?;
         let rope_theta = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
@@ -201,7 +260,7 @@ impl ModelConfig {
             .unwrap_or(1e-5);
         let max_context = positive(
             path,
-            "llama.context_length",
+            &k("context_length"),
             g.req_usize(&k("context_length"))?,
         )?;
         let embd = g
@@ -234,7 +293,7 @@ impl ModelConfig {
                 Some(other) => {
                     return Err(ModelError::Unsupported {
                         path: path.to_path_buf(),
-                        field: "metadata 'llama.rope.scaling.type'".into(),
+                        field: format!("metadata '{}'", k("rope.scaling.type")),
                         value: other.into(),
                         supported: "none, linear (llama3 via rope_freqs.weight)".into(),
                     })
@@ -260,8 +319,9 @@ impl ModelConfig {
         };
         let c = ModelConfig {
             name,
-            arch: arch.to_string(),
-            model_type: "llama".into(),
+            family,
+            arch: family.name().into(),
+            model_type: family.name().into(),
             n_layers,
             hidden,
             n_heads,
@@ -343,7 +403,7 @@ impl ModelConfig {
             let v = opt_usize(k)?.ok_or_else(|| ModelError::Missing {
                 path: path.to_path_buf(),
                 field: field(k),
-                hint: "a llama config.json has it".into(),
+                hint: "a llama or qwen3 config.json has it".into(),
             })?;
             positive(path, &field(k), v)
         };
@@ -362,11 +422,19 @@ impl ModelConfig {
             .and_then(Json::as_array)
             .map(|a| a.iter().filter_map(Json::as_str).collect())
             .unwrap_or_default();
-        if model_type != "llama" || !(archs.is_empty() || archs.contains(&"LlamaForCausalLM")) {
-            return Err(ModelError::UnsupportedArch {
+        let family = Family::from_arch(model_type)
+            .filter(|f| archs.is_empty() || archs.contains(&f.hf_architecture()))
+            .ok_or_else(|| ModelError::UnsupportedArch {
                 path: path.to_path_buf(),
                 arch: format!("model_type={model_type:?} architectures={archs:?}"),
                 supported: SUPPORTED_ARCHS.into(),
+            })?;
+        if cfg.get("use_sliding_window").and_then(Json::as_bool) == Some(true) {
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                field: field("use_sliding_window"),
+                value: "true".into(),
+                supported: "false (every layer attends to the whole context)".into(),
             });
         }
         if let Some(act) = cfg.get("hidden_act").and_then(Json::as_str) {
@@ -385,7 +453,7 @@ impl ModelConfig {
                     path: path.to_path_buf(),
                     field: field(k),
                     value: "true".into(),
-                    supported: "false (llama without biases)".into(),
+                    supported: "false (projections without biases)".into(),
                 });
             }
         }
@@ -482,8 +550,9 @@ impl ModelConfig {
             .unwrap_or_else(|| file_stem(path));
         let c = ModelConfig {
             name,
-            arch: "llama".into(),
-            model_type: "llama".into(),
+            family,
+            arch: family.name().into(),
+            model_type: family.name().into(),
             n_layers,
             hidden,
             n_heads,
@@ -534,9 +603,9 @@ fn file_stem(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// Check that every tensor a llama forward pass reads is present with the right shape and a usable
-/// type: norms must be float (f32/f16/bf16), matrices any supported type.
-pub fn validate_llama(c: &ModelConfig, w: &Weights) -> Result<()> {
+/// Check that every tensor the family's forward pass reads is present with the right shape and a
+/// usable type: norms must be float (f32/f16/bf16), matrices any supported type.
+pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
     // Checked one by one (no list sized from the config's counts): an absurd n_layers stops at the
     // first missing tensor. Products saturate, so absurd head counts give a shape mismatch, not a panic.
     let q = c.n_heads.saturating_mul(c.head_dim);
@@ -581,6 +650,10 @@ pub fn validate_llama(c: &ModelConfig, w: &Weights) -> Result<()> {
         check(&b("attn_k"), &[c.hidden, kv], false)?;
         check(&b("attn_v"), &[c.hidden, kv], false)?;
         check(&b("attn_output"), &[q, c.hidden], false)?;
+        if c.family.qk_norm() {
+            check(&b("attn_q_norm"), &[c.head_dim], true)?;
+            check(&b("attn_k_norm"), &[c.head_dim], true)?;
+        }
         check(&b("ffn_norm"), &[c.hidden], true)?;
         check(&b("ffn_gate"), &[c.hidden, c.ffn], false)?;
         check(&b("ffn_up"), &[c.hidden, c.ffn], false)?;

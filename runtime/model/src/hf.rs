@@ -12,7 +12,7 @@
 //! are therefore owned buffers (a copy of their bytes); every other tensor is a zero-copy view of the
 //! memory-mapped safetensors files.
 
-use crate::config::{validate_llama, ModelConfig};
+use crate::config::{validate_model, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::weights::{Source, Weights};
 use crate::{ChatTemplate, Format, Model, Tokenizer};
@@ -63,6 +63,8 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         "self_attn.k_proj.weight" => "attn_k",
         "self_attn.v_proj.weight" => "attn_v",
         "self_attn.o_proj.weight" => "attn_output",
+        "self_attn.q_norm.weight" => "attn_q_norm",
+        "self_attn.k_norm.weight" => "attn_k_norm",
         "post_attention_layernorm.weight" => "ffn_norm",
         "mlp.gate_proj.weight" => "ffn_gate",
         "mlp.up_proj.weight" => "ffn_up",
@@ -99,6 +101,45 @@ pub fn permute_qk_rows(
         }
     }
     Some(out)
+}
+
+/// Tensor `name` (a GGUF name) with its rows reordered from RoPE over the two halves of each head
+/// (HF's layout) to adjacent pairs, where it is a Q or K projection (rows: heads x head_dim) or a
+/// Q or K norm (one weight per head dimension, permuted as a head's rows); `Ok(None)` for any other
+/// tensor. `shown` names it in errors (the file's own name).
+pub(crate) fn rope_pairs(
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+    data: &[u8],
+    c: &ModelConfig,
+    path: &Path,
+    shown: &str,
+) -> Result<Option<Vec<u8>>> {
+    let (n_head, rows, row_bytes) =
+        if name.ends_with(".attn_q.weight") || name.ends_with(".attn_k.weight") {
+            let n_head = if name.ends_with(".attn_q.weight") {
+                c.n_heads
+            } else {
+                c.n_kv_heads
+            };
+            let rows: usize = shape[1..].iter().product();
+            (n_head, rows, dtype.row_bytes(shape[0]).unwrap_or(0))
+        } else if name.ends_with(".attn_q_norm.weight") || name.ends_with(".attn_k_norm.weight") {
+            (1, shape.iter().product(), dtype.row_bytes(1).unwrap_or(0))
+        } else {
+            return Ok(None);
+        };
+    permute_qk_rows(data, rows, row_bytes, n_head)
+        .map(Some)
+        .ok_or_else(|| ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: format!("tensor '{shown}' shape"),
+            expected: format!(
+                "rows (or, for a norm, float elements) in a multiple of 2 x {n_head} heads"
+            ),
+            got: format!("{:?} {dtype}", hf_shape(shape)),
+        })
 }
 
 fn plain_file_name(name: &str) -> bool {
@@ -295,26 +336,7 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                 }
             }
             located.insert(hf_name.clone(), f.clone());
-            let is_q = name.ends_with(".attn_q.weight");
-            let is_k = name.ends_with(".attn_k.weight");
-            if is_q || is_k {
-                let n_head = if is_q {
-                    config.n_heads
-                } else {
-                    config.n_kv_heads
-                };
-                let rows: usize = shape[1..].iter().product();
-                let rb = dtype.row_bytes(shape[0]).unwrap_or(0);
-                let permuted = permute_qk_rows(data, rows, rb, n_head).ok_or_else(|| {
-                    ModelError::Mismatch {
-                        path: p.clone(),
-                        field: format!("tensor '{hf_name}' shape"),
-                        expected: format!(
-                            "a matrix whose row count is a multiple of 2 x {n_head} heads"
-                        ),
-                        got: format!("{:?}", hf_shape(&shape)),
-                    }
-                })?;
+            if let Some(permuted) = rope_pairs(&name, dtype, &shape, data, &config, &p, &hf_name)? {
                 owned.push((name, dtype, shape, permuted));
             } else {
                 let offset = data.as_ptr() as usize - map.as_ptr() as usize;
@@ -353,7 +375,7 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                     .into(),
         });
     }
-    validate_llama(&config, &weights)?;
+    validate_model(&config, &weights)?;
 
     let tokenizer = Tokenizer::from_hf_json(
         &tok_json,

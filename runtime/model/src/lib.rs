@@ -6,16 +6,19 @@
 //! It does not run anything: backends read `Model::weights` and `Model::config`.
 //!
 //! Invariants:
-//! - Only the llama architecture is accepted; anything else is refused naming what was found.
+//! - Only the families of [`config::Family`] (llama, qwen3) are accepted; anything else is refused
+//!   naming what was found.
 //! - A malformed file is a [`ModelError`] naming the file and the field, never a panic; no allocation
 //!   is sized from a count read from a file before that count is bounded by the file's size.
 //! - Only regular files are opened ([`files`]): a FIFO, socket or device given as a model path or
 //!   found in an HF directory is refused, naming it, instead of blocking.
-//! - Weights are zero-copy views of the memory maps, except the HF reader's q/k projections, which are
-//!   row-permuted to GGUF's rope convention (adjacent pairs) and owned (see [`hf`]). Every backend
-//!   implements exactly that one rope convention.
-//! - After `Model::load`, every tensor a llama forward pass reads exists with the shape the config
-//!   implies (see [`config::validate_llama`]).
+//! - Weights are zero-copy views of the memory maps, except the Q/K projections (and Q/K norms) of
+//!   files in HF's rope layout (every HF folder; GGUFs of families with
+//!   [`config::Family::gguf_rope_halves`]), which are row-permuted to GGUF llama's rope convention
+//!   (adjacent pairs) and owned (see [`hf::rope_pairs`]). Every backend implements exactly that one
+//!   rope convention.
+//! - After `Model::load`, every tensor the family's forward pass reads exists with the shape the
+//!   config implies (see [`config::validate_model`]).
 
 pub mod chat;
 pub mod config;
@@ -28,7 +31,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate, RenderError, RenderLimits};
-pub use config::{ModelConfig, RopeScaling};
+pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use tokenizer::Tokenizer;
 pub use weights::{TensorRef, Weights};
@@ -123,18 +126,25 @@ impl Model {
         let gguf::GgufFile { header, map, .. } = g;
         let mut weights = Weights::new(path.to_path_buf(), vec![map]);
         for t in header.tensors {
-            weights.insert(
-                t.name,
-                t.dtype,
-                t.shape,
-                weights::Source::Mapped {
+            // families whose GGUF rows keep HF's RoPE layout: Q/K rows to adjacent pairs (copied)
+            let pairs = if config.family.gguf_rope_halves() {
+                let end = t.file_offset.saturating_add(t.n_bytes);
+                let data = weights.maps[0].get(t.file_offset..end).unwrap_or(&[]);
+                hf::rope_pairs(&t.name, t.dtype, &t.shape, data, &config, path, &t.name)?
+            } else {
+                None
+            };
+            let source = match pairs {
+                Some(bytes) => weights::Source::Owned(bytes),
+                None => weights::Source::Mapped {
                     map: 0,
                     offset: t.file_offset,
                     len: t.n_bytes,
                 },
-            )?;
+            };
+            weights.insert(t.name, t.dtype, t.shape, source)?;
         }
-        config::validate_llama(&config, &weights)?;
+        config::validate_model(&config, &weights)?;
         Ok(Model {
             config,
             weights,

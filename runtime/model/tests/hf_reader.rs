@@ -344,6 +344,23 @@ fn config_refusals() {
     std::fs::remove_file(d.join("tokenizer.json")).unwrap();
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
+    // a qwen3 config over llama tensors: the family's per-head Q/K norms are missing, by name
+    reset();
+    edit_json(&cfg, |v| {
+        v["model_type"] = "qwen3".into();
+        v["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    });
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("blk.0.attn_q_norm.weight"), "{e}");
+    // a model_type and an architecture of different families
+    reset();
+    edit_json(&cfg, |v| v["model_type"] = "qwen3".into());
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("qwen3") && e.contains("LlamaForCausalLM"), "{e}");
+    reset();
+    edit_json(&cfg, |v| v["use_sliding_window"] = true.into());
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("use_sliding_window"), "{e}");
 }
 
 #[test]

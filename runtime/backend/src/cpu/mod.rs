@@ -76,6 +76,9 @@ struct Layer {
     wq: QTensor,
     wk: QTensor,
     wv: QTensor,
+    /// The weights of the RMSNorm of each Q and K head before RoPE (`head_dim` each), in families
+    /// with `Family::qk_norm`.
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     wo: QTensor,
     ffn_norm: Vec<f32>,
     w_gate: QTensor,
@@ -327,6 +330,13 @@ impl CpuBackend {
                 wq: load_matrix(model, &n("attn_q"), q, h)?.packed_for_this_cpu(),
                 wk: load_matrix(model, &n("attn_k"), kv, h)?.packed_for_this_cpu(),
                 wv: load_matrix(model, &n("attn_v"), kv, h)?.packed_for_this_cpu(),
+                qk_norm: match c.family.qk_norm() {
+                    true => Some((
+                        load_vector(model, &n("attn_q_norm"), dims.head_dim)?,
+                        load_vector(model, &n("attn_k_norm"), dims.head_dim)?,
+                    )),
+                    false => None,
+                },
                 wo: load_matrix(model, &n("attn_output"), h, q)?.packed_for_this_cpu(),
                 ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
                 w_gate: load_matrix(model, &n("ffn_gate"), f, h)?.packed_for_this_cpu(),
@@ -454,6 +464,10 @@ impl CpuBackend {
             + self.out_norm.len() * 4;
         for l in &self.layers {
             n += (l.attn_norm.len() + l.ffn_norm.len()) * 4;
+            n += l
+                .qk_norm
+                .as_ref()
+                .map_or(0, |(q, k)| (q.len() + k.len()) * 4);
             for t in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 n += t.data.len();
             }
@@ -547,6 +561,15 @@ impl CpuBackend {
                     n,
                     &mut [&mut q, &mut k, &mut v],
                 );
+                if let Some((qn, kn)) = &l.qk_norm {
+                    let mut head = vec![0f32; hd];
+                    for (rows, w) in [(&mut q, qn), (&mut k, kn)] {
+                        for r in rows.chunks_exact_mut(hd) {
+                            head.copy_from_slice(r);
+                            ops::rmsnorm(&head, w, self.norm_eps, r);
+                        }
+                    }
+                }
                 for (i, &(e, pos)) in tok_meta.iter().enumerate() {
                     crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
                     crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);

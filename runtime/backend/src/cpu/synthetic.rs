@@ -106,6 +106,7 @@ pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: us
             wq: m(64, 64, dtype).packed_for_this_cpu(),
             wk: m(32, 64, dtype).packed_for_this_cpu(),
             wv: m(32, 64, dtype).packed_for_this_cpu(),
+            qk_norm: None,
             wo: m(64, 64, dtype).packed_for_this_cpu(),
             ffn_norm: rand_vec(64, seed + 950 + i)
                 .iter()

@@ -373,8 +373,15 @@ pub struct ModelWeights {
     pub layers: Vec<LayerW>,
 }
 
-/// Refuse a checkpoint whose shape is not the one the kernels were compiled for.
+/// Refuse a checkpoint whose family or shape is not the one the kernels were compiled for.
 pub fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendError> {
+    if c.family != metrale_model::Family::Llama {
+        return Err(BackendError::Model(format!(
+            "model {}: the {} family (its per-head Q/K norm) has no CUDA kernels yet; the CUDA \
+             backend runs the llama family (this binary: {target}). Run it on a cpu target",
+            c.name, c.family
+        )));
+    }
     let pairs = [
         ("layers", c.n_layers, d.layers),
         ("hidden", c.hidden, d.hidden),
@@ -724,6 +731,7 @@ mod tests {
             vocab: 49152,
         };
         let mut c = ModelConfig {
+            family: metrale_model::Family::Llama,
             name: "m".into(),
             arch: "llama".into(),
             model_type: "llama".into(),
@@ -762,5 +770,11 @@ mod tests {
             original_max_position: 8192,
         });
         assert!(check_config(&c, &d, "h200/llama-3.2-1b/q4_1").is_ok());
+        // a family the kernels do not compute is refused by name, shape or not
+        c.family = metrale_model::Family::Qwen3;
+        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qwen3") && e.contains("cpu target"), "{e}");
     }
 }
