@@ -25,7 +25,8 @@
 //! - `hardware.name == id.hw`, `model.name == id.model`, `quant.name == id.quant`.
 //! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count`, `smem_per_block_kib`,
 //!   `compute_capability` and its launch choices (`attention_cluster`, `decode_split`); metal
-//!   hardware has `metal_std`. Shapes are consistent (`heads * head_dim == hidden`, `heads % kv_heads == 0`).
+//!   hardware has `metal_std`. Shapes are consistent (`heads % kv_heads == 0`; on kernel backends
+//!   `heads * head_dim == hidden` and the llama family, whose kernels exist).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -191,6 +192,10 @@ pub struct RopeScaling {
     pub high_freq_factor: f64,
     pub original_max_position_embeddings: u32,
 }
+
+/// The model families a target may name (`[model] family`): GGUF `general.architecture` / HF
+/// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
+pub const FAMILIES: [&str; 2] = ["llama", "qwen3"];
 
 /// `[model]`: the shape constants kernels are specialised on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -685,7 +690,29 @@ impl TargetSpec {
                 m.kv_heads.to_string(),
             ));
         }
-        if m.heads * m.head_dim != m.hidden {
+        if !FAMILIES.contains(&m.family.as_str()) {
+            return Err(inv(
+                model_path,
+                "model.family",
+                format!("one of {}", FAMILIES.join(", ")),
+                m.family.clone(),
+            ));
+        }
+        let cpu = self.hardware.backend == BackendKind::Cpu;
+        if m.family != "llama" && !cpu {
+            return Err(inv(
+                model_path,
+                "model.family",
+                format!(
+                    "llama on {} targets (the {} family has no kernels yet: build a cpu target)",
+                    self.hardware.backend, m.family
+                ),
+                m.family.clone(),
+            ));
+        }
+        // the kernels are compiled (and tested) where the query width is the hidden size; the CPU
+        // backend keeps the two apart
+        if m.heads * m.head_dim != m.hidden && !cpu {
             return Err(inv(
                 model_path,
                 "model.head_dim",
@@ -1076,5 +1103,23 @@ mod tests {
             err.contains("split or f16") && err.contains("bf16"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn families_other_than_llama_are_cpu_only_and_unknown_ones_refused() {
+        let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"qwen3\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.family") && err.contains("cpu target"),
+            "{err}"
+        );
+        let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"mistral\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("llama, qwen3"), "{err}");
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../targets");
+        let q = TargetSpec::load(&src, &TargetId::new("cpu", "qwen3-8b", "q4_1")).unwrap();
+        assert_eq!((q.model.family.as_str(), q.model.layers), ("qwen3", 36));
     }
 }

@@ -433,3 +433,13 @@ fn malformed_safetensors_and_absurd_config() {
     });
     assert!(Model::load(d).is_err());
 }
+
+/// The families a target may name are the ones the readers accept, and no others.
+#[test]
+fn target_families_are_the_readers_families() {
+    for name in metrale_core::target::FAMILIES {
+        let f = metrale_model::Family::from_arch(name).expect(name);
+        assert_eq!(f.name(), name);
+    }
+    assert!(metrale_model::Family::from_arch("mistral").is_none());
+}
