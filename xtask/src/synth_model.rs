@@ -101,6 +101,11 @@ struct Tensor {
     dtype: DType,
     init: Init,
     qk_heads: Option<usize>,
+    /// The value stream's row of this tensor's first row: an HF expert's tensor is rows
+    /// `row0..row0 + rows` of the experts' one GGUF tensor, whose name keys the values.
+    row0: usize,
+    /// GGUF stores it 3-D: `[cols, rows / experts, experts]` (the experts of one layer).
+    experts: Option<usize>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -205,6 +210,8 @@ fn tensors(
         dtype,
         init,
         qk_heads: qk_heads.filter(|_| permuted),
+        row0: 0,
+        experts: None,
     };
     let mut v = vec![t(
         "token_embd.weight",
@@ -297,26 +304,71 @@ fn tensors(
                 Init::Norm,
                 None,
             ),
-            t(
-                &g("ffn_gate"),
-                &f("mlp.gate_proj"),
-                ffn,
-                h,
-                wt,
-                u(h, 1.0),
-                None,
-            ),
-            t(&g("ffn_up"), &f("mlp.up_proj"), ffn, h, wt, u(h, 1.0), None),
-            t(
-                &g("ffn_down"),
-                &f("mlp.down_proj"),
-                h,
-                ffn,
-                wt,
-                u(ffn, 1.0),
-                None,
-            ),
         ]);
+        let Some(x) = &s.experts else {
+            v.extend([
+                t(
+                    &g("ffn_gate"),
+                    &f("mlp.gate_proj"),
+                    ffn,
+                    h,
+                    wt,
+                    u(h, 1.0),
+                    None,
+                ),
+                t(&g("ffn_up"), &f("mlp.up_proj"), ffn, h, wt, u(h, 1.0), None),
+                t(
+                    &g("ffn_down"),
+                    &f("mlp.down_proj"),
+                    h,
+                    ffn,
+                    wt,
+                    u(ffn, 1.0),
+                    None,
+                ),
+            ]);
+            continue;
+        };
+        // routed experts: the router in f32 (GGUF; bf16 values) as llama.cpp keeps it, each
+        // expert's gated MLP as one 3-D GGUF tensor per projection or one HF tensor per expert
+        let (n, xf) = (x.count as usize, x.ffn as usize);
+        v.push(t(
+            &g("ffn_gate_inp"),
+            &f("mlp.gate"),
+            n,
+            h,
+            norm_t,
+            u(h, 1.0),
+            None,
+        ));
+        for (kind, rows, cols, scale) in [
+            ("gate", xf, h, u(h, 1.0)),
+            ("up", xf, h, u(h, 1.0)),
+            ("down", h, xf, u(xf, 1.0)),
+        ] {
+            let name = g(&format!("ffn_{kind}_exps"));
+            if format == Format::Hf {
+                for e in 0..n {
+                    v.push(Tensor {
+                        row0: e * rows,
+                        ..t(
+                            &name,
+                            &f(&format!("mlp.experts.{e}.{kind}_proj")),
+                            rows,
+                            cols,
+                            wt,
+                            scale.clone(),
+                            None,
+                        )
+                    });
+                }
+            } else {
+                v.push(Tensor {
+                    experts: Some(n),
+                    ..t(&name, &name, n * rows, cols, wt, scale, None)
+                });
+            }
+        }
     }
     v.push(t(
         "output_norm.weight",
@@ -350,6 +402,8 @@ fn tensors(
             dtype: DType::F32,
             init: Init::Values(llama3_freq_factors(s, r)),
             qk_heads: None,
+            row0: 0,
+            experts: None,
         });
     }
     for t in &v {
@@ -468,6 +522,13 @@ fn gguf_metadata(
             Value::F32(s.norm_eps as f32),
         ),
     ];
+    if let Some(x) = &s.experts {
+        m.extend([
+            u("expert_count", x.count),
+            u("expert_used_count", x.used),
+            u("expert_feed_forward_length", x.ffn),
+        ]);
+    }
     m.extend(tok);
     m
 }
@@ -485,10 +546,10 @@ fn write_gguf(
         .map(|t| TensorSpec {
             name: t.gguf.clone(),
             dtype: t.dtype,
-            shape: if t.rows == 1 {
-                vec![t.cols]
-            } else {
-                vec![t.cols, t.rows]
+            shape: match (t.rows, t.experts) {
+                (1, _) => vec![t.cols],
+                (_, Some(n)) => vec![t.cols, t.rows / n, n],
+                _ => vec![t.cols, t.rows],
             },
         })
         .collect();
@@ -546,7 +607,7 @@ fn write_hf(
     )?;
     let mut config = json!({
         "architectures": [family.hf_architecture()],
-        "model_type": family.name(),
+        "model_type": family.hf_model_type(),
         "hidden_size": s.hidden,
         "intermediate_size": s.ffn,
         "num_hidden_layers": s.layers,
@@ -565,6 +626,14 @@ fn write_hf(
         "bos_token_id": cfg.0,
         "eos_token_id": cfg.1.first(),
     });
+    if let Some(x) = &s.experts {
+        config["num_experts"] = json!(x.count);
+        config["num_experts_per_tok"] = json!(x.used);
+        config["moe_intermediate_size"] = json!(x.ffn);
+        config["norm_topk_prob"] = json!(true);
+        config["decoder_sparse_step"] = json!(1);
+        config["mlp_only_layers"] = json!([]);
+    }
     if let Some(r) = &s.rope_scaling {
         config["rope_scaling"] = json!({
             "rope_type": r.rope_type,
@@ -676,7 +745,7 @@ fn fill(
                                 (true, Some(nh)) => gguf_row_source(r, t.rows / nh),
                                 _ => r,
                             };
-                            row_values(seed, &t.gguf, src, &t.init, &mut vals);
+                            row_values(seed, &t.gguf, t.row0 + src, &t.init, &mut vals);
                             quantize_row(
                                 t.dtype,
                                 &vals,

@@ -212,6 +212,7 @@ mod tests {
             norm_eps: 1e-5,
             max_context: 131072,
             tied_embeddings: true,
+            moe: None,
             rope_scaling: None,
             bos: Some(128000),
             eos: vec![128001],

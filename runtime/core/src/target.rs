@@ -195,7 +195,19 @@ pub struct RopeScaling {
 
 /// The model families a target may name (`[model] family`): GGUF `general.architecture` / HF
 /// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
-pub const FAMILIES: [&str; 2] = ["llama", "qwen3"];
+pub const FAMILIES: [&str; 3] = ["llama", "qwen3", "qwen3moe"];
+
+/// `[model.experts]`: a mixture of experts in place of every layer's dense MLP.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExpertShape {
+    /// Experts per layer.
+    pub count: u32,
+    /// Experts routed per token.
+    pub used: u32,
+    /// Each expert's FFN width.
+    pub ffn: u32,
+}
 
 /// `[model]`: the shape constants kernels are specialised on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -218,6 +230,8 @@ pub struct ModelShape {
     pub tied_embeddings: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertShape>,
 }
 
 impl crate::shape::Dims {
@@ -699,6 +713,24 @@ impl TargetSpec {
             ));
         }
         let cpu = self.hardware.backend == BackendKind::Cpu;
+        if let Some(x) = &m.experts {
+            if x.count == 0 || x.used == 0 || x.used > x.count || x.ffn == 0 {
+                return Err(inv(
+                    model_path,
+                    "model.experts",
+                    "count > 0, 1 <= used <= count, ffn > 0".into(),
+                    format!("count {}, used {}, ffn {}", x.count, x.used, x.ffn),
+                ));
+            }
+        }
+        if (m.family == "qwen3moe") != m.experts.is_some() {
+            return Err(inv(
+                model_path,
+                "model.experts",
+                "a [model.experts] table exactly for the qwen3moe family".into(),
+                format!("family {}", m.family),
+            ));
+        }
         if m.family != "llama" && !cpu {
             return Err(inv(
                 model_path,

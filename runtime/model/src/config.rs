@@ -18,7 +18,8 @@ use std::path::Path;
 /// The architectures this runtime runs.
 pub const SUPPORTED_ARCHS: &str =
     "llama (GGUF general.architecture = llama; HF LlamaForCausalLM), \
-     qwen3 (GGUF qwen3; HF Qwen3ForCausalLM)";
+     qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
+     Qwen3MoeForCausalLM)";
 
 /// A model family: the block's features that differ between the architectures this runtime reads.
 /// Every family is a pre-norm decoder (RMSNorm, attention with grouped KV heads and RoPE, RMSNorm,
@@ -29,23 +30,36 @@ pub enum Family {
     Llama,
     /// Qwen3 dense: RMSNorm of each head of Q and K (learned, `head_dim` weights) before RoPE.
     Qwen3,
+    /// Qwen3 MoE: Qwen3's attention, and in every layer routed experts in place of the MLP.
+    Qwen3Moe,
 }
 
 impl Family {
     /// The family whose GGUF `general.architecture` (= HF `model_type`) is `arch`.
+    /// (Or whose HF `model_type` is `arch`.)
     pub fn from_arch(arch: &str) -> Option<Family> {
         match arch {
             "llama" => Some(Family::Llama),
             "qwen3" => Some(Family::Qwen3),
+            "qwen3moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
             _ => None,
         }
     }
 
-    /// GGUF `general.architecture`, HF `model_type` and the `family` of a target's MODEL.toml.
+    /// GGUF `general.architecture` and the `family` of a target's MODEL.toml.
     pub fn name(self) -> &'static str {
         match self {
             Family::Llama => "llama",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3moe",
+        }
+    }
+
+    /// HF `model_type`.
+    pub fn hf_model_type(self) -> &'static str {
+        match self {
+            Family::Qwen3Moe => "qwen3_moe",
+            f => f.name(),
         }
     }
 
@@ -54,21 +68,39 @@ impl Family {
         match self {
             Family::Llama => "LlamaForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
     /// Each head of Q and K is RMS-normalised (weights `blk.N.attn_q_norm` / `attn_k_norm`, one per
     /// head dimension, shared by the heads) after the projections and before RoPE.
     pub fn qk_norm(self) -> bool {
-        self == Family::Qwen3
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
     }
 
     /// Its GGUF files keep Q/K rows in HF's order (RoPE rotating the two halves of each head:
     /// llama.cpp's NEOX rope), so the reader permutes them to adjacent pairs as it does HF rows of
     /// every family; llama GGUFs come permuted by the converter.
     pub fn gguf_rope_halves(self) -> bool {
-        self == Family::Qwen3
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
     }
+
+    /// Every layer's MLP is routed experts ([`Moe`]): `blk.N.ffn_gate_inp` (the router) and the
+    /// experts' `ffn_{gate,up,down}_exps`, no dense `ffn_{gate,up,down}`.
+    pub fn moe(self) -> bool {
+        self == Family::Qwen3Moe
+    }
+}
+
+/// A layer's mixture of experts: the router's softmax over `experts`, the `used` largest taken
+/// (ties to the lower index), their weights renormalised to sum 1 where `norm_topk`, and the
+/// token's MLP output the weighted sum of those experts' gated MLPs (each `ffn` wide).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moe {
+    pub experts: usize,
+    pub used: usize,
+    pub ffn: usize,
+    pub norm_topk: bool,
 }
 
 impl std::fmt::Display for Family {
@@ -117,6 +149,8 @@ pub struct ModelConfig {
     pub max_context: usize,
     /// The LM head is token_embd (no output.weight).
     pub tied_embeddings: bool,
+    /// Routed experts in every layer (families with [`Family::moe`]); `ffn` is then one expert's.
+    pub moe: Option<Moe>,
     pub rope_scaling: Option<RopeScaling>,
     pub bos: Option<u32>,
     /// End-of-generation ids (eos, then eot/eom when the file names them), deduplicated.
@@ -176,6 +210,15 @@ impl ModelConfig {
                 format!("a divisor of n_heads ({})", self.n_heads),
                 self.n_kv_heads.to_string(),
             ));
+        }
+        if let Some(m) = self.moe {
+            if m.used == 0 || m.used > m.experts {
+                return Err(mm(
+                    "experts used per token",
+                    format!("1 to the {} experts", m.experts),
+                    m.used.to_string(),
+                ));
+            }
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(mm(
@@ -254,6 +297,20 @@ impl ModelConfig {
             &k("feed_forward_length"),
             g.req_usize(&k("feed_forward_length"))?,
         )?;
+        let moe = if family.moe() {
+            let req =
+                |key: &str| -> Result<usize> { positive(path, &k(key), g.req_usize(&k(key))?) };
+            Some(Moe {
+                experts: req("expert_count")?,
+                used: req("expert_used_count")?,
+                ffn: req("expert_feed_forward_length")?,
+                // llama.cpp renormalises qwen3moe's top-k weights unless the file says otherwise
+                norm_topk: g.opt_bool(&k("expert_weights_norm"))?.unwrap_or(true),
+            })
+        } else {
+            None
+        };
+        let ffn = moe.map_or(ffn, |m| m.ffn);
         let rope_theta = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
         let norm_eps = g
             .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
@@ -321,7 +378,7 @@ impl ModelConfig {
             name,
             family,
             arch: family.name().into(),
-            model_type: family.name().into(),
+            model_type: family.hf_model_type().into(),
             n_layers,
             hidden,
             n_heads,
@@ -333,6 +390,7 @@ impl ModelConfig {
             norm_eps,
             max_context,
             tied_embeddings,
+            moe,
             rope_scaling,
             bos,
             eos,
@@ -468,7 +526,39 @@ impl ModelConfig {
             Some(v) => positive(path, &field("head_dim"), v)?,
             None => derived_head_dim(path, &field("num_attention_heads"), hidden, n_heads)?,
         };
-        let ffn = req_usize("intermediate_size")?;
+        let moe = if family.moe() {
+            if opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1
+                || cfg
+                    .get("mlp_only_layers")
+                    .and_then(Json::as_array)
+                    .is_some_and(|a| !a.is_empty())
+            {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: field("decoder_sparse_step / mlp_only_layers"),
+                    value: "dense layers among the sparse ones".into(),
+                    supported: "experts in every layer (decoder_sparse_step 1, no mlp_only_layers)"
+                        .into(),
+                });
+            }
+            Some(Moe {
+                experts: req_usize("num_experts")?,
+                used: req_usize("num_experts_per_tok")?,
+                ffn: req_usize("moe_intermediate_size")?,
+                norm_topk: match cfg.get("norm_topk_prob") {
+                    None | Some(Json::Null) => false,
+                    Some(v) => v
+                        .as_bool()
+                        .ok_or_else(|| mm("norm_topk_prob", "a bool", v))?,
+                },
+            })
+        } else {
+            None
+        };
+        let ffn = match moe {
+            Some(m) => m.ffn,
+            None => req_usize("intermediate_size")?,
+        };
         let vocab = req_usize("vocab_size")?;
         // Defaults are transformers' LlamaConfig defaults.
         let rope_theta = opt_f32("rope_theta")?.unwrap_or(10000.0);
@@ -552,7 +642,7 @@ impl ModelConfig {
             name,
             family,
             arch: family.name().into(),
-            model_type: family.name().into(),
+            model_type: family.hf_model_type().into(),
             n_layers,
             hidden,
             n_heads,
@@ -564,6 +654,7 @@ impl ModelConfig {
             norm_eps,
             max_context,
             tied_embeddings,
+            moe,
             rope_scaling,
             bos,
             eos,
@@ -655,9 +746,30 @@ pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
             check(&b("attn_k_norm"), &[c.head_dim], true)?;
         }
         check(&b("ffn_norm"), &[c.hidden], true)?;
-        check(&b("ffn_gate"), &[c.hidden, c.ffn], false)?;
-        check(&b("ffn_up"), &[c.hidden, c.ffn], false)?;
-        check(&b("ffn_down"), &[c.ffn, c.hidden], false)?;
+        if let Some(m) = c.moe {
+            check(&b("ffn_gate_inp"), &[c.hidden, m.experts], false)?;
+            for e in 0..m.experts {
+                let x = |s: &str, shape: &[usize]| -> Result<()> {
+                    let t = w.expert(&b(s), e)?;
+                    if t.shape != shape {
+                        return Err(ModelError::Mismatch {
+                            path: w.path.clone(),
+                            field: format!("expert {e} of '{}' shape", b(s)),
+                            expected: format!("{shape:?} (ggml order) from the config"),
+                            got: format!("{:?}", t.shape),
+                        });
+                    }
+                    Ok(())
+                };
+                x("ffn_gate_exps", &[c.hidden, m.ffn])?;
+                x("ffn_up_exps", &[c.hidden, m.ffn])?;
+                x("ffn_down_exps", &[m.ffn, c.hidden])?;
+            }
+        } else {
+            check(&b("ffn_gate"), &[c.hidden, c.ffn], false)?;
+            check(&b("ffn_up"), &[c.hidden, c.ffn], false)?;
+            check(&b("ffn_down"), &[c.ffn, c.hidden], false)?;
+        }
     }
     Ok(())
 }

@@ -70,7 +70,20 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         "mlp.up_proj.weight" => "ffn_up",
         "mlp.down_proj.weight" => "ffn_down",
         "self_attn.rotary_emb.inv_freq" => return Some(None),
-        _ => return None,
+        "mlp.gate.weight" => "ffn_gate_inp",
+        _ => {
+            // a mixture-of-experts layer's expert E: blk.N.ffn_{gate,up,down}_exps.E.weight
+            // (`Weights::expert` finds it)
+            let (e, proj) = rest.strip_prefix("mlp.experts.")?.split_once('.')?;
+            let e: usize = e.parse().ok()?;
+            let kind = match proj {
+                "gate_proj.weight" => "gate",
+                "up_proj.weight" => "up",
+                "down_proj.weight" => "down",
+                _ => return None,
+            };
+            return Some(Some(format!("blk.{layer}.ffn_{kind}_exps.{e}.weight")));
+        }
     };
     Some(Some(format!("blk.{layer}.{short}.weight")))
 }

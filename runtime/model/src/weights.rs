@@ -212,6 +212,41 @@ impl Weights {
         })
     }
 
+    /// Expert `e`'s matrix of the expert tensor `name` (`blk.N.ffn_{gate,up,down}_exps.weight`):
+    /// a slice of the 3-D tensor GGUF stores (`[cols, rows, experts]`, one expert's rows after
+    /// another), or the expert's own tensor where the file has one per expert (the HF reader's
+    /// `blk.N.ffn_{gate,up,down}_exps.E.weight`). Zero-copy either way.
+    pub fn expert(&self, name: &str, e: usize) -> Result<TensorRef<'_>> {
+        if let Ok(t) = self.get(name) {
+            let n = t.shape.get(2).copied().unwrap_or(0);
+            if t.shape.len() != 3 || e >= n {
+                return Err(ModelError::Mismatch {
+                    path: self.path.clone(),
+                    field: format!("tensor '{name}' shape"),
+                    expected: format!("[cols, rows, experts] with more than {e} experts"),
+                    got: format!("{:?}", t.shape),
+                });
+            }
+            let per = t.data.len() / n;
+            return Ok(TensorRef {
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape[..2].to_vec(),
+                data: &t.data[e * per..(e + 1) * per],
+            });
+        }
+        let own = match name.strip_suffix(".weight") {
+            Some(base) => format!("{base}.{e}.weight"),
+            None => format!("{name}.{e}"),
+        };
+        self.get(&own).map_err(|_| ModelError::MissingTensor {
+            path: self.path.clone(),
+            name: format!("{name} (or {own})"),
+            available: self.entries.len(),
+            hint: format!("expert {e} of a mixture-of-experts layer"),
+        })
+    }
+
     /// Whether a tensor is present.
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)

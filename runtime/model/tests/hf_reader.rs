@@ -361,6 +361,32 @@ fn config_refusals() {
     edit_json(&cfg, |v| v["use_sliding_window"] = true.into());
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("use_sliding_window"), "{e}");
+    // a qwen3_moe config: dense layers among the sparse ones are refused, then (over llama
+    // tensors) the experts are missing, by name
+    reset();
+    let moe = |v: &mut serde_json::Value| {
+        v["model_type"] = "qwen3_moe".into();
+        v["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+        v["num_experts"] = 4.into();
+        v["num_experts_per_tok"] = 2.into();
+        v["moe_intermediate_size"] = 8.into();
+    };
+    edit_json(&cfg, |v| {
+        moe(v);
+        v["mlp_only_layers"] = serde_json::json!([0]);
+    });
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("mlp_only_layers"), "{e}");
+    reset();
+    edit_json(&cfg, |v| {
+        moe(v);
+        v["num_experts_per_tok"] = 5.into();
+    });
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(
+        e.contains("experts used") && e.contains("1 to the 4"),
+        "{e}"
+    );
 }
 
 #[test]

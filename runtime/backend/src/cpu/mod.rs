@@ -81,9 +81,51 @@ struct Layer {
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     wo: QTensor,
     ffn_norm: Vec<f32>,
-    w_gate: QTensor,
-    w_up: QTensor,
-    w_down: QTensor,
+    ffn: Ffn,
+}
+
+/// A layer's MLP: one gated MLP, or routed experts.
+#[derive(Debug)]
+enum Ffn {
+    Dense {
+        gate: QTensor,
+        up: QTensor,
+        down: QTensor,
+    },
+    /// The router (`[experts][hidden]`) and each expert's (gate, up, down).
+    Moe {
+        router: QTensor,
+        experts: Vec<[QTensor; 3]>,
+        moe: metrale_model::config::Moe,
+    },
+}
+
+impl Ffn {
+    fn tensors(&self) -> Vec<&QTensor> {
+        match self {
+            Ffn::Dense { gate, up, down } => vec![gate, up, down],
+            Ffn::Moe {
+                router, experts, ..
+            } => std::iter::once(router)
+                .chain(experts.iter().flatten())
+                .collect(),
+        }
+    }
+}
+
+/// The experts a token's router logits choose and their weights: the softmax over all experts,
+/// the `used` largest (ties to the lower index), renormalised to sum 1 where `norm_topk`.
+pub fn route(logits: &[f32], used: usize, norm_topk: bool) -> Vec<(usize, f32)> {
+    let mut p = logits.to_vec();
+    ops::softmax_inplace(&mut p);
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    // stable: equal weights keep the lower index first
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let top: Vec<(usize, f32)> = order.iter().take(used).map(|&e| (e, p[e])).collect();
+    let sum: f32 = top.iter().map(|&(_, w)| w).sum();
+    top.into_iter()
+        .map(|(e, w)| (e, if norm_topk { w / sum } else { w }))
+        .collect()
 }
 
 use crate::Dims;
@@ -268,6 +310,32 @@ fn load_matrix(
     })
 }
 
+/// Expert `e`'s `rows` x `cols` matrix of the expert tensor `name` (`Weights::expert`).
+fn load_expert(
+    model: &Model,
+    name: &str,
+    e: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<QTensor, BackendError> {
+    let t = model.weights.expert(name, e).map_err(model_err)?;
+    if t.shape != [cols, rows] || t.dtype.row_bytes(cols).map(|b| b * rows) != Some(t.data.len()) {
+        return Err(BackendError::Model(format!(
+            "expert {e} of '{name}': expected ggml shape [{cols}, {rows}], got {:?} ({} bytes of {})",
+            t.shape,
+            t.data.len(),
+            t.dtype
+        )));
+    }
+    Ok(QTensor {
+        dtype: t.dtype,
+        rows,
+        cols,
+        data: t.data.to_vec(),
+        packed: false,
+    })
+}
+
 fn load_vector(model: &Model, name: &str, n: usize) -> Result<Vec<f32>, BackendError> {
     let t = model.weights.get(name).map_err(model_err)?;
     if t.n_elems() != n || t.shape[0] != n {
@@ -339,9 +407,30 @@ impl CpuBackend {
                 },
                 wo: load_matrix(model, &n("attn_output"), h, q)?.packed_for_this_cpu(),
                 ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
-                w_gate: load_matrix(model, &n("ffn_gate"), f, h)?.packed_for_this_cpu(),
-                w_up: load_matrix(model, &n("ffn_up"), f, h)?.packed_for_this_cpu(),
-                w_down: load_matrix(model, &n("ffn_down"), h, f)?.packed_for_this_cpu(),
+                ffn: match c.moe {
+                    None => Ffn::Dense {
+                        gate: load_matrix(model, &n("ffn_gate"), f, h)?.packed_for_this_cpu(),
+                        up: load_matrix(model, &n("ffn_up"), f, h)?.packed_for_this_cpu(),
+                        down: load_matrix(model, &n("ffn_down"), h, f)?.packed_for_this_cpu(),
+                    },
+                    Some(moe) => Ffn::Moe {
+                        router: load_matrix(model, &n("ffn_gate_inp"), moe.experts, h)?,
+                        experts: (0..moe.experts)
+                            .map(|e| -> Result<[QTensor; 3], BackendError> {
+                                let x = |s: &str, rows, cols| {
+                                    load_expert(model, &n(s), e, rows, cols)
+                                        .map(QTensor::packed_for_this_cpu)
+                                };
+                                Ok([
+                                    x("ffn_gate_exps", moe.ffn, h)?,
+                                    x("ffn_up_exps", moe.ffn, h)?,
+                                    x("ffn_down_exps", h, moe.ffn)?,
+                                ])
+                            })
+                            .collect::<Result<_, _>>()?,
+                        moe,
+                    },
+                },
             });
         }
         let inv_freq = crate::rope::model_inv_freq(c, dims.head_dim, || {
@@ -468,7 +557,10 @@ impl CpuBackend {
                 .qk_norm
                 .as_ref()
                 .map_or(0, |(q, k)| (q.len() + k.len()) * 4);
-            for t in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            for t in [&l.wq, &l.wk, &l.wv, &l.wo]
+                .into_iter()
+                .chain(l.ffn.tensors())
+            {
                 n += t.data.len();
             }
         }
@@ -598,16 +690,20 @@ impl CpuBackend {
                 for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
                     ops::rmsnorm(xr, &l.ffn_norm, self.norm_eps, xnr);
                 }
-                mm(
-                    &[l.w_gate.mat(), l.w_up.mat()],
-                    &xn,
-                    n,
-                    &mut [&mut g, &mut u],
-                );
-                for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
-                    ops::swiglu_inplace(gr, ur);
+                match &l.ffn {
+                    Ffn::Dense { gate, up, down } => {
+                        mm(&[gate.mat(), up.mat()], &xn, n, &mut [&mut g, &mut u]);
+                        for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
+                            ops::swiglu_inplace(gr, ur);
+                        }
+                        mm(&[down.mat()], &u, n, &mut [&mut o]);
+                    }
+                    Ffn::Moe {
+                        router,
+                        experts,
+                        moe,
+                    } => moe_ffn(mm, router, experts, *moe, &xn, n, h, &mut o),
                 }
-                mm(&[l.w_down.mat()], &u, n, &mut [&mut o]);
                 ops::add_inplace(&mut x, &o);
             }
         });
@@ -633,6 +729,54 @@ impl CpuBackend {
         self.pool
             .install(|| mm(&[w.mat()], hidden, rows, &mut [&mut logits]));
         logits
+    }
+}
+
+/// A mixture-of-experts MLP over `n` tokens (`xn`, `[n][h]`, normed) into `out` (`[n][h]`): each
+/// token routed ([`route`]), then every expert that any token chose runs once over its tokens
+/// (gathered), its outputs added to theirs with their weights, experts in index order.
+#[allow(clippy::too_many_arguments)]
+fn moe_ffn(
+    mm: MatmulMany,
+    router: &QTensor,
+    experts: &[[QTensor; 3]],
+    moe: metrale_model::config::Moe,
+    xn: &[f32],
+    n: usize,
+    h: usize,
+    out: &mut [f32],
+) {
+    let mut logits = vec![0f32; n * moe.experts];
+    mm(&[router.mat()], xn, n, &mut [&mut logits]);
+    let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];
+    for (t, row) in logits.chunks_exact(moe.experts).enumerate() {
+        for (e, w) in route(row, moe.used, moe.norm_topk) {
+            by_expert[e].push((t, w));
+        }
+    }
+    out[..n * h].fill(0.0);
+    for (e, toks) in by_expert.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+        let m = toks.len();
+        let mut xe = vec![0f32; m * h];
+        for (row, &(t, _)) in xe.chunks_exact_mut(h).zip(toks) {
+            row.copy_from_slice(&xn[t * h..(t + 1) * h]);
+        }
+        let [gate, up, down] = &experts[e];
+        let (mut g, mut u, mut y) = (
+            vec![0f32; m * moe.ffn],
+            vec![0f32; m * moe.ffn],
+            vec![0f32; m * h],
+        );
+        mm(&[gate.mat(), up.mat()], &xe, m, &mut [&mut g, &mut u]);
+        for (ur, gr) in u.chunks_exact_mut(moe.ffn).zip(g.chunks_exact(moe.ffn)) {
+            ops::swiglu_inplace(gr, ur);
+        }
+        mm(&[down.mat()], &u, m, &mut [&mut y]);
+        for (yr, &(t, w)) in y.chunks_exact(h).zip(toks) {
+            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(yr) {
+                *o += w * v;
+            }
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! it (engine, server) that must run without a model file. The weights are real quantized blocks and
 //! run through the real CPU forward pass; only their values are made up.
 
-use super::{CpuBackend, Dims, Layer, QTensor};
+use super::{CpuBackend, Dims, Ffn, Layer, QTensor};
 use metrale_core::dtype::DType;
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -112,9 +112,11 @@ pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: us
                 .iter()
                 .map(|v| 1.0 + 0.2 * v)
                 .collect(),
-            w_gate: m(96, 64, dtype).packed_for_this_cpu(),
-            w_up: m(96, 64, dtype).packed_for_this_cpu(),
-            w_down: m(64, 96, dtype).packed_for_this_cpu(),
+            ffn: Ffn::Dense {
+                gate: m(96, 64, dtype).packed_for_this_cpu(),
+                up: m(96, 64, dtype).packed_for_this_cpu(),
+                down: m(64, 96, dtype).packed_for_this_cpu(),
+            },
         })
         .collect();
     let inv = crate::rope::rope_inv_freq(16, 10000.0, None, None);

@@ -334,3 +334,24 @@ fn hidden_states_match_the_step_and_do_not_depend_on_chunks() {
     let alone = b.hidden(&[other]).unwrap().pop().unwrap();
     close(&both[1].sum, &alone.sum, 1e-4);
 }
+
+/// The router's choice by hand: softmax, the top k with ties to the lower index, renormalised.
+#[test]
+fn route_takes_the_top_k_ties_to_the_lower_index() {
+    // experts 1 and 3 tie for first, 0 and 2 for third
+    let logits = [1.0f32, 3.0, 1.0, 3.0, -2.0];
+    let z: f32 = logits.iter().map(|v| v.exp()).sum();
+    let p = |v: f32| v.exp() / z;
+    let r = route(&logits, 3, false);
+    assert_eq!(r.iter().map(|&(e, _)| e).collect::<Vec<_>>(), [1, 3, 0]);
+    for &(e, w) in &r {
+        assert!((w - p(logits[e])).abs() < 1e-6, "expert {e}: {w}");
+    }
+    let rn = route(&logits, 3, true);
+    let sum: f32 = rn.iter().map(|&(_, w)| w).sum();
+    assert!((sum - 1.0).abs() < 1e-6);
+    let want = p(3.0) / (2.0 * p(3.0) + p(1.0));
+    assert!((rn[0].1 - want).abs() < 1e-6 && (rn[1].1 - want).abs() < 1e-6);
+    // one expert of one: weight 1 renormalised
+    assert_eq!(route(&[0.5], 1, true), [(0, 1.0)]);
+}

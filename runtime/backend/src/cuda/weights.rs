@@ -746,6 +746,7 @@ mod tests {
             norm_eps: 1e-5,
             max_context: 8192,
             tied_embeddings: true,
+            moe: None,
             rope_scaling: None,
             bos: Some(1),
             eos: vec![2],
