@@ -2,12 +2,15 @@
 //!
 //! Owns: the name -> (dtype, shape, bytes) table of a loaded model and the memory maps behind it.
 //! Invariants:
-//! - Names are GGUF llama names for every format (`token_embd.weight`, `blk.N.attn_q.weight`, ...).
+//! - Names are GGUF names for every format (`token_embd.weight`, `blk.N.attn_q.weight`, ...); an HF
+//!   mixture of experts keeps one tensor per expert, `blk.N.ffn_{gate,up,down}_exps.E.weight`, where
+//!   GGUF has one 3-D `blk.N.ffn_{gate,up,down}_exps.weight`: read either through [`Weights::expert`].
 //! - Shapes are in ggml order: `shape[0]` is the contiguous dimension, so a matrix is
 //!   `[in_features, out_features]` and has `shape[1]` rows of `shape[0]` elements.
 //! - Bytes are borrowed from the memory maps (zero-copy), except for tensors that a format needs
-//!   transformed: the HF reader's `attn_q`/`attn_k` rows are permuted to GGUF's rope convention and
-//!   those two tensors per layer are owned buffers.
+//!   transformed: `attn_q`/`attn_k` rows (and `attn_q_norm`/`attn_k_norm`) in HF's rope layout (every
+//!   HF folder, and GGUFs of families that keep it) are permuted to GGUF llama's rope convention and
+//!   are owned buffers.
 //! - Every entry's byte length equals `dtype.row_bytes(shape[0]) * prod(shape[1..])` (checked when the
 //!   entry is inserted).
 //! - Alignment: GGUF tensor data starts at a multiple of `general.alignment` (32 by default) from
