@@ -59,6 +59,14 @@ synth_8b_2l() {
     $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   done
 }
+# the 8B bf16 and q4_1 GGUFs, made from the carried vocabulary
+synth_8b() {
+  local X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0" a
+  step "synth-model: 8B bf16 and q4_1 GGUFs"
+  for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+}
 # check_2l WHAT: the 2-layer model (kernels built for 2 layers) against HF transformers
 check_2l() {
   step "2-layer check against HF transformers ($1)"
@@ -211,9 +219,7 @@ prefill)
 w4a16)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  step "synth-model: 8B q4_1 and bf16 GGUFs"
-  for a in "--quant q4_1 --out $H/s/l8b-q4_1.gguf" "--out $H/s/l8b-bf16.gguf"; do $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"; done
+  synth_8b
   KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
   step "cuda_kernels h200/llama-3.1-8b/q4_1: the GEMM tests first"
   METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout 200 "$H/b/bin/cuda_kernels" \
@@ -286,9 +292,7 @@ decode)
   # carry .gm1 .gm2
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  step "synth-model: 8B bf16 and q4_1 GGUFs"
-  for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf"; do $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"; done
+  synth_8b
   K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
   step "cuda_kernels h200/llama-3.1-8b/bf16: attention first"
   TESTS_TIMEOUT=150 tests8 attention attention; grep -E "rel err|test result|panicked|rc=" "$R/kernel-tests-attention.txt" | tail -60

@@ -287,27 +287,7 @@ fn load_matrix(
     cols: usize,
 ) -> Result<QTensor, BackendError> {
     let t = model.weights.get(name).map_err(model_err)?;
-    if t.shape.len() != 2 || t.shape[0] != cols || t.shape[1] != rows {
-        return Err(BackendError::Model(format!(
-            "tensor '{name}': expected ggml shape [{cols}, {rows}], got {:?}",
-            t.shape
-        )));
-    }
-    if t.dtype.row_bytes(cols).map(|b| b * rows) != Some(t.data.len()) {
-        return Err(BackendError::Model(format!(
-            "tensor '{name}': {} bytes do not fit {} {:?}",
-            t.data.len(),
-            t.dtype,
-            t.shape
-        )));
-    }
-    Ok(QTensor {
-        dtype: t.dtype,
-        rows,
-        cols,
-        data: t.data.to_vec(),
-        packed: false,
-    })
+    to_qtensor(&t, &format!("tensor '{name}'"), rows, cols)
 }
 
 /// Expert `e`'s `rows` x `cols` matrix of the expert tensor `name` (`Weights::expert`).
@@ -319,12 +299,28 @@ fn load_expert(
     cols: usize,
 ) -> Result<QTensor, BackendError> {
     let t = model.weights.expert(name, e).map_err(model_err)?;
-    if t.shape != [cols, rows] || t.dtype.row_bytes(cols).map(|b| b * rows) != Some(t.data.len()) {
+    to_qtensor(&t, &format!("expert {e} of '{name}'"), rows, cols)
+}
+
+/// A copy of `t`, checked to be a `rows` x `cols` matrix (`what` names it in the error).
+fn to_qtensor(
+    t: &metrale_model::TensorRef<'_>,
+    what: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QTensor, BackendError> {
+    if t.shape.len() != 2 || t.shape[0] != cols || t.shape[1] != rows {
         return Err(BackendError::Model(format!(
-            "expert {e} of '{name}': expected ggml shape [{cols}, {rows}], got {:?} ({} bytes of {})",
-            t.shape,
+            "{what}: expected ggml shape [{cols}, {rows}], got {:?}",
+            t.shape
+        )));
+    }
+    if t.dtype.row_bytes(cols).map(|b| b * rows) != Some(t.data.len()) {
+        return Err(BackendError::Model(format!(
+            "{what}: {} bytes do not fit {} {:?}",
             t.data.len(),
-            t.dtype
+            t.dtype,
+            t.shape
         )));
     }
     Ok(QTensor {
