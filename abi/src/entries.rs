@@ -381,13 +381,15 @@ entries! {
         x: ptr<"float">,
         ntok: i32,
     }
-    /// Hopper GEMM path: act_t(RMSNorm(x)), the QKV and gate/up products' input (`act_t`: bf16
-    /// for bf16 weights, f16 for quantized weights, whose products run W4A16 / W8A16). grid = (ntok): a
-    /// block per token.
+    /// Hopper GEMM path: the QKV and gate/up products' input from the residual `x`: a =
+    /// act_t(x * norm_w) (`act_t`: bf16 for bf16 weights, f16 for quantized weights, whose products
+    /// run W4A16 / W8A16) and the squares of x summed over each `SS_COLS` columns into `ss`; the
+    /// product applies the RMSNorm's scale. grid = (ntok): a block per token.
     WgActNorm = "gemm_hopper" / "wg_act_norm", threads SPLIT_THREADS, {
         x: ptr<"const float">,
         norm_w: ptr<"const float">,
         a: ptr<"act_t">,
+        ss: ptr<"float">,
         ntok: i32,
     }
     /// Hopper GEMM path: act_t(RMSNorm(x[sel[t]])) with the output norm, the LM head's input.
@@ -402,7 +404,8 @@ entries! {
     /// memory: `plan::wg_plan`; `ws` and `counters`: its split-K partials and tickets; `w`, `wsc`: the
     /// weights' `qs` and `sc` (common.cuh; `wsc` unused for bf16). Each `wg_*` entry (one warpgroup)
     /// has a `wq_*` twin for quantized weights: warp-specialised blocks (a producer and two consumer
-    /// warpgroups), grid and dynamic shared memory `plan::wq_plan`.
+    /// warpgroups), grid and dynamic shared memory `plan::wq_plan`. The input `a` is unscaled
+    /// (`WgActNorm`): a token's outputs are scaled by the RMSNorm factor of its squares in `ss`.
     WgQkv = "gemm_hopper" / "wg_qkv", threads WG_THREADS,
         twin WqQkv = "wq_qkv", threads WQ_THREADS, {
         a: ptr<"const act_t">,
@@ -421,8 +424,10 @@ entries! {
         tile_n: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        ss: ptr<"const float">,
     }
-    /// Hopper GEMM path: output projection + residual.
+    /// Hopper GEMM path: output projection + residual; where `an` is not null, the next product's
+    /// input from the new residual as `wg_act_norm` writes it (`norm_w`: its RMSNorm's weight).
     WgO = "gemm_hopper" / "wg_o", threads WG_THREADS,
         twin WqO = "wq_o", threads WQ_THREADS, {
         a: ptr<"const act_t">,
@@ -433,9 +438,13 @@ entries! {
         tile_n: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        an: ptr<"act_t">,
+        norm_w: ptr<"const float">,
+        ss: ptr<"float">,
     }
     /// Hopper GEMM path: gate/up + SiLU(gate) * up, h in act_t: the down product's activations
-    /// as it reads them (no conversion between the two).
+    /// as it reads them (no conversion between the two). Its input is unscaled: each token's
+    /// products are scaled by the RMSNorm factor of its squares in `ss` (`abi::SS_COLS`), as QKV's.
     WgGu = "gemm_hopper" / "wg_gu", threads WG_THREADS,
         twin WqGu = "wq_gu", threads WQ_THREADS, {
         a: ptr<"const act_t">,
@@ -446,6 +455,7 @@ entries! {
         tile_n: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        ss: ptr<"const float">,
     }
     /// Hopper GEMM path: the LM head's logits (bf16 or q8_0 head), `ntok` rows.
     WgLogits = "gemm_hopper" / "wg_logits", threads WG_THREADS,
@@ -459,7 +469,7 @@ entries! {
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
     }
-    /// Hopper GEMM path: down projection + residual.
+    /// Hopper GEMM path: down projection + residual, and the next product's input as `WgO`.
     WgDown = "gemm_hopper" / "wg_down", threads WG_THREADS,
         twin WqDown = "wq_down", threads WQ_THREADS, {
         a: ptr<"const act_t">,
@@ -470,11 +480,15 @@ entries! {
         tile_n: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        an: ptr<"act_t">,
+        norm_w: ptr<"const float">,
+        ss: ptr<"float">,
     }
     /// Warp-specialised Hopper GEMM (kernels/cuda/gemm_tma.cu.hbs): the QKV product with the RoPE +
     /// KV-write epilogue. `amap`, `wmap`: tensor maps of the bf16 activations and weights; `cfg`:
     /// the block tile (`layout::TMA_CONFIGS`); `splits`: K splits; grid = (blocks, 1, 1), each block
     /// looping over its units; dynamic shared memory `layout::tma_smem_bytes(cfg)` (`plan::tma_plan`).
+    /// Its input is unscaled, as `WgQkv`'s (the RMSNorm factor from `ss`).
     TmaQkv = "gemm_tma" / "tma_qkv", threads TMA_THREADS, {
         amap: tmap,
         wmap: tmap,
@@ -492,8 +506,10 @@ entries! {
         splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        ss: ptr<"const float">,
     }
-    /// Warp-specialised Hopper GEMM: output projection + residual.
+    /// Warp-specialised Hopper GEMM: output projection + residual, and the next product's input
+    /// where `an` is not null (as `WgO`).
     TmaO = "gemm_tma" / "tma_o", threads TMA_THREADS, {
         amap: tmap,
         wmap: tmap,
@@ -503,6 +519,9 @@ entries! {
         splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        an: ptr<"__nv_bfloat16">,
+        norm_w: ptr<"const float">,
+        ss: ptr<"float">,
     }
     /// Warp-specialised Hopper GEMM: gate/up + SiLU(gate) * up, h in bf16 (the down product's
     /// activations).
@@ -515,8 +534,10 @@ entries! {
         splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        ss: ptr<"const float">,
     }
-    /// Warp-specialised Hopper GEMM: down projection + residual.
+    /// Warp-specialised Hopper GEMM: down projection + residual, and the next product's input
+    /// where `an` is not null (as `WgO`).
     TmaDown = "gemm_tma" / "tma_down", threads TMA_THREADS, {
         amap: tmap,
         wmap: tmap,
@@ -526,6 +547,9 @@ entries! {
         splits: i32,
         ws: ptr<"float">,
         counters: ptr<"unsigned int">,
+        an: ptr<"__nv_bfloat16">,
+        norm_w: ptr<"const float">,
+        ss: ptr<"float">,
     }
     /// Warp-specialised Hopper GEMM: the LM head's logits (bf16 head), `ntok` rows.
     TmaLogits = "gemm_tma" / "tma_logits", threads TMA_THREADS, {

@@ -249,6 +249,12 @@ pub const KV_BLOCK: u32 = metrale_core::shape::KV_BLOCK as u32;
 /// Threads per block of the GEMM path's split kernels (`norm_split`, `split_qd`, `split_ffn`): a
 /// warp per token, so `SPLIT_THREADS / 32` tokens per block.
 pub const SPLIT_THREADS: u32 = 256;
+/// The Hopper products whose input is an RMSNorm of the residual (QKV, gate/up) take it unscaled,
+/// `act_t(x * norm_w)`, with the squares of `x` summed over each [`SS_COLS`] columns
+/// (`ss[ntok][hidden / SS_COLS]`, f32); they scale their outputs by `rsqrt(mean(x^2) + eps)` of
+/// their token. `wg_act_norm` writes both, and so do the O and down products' epilogues for the
+/// product after them (their `an`, `norm_w`, `ss`), so no conversion runs between the products.
+pub const SS_COLS: u32 = 32;
 
 /// Every constant rendered into the templates (`abi::NAME`), by name.
 pub const CONSTS: &[(&str, i64)] = &[
@@ -289,6 +295,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("WQ_MAX_STAGES", WQ_MAX_STAGES as i64),
     ("Q41_PANEL", Q41_PANEL as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
+    ("SS_COLS", SS_COLS as i64),
     ("TMA_THREADS", TMA_THREADS as i64),
     ("TMA_BK", TMA_BK as i64),
     ("TMA_ABOX", TMA_ABOX as i64),

@@ -43,6 +43,11 @@
 #        and of 8B bf16 on each probe folder d-NAME/ of .gm3/probes.tar.xz; the rest of the 8B
 #        bf16 kernel tests and the other targets' (`shapes`)
 #   bash ci/gpu/gemm.sh tests  carry .gm1 .gm2  every kernel test of 8B bf16, then `shapes`
+#   bash ci/gpu/gemm.sh norm   carry .gm1 .gm2  the RMSNorm fused into the O and down products'
+#        epilogues: the GEMM tests of 8B bf16 and q4_1 (stop on failure); cuda_bench of 8B bf16
+#        (16-256 sequences, pp512, one 8,192-token prompt) and 8B q4_1 (16-256, pp512), each beside
+#        fused_norm=off; the 2-layer check against HF transformers; the rest of the kernel tests
+#        (SKIP_REST=1 skips them)
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -356,6 +361,70 @@ tests)
   TESTS_TIMEOUT=300 tests8 all; grep -E "rel err|rounded|test result|panicked|rc=" "$R/kernel-tests-all.txt" | tail -12
   kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   finish tests
+  ;;
+norm)
+  # carry .gm1 .gm2
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  synth_8b
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
+    --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  step "cuda_kernels h200/llama-3.1-8b/bf16 and q4_1: the GEMM tests first"
+  TESTS_TIMEOUT=150 tests8 gemm gemm tma_gemm gemm_prefill
+  METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout 150 \
+    "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 gemm_prefill > "$R/kernel-tests-q4-gemm.txt" 2>&1
+  echo "rc=$?" >> "$R/kernel-tests-q4-gemm.txt"
+  grep -hE "next input|rel err|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" "$R/kernel-tests-q4-gemm.txt" | tail -40
+  grep -q "test result: ok" "$R/kernel-tests-gemm.txt" && grep -q "test result: ok" "$R/kernel-tests-q4-gemm.txt" \
+    || { finish norm; exit 1; }
+  # each product alone (q4_1 on wq_*, bf16 at 16 on wg_* and from 32 on tma_*), fused and not
+  # (SKIP_GB=1 skips it)
+  for tu in on off; do
+    [ -n "${SKIP_GB:-}" ] && break
+    for q in q4_1 bf16; do
+      step "gemm_bench 8B $q fused_norm=$tu"
+      METRALE_CUDA_TUNING=fused_norm=$tu METRALE_TARGETS=$PWD/targets timeout 120 "$H/b/bin/gemm_bench" \
+        "$H/s/l8b-$q.gguf" "$H/b/k/h200-llama-3.1-8b-$q/kernels" $T8/$q --tokens 16,64,256 \
+        --out "$R/gemm-$q-$tu.jsonl" > "$R/gemm-$q-$tu.txt" 2>&1; echo "rc=$?" >> "$R/gemm-$q-$tu.txt"
+    done
+  done
+  [ -n "${SKIP_GB:-}" ] || python3 - "$R" <<'PY'
+import json, sys
+r = sys.argv[1]
+for q in ("q4_1", "bf16"):
+    t = {}
+    for tu in ("on", "off"):
+        for l in open(f"{r}/gemm-{q}-{tu}.jsonl"):
+            d = json.loads(l)
+            if d["planned"]:
+                t.setdefault((d["product"], d["ntok"]), {})[tu] = d["us"]
+    for (p, n), v in sorted(t.items(), key=lambda x: (x[0][1], x[0][0])):
+        print(f"{q} {p:8s} {n:4d} tokens: fused {v.get('on', 0):8.1f} us, not fused {v.get('off', 0):8.1f} us")
+PY
+  # the decode steps fused and not, interleaved AB_REPS times (the step time drifts with the
+  # GPU's clocks over a call)
+  for i in $(seq "${AB_REPS:-1}"); do
+    CB_GREP="stages alone|gemm" bench "$K" bench-bf16-$i --batch 16,64,128,256 --steps 32 --pp 512
+    CB_GREP="stages alone|gemm" METRALE_CUDA_TUNING=fused_norm=off bench "$K" bench-bf16-unfused-$i --batch 16,64,128,256 --steps 32 --pp 512
+    cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-$i --batch 16,64,256 --steps 32 --pp 512
+    METRALE_CUDA_TUNING=fused_norm=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-unfused-$i --batch 16,64,256 --steps 32 --pp 512
+  done
+  [ -n "${LONG:-}" ] && bench "$K" bench-bf16-long --batch 256 --steps 32 --pp 512 --long "$LONG"
+  check_2l "fused norm"
+  if [ -z "${SKIP_REST:-}" ]; then
+    step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
+    tests8 rest --skip gemm; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+    kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
+    "$H/b/bin/xtask" synth-model smollm2-135m --tokenizer "$H/b/vocab-smollm2.gguf" --seed 0 \
+      --out "$H/s/smollm2-bf16.gguf" 2>&1 | tail -1
+    step "cuda_model h200/smollm2-135m/bf16 (synthetic weights)"
+    METRALE_MODEL=$H/s/smollm2-bf16.gguf METRALE_CUDA_KERNELS=$H/b/k/h200-smollm2-135m-bf16/kernels \
+      METRALE_CUDA_TARGET=h200/smollm2-135m/bf16 METRALE_TARGETS=$PWD/targets timeout 240 "$H/b/bin/cuda_model" \
+      --nocapture --test-threads=1 > "$R/model-test-smollm2-bf16.txt" 2>&1; echo "rc=$?" >> "$R/model-test-smollm2-bf16.txt"
+    grep -E "test result|panicked|worst|rc=" "$R/model-test-smollm2-bf16.txt"
+  fi
+  finish norm
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"

@@ -1168,6 +1168,8 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
     let wo_b = DevMat::upload(g, &wo.host(e.wf)).unwrap();
     // att as the attention kernel hands it to the O product (bf16 on this path)
     let ab = upload_act(g, &att, p.act_type());
+    let norm = rand_vec(&mut e.rng, d.hidden, 0.5, 1.5);
+    let nw = g.upload(&norm).unwrap();
     let mut tried = 0;
     for (cfg, &(bm, bn)) in abi::layout::TMA_CONFIGS.iter().enumerate() {
         for splits in [1, 2, 5] {
@@ -1178,13 +1180,19 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
             let mut bits = Vec::new();
             for _ in 0..if splits > 1 { 2 } else { 1 } {
                 let xo = g.upload(&x).unwrap();
+                // with the next product's input (the gate/up's: any norm weight) on even launches
+                let next = (bits.len() % 2 == 0).then_some(nw.ptr);
                 let o = Product::Out {
                     att: ab.ptr,
                     x: xo.ptr,
+                    next,
                 };
                 p.tma_product(g, o, &wo_b, n, l).unwrap();
                 let got = read_f32(g, &xo, n * d.hidden);
                 check_tol(&what, &got, &want, HOPPER_TOL);
+                if next.is_some() {
+                    check_next_input(&what, g, &p, &got, &norm, n, d.hidden);
+                }
                 bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
             }
             assert!(
@@ -1395,11 +1403,11 @@ fn check_gemm_products(
     // + residual (reference inputs)
     let ab = upload_act(g, &att, p.act_type());
     let (xo, xo2) = (g.upload(&x).unwrap(), g.upload(&x).unwrap());
-    p.out_proj(g, ab.ptr, &wo_b, xo.ptr, n).unwrap();
-    p.out_proj(g, ab.ptr, &wo_b, xo2.ptr, n).unwrap();
+    p.out_proj(g, ab.ptr, &wo_b, xo.ptr, n, None).unwrap();
+    p.out_proj(g, ab.ptr, &wo_b, xo2.ptr, n, None).unwrap();
     let hb2 = upload_act(g, &want_h, p.act_type());
     let xd = g.upload(&x).unwrap();
-    p.down(g, hb2.ptr, &wd_b, xd.ptr, n).unwrap();
+    p.down(g, hb2.ptr, &wd_b, xd.ptr, n, None).unwrap();
     let plus = |m: &Mat, a: &[f32], k: usize| -> Vec<f32> {
         (0..n)
             .into_par_iter()
@@ -1430,6 +1438,145 @@ fn check_gemm_products(
         &plus(&w.wd, &want_h, d.ffn),
         tol,
     );
+    if !p.fuses_norm() {
+        return;
+    }
+
+    // The fused norm: the O product also writes the gate/up product's input (the residual it
+    // wrote, the same bits as without), which gate/up then reads with no conversion; the down
+    // product the next QKV product's.
+    let xo3 = g.upload(&x).unwrap();
+    p.out_proj(g, ab.ptr, &wo_b, xo3.ptr, n, Some(nb.ptr))
+        .unwrap();
+    let got_xo3 = read_f32(g, &xo3, n * d.hidden);
+    assert!(
+        got_xo
+            .iter()
+            .zip(&got_xo3)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}x + Wo*att: the residual differs where the O product also writes the next input"
+    );
+    check_next_input(
+        &format!("{what}O product's next input"),
+        g,
+        p,
+        &got_xo3,
+        &norm,
+        n,
+        d.hidden,
+    );
+    let hb3 = poisoned(g, n * d.ffn);
+    p.gate_up(g, &wgu_b, hb3.ptr, n).unwrap();
+    let want_h3: Vec<f32> = (0..n)
+        .into_par_iter()
+        .flat_map_iter(|t| {
+            let mut xn = vec![0f32; d.hidden];
+            ops::rmsnorm(
+                &got_xo3[t * d.hidden..(t + 1) * d.hidden],
+                &norm,
+                e.eps,
+                &mut xn,
+            );
+            let mut hrow = vec![0f32; d.ffn];
+            ops::swiglu(&w.wg.matvec(&xn), &w.wu.matvec(&xn), &mut hrow);
+            hrow
+        })
+        .collect();
+    check_tol(
+        &format!("{what}h = silu(gate)*up of the O product's normed output"),
+        &read_act(g, &hb3, n * d.ffn, p.act_type()),
+        &want_h3,
+        tol,
+    );
+    let xd3 = g.upload(&x).unwrap();
+    p.down(g, hb2.ptr, &wd_b, xd3.ptr, n, Some(nb.ptr)).unwrap();
+    let got_xd3 = read_f32(g, &xd3, n * d.hidden);
+    check_next_input(
+        &format!("{what}down product's next input"),
+        g,
+        p,
+        &got_xd3,
+        &norm,
+        n,
+        d.hidden,
+    );
+    let qb3 = poisoned(g, n * qd);
+    let kc3 = pg.upload(g, &vec![1e30f32; pg.elems()]);
+    let vc3 = pg.upload(g, &vec![1e30f32; pg.elems()]);
+    let o3 = QkvOut {
+        q: qb3.ptr,
+        kc: kc3.ptr,
+        vc: vc3.ptr,
+        ..o
+    };
+    p.qkv(g, &wqkv_b, o3, n).unwrap();
+    let (q, kcache, vcache) = (
+        read_f32(g, &qb3, n * qd),
+        pg.read(g, &kc3),
+        pg.read(g, &vc3),
+    );
+    let qkv_r = QkvRef {
+        x: &got_xd3,
+        norm: &norm,
+        wq,
+        wk,
+        wv,
+        inv: &inv,
+    };
+    check_qkv(
+        &format!("{what}(QKV of the down product's normed output) "),
+        d,
+        e.eps,
+        qkv_r,
+        (&pos, &slot, layer, &pg),
+        (&q, &kcache, &vcache),
+        Some(tol),
+    );
+}
+
+/// What an O or down product with a next norm leaves for the product after it (`GemmPath::qkv`,
+/// `gate_up`), from the residual `x` it wrote: the activations act(x * norm) bit for bit (the
+/// kernels round the same f32 product), and each 32 columns' squares (`abi::SS_COLS`) within 1e-5
+/// (their order of addition is the kernel's).
+fn check_next_input(
+    what: &str,
+    g: &Gpu,
+    p: &metrale_backend::cuda::gemm::GemmPath,
+    x: &[f32],
+    norm: &[f32],
+    n: usize,
+    hidden: usize,
+) {
+    let (hi, ss) = p.norm_scratch();
+    let cols = abi::SS_COLS as usize;
+    let ty = p.act_type();
+    let mut a = vec![0u16; n * hidden];
+    g.read(hi, 0, &mut a).unwrap();
+    let got_ss = read_f32(g, ss, n * hidden / cols);
+    for t in 0..n {
+        let row = &x[t * hidden..(t + 1) * hidden];
+        for (c, (&v, &w)) in row.iter().zip(norm).enumerate() {
+            let want = act_bits(v * w, ty);
+            assert_eq!(
+                a[t * hidden + c],
+                want,
+                "{what}: token {t} column {c}: act(x * norm) {} against {}",
+                act_f32(a[t * hidden + c], ty),
+                act_f32(want, ty)
+            );
+        }
+        for (c, chunk) in row.chunks(cols).enumerate() {
+            let want: f64 = chunk.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let got = got_ss[t * hidden / cols + c] as f64;
+            assert!(
+                (got - want).abs() <= 1e-5 * want.max(1e-30),
+                "{what}: token {t} squares of columns {}..{}: {got} against {want}",
+                c * cols,
+                (c + 1) * cols
+            );
+        }
+    }
+    eprintln!("  {what}: act(x * norm) exact, squares within 1e-5 ({n} tokens)");
 }
 
 /// `mask_logits` against the host's `sampler::apply_mask`: random grammar masks on some rows (row

@@ -136,6 +136,13 @@ impl Stage {
 }
 
 impl CudaBackend {
+    /// Whether the O and down products of a chunk on `p` leave the next product's input
+    /// (`GemmPath::fuses_norm`, unless `Tuning::fused_norm` is off), so the QKV product of every
+    /// layer after the first and every gate/up product start from it.
+    pub(super) fn fused_norm(&self, p: &GemmPath) -> bool {
+        self.opts.tuning.fused_norm && p.fuses_norm()
+    }
+
     /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and
     /// `LmHead`), on the tensor-core GEMM path when `pf` is given (the four layer products only).
     pub(super) fn launch_stage(
@@ -159,12 +166,8 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
-            (Stage::Qkv, Some(p)) => p.norm_qkv(
-                g,
-                b.x.ptr,
-                w().attn_norm.ptr,
-                &w().wqkv,
-                QkvOut {
+            (Stage::Qkv, Some(p)) => {
+                let o = QkvOut {
                     rope: self.w.rope.ptr,
                     q: b.q.ptr,
                     kc: kv.kc.ptr,
@@ -174,9 +177,14 @@ impl CudaBackend {
                     tables: kv.tables.ptr,
                     layer: l as i32,
                     max_blocks,
-                },
-                ntok,
-            ),
+                };
+                // after layer 0 the down product before it left its input (`fused_norm`)
+                if l > 0 && self.fused_norm(p) {
+                    p.qkv(g, &w().wqkv, o, ntok)
+                } else {
+                    p.norm_qkv(g, b.x.ptr, w().attn_norm.ptr, &w().wqkv, o, ntok)
+                }
+            }
             (Stage::Qkv, None) => g.attn_in(abi::AttnIn {
                 x: b.x.ptr,
                 norm_w: w().attn_norm.ptr,
@@ -234,7 +242,10 @@ impl CudaBackend {
                     ),
                 }
             }
-            (Stage::Out, Some(p)) => p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok),
+            (Stage::Out, Some(p)) => {
+                let next = self.fused_norm(p).then_some(w().ffn_norm.ptr);
+                p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok, next)
+            }
             (Stage::Out, None) => g.attn_out(abi::AttnOut {
                 att: b.att.ptr,
                 wqs: w().wo.qs.ptr,
@@ -242,6 +253,7 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
+            (Stage::GateUp, Some(p)) if self.fused_norm(p) => p.gate_up(g, &w().wgu, b.h.ptr, ntok),
             (Stage::GateUp, Some(p)) => {
                 p.norm_gate_up(g, b.x.ptr, w().ffn_norm.ptr, &w().wgu, b.h.ptr, ntok)
             }
@@ -253,7 +265,11 @@ impl CudaBackend {
                 h: b.h.ptr,
                 ntok: n,
             }),
-            (Stage::Down, Some(p)) => p.down(g, b.h.ptr, &w().wdown, b.x.ptr, ntok),
+            (Stage::Down, Some(p)) => {
+                let next = self.w.layers.get(l + 1).map(|n| n.attn_norm.ptr);
+                let next = next.filter(|_| self.fused_norm(p));
+                p.down(g, b.h.ptr, &w().wdown, b.x.ptr, ntok, next)
+            }
             (Stage::Down, None) => g.ffn_out(abi::FfnOut {
                 h: b.h.ptr,
                 wqs: w().wdown.qs.ptr,

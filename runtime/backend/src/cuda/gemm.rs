@@ -1,10 +1,11 @@
 //! The GEMM path: the four layer products of a chunk as GEMMs with fused epilogues (RoPE + KV-cache
 //! write, residual add, SiLU * up), and the scratch they need. Two implementations:
 //! - on Hopper (`Gpu::hopper_gemm`: sm_90a cubins; bf16 weights, or q4_1 weights where the target
-//!   asks for f16 GEMM activations), the activations converted once per product to bf16 (f16
-//!   against quantized weights, which each thread dequantises into its MMA fragments in registers:
-//!   W4A16) by `gemm_hopper.cu.hbs`'s `wg_act_*` (the O and down products' are the attention's and
-//!   the gate/up epilogue's output, written in that type: [`ActType`]), then warpgroup MMAs
+//!   asks for f16 GEMM activations), 16-bit activations (bf16; f16 against quantized weights,
+//!   which each thread dequantises into its MMA fragments in registers: W4A16): the QKV and
+//!   gate/up products' from the O and down products' epilogues (below) or `gemm_hopper.cu.hbs`'s
+//!   `wg_act_norm`, the head's from `wg_act_head`, the O and down products' the attention's and
+//!   the gate/up epilogue's output, written in that type ([`ActType`]); then warpgroup MMAs
 //!   (wgmma): for bf16 weights from
 //!   [`TMA_MIN_TOKENS`] tokens the warp-specialised kernels of `gemm_tma.cu.hbs` (a producer
 //!   thread's bulk tensor copies into a ring of stages, two consumer warpgroups, persistent tiles
@@ -21,11 +22,17 @@
 //! 16 GB per step. Attention, embedding and the LM head are the same kernels on
 //! both paths.
 //!
+//! On the Hopper path the QKV and gate/up products read their RMSNorm unscaled (`act_t(x * w)`) with
+//! the squares of x per `abi::SS_COLS` columns in `ss`, and scale each token's outputs by its norm
+//! factor; the O and down products can write that input for the product after them (their `next`:
+//! [`GemmPath::out_proj`], [`GemmPath::down`]), which then runs with no conversion
+//! ([`GemmPath::gate_up`], [`GemmPath::qkv`]; `Tuning::fused_norm`).
+//!
 //! Invariants: the activation scratch (`hi`, `lo`: 16-bit `[max_tokens][max K]`, `sx`: f32
-//! `[max_tokens][max K / 32]`; the Hopper path uses `hi` alone, as bf16 or f16) is written by a conversion
-//! kernel right before the GEMM that reads it, in stream order; the split-K tickets are zero
-//! between launches (the last split of a tile resets its own); nothing here allocates after
-//! [`GemmPath::new`].
+//! `[max_tokens][max K / 32]`; the Hopper path uses `hi` alone, as bf16 or f16, with `ss`) is
+//! written by a conversion kernel or by the product before it, right before the GEMM that reads
+//! it, in stream order; the split-K tickets are zero between launches (the last split of a tile
+//! resets its own); nothing here allocates after [`GemmPath::new`].
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -124,13 +131,14 @@ pub struct QkvOut {
 pub enum Product {
     /// QKV projection, RoPE, q out and K/V into the cache.
     Qkv(QkvOut),
-    /// x += att * Wo^T, att as the attention wrote it ([`GemmPath::act_type`])
-    Out { att: u64, x: u64 },
+    /// x += att * Wo^T, att as the attention wrote it ([`GemmPath::act_type`]); with `next` (the
+    /// RMSNorm weight of the product after it), also that product's input (module docs)
+    Out { att: u64, x: u64, next: Option<u64> },
     /// h = SiLU(gate) * up (gate and up rows interleaved), in the activations' 16-bit type
     /// ([`GemmPath::act_type`])
     GateUp { h: u64 },
-    /// x += h * Wdown^T, h as the gate/up product wrote it
-    Down { h: u64, x: u64 },
+    /// x += h * Wdown^T, h as the gate/up product wrote it; `next` as `Out`'s
+    Down { h: u64, x: u64, next: Option<u64> },
     /// logits = a * Whead^T (a bf16 head)
     Head { logits: u64 },
 }
@@ -203,6 +211,9 @@ impl ActType {
 /// The GEMM path of one backend: which kernels it runs, and their scratch.
 pub struct GemmPath {
     hi: DevBuf,
+    /// The Hopper path's squares of the residual per `abi::SS_COLS` columns (`[max_tokens][hidden
+    /// / SS_COLS]`, f32), beside the unscaled RMSNorm in `hi` (module docs).
+    ss: DevBuf,
     lo: DevBuf,
     sx: DevBuf,
     max_tokens: usize,
@@ -229,6 +240,14 @@ impl GemmPath {
         let d = gpu.dims;
         let kmax = d.hidden.max(d.qd()).max(d.ffn);
         let hopper = if gpu.hopper_gemm {
+            if !d.hidden.is_multiple_of(abi::SS_COLS as usize) {
+                return Err(BackendError::Invalid(format!(
+                    "the Hopper GEMM path needs a hidden size that is a multiple of {} (the RMSNorm \
+                     partials), got {}; build the target without it (METRALE_CUDA_TUNING=hopper_gemm=off)",
+                    abi::SS_COLS,
+                    d.hidden
+                )));
+            }
             let (ws, tickets) = plan::wg_scratch_bytes(gpu.sm_count);
             let (tws, ttickets) = plan::tma_scratch_bytes(gpu.sm_count);
             Some((gpu.alloc(ws.max(tws))?, gpu.alloc(tickets.max(ttickets))?))
@@ -243,8 +262,14 @@ impl GemmPath {
             Some(_) => ActType::hopper(gpu.weights_bf16()),
             None => ActType::F32,
         };
+        let ss_len = if hopper.is_some() {
+            max_tokens * (d.hidden / abi::SS_COLS as usize)
+        } else {
+            0
+        };
         Ok(GemmPath {
             hi: gpu.alloc(max_tokens * kmax * 2)?,
+            ss: gpu.alloc(ss_len * 4)?,
             lo: gpu.alloc(split * kmax * 2)?,
             sx: gpu.alloc(split * (kmax / 32) * 4)?,
             max_tokens,
@@ -275,6 +300,30 @@ impl GemmPath {
     /// [`Self::norm_gate_up`] for [`Self::down`].
     pub fn act_type(&self) -> ActType {
         self.act_type
+    }
+
+    /// Where an O or down product with `next` writes the product after it's input: (`an`,
+    /// `norm_w`), the conversion scratch and the norm weight; (0, 0) for none.
+    fn next_input(&self, p: &Product) -> (u64, u64) {
+        match p {
+            Product::Out { next: Some(w), .. } | Product::Down { next: Some(w), .. } => {
+                (self.hi.ptr, *w)
+            }
+            _ => (0, 0),
+        }
+    }
+
+    /// The conversion scratch and the squares' partials (`abi::SS_COLS`): where [`Self::qkv`] and
+    /// [`Self::gate_up`] read their input (the kernel tests read them back).
+    pub fn norm_scratch(&self) -> (&DevBuf, &DevBuf) {
+        (&self.hi, &self.ss)
+    }
+
+    /// Whether the O and down products can leave the next product's input (Hopper: the
+    /// activations as `wg_act_norm` writes them), so [`Self::qkv`] and [`Self::gate_up`] need no
+    /// conversion.
+    pub fn fuses_norm(&self) -> bool {
+        self.hopper.is_some()
     }
 
     /// Which kernels run a product of `rows` x `k` over `ntok` tokens: the warp-specialised launch
@@ -383,6 +432,7 @@ impl GemmPath {
         let amap = self.map(g, a, a_rows, w.k, abi::TMA_ABOX)?;
         let wmap = self.map(g, w.qs.ptr, w.rows, w.k, abi::TMA_WBOX)?;
         let (cfg, splits) = (tp.cfg as i32, tp.splits as i32);
+        let (ss, (an, norm_w)) = (self.ss.ptr, self.next_input(&p));
         match p {
             Product::Qkv(o) => g.tma_gemm(
                 &tp,
@@ -403,6 +453,7 @@ impl GemmPath {
                     splits,
                     ws,
                     counters,
+                    ss,
                 },
             ),
             Product::Out { x, .. } => g.tma_gemm(
@@ -416,6 +467,9 @@ impl GemmPath {
                     splits,
                     ws,
                     counters,
+                    an,
+                    norm_w,
+                    ss,
                 },
             ),
             Product::GateUp { h } => g.tma_gemm(
@@ -429,6 +483,7 @@ impl GemmPath {
                     splits,
                     ws,
                     counters,
+                    ss,
                 },
             ),
             Product::Down { x, .. } => g.tma_gemm(
@@ -442,6 +497,9 @@ impl GemmPath {
                     splits,
                     ws,
                     counters,
+                    an,
+                    norm_w,
+                    ss,
                 },
             ),
             Product::Head { logits } => g.tma_gemm(
@@ -471,6 +529,7 @@ impl GemmPath {
         let (n, ws, counters) = self.hopper_args(g, &p, w, ntok)?;
         let (a, wq) = (p.input().unwrap_or(self.hi.ptr), w.qs.ptr);
         let wsc = w.sc_ptr();
+        let (ss, (an, norm_w)) = (self.ss.ptr, self.next_input(&p));
         match p {
             Product::Qkv(o) => g.wg_qkv(abi::WgQkv {
                 a,
@@ -489,6 +548,7 @@ impl GemmPath {
                 tile_n: 0,
                 ws,
                 counters,
+                ss,
             }),
             Product::Out { x, .. } => g.wg_o(abi::WgO {
                 a,
@@ -499,6 +559,9 @@ impl GemmPath {
                 tile_n: 0,
                 ws,
                 counters,
+                an,
+                norm_w,
+                ss,
             }),
             Product::GateUp { h } => g.wg_gu(abi::WgGu {
                 a,
@@ -509,6 +572,7 @@ impl GemmPath {
                 tile_n: 0,
                 ws,
                 counters,
+                ss,
             }),
             Product::Down { x, .. } => g.wg_down(abi::WgDown {
                 a,
@@ -519,6 +583,9 @@ impl GemmPath {
                 tile_n: 0,
                 ws,
                 counters,
+                an,
+                norm_w,
+                ss,
             }),
             Product::Head { logits } => g.wg_logits(abi::WgLogits {
                 a,
@@ -590,8 +657,14 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            let a = self.hi.ptr;
-            g.wg_act_norm(abi::WgActNorm { x, norm_w, a, ntok })?;
+            let (a, ss) = (self.hi.ptr, self.ss.ptr);
+            g.wg_act_norm(abi::WgActNorm {
+                x,
+                norm_w,
+                a,
+                ss,
+                ntok,
+            })?;
             return self.hopper_product(g, Product::Qkv(o), w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
@@ -622,8 +695,35 @@ impl GemmPath {
         })
     }
 
+    /// The QKV product of [`Self::norm_qkv`] over the input the product before it left
+    /// ([`Self::fuses_norm`]: an O or down product with `next`), no conversion first.
+    pub fn qkv(&self, g: &Gpu, w: &DevMat, o: QkvOut, ntok: usize) -> Result<(), BackendError> {
+        self.check_fused()?;
+        self.hopper_product(g, Product::Qkv(o), w, ntok, None)
+    }
+
+    /// The gate/up product of [`Self::norm_gate_up`] over the input the product before it left
+    /// (as [`Self::qkv`]).
+    pub fn gate_up(&self, g: &Gpu, w: &DevMat, h: u64, ntok: usize) -> Result<(), BackendError> {
+        self.check_fused()?;
+        self.hopper_product(g, Product::GateUp { h }, w, ntok, None)
+    }
+
+    fn check_fused(&self) -> Result<(), BackendError> {
+        if self.fuses_norm() {
+            Ok(())
+        } else {
+            Err(BackendError::Invalid(
+                "a product over the previous product's normed output needs the Hopper GEMM path"
+                    .into(),
+            ))
+        }
+    }
+
     /// x += att * Wo^T (what `attn_out` does), att of [`Self::act_type`] (the attention kernels
-    /// write it so with `abi::ATT_FLAG_OUT16` on the Hopper path).
+    /// write it so with `abi::ATT_FLAG_OUT16` on the Hopper path). With `next` (the RMSNorm weight
+    /// of the product after it) and [`Self::fuses_norm`], also that product's input, for
+    /// [`Self::gate_up`]; elsewhere `next` is unused.
     pub fn out_proj(
         &self,
         g: &Gpu,
@@ -631,10 +731,12 @@ impl GemmPath {
         w: &DevMat,
         x: u64,
         ntok: usize,
+        next: Option<u64>,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            return self.hopper_product(g, Product::Out { att, x }, w, ntok as usize, None);
+            let p = Product::Out { att, x, next };
+            return self.hopper_product(g, p, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_qd(abi::SplitQd {
@@ -668,8 +770,14 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            let a = self.hi.ptr;
-            g.wg_act_norm(abi::WgActNorm { x, norm_w, a, ntok })?;
+            let (a, ss) = (self.hi.ptr, self.ss.ptr);
+            g.wg_act_norm(abi::WgActNorm {
+                x,
+                norm_w,
+                a,
+                ss,
+                ntok,
+            })?;
             return self.hopper_product(g, Product::GateUp { h }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
@@ -693,7 +801,7 @@ impl GemmPath {
     }
 
     /// x += h * Wdown^T (what `ffn_out` does), h as [`Self::norm_gate_up`] wrote it
-    /// ([`Self::act_type`]).
+    /// ([`Self::act_type`]); `next` as [`Self::out_proj`]'s (the next layer's [`Self::qkv`]).
     pub fn down(
         &self,
         g: &Gpu,
@@ -701,10 +809,12 @@ impl GemmPath {
         w: &DevMat,
         x: u64,
         ntok: usize,
+        next: Option<u64>,
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            return self.hopper_product(g, Product::Down { h, x }, w, ntok as usize, None);
+            let p = Product::Down { h, x, next };
+            return self.hopper_product(g, p, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
         g.split_ffn(abi::SplitFfn {

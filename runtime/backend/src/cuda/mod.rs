@@ -120,6 +120,11 @@ pub struct Tuning {
     /// warps a pair as one wave holds (`plan::attention_pack`; batched decode steps), else every
     /// pair takes a whole block.
     pub attention_pack: bool,
+    /// On the Hopper GEMM path the O and down products' epilogues also write the next product's
+    /// input (the new residual times the next RMSNorm's weight, and its squares: `abi::SS_COLS`),
+    /// so no conversion kernel runs before the gate/up and (after layer 0) QKV products; else
+    /// `wg_act_norm` converts before each of them.
+    pub fused_norm: bool,
 }
 
 impl Default for Tuning {
@@ -138,6 +143,7 @@ impl Default for Tuning {
             flash_attention: true,
             mask_zero_copy: true,
             attention_pack: true,
+            fused_norm: true,
         }
     }
 }
@@ -146,7 +152,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 13] = [
+    pub const KEYS: [&'static str; 14] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -160,6 +166,7 @@ impl Tuning {
         "flash_attention",
         "mask_zero_copy",
         "attention_pack",
+        "fused_norm",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -194,6 +201,7 @@ impl Tuning {
                 "flash_attention" => self.flash_attention = on,
                 "mask_zero_copy" => self.mask_zero_copy = on,
                 "attention_pack" => self.attention_pack = on,
+                "fused_norm" => self.fused_norm = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",

@@ -105,12 +105,16 @@ impl CudaBackend {
             max_blocks: self.kv.max_blocks as i32,
         });
         let head_ok = self.gemm.head_pays(&d, ntok.max(3));
+        // the O and down products leave the next one's input where the forward pass has them do so
+        let fused = self.fused_norm(&self.gemm);
+        let next_attn = self.w.layers.get(1).unwrap_or(l0).attn_norm.ptr;
         let mut products = vec![
             (qkv, &l0.wqkv),
             (
                 Product::Out {
                     att: b.att.ptr,
                     x: b.x.ptr,
+                    next: fused.then_some(l0.ffn_norm.ptr),
                 },
                 &l0.wo,
             ),
@@ -119,6 +123,7 @@ impl CudaBackend {
                 Product::Down {
                     h: b.h.ptr,
                     x: b.x.ptr,
+                    next: fused.then_some(next_attn),
                 },
                 &l0.wdown,
             ),
@@ -132,15 +137,17 @@ impl CudaBackend {
         for (p, w) in products {
             let (rows, k, weight_bytes) = (w.rows, w.k, w.bytes());
             // the conversion and product as the forward pass runs them (this also leaves the
-            // product's bf16 activations in the scratch for the launches below)
+            // product's bf16 activations in the scratch for the launches below; with the fused
+            // norm, layer 0's QKV converts, the gate/up product reads what the O product left)
             let act = |g: &super::launch::Gpu| -> Result<(), BackendError> {
                 match p {
                     Product::Qkv(o) => gp.norm_qkv(g, b.x.ptr, l0.attn_norm.ptr, w, o, ntok),
-                    Product::Out { att, x } => gp.out_proj(g, att, w, x, ntok),
+                    Product::Out { att, x, next } => gp.out_proj(g, att, w, x, ntok, next),
+                    Product::GateUp { h } if fused => gp.gate_up(g, w, h, ntok),
                     Product::GateUp { h } => {
                         gp.norm_gate_up(g, b.x.ptr, l0.ffn_norm.ptr, w, h, ntok)
                     }
-                    Product::Down { h, x } => gp.down(g, h, w, x, ntok),
+                    Product::Down { h, x, next } => gp.down(g, h, w, x, ntok, next),
                     Product::Head { logits } => {
                         gp.logits(g, b.x.ptr, sel.ptr, self.w.out_norm.ptr, w, logits, ntok)
                     }
