@@ -8,7 +8,7 @@ or tests/golden/tiny-qwen3.toml (Qwen3 dense's features) and tests/golden/tiny-q
 (Qwen3 MoE's: one safetensors tensor per expert, the hub's layout) the same way, their goldens
 written with
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3_hf
-    python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3moe_hf   (not made yet)
+    python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3moe_hf
 Reference: HF transformers' model class of the folder's config (LlamaForCausalLM,
 Qwen3ForCausalLM, Qwen3MoeForCausalLM) in float32, eager attention, on CPU, loading the HF folder
 (bf16 safetensors widened to f32). Nobody in this project wrote it. The sequence is a
