@@ -8,7 +8,9 @@
 //! - `smollm`: `\p{N}` (every digit alone), then the GPT-2 regex;
 //! - `gpt2` / `gpt-2`: the GPT-2 regex `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)`;
 //! - `llama-bpe` / `llama3` / `llama-v3`: the llama3 regex, with whole-word vocabulary hits taking
-//!   precedence over merges (llama.cpp's `ignore_merges`).
+//!   precedence over merges (llama.cpp's `ignore_merges`);
+//! - `qwen2` (Qwen2, Qwen2.5, Qwen3 GGUFs): the llama3 regex with every digit alone (`\p{N}` where
+//!   llama3 has `\p{N}{1,3}`), merges as usual.
 //!
 //! Each regex splits keeping the unmatched stretches as pieces (llama.cpp's behaviour), then bytes are
 //! mapped to GPT-2's printable alphabet. Any other `pre` value is refused with an error that lists the
@@ -36,8 +38,11 @@ pub const GPT2_REGEX: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 /// The llama3 pre-tokenizer regex as llama.cpp adapts it (case-insensitive contractions spelled out).
 pub const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The qwen2 pre-tokenizer regex as llama.cpp adapts it from Qwen's tokenizer.json (whose
+/// `(?i:'s|...)` group it spells out): the llama3 regex with single digits.
+pub const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The `tokenizer.ggml.pre` values this reader supports.
-pub const SUPPORTED_PRE: &str = "smollm, gpt2 (gpt-2), llama-bpe (llama3, llama-v3)";
+pub const SUPPORTED_PRE: &str = "smollm, gpt2 (gpt-2), llama-bpe (llama3, llama-v3), qwen2";
 
 /// GGUF token types (llama_token_type).
 mod token_type {
@@ -153,6 +158,7 @@ fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapp
         "smollm" => (vec![split(r"\p{N}")?, split(GPT2_REGEX)?, bytes], false),
         "gpt2" | "gpt-2" => (vec![split(GPT2_REGEX)?, bytes], false),
         "llama-bpe" | "llama3" | "llama-v3" => (vec![split(LLAMA3_REGEX)?, bytes], true),
+        "qwen2" => (vec![split(QWEN2_REGEX)?, bytes], false),
         other => {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),

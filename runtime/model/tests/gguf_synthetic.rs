@@ -89,7 +89,7 @@ fn valid_tiny_model_loads() {
 }
 
 #[test]
-fn pre_tokenizers_gpt2_and_llama3() {
+fn pre_tokenizers_gpt2_llama3_and_qwen2() {
     let dir = tempfile::tempdir().unwrap();
     let mut g = tiny_llama();
     g.kv("tokenizer.ggml.pre", V::Str("gpt2".into()));
@@ -118,15 +118,33 @@ fn pre_tokenizers_gpt2_and_llama3() {
             .unwrap()[0],
         1
     );
+    // qwen2 (Qwen2/2.5/3 GGUFs): every digit alone, no BOS by default
+    g.kv("tokenizer.ggml.pre", V::Str("qwen2".into()));
+    let m = Model::load(&g.write(dir.path(), "qwen2.gguf")).unwrap();
+    let t = &m.tokenizer;
+    let one = t.token_to_id("1").unwrap();
+    assert_eq!(
+        t.encode("12345", false, false).unwrap(),
+        vec![one, one + 1, one + 2, four, four + 1]
+    );
+    assert!(!m.config.add_bos);
+    // words as llama3 splits them
+    assert_eq!(
+        t.encode("hello", false, false).unwrap(),
+        vec![t.token_to_id("hello").unwrap()]
+    );
 }
 
 #[test]
 fn unknown_pre_tokenizer_is_refused_by_name() {
     let mut g = tiny_llama();
-    g.kv("tokenizer.ggml.pre", V::Str("qwen2".into()));
+    g.kv("tokenizer.ggml.pre", V::Str("deepseek-v3".into()));
     let e = load_err(&g, "pre.gguf");
     assert!(
-        e.contains("qwen2") && e.contains("smollm") && e.contains("tokenizer.ggml.pre"),
+        e.contains("deepseek-v3")
+            && e.contains("smollm")
+            && e.contains("qwen2")
+            && e.contains("tokenizer.ggml.pre"),
         "{e}"
     );
     g.remove_kv("tokenizer.ggml.pre");
