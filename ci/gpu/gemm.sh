@@ -39,7 +39,8 @@
 #        CPU backend) on a synthetic GGUF; 8B q4_1 at batch 1 as built and on each probe folder
 #   bash ci/gpu/gemm.sh decode carry .gm1 .gm2 (.gm3)  batched decode's attention: the attention
 #        tests of 8B bf16 (stop on failure); cuda_bench of 8B bf16 (16-256 sequences, pp512) with
-#        the pairs packed into blocks and without (attention_pack=off), of 8B q4_1 beside them,
+#        the pairs packed into blocks, without (attention_pack=off) and on the flash kernel
+#        (flash_decode=on), of 8B q4_1 beside them,
 #        and of 8B bf16 on each probe folder d-NAME/ of .gm3/probes.tar.xz; the rest of the 8B
 #        bf16 kernel tests and the other targets' (`shapes`)
 #   bash ci/gpu/gemm.sh tests  carry .gm1 .gm2  every kernel test of 8B bf16, then `shapes`
@@ -304,6 +305,7 @@ decode)
   grep -q "test result: ok" "$R/kernel-tests-attention.txt" || { finish decode; exit 1; }
   CB_GREP="stages alone|attention" bench "$K" bench-bf16 --batch 16,64,128,256 --steps 32 --pp 512
   CB_GREP="stages alone|attention" METRALE_CUDA_TUNING=attention_pack=off bench "$K" bench-bf16-nopack --batch 64,128,256 --steps 32 --pp 16
+  CB_GREP="stages alone|attention" METRALE_CUDA_TUNING=flash_decode=on bench "$K" bench-bf16-flash --batch 16,64,128,256 --steps 32 --pp 16
   cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1 --batch 16,64,256 --steps 32 --pp 512
   # probes: 8B bf16 kernel folders d-NAME/ in .gm3/probes.tar.xz, each timed the same way
   if [ -f .gm3/probes.tar.xz ]; then

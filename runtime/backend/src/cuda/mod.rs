@@ -125,6 +125,10 @@ pub struct Tuning {
     /// so no conversion kernel runs before the gate/up and (after layer 0) QKV products; else
     /// `wg_act_norm` converts before each of them.
     pub fused_norm: bool,
+    /// Decode steps of several sequences run their attention on `attention_flash` too (a query
+    /// tile of one token a sequence: its GROUP heads against each K/V tile on the tensor cores),
+    /// else on the split-K `attention`. Off until measured against the packed split-K kernel.
+    pub flash_decode: bool,
 }
 
 impl Default for Tuning {
@@ -144,6 +148,7 @@ impl Default for Tuning {
             mask_zero_copy: true,
             attention_pack: true,
             fused_norm: true,
+            flash_decode: false,
         }
     }
 }
@@ -152,7 +157,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 14] = [
+    pub const KEYS: [&'static str; 15] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -167,6 +172,7 @@ impl Tuning {
         "mask_zero_copy",
         "attention_pack",
         "fused_norm",
+        "flash_decode",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -202,6 +208,7 @@ impl Tuning {
                 "mask_zero_copy" => self.mask_zero_copy = on,
                 "attention_pack" => self.attention_pack = on,
                 "fused_norm" => self.fused_norm = on,
+                "flash_decode" => self.flash_decode = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -523,8 +530,10 @@ impl CudaBackend {
         io[t..t + ntok].copy_from_slice(pos);
         io[2 * t..2 * t + ntok].copy_from_slice(slot);
         io[3 * t..3 * t + nout].copy_from_slice(sel);
-        // prompt chunks: flash attention over query tiles of one sequence each
-        let attn = if !decode && self.gpu.flash_attention && self.opts.tuning.flash_attention {
+        // prompt chunks (and with `flash_decode` decode steps of several sequences): flash
+        // attention over query tiles of one sequence each
+        let flash = !decode || (self.opts.tuning.flash_decode && ntok > 1);
+        let attn = if flash && self.gpu.flash_attention && self.opts.tuning.flash_attention {
             let d = &self.gpu.dims;
             let tok = abi::layout::flash_tokens(d.heads / d.kv_heads);
             let tiles = plan::flash_tiles(pos, slot, tok);
