@@ -506,3 +506,29 @@ def test_the_load_script_counts_every_outcome(tmp_path):
         assert r["output_tok_s"] > 0
     finally:
         stop_server(s.proc)
+
+
+def test_the_serving_benchmark_reports_what_users_see(tmp_path):
+    # bench/serve/serve.py (the GPU machine's rate sweep against llama-server) on a small server: a
+    # Poisson rate, all at once and a fixed concurrency; every request generates exactly its drawn
+    # output length (ignore_eos), and the latencies and goodput are consistent.
+    s = start_server(tmp_path / "log", ["--ctx-size", "256", "--parallel", "4"])
+    try:
+        out = tmp_path / "serve.json"
+        script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "serve", "serve.py")
+        p = subprocess.run(["python3", script, "--base", s.base, "--num-prompts", "6", "--rates", "4,inf",
+                            "--concurrency", "3", "--prompt-median", "20", "--output-median", "8",
+                            "--max-prompt", "64", "--max-output", "16", "--label", "test", "--out", str(out)],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr
+        r = json.loads(out.read_text())
+        assert [x["rate"] for x in r["runs"]] == [4.0, "inf", None] and r["runs"][2]["concurrency"] == 3
+        for x in r["runs"]:
+            assert x["completed"] == 6 and x["failed"] == 0, x
+            assert x["output_tokens"] == x["drawn_output_tokens"] > 0, x
+            assert x["prompt_tokens"] > 6 * 4, x
+            assert 0 < x["ttft_ms_p50"] <= x["ttft_ms_p99"] and 0 < x["itl_ms_p50"] <= x["itl_ms_p99"], x
+            assert 0 <= x["goodput_req_s"] <= x["request_rate"], x
+        assert r["max_rate_meeting_slo"] in (None, r["runs"][0]["request_rate"])
+    finally:
+        stop_server(s.proc)
