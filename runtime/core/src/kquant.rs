@@ -99,18 +99,20 @@ fn scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
+/// Sub-block j's (d * scale, dmin * min) of Q4_K / Q5_K: w = d' * q - m'.
+fn factors(j: usize, d: f32, dmin: f32, scales: &[u8]) -> (f32, f32) {
+    let (sc, m) = scale_min(j, scales);
+    (d * sc as f32, dmin * m as f32)
+}
+
 /// One Q4_K super-block (144 bytes) into 256 values.
 pub fn dequantize_q4_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qs) = (&b[4..16], &b[16..144]);
     for i in 0..4 {
-        let (s0, m0) = scale_min(2 * i, scales);
-        let (s1, m1) = scale_min(2 * i + 1, scales);
-        let (d0, n0, d1, n1) = (
-            d * s0 as f32,
-            dmin * m0 as f32,
-            d * s1 as f32,
-            dmin * m1 as f32,
+        let ((d0, n0), (d1, n1)) = (
+            factors(2 * i, d, dmin, scales),
+            factors(2 * i + 1, d, dmin, scales),
         );
         for l in 0..32 {
             let q = qs[32 * i + l];
@@ -125,13 +127,9 @@ pub fn dequantize_q5_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
     for i in 0..4 {
-        let (s0, m0) = scale_min(2 * i, scales);
-        let (s1, m1) = scale_min(2 * i + 1, scales);
-        let (d0, n0, d1, n1) = (
-            d * s0 as f32,
-            dmin * m0 as f32,
-            d * s1 as f32,
-            dmin * m1 as f32,
+        let ((d0, n0), (d1, n1)) = (
+            factors(2 * i, d, dmin, scales),
+            factors(2 * i + 1, d, dmin, scales),
         );
         for l in 0..32 {
             let q = qs[32 * i + l];

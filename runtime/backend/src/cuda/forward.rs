@@ -137,10 +137,10 @@ impl Stage {
 
 impl CudaBackend {
     /// Whether the O and down products of a chunk on `p` leave the next product's input
-    /// (`GemmPath::fuses_norm`, unless `Tuning::fused_norm` is off), so the QKV product of every
+    /// (the Hopper path, `GemmPath::hopper`, unless `Tuning::fused_norm` is off), so the QKV product of every
     /// layer after the first and every gate/up product start from it.
     pub(super) fn fused_norm(&self, p: &GemmPath) -> bool {
-        self.opts.tuning.fused_norm && p.fuses_norm()
+        self.opts.tuning.fused_norm && p.hopper()
     }
 
     /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and

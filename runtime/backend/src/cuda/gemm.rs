@@ -319,11 +319,17 @@ impl GemmPath {
         (&self.hi, &self.ss)
     }
 
-    /// Whether the O and down products can leave the next product's input (Hopper: the
-    /// activations as `wg_act_norm` writes them), so [`Self::qkv`] and [`Self::gate_up`] need no
-    /// conversion.
-    pub fn fuses_norm(&self) -> bool {
-        self.hopper.is_some()
+    /// The QKV or gate/up product's input from the residual `x` (`wg_act_norm`: the unscaled
+    /// RMSNorm and its squares, module docs).
+    fn act_norm(&self, g: &Gpu, x: u64, norm_w: u64, ntok: i32) -> Result<(), BackendError> {
+        let (a, ss) = (self.hi.ptr, self.ss.ptr);
+        g.wg_act_norm(abi::WgActNorm {
+            x,
+            norm_w,
+            a,
+            ss,
+            ntok,
+        })
     }
 
     /// Which kernels run a product of `rows` x `k` over `ntok` tokens: the warp-specialised launch
@@ -657,14 +663,7 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            let (a, ss) = (self.hi.ptr, self.ss.ptr);
-            g.wg_act_norm(abi::WgActNorm {
-                x,
-                norm_w,
-                a,
-                ss,
-                ntok,
-            })?;
+            self.act_norm(g, x, norm_w, ntok)?;
             return self.hopper_product(g, Product::Qkv(o), w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
@@ -696,7 +695,7 @@ impl GemmPath {
     }
 
     /// The QKV product of [`Self::norm_qkv`] over the input the product before it left
-    /// ([`Self::fuses_norm`]: an O or down product with `next`), no conversion first.
+    /// (the Hopper path, [`Self::hopper`]: an O or down product with `next`), no conversion first.
     pub fn qkv(&self, g: &Gpu, w: &DevMat, o: QkvOut, ntok: usize) -> Result<(), BackendError> {
         self.check_fused()?;
         self.hopper_product(g, Product::Qkv(o), w, ntok, None)
@@ -710,7 +709,7 @@ impl GemmPath {
     }
 
     fn check_fused(&self) -> Result<(), BackendError> {
-        if self.fuses_norm() {
+        if self.hopper() {
             Ok(())
         } else {
             Err(BackendError::Invalid(
@@ -722,7 +721,7 @@ impl GemmPath {
 
     /// x += att * Wo^T (what `attn_out` does), att of [`Self::act_type`] (the attention kernels
     /// write it so with `abi::ATT_FLAG_OUT16` on the Hopper path). With `next` (the RMSNorm weight
-    /// of the product after it) and [`Self::fuses_norm`], also that product's input, for
+    /// of the product after it) on the Hopper path, also that product's input, for
     /// [`Self::gate_up`]; elsewhere `next` is unused.
     pub fn out_proj(
         &self,
@@ -770,14 +769,7 @@ impl GemmPath {
     ) -> Result<(), BackendError> {
         let ntok = self.check(ntok)?;
         if self.hopper.is_some() {
-            let (a, ss) = (self.hi.ptr, self.ss.ptr);
-            g.wg_act_norm(abi::WgActNorm {
-                x,
-                norm_w,
-                a,
-                ss,
-                ntok,
-            })?;
+            self.act_norm(g, x, norm_w, ntok)?;
             return self.hopper_product(g, Product::GateUp { h }, w, ntok as usize, None);
         }
         let (hi, lo, asx) = (self.hi.ptr, self.lo.ptr, self.sx.ptr);
