@@ -244,9 +244,13 @@ entries! {
         out_tok: ptr<"int">,
         out_logprob: ptr<"float">,
     }
-    /// Greedy arg-max of each logits row and its log-softmax. grid = (ntok).
+    /// Greedy arg-max of each logits row and its log-softmax, each row spread over the blocks
+    /// along x (`plan::argmax_splits`): `part` one `mt::Acc` per block, `counter` one ticket per
+    /// row (zero between launches). grid = (splits, ntok).
     ArgmaxLogprob = "sample" / "argmax_logprob", threads SAMPLE_THREADS, {
         logits: ptr<"const float">,
+        part: ptr<"mt::Acc">,
+        counter: ptr<"unsigned int">,
         out_tok: ptr<"int">,
         out_logprob: ptr<"float">,
         ntok: i32,

@@ -221,14 +221,19 @@ pub fn wq_smem_bytes(n: usize, f: WgFormat) -> usize {
 /// every warpgroup on all the block's weight rows; 64 tokens are shared by both warpgroups, each on
 /// half the weight rows (for chunks where a 128-token tile would be mostly empty). The weight-row
 /// widths are the wgmma N sizes that divide the 8B shape's products (6144, 4096, 28672, 128256
-/// rows) into tile counts that fill 132 SMs well (`plan::tma_plan`).
-pub const TMA_CONFIGS: [(usize, usize); 6] = [
+/// rows) into tile counts that fill 132 SMs well (`plan::tma_plan`); 96 rows for the QKV product
+/// (6144 rows: 64 tiles, so one or two token tiles fill 128 of 132 SMs where 128-row tiles left
+/// 96 in use), whose epilogue takes any pair of columns (a 48-row warpgroup half ends inside a
+/// 32-column group, so the epilogues that write the next product's input cannot take 64 x 96).
+pub const TMA_CONFIGS: [(usize, usize); 8] = [
     (128, 256),
     (128, 224),
     (128, 192),
     (128, 128),
     (64, 256),
     (64, 128),
+    (128, 96),
+    (64, 96),
 ];
 
 /// Bytes of one pipeline stage of a warp-specialised GEMM block of tile `cfg` (`tma::stage_bytes`):

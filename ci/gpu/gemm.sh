@@ -19,7 +19,8 @@
 #        transformers; the rest of the 8B bf16 kernel tests and the other h200 targets' (`shapes`)
 #   bash ci/gpu/gemm.sh peer   carry .gm1 .peer  llama.cpp's build, then this build's cuda_bench and
 #        llama-bench (pp512, pp8192, tg128) / llama-batched-bench on the same 8B bf16 GGUF (one
-#        call, ~8 min)
+#        call, ~8 min); AB_OFF=KEYS adds a cuda_bench run with those tuning keys off, GB_TOKENS=N,...
+#        gemm_bench's planned products and the greedy arg-max alone
 #   bash ci/gpu/gemm.sh w4a16  carry .gm1 .gm2 .peer  the 8B q4_1 and
 #        bf16 GGUFs; the GEMM tests of 8B q4_1 (W4A16 products and the W8A16 LM head against the CPU
 #        ops; stop on failure); gemm_bench on 8B q4_1 and bf16 at 16-4,096 tokens and cuBLAS on the
@@ -49,6 +50,12 @@
 #        (16-256 sequences, pp512, one 8,192-token prompt) and 8B q4_1 (16-256, pp512), each beside
 #        fused_norm=off; the 2-layer check against HF transformers; the rest of the kernel tests
 #        (SKIP_REST=1 skips them)
+#   bash ci/gpu/gemm.sh tiles  carry .gm1 .gm2  the greedy arg-max spread over blocks and the QKV
+#        product's 96-row tiles: the GEMM and arg-max tests of 8B bf16 and q4_1 (stop on failure);
+#        gemm_bench --sweep of 8B bf16 at 32-512 tokens and cuBLAS (SKIP_GB=1 skips it);
+#        cuda_bench of 8B bf16 (16-256 sequences, pp512) and q4_1 as built and with
+#        argmax_split=off,tma_96=off, interleaved AB_REPS times; the 2-layer check; the rest of the
+#        kernel tests (SKIP_REST=1 skips them); GB_TOKENS as `peer`
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -100,6 +107,16 @@ table() {
   timeout 120 python3 bench/gemm/cublas.py --from "$R/gemm.jsonl" --out "$R/cublas.jsonl" > "$R/cublas.txt" 2>&1
   echo "rc=$?" >> "$R/cublas.txt"
   python3 bench/gemm/table.py "$R/gemm.jsonl" "$R/cublas.jsonl" | tee "$R/table.md"
+}
+
+# planned: with GB_TOKENS=N,... set, gemm_bench's planned products of 8B bf16 and the greedy arg-max
+# alone at those token counts
+planned() {
+  [ -n "${GB_TOKENS:-}" ] || return 0
+  step "gemm_bench at $GB_TOKENS tokens"
+  METRALE_TARGETS=$PWD/targets timeout 120 "$H/b/bin/gemm_bench" "$H/s/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-bf16/kernels" \
+    $T8/bf16 --tokens "$GB_TOKENS" --out "$R/gemm-planned.jsonl" > "$R/gemm-planned.txt" 2>&1; echo "rc=$?" >> "$R/gemm-planned.txt"
+  grep -E "runs|argmax|panicked|rc=" "$R/gemm-planned.txt"
 }
 
 # probes: with .gm3/probes.tar.xz carried, kernel folders k-NAME/ of h200/llama-3.1-8b/q4_1 built
@@ -201,6 +218,10 @@ peer)
   for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
   cat "$H/llamacpp/build.done"
   bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16 --batch 16,64,256 --steps 32 --pp 512 --long 8192
+  # AB_OFF=KEYS: the same run with those tuning keys off, beside it
+  [ -n "${AB_OFF:-}" ] && METRALE_CUDA_TUNING=$AB_OFF bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16-off \
+    --batch 16,64,256 --steps 32 --pp 512
+  planned
   step "llama.cpp on the same GGUF"
   OUT=$R LLAMACPP_PP=512,8192 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-bf16.gguf" 16,64,256 2>&1 | tail -12
   finish peer
@@ -420,6 +441,40 @@ PY
     kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   fi
   finish norm
+  ;;
+tiles)
+  # carry .gm1 .gm2: the greedy arg-max over several blocks a row and the QKV product's 96-row tiles
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  synth_8b
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
+    --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  step "cuda_kernels h200/llama-3.1-8b/bf16 and q4_1: the GEMM and arg-max tests first"
+  TESTS_TIMEOUT=180 tests8 gemm gemm tma_gemm gemm_prefill lm_head_and_device_argmax
+  METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout 150 \
+    "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 gemm_prefill lm_head_and_device_argmax > "$R/kernel-tests-q4-gemm.txt" 2>&1
+  echo "rc=$?" >> "$R/kernel-tests-q4-gemm.txt"
+  grep -hE "tma .*x96|argmax:|test result|panicked|rc=" "$R/kernel-tests-gemm.txt" "$R/kernel-tests-q4-gemm.txt" | tail -40
+  grep -q "test result: ok" "$R/kernel-tests-gemm.txt" && grep -q "test result: ok" "$R/kernel-tests-q4-gemm.txt" \
+    || { finish tiles; exit 1; }
+  [ -n "${SKIP_GB:-}" ] || GEMM_TOKENS=${GEMM_TOKENS:-32,64,128,256,512} table
+  planned
+  # the decode steps as built and with both changes off, interleaved AB_REPS times
+  for i in $(seq "${AB_REPS:-1}"); do
+    CB_GREP="stages alone|lm_head|gemm_norm_qkv" bench "$K" bench-bf16-$i --batch 16,64,128,256 --steps 32 --pp 512
+    CB_GREP="stages alone|lm_head|gemm_norm_qkv" METRALE_CUDA_TUNING=argmax_split=off,tma_96=off \
+      bench "$K" bench-bf16-off-$i --batch 16,64,128,256 --steps 32 --pp 512
+    cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-$i --batch 16,64,256 --steps 32 --pp 512
+    METRALE_CUDA_TUNING=argmax_split=off cb_run "$H/s/l8b-q4_1.gguf" "$KQ" $T8/q4_1 bench-q4_1-off-$i --batch 16,64,256 --steps 32 --pp 512
+  done
+  check_2l "arg-max split, 96-row tiles"
+  if [ -z "${SKIP_REST:-}" ]; then
+    step "cuda_kernels h200/llama-3.1-8b/bf16: the rest"
+    tests8 rest --skip gemm --skip lm_head_and_device_argmax; grep -E "test result|panicked|rc=" "$R/kernel-tests-rest.txt"
+    kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
+  fi
+  finish tiles
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"

@@ -140,6 +140,13 @@ struct Residual {
 // Whether an epilogue writes the next product's input (and so sums squares), and where their
 // partials go: epi::Residual with `an` alone.
 template <class E> MT_INLINE bool writes_norm(const E&) { return false; }
+// ... and whether it ever can (a tile must then give each warpgroup whole 32-column groups)
+template <class E> struct CanWriteNorm {
+    static constexpr bool value = false;
+};
+template <> struct CanWriteNorm<Residual> {
+    static constexpr bool value = true;
+};
 MT_INLINE bool writes_norm(const Residual& e) { return e.normed(); }
 template <class E> MT_INLINE float* ss_out(const E&) { return nullptr; }
 MT_INLINE float* ss_out(const Residual& e) { return e.ss; }

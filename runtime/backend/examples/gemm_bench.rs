@@ -113,6 +113,13 @@ fn main() {
             ));
         }
     }
+    // the greedy pick after the LM head: the arg-max of each logits row alone
+    for &n in &tokens {
+        let (split, one, floor, splits) = b.profile_argmax(n, copy_gbs).expect("argmax");
+        eprintln!(
+            "argmax   n={n:5} {split:9.2} us over {splits} blocks a row, {one:9.2} us one block a row, floor {floor:8.2} us (the logits' bytes)"
+        );
+    }
     if !out.is_empty() {
         std::fs::write(&out, lines.join("\n") + "\n").expect("write --out");
     }

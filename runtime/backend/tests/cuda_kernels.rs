@@ -275,6 +275,7 @@ fn check_tol(what: &str, got: &[f32], want: &[f32], tol: f64) {
 }
 
 /// The host reference of a QKV launch: inputs, norm weights, the three matrices, RoPE frequencies.
+#[derive(Clone, Copy)]
 struct QkvRef<'a> {
     x: &'a [f32],
     norm: &'a [f32],
@@ -923,8 +924,14 @@ fn lm_head_and_device_argmax() {
     let lb = g.upload(&logits).unwrap();
     // argmax + logprob on the GPU's own logits must equal the host sampler's exactly / to 1e-5
     let (tb, pb) = (g.alloc(16).unwrap(), g.alloc(16).unwrap());
+    let (am_part, am_counter) = {
+        let (p, c) = g.argmax_scratch(40);
+        (g.alloc(p).unwrap(), g.alloc(c).unwrap())
+    };
     g.argmax(abi::ArgmaxLogprob {
         logits: lb.ptr,
+        part: am_part.ptr,
+        counter: am_counter.ptr,
         out_tok: tb.ptr,
         out_logprob: pb.ptr,
         ntok: sel.len() as i32,
@@ -954,6 +961,8 @@ fn lm_head_and_device_argmax() {
     let rb = g.upload(&row).unwrap();
     g.argmax(abi::ArgmaxLogprob {
         logits: rb.ptr,
+        part: am_part.ptr,
+        counter: am_counter.ptr,
         out_tok: tb.ptr,
         out_logprob: pb.ptr,
         ntok: 1,
@@ -961,6 +970,47 @@ fn lm_head_and_device_argmax() {
     .unwrap();
     g.read(&tb, 0, &mut tok[..1]).unwrap();
     assert_eq!(tok[0], 100);
+    // 40 rows, each over plan::argmax_splits blocks (6 on 132 SMs), twice: the tickets re-arm,
+    // the same bits
+    let rows = 40;
+    let many = rand_vec(&mut e.rng, rows * d.vocab, -8.0, 8.0);
+    let mb = g.upload(&many).unwrap();
+    let (tb, pb) = (g.alloc(rows * 4).unwrap(), g.alloc(rows * 4).unwrap());
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        g.argmax(abi::ArgmaxLogprob {
+            logits: mb.ptr,
+            part: am_part.ptr,
+            counter: am_counter.ptr,
+            out_tok: tb.ptr,
+            out_logprob: pb.ptr,
+            ntok: rows as i32,
+        })
+        .unwrap();
+        let (mut tok, mut lp) = (vec![0i32; rows], vec![0f32; rows]);
+        g.read(&tb, 0, &mut tok).unwrap();
+        g.read(&pb, 0, &mut lp).unwrap();
+        runs.push((tok, lp.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+    }
+    assert_eq!(
+        runs[0], runs[1],
+        "argmax over {rows} rows: two launches differ"
+    );
+    for (i, (&t, &lp)) in runs[0].0.iter().zip(&runs[0].1).enumerate() {
+        let row = &many[i * d.vocab..(i + 1) * d.vocab];
+        let want_t = sampler::argmax(row);
+        assert_eq!(t as usize, want_t, "row {i} of {rows}");
+        let want_lp = row[want_t] - sampler::log_sum_exp(row);
+        let lp = f32::from_bits(lp);
+        assert!(
+            (lp - want_lp).abs() < 1e-4,
+            "row {i} of {rows}: logprob {lp} vs {want_lp}"
+        );
+    }
+    eprintln!(
+        "  argmax: {rows} rows over {} blocks each agree with the host's, repeats identical",
+        plan::argmax_splits(rows, d.vocab, g.sm_count)
+    );
 }
 
 #[test]
@@ -1173,7 +1223,7 @@ fn tma_gemm_tiles_and_splits_match_cpu_ops() {
     let mut tried = 0;
     for (cfg, &(bm, bn)) in abi::layout::TMA_CONFIGS.iter().enumerate() {
         for splits in [1, 2, 5] {
-            let Some(l) = plan::tma_launch(d.hidden, qd, n, cfg, splits, g.sm_count) else {
+            let Some(l) = plan::tma_launch(d.hidden, qd, n, cfg, splits, g.sm_count, true) else {
                 continue;
             };
             let what = format!("tma {bm}x{bn} splits {splits}: x + Wo*att");
@@ -1294,7 +1344,7 @@ fn check_gemm_products(
     w: &GemmWeights,
     n: usize,
 ) {
-    use metrale_backend::cuda::gemm::QkvOut;
+    use metrale_backend::cuda::gemm::{Product, QkvOut};
     use rayon::prelude::*;
     let d = e.d;
     let (qd, hd) = (d.qd(), d.head_dim);
@@ -1376,6 +1426,46 @@ fn check_gemm_products(
         (&q, &kcache, &vcache),
         p.hopper().then_some(tol),
     );
+    // the warp-specialised tiles only the QKV product takes (the O test, `tma_gemm_tiles_and_
+    // splits_match_cpu_ops`, reaches the rest), over the activations norm_qkv left in the scratch
+    if p.hopper() && g.tma_gemm && (n == 77 || n == 300) {
+        for (cfg, &(bm, bn)) in abi::layout::TMA_CONFIGS.iter().enumerate() {
+            if d.hidden.is_multiple_of(bn) && plan::tma_norm_out(cfg) {
+                continue;
+            }
+            for splits in [1, 2] {
+                let Some(l) =
+                    plan::tma_launch(wqkv_b.rows, d.hidden, n, cfg, splits, g.sm_count, false)
+                else {
+                    continue;
+                };
+                let qb = poisoned(g, n * qd);
+                let kc = pg.upload(g, &vec![1e30f32; pg.elems()]);
+                let vc = pg.upload(g, &vec![1e30f32; pg.elems()]);
+                let o = QkvOut {
+                    q: qb.ptr,
+                    kc: kc.ptr,
+                    vc: vc.ptr,
+                    ..o
+                };
+                p.hopper_product(g, Product::Qkv(o), &wqkv_b, n, Some(l))
+                    .unwrap();
+                check_qkv(
+                    &format!("{what}tma {bm}x{bn} splits {splits}: "),
+                    d,
+                    e.eps,
+                    qkv_r,
+                    (&pos, &slot, layer, &pg),
+                    (
+                        &read_f32(g, &qb, n * qd),
+                        &pg.read(g, &kc),
+                        &pg.read(g, &vc),
+                    ),
+                    Some(tol),
+                );
+            }
+        }
+    }
     // SiLU(gate) * up of RMSNorm(x) for every token of a residual x
     let ffn_ref = |x: &[f32]| -> Vec<f32> {
         (0..n)
@@ -1637,8 +1727,14 @@ fn grammar_masks_on_the_device_match_the_host() {
     })
     .unwrap();
     let (tb, lpb) = (g.alloc(rows * 4).unwrap(), g.alloc(rows * 4).unwrap());
+    let (am_part, am_counter) = {
+        let (p, c) = g.argmax_scratch(rows);
+        (g.alloc(p).unwrap(), g.alloc(c).unwrap())
+    };
     g.argmax(abi::ArgmaxLogprob {
         logits: lb.ptr,
+        part: am_part.ptr,
+        counter: am_counter.ptr,
         out_tok: tb.ptr,
         out_logprob: lpb.ptr,
         ntok: rows as i32,

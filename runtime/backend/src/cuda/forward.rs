@@ -44,7 +44,7 @@ pub(super) struct Bufs {
     pub io_out: DevBuf,
     pub out_tok: u64,
     pub out_lp: u64,
-    /// lm_head's per-block greedy partials and its per-tile tickets (zero between launches)
+    /// lm_head's and argmax's per-block greedy partials and their tickets (zero between launches)
     pub lm_part: DevBuf,
     pub lm_counter: DevBuf,
     /// sample_probs: parameters in, (token | logprob | status) out, one row per output
@@ -289,6 +289,8 @@ impl CudaBackend {
                 )?;
                 g.argmax(abi::ArgmaxLogprob {
                     logits: b.logits.ptr,
+                    part: b.lm_part.ptr,
+                    counter: b.lm_counter.ptr,
                     out_tok: b.out_tok,
                     out_logprob: b.out_lp,
                     ntok: nout as i32,

@@ -154,6 +154,12 @@ impl Product {
         }
     }
 
+    /// Whether its epilogue adds to the residual stream (O, down), and may write the next
+    /// product's input with it (`plan::tma_norm_out`).
+    pub fn residual(&self) -> bool {
+        matches!(self, Product::Out { .. } | Product::Down { .. })
+    }
+
     /// Its short name (the benchmarks' tables).
     pub fn name(&self) -> &'static str {
         match self {
@@ -224,6 +230,8 @@ pub struct GemmPath {
     hopper: Option<(DevBuf, DevBuf)>,
     /// Chunks of [`TMA_MIN_TOKENS`] and more run on the warp-specialised kernels (`Gpu::tma_gemm`).
     tma: bool,
+    /// The 96-row tiles may be planned (`Gpu::tma_96`).
+    tma_96: bool,
     /// The tensor maps encoded so far (encoding is pure, so a map is reused wherever its inputs
     /// recur: every layer's weights after the first chunk).
     maps: Mutex<HashMap<MapKey, abi::TmaMap>>,
@@ -276,6 +284,7 @@ impl GemmPath {
             kmax,
             hopper,
             tma: gpu.tma_gemm,
+            tma_96: gpu.tma_96,
             act_type,
             maps: Mutex::new(HashMap::new()),
             hopper_head,
@@ -332,12 +341,18 @@ impl GemmPath {
         })
     }
 
-    /// Which kernels run a product of `rows` x `k` over `ntok` tokens: the warp-specialised launch
+    /// Which kernels run product `p` of `w` over `ntok` tokens: the warp-specialised launch
     /// (`plan::tma_plan`), or `None` for `gemm_hopper.cu.hbs`'s (fewer than [`TMA_MIN_TOKENS`]
     /// tokens, no tile divides `rows`, or `Gpu::tma_gemm` off).
-    pub fn tma_plan(&self, sm_count: usize, rows: usize, k: usize, ntok: usize) -> Option<TmaPlan> {
+    pub fn tma_plan(
+        &self,
+        sm_count: usize,
+        p: &Product,
+        w: &DevMat,
+        ntok: usize,
+    ) -> Option<TmaPlan> {
         if self.tma && ntok >= TMA_MIN_TOKENS {
-            plan::tma_plan(rows, k, ntok, sm_count)
+            plan::tma_plan(w.rows, w.k, ntok, sm_count, p.residual(), self.tma_96)
         } else {
             None
         }
@@ -379,7 +394,7 @@ impl GemmPath {
         ntok: usize,
         force: Option<TmaPlan>,
     ) -> Result<(), BackendError> {
-        match force.or_else(|| self.tma_plan(g.sm_count, w.rows, w.k, ntok)) {
+        match force.or_else(|| self.tma_plan(g.sm_count, &p, w, ntok)) {
             Some(tp) => self.tma_product(g, p, w, ntok, tp),
             None => self.wgmma_product(g, p, w, ntok),
         }

@@ -47,6 +47,10 @@ pub struct Gpu {
     mv_per_sm: MvPerSm,
     /// One output's LM head by `lm_head_1` (else `lm_head`).
     pub lm_head_1: bool,
+    /// `argmax_logprob` spreads a row over [`plan::argmax_splits`] blocks (else one).
+    pub argmax_split: bool,
+    /// The warp-specialised QKV product may take the 96-row tiles.
+    pub tma_96: bool,
     /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
     pub att_flags: i32,
     /// One-split `attention` launches serve several (token, KV head) pairs a block
@@ -271,6 +275,8 @@ impl Gpu {
             lm1_per_sm,
             mv_per_sm,
             lm_head_1: true,
+            argmax_split: true,
+            tma_96: true,
             att_flags: 0,
             att_pack: true,
             att_per_sm,
@@ -473,8 +479,8 @@ impl Gpu {
         )
     }
 
-    /// Bytes of the `part` buffer `lm_head` needs for up to `nout` outputs (one `mt::Acc` per block
-    /// and output), and of its counters (one u32 per token tile).
+    /// Bytes of the `part` buffer `lm_head` and `argmax` need for up to `nout` outputs (one
+    /// `mt::Acc` per block and output), and of their counters (one u32 per token tile or row).
     pub fn lm_head_scratch(&self, nout: usize) -> (usize, usize) {
         let d = self.dims;
         let (gx, gy, _) = plan::mv_grid(
@@ -486,15 +492,38 @@ impl Gpu {
         );
         let gx = (gx as usize)
             .max(plan::lm_head1_blocks(d.vocab, self.sm_count, self.lm1_per_sm) as usize);
+        let (argmax_part, argmax_counters) = self.argmax_scratch(nout);
         (
-            nout.max(1) * gx * abi::ACC_BYTES as usize,
-            gy.max(1) as usize * 4,
+            (nout.max(1) * gx * abi::ACC_BYTES as usize).max(argmax_part),
+            (gy.max(1) as usize * 4).max(argmax_counters),
         )
     }
 
-    /// Arg-max and logprob of `a.ntok` logits rows.
+    /// Arg-max and logprob of `a.ntok` logits rows; `a.part` and `a.counter` sized by
+    /// [`Gpu::argmax_scratch`] (the LM head's scratch, [`Gpu::lm_head_scratch`], holds them).
     pub fn argmax(&self, a: abi::ArgmaxLogprob) -> Result<(), BackendError> {
-        self.launch((a.ntok as u32, 1, 1), self.plain(), a)
+        self.argmax_with(a, self.argmax_split)
+    }
+
+    /// [`Gpu::argmax`] with each row over `plan::argmax_splits` blocks (`split`) or one.
+    pub fn argmax_with(&self, a: abi::ArgmaxLogprob, split: bool) -> Result<(), BackendError> {
+        let splits = if split {
+            plan::argmax_splits(a.ntok as usize, self.dims.vocab, self.sm_count)
+        } else {
+            1
+        };
+        self.launch((splits, a.ntok.max(1) as u32, 1), self.plain(), a)
+    }
+
+    /// Bytes of the `part` and `counter` buffers [`Gpu::argmax`] needs for up to `nout` rows (one
+    /// `mt::Acc` per block, one ticket per row; the counters zero between launches).
+    pub fn argmax_scratch(&self, nout: usize) -> (usize, usize) {
+        let nout = nout.max(1);
+        let splits = (1..=nout)
+            .map(|n| n * plan::argmax_splits(n, self.dims.vocab, self.sm_count) as usize)
+            .max()
+            .unwrap_or(1);
+        (splits * abi::ACC_BYTES as usize, nout * 4)
     }
 
     /// Grammar masks applied in place to `a.nout` logits rows.

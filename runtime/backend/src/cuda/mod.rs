@@ -129,6 +129,12 @@ pub struct Tuning {
     /// tile of one token a sequence: its GROUP heads against each K/V tile on the tensor cores),
     /// else on the split-K `attention`. Off until measured against the packed split-K kernel.
     pub flash_decode: bool,
+    /// `argmax_logprob` spreads each logits row over several blocks (`plan::argmax_splits`), else
+    /// one block a row.
+    pub argmax_split: bool,
+    /// The warp-specialised QKV product may take the 96-row tiles (`layout::TMA_CONFIGS`), else
+    /// only the 128-256-row ones.
+    pub tma_96: bool,
 }
 
 impl Default for Tuning {
@@ -149,6 +155,8 @@ impl Default for Tuning {
             attention_pack: true,
             fused_norm: true,
             flash_decode: false,
+            argmax_split: true,
+            tma_96: true,
         }
     }
 }
@@ -157,7 +165,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 15] = [
+    pub const KEYS: [&'static str; 17] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -173,6 +181,8 @@ impl Tuning {
         "attention_pack",
         "fused_norm",
         "flash_decode",
+        "argmax_split",
+        "tma_96",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -209,6 +219,8 @@ impl Tuning {
                 "attention_pack" => self.attention_pack = on,
                 "fused_norm" => self.fused_norm = on,
                 "flash_decode" => self.flash_decode = on,
+                "argmax_split" => self.argmax_split = on,
+                "tma_96" => self.tma_96 = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -338,6 +350,8 @@ impl CudaBackend {
             gpu.cluster_max = 0;
         }
         gpu.lm_head_1 = opts.tuning.lm_head_1;
+        gpu.argmax_split = opts.tuning.argmax_split;
+        gpu.tma_96 = opts.tuning.tma_96;
         if opts.tuning.attention_transpose {
             gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
         }
@@ -748,6 +762,8 @@ impl CudaBackend {
                 self.mask_rows(n, |k| mask_of(k, sel_seq[k]))?;
                 self.gpu.argmax(abi::ArgmaxLogprob {
                     logits: self.b.logits.ptr,
+                    part: self.b.lm_part.ptr,
+                    counter: self.b.lm_counter.ptr,
                     out_tok: mo,
                     out_logprob: mo + (nout * 4) as u64,
                     ntok: n as i32,

@@ -161,6 +161,21 @@ pub fn row_blocks(vocab: usize) -> u32 {
     (vocab / 4).div_ceil(SAMPLE_THREADS as usize).max(1) as u32
 }
 
+/// Blocks per row of `argmax_logprob` over `nout` rows of `vocab` logits on `sm_count` SMs: as
+/// many as keep all rows' blocks in one wave of two `SAMPLE_THREADS` blocks an SM, at most one
+/// float4 per thread of a row and at most [`ARGMAX_MAX_SPLITS`]. Measured alone on the 8B's
+/// 128,256-token rows (H200, bench/gemm/README.md): 16 rows took 41.6 us one block a row and
+/// 25.9 over 32 blocks (two waves), but 64 and 256 rows took longer over 17 and 5 blocks a row
+/// (50.3 and 94.7 us, 4-5 waves) than one block a row (37.3 and 62.7): a wave of 1,024-thread
+/// blocks costs more than their reads.
+pub fn argmax_splits(nout: usize, vocab: usize, sm_count: usize) -> u32 {
+    let wave = 2 * sm_count.max(1);
+    (wave / nout.max(1)).clamp(1, ARGMAX_MAX_SPLITS.min(row_blocks(vocab) as usize)) as u32
+}
+
+/// Most blocks `argmax_logprob` spreads one row over ([`argmax_splits`]).
+pub const ARGMAX_MAX_SPLITS: usize = 32;
+
 /// Grid of `mask_logits` over `nout` rows of `vocab` logits.
 pub fn mask_grid(nout: usize, vocab: usize) -> (u32, u32, u32) {
     (nout.max(1) as u32, row_blocks(vocab), 1)
@@ -365,11 +380,14 @@ const TMA_PARTIAL_BYTES_PER_S: f64 = 2.0e12;
 
 /// A tile's MMA rate relative to the wide 128-token tiles (measured: 128 x 128 reads more operand
 /// bytes per MMA from shared memory; 64-token tiles reuse each weight stage for half as many
-/// tokens).
+/// tokens; the QKV product at 256 tokens took 27-29 us on 128 x 96 against 28 on 128 x 128, so
+/// the 128 x 96 tile is priced to lose there).
 fn tma_efficiency(bm: usize, bn: usize) -> f64 {
     match (bm, bn) {
         (128, 128) => 0.85,
+        (128, 96) => 0.6,
         (128, _) => 1.0,
+        (64, 96) => 0.6,
         _ => 0.7,
     }
 }
@@ -406,16 +424,24 @@ pub fn tma_estimate(
 }
 
 /// The warp-specialised GEMM launch of a product with `rows` output rows and row length `k` over
-/// `ntok` tokens on `sm_count` SMs: of the tiles whose weight-row width divides `rows`, and K
-/// splits that keep every unit in one wave (the split partials live in
-/// [`tma_scratch_bytes`]), the one [`tma_estimate`] prices lowest; `None` when no tile divides
-/// `rows` or `k` is not a multiple of `TMA_BK`.
-pub fn tma_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> Option<TmaPlan> {
+/// `ntok` tokens on `sm_count` SMs (`residual`: the O or down product, whose epilogue may write the
+/// next product's input, [`tma_norm_out`]; `narrow`: the 96-row tiles allowed): of the tiles whose
+/// weight-row width divides `rows`, and K splits that keep every unit in one wave (the split
+/// partials live in [`tma_scratch_bytes`]), the one [`tma_estimate`] prices lowest; `None` when no
+/// tile divides `rows` or `k` is not a multiple of `TMA_BK`.
+pub fn tma_plan(
+    rows: usize,
+    k: usize,
+    ntok: usize,
+    sm_count: usize,
+    residual: bool,
+    narrow: bool,
+) -> Option<TmaPlan> {
     let nk = k / TMA_BK as usize;
     let mut best: Option<(f64, TmaPlan)> = None;
-    for cfg in 0..TMA_CONFIGS.len() {
+    for cfg in (0..TMA_CONFIGS.len()).filter(|&c| narrow || TMA_CONFIGS[c].1 > 96) {
         for splits in 1..=(nk / TMA_MIN_SPLIT_STEPS).max(1) {
-            let Some(l) = tma_launch(rows, k, ntok, cfg, splits, sm_count) else {
+            let Some(l) = tma_launch(rows, k, ntok, cfg, splits, sm_count, residual) else {
                 continue;
             };
             let est = tma_estimate(rows, k, ntok, cfg, splits, sm_count);
@@ -430,7 +456,8 @@ pub fn tma_plan(rows: usize, k: usize, ntok: usize, sm_count: usize) -> Option<T
 /// The launch of tile `cfg` with `splits` K splits (what [`tma_plan`] returns for its choice; the
 /// benchmarks' sweep and the tests force others): one block per unit, at most one per SM. `None`
 /// where the split partials would not fit [`tma_scratch_bytes`] (a split launch's units must fit
-/// one wave) or a split would cover fewer than [`TMA_MIN_SPLIT_STEPS`] stages.
+/// one wave), a split would cover fewer than [`TMA_MIN_SPLIT_STEPS`] stages, or the product is a
+/// `residual` one and the tile cannot write the next product's input.
 pub fn tma_launch(
     rows: usize,
     k: usize,
@@ -438,10 +465,16 @@ pub fn tma_launch(
     cfg: usize,
     splits: usize,
     sm_count: usize,
+    residual: bool,
 ) -> Option<TmaPlan> {
     let (bm, bn) = *TMA_CONFIGS.get(cfg)?;
     let sms = sm_count.max(1);
-    if ntok == 0 || splits == 0 || !rows.is_multiple_of(bn) || !k.is_multiple_of(TMA_BK as usize) {
+    if ntok == 0
+        || splits == 0
+        || !rows.is_multiple_of(bn)
+        || !k.is_multiple_of(TMA_BK as usize)
+        || (residual && !tma_norm_out(cfg))
+    {
         return None;
     }
     let tiles = ntok.div_ceil(bm) * (rows / bn);
@@ -454,6 +487,15 @@ pub fn tma_launch(
         blocks: (tiles * splits).min(sms) as u32,
         smem: tma_smem_bytes(cfg) as u32,
     })
+}
+
+/// Whether tile `cfg` gives each consumer warpgroup whole groups of `abi::SS_COLS` columns, whose
+/// squares the O and down epilogues sum when they write the next product's input (`tma::gemm`
+/// asserts it; 64 x 96 leaves each warpgroup 48 rows).
+pub fn tma_norm_out(cfg: usize) -> bool {
+    let (bm, bn) = TMA_CONFIGS[cfg];
+    let wn = if bm == 128 { bn } else { bn / 2 };
+    wn.is_multiple_of(metrale_abi::SS_COLS as usize)
 }
 
 /// Bytes of the split partials and of the tickets any [`tma_plan`] launch on `sm_count` SMs uses:
@@ -772,7 +814,8 @@ mod tests {
             (16384, 2048),
         ] {
             for ntok in [1, 2, 16, 29, 64, 77, 128, 160, 256, 300, 512, 4096] {
-                let p = tma_plan(rows, k, ntok, 132).expect("a tile divides every shape here");
+                let p = tma_plan(rows, k, ntok, 132, false, true)
+                    .expect("a tile divides every shape here");
                 let (bm, bn) = TMA_CONFIGS[p.cfg];
                 assert!(rows.is_multiple_of(bn));
                 let tiles = ntok.div_ceil(bm) * (rows / bn);
@@ -785,13 +828,44 @@ mod tests {
             }
         }
         // no tile divides 100 rows; K must be whole stages
-        assert!(tma_plan(100, 4096, 256, 132).is_none());
-        assert!(tma_plan(4096, 4000, 256, 132).is_none());
+        assert!(tma_plan(100, 4096, 256, 132, false, true).is_none());
+        assert!(tma_plan(4096, 4000, 256, 132, false, true).is_none());
         // 256 tokens: the 8B's narrow products still fill most SMs (smaller tiles or K splits)
         for (rows, k) in [(4096, 4096), (6144, 4096), (4096, 14336)] {
-            let p = tma_plan(rows, k, 256, 132).unwrap();
+            let p = tma_plan(rows, k, 256, 132, false, true).unwrap();
             assert!(p.blocks >= 96, "{rows} x {k}: {p:?}");
         }
-        assert_eq!(tma_plan(28672, 4096, 4096, 132).unwrap().splits, 1);
+        assert_eq!(
+            tma_plan(28672, 4096, 4096, 132, false, true)
+                .unwrap()
+                .splits,
+            1
+        );
+        // a residual product (O, down) never takes a tile that splits a 32-column group
+        for ntok in [32, 64, 77, 128, 256] {
+            for rows in [576, 4096] {
+                let p = tma_plan(rows, 4096, ntok, 132, true, true).unwrap();
+                assert!(tma_norm_out(p.cfg), "{rows} rows, {ntok} tokens: {p:?}");
+            }
+        }
+        assert!(!tma_norm_out(7) && tma_norm_out(6));
+    }
+
+    #[test]
+    fn argmax_rows_fill_one_wave() {
+        let v = 128_256;
+        for (nout, want) in [
+            (1, 32),
+            (16, 16),
+            (40, 6),
+            (64, 4),
+            (128, 2),
+            (256, 1),
+            (4096, 1),
+        ] {
+            assert_eq!(argmax_splits(nout, v, 132), want, "{nout} rows");
+        }
+        // a small vocabulary: at most one float4 per thread of a row
+        assert_eq!(argmax_splits(1, 8192, 132), 2);
     }
 }

@@ -2,6 +2,7 @@
 //! chunk timed alone, the last decode step replayed back to back, and `decode_1`'s per-stage trace.
 //! They rewrite the activations and the KV entries of the last chunk: never call them while serving.
 
+use metrale_abi as abi;
 use metrale_core::BackendError;
 
 use super::forward::{Attn, Stage};
@@ -153,8 +154,8 @@ impl CudaBackend {
                     }
                 }
             };
-            let planned = gp.tma_plan(g.sm_count, rows, k, ntok);
-            let pick = plan::tma_plan(rows, k, ntok, g.sm_count);
+            let planned = gp.tma_plan(g.sm_count, &p, w, ntok);
+            let pick = plan::tma_plan(rows, k, ntok, g.sm_count, p.residual(), g.tma_96);
             let est = plan::tma_estimate(rows, k, ntok, 0, 1, g.sm_count) * 1e6;
             let reps = ((2000.0 / est.max(1.0)) as usize).clamp(3, 100);
             let time = |launch: &dyn Fn(&super::launch::Gpu) -> Result<(), BackendError>|
@@ -197,7 +198,9 @@ impl CudaBackend {
             if sweep {
                 for cfg in 0..metrale_abi::layout::TMA_CONFIGS.len() {
                     for splits in [1, 2, 3, 4, 6, 8] {
-                        if let Some(l) = plan::tma_launch(rows, k, ntok, cfg, splits, g.sm_count) {
+                        if let Some(l) =
+                            plan::tma_launch(rows, k, ntok, cfg, splits, g.sm_count, p.residual())
+                        {
                             if !launches.contains(&l) {
                                 launches.push(l);
                             }
@@ -211,6 +214,49 @@ impl CudaBackend {
             }
         }
         Ok(out)
+    }
+
+    /// The greedy arg-max of `nout` logits rows alone (`argmax_logprob` over a buffer of random
+    /// logits), as [`Self::profile_gemms`] times a product: microseconds per launch with each row
+    /// over `plan::argmax_splits` blocks, then with one block a row, the read floor (the rows'
+    /// bytes at `copy_gbs`) and the blocks a row. Bench only.
+    pub fn profile_argmax(
+        &self,
+        nout: usize,
+        copy_gbs: f64,
+    ) -> Result<(f64, f64, f64, u32), BackendError> {
+        let g = &self.gpu;
+        let v = g.dims.vocab;
+        let vals: Vec<f32> = (0..nout * v)
+            .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 1e6 - 8.0)
+            .collect();
+        let logits = g.upload(&vals)?;
+        let (pb, cb) = g.argmax_scratch(nout);
+        let (part, counter, out) = (g.alloc(pb)?, g.alloc(cb)?, g.alloc(8 * nout)?);
+        let a = abi::ArgmaxLogprob {
+            logits: logits.ptr,
+            part: part.ptr,
+            counter: counter.ptr,
+            out_tok: out.ptr,
+            out_logprob: out.ptr + (4 * nout) as u64,
+            ntok: nout as i32,
+        };
+        let time = |split: bool| -> Result<f64, BackendError> {
+            let reps = 20;
+            let graph = capture_warm(g, reps, || g.argmax_with(a, split))?;
+            let mut t = Vec::new();
+            for _ in 0..7 {
+                let t0 = std::time::Instant::now();
+                g.replay(&graph)?;
+                g.sync()?;
+                t.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
+            }
+            t.sort_by(f64::total_cmp);
+            Ok(t[t.len() / 2])
+        };
+        let floor = (nout * v * 4) as f64 / (copy_gbs * 1e3);
+        let splits = plan::argmax_splits(nout, v, g.sm_count);
+        Ok((time(true)?, time(false)?, floor, splits))
     }
 
     /// Device-to-device copy rate in GB/s (bytes read plus bytes written, per second) of a copy of
