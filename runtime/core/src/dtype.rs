@@ -14,6 +14,10 @@
 //!   `Q4_1` = f16 d, f16 m, 16 bytes of nibbles, w = q * d + m;
 //!   `Q8_0` = f16 d, 32 i8, w = q * d.
 //!   In the 4-bit types the low nibble of byte j is element j and the high nibble is element j + 16.
+//!   The K-quants (`Q4_K`, `Q5_K`, `Q6_K`) take super-blocks of 256 elements; their layouts and
+//!   dequantisation are [`crate::kquant`]'s. They are read, not written: [`quantize_row`] refuses them.
+
+use crate::kquant::{KQuant, QK_K};
 
 /// Element type of a tensor, as stored in a GGUF or safetensors file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -25,6 +29,9 @@ pub enum DType {
     Q4_0,
     Q4_1,
     Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 /// Elements per block of the quantized types (ggml's QK4_0 = QK4_1 = QK8_0 = 32).
@@ -48,16 +55,21 @@ pub enum DTypeError {
     },
     #[error("{dtype}: a row of {elems} elements overflows usize")]
     Overflow { dtype: DType, elems: usize },
+    #[error("{dtype}: no quantizer here (K-quant files come from llama.cpp's llama-quantize)")]
+    NoQuantizer { dtype: DType },
 }
 
 impl DType {
     /// Every type, in ggml id order.
-    pub const ALL: [DType; 6] = [
+    pub const ALL: [DType; 9] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
         DType::Q4_1,
         DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
         DType::BF16,
     ];
 
@@ -69,6 +81,9 @@ impl DType {
             DType::Q4_0 => 2,
             DType::Q4_1 => 3,
             DType::Q8_0 => 8,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
             DType::BF16 => 30,
         }
     }
@@ -81,12 +96,16 @@ impl DType {
             2 => Some(DType::Q4_0),
             3 => Some(DType::Q4_1),
             8 => Some(DType::Q8_0),
+            12 => Some(DType::Q4_K),
+            13 => Some(DType::Q5_K),
+            14 => Some(DType::Q6_K),
             30 => Some(DType::BF16),
             _ => None,
         }
     }
 
-    /// Lower-case name as ggml and the target files spell it: f32, f16, bf16, q4_0, q4_1, q8_0.
+    /// Lower-case name as ggml and the target files spell it: f32, f16, bf16, q4_0, q4_1, q8_0,
+    /// q4_k, q5_k, q6_k.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -95,6 +114,19 @@ impl DType {
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
             DType::Q8_0 => "q8_0",
+            DType::Q4_K => "q4_k",
+            DType::Q5_K => "q5_k",
+            DType::Q6_K => "q6_k",
+        }
+    }
+
+    /// The K-quant format of a K-quant type (`crate::kquant`: its layout and dequantisation).
+    pub const fn kquant(self) -> Option<KQuant> {
+        match self {
+            DType::Q4_K => Some(KQuant::Q4_K),
+            DType::Q5_K => Some(KQuant::Q5_K),
+            DType::Q6_K => Some(KQuant::Q6_K),
+            _ => None,
         }
     }
 
@@ -105,11 +137,12 @@ impl DType {
             .find(|d| d.name().eq_ignore_ascii_case(s))
     }
 
-    /// Elements per block: 1 for the float types, 32 for the quantized ones.
+    /// Elements per block: 1 for the float types, 32 for Q4_0 / Q4_1 / Q8_0, 256 for the K-quants.
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
     }
 
@@ -121,6 +154,9 @@ impl DType {
             DType::Q4_0 => 2 + QK / 2,
             DType::Q4_1 => 2 + 2 + QK / 2,
             DType::Q8_0 => 2 + QK,
+            DType::Q4_K => KQuant::Q4_K.block_bytes(),
+            DType::Q5_K => KQuant::Q5_K.block_bytes(),
+            DType::Q6_K => KQuant::Q6_K.block_bytes(),
         }
     }
 
@@ -264,6 +300,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
                 }
             }
         }
+        DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            let k = dtype.kquant().expect("a K-quant type");
+            k.dequantize(bytes, out).expect("row size checked above");
+        }
     }
     Ok(())
 }
@@ -352,6 +392,7 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTy
                 }
             }
         }
+        DType::Q4_K | DType::Q5_K | DType::Q6_K => return Err(DTypeError::NoQuantizer { dtype }),
     }
     Ok(())
 }
@@ -394,6 +435,18 @@ mod tests {
             assert_eq!(DType::from_name(d.name()), Some(d));
         }
         assert_eq!(DType::from_ggml(6), None); // Q5_0: not supported
+        for (d, id, bytes) in [
+            (DType::Q4_K, 12, 144),
+            (DType::Q5_K, 13, 176),
+            (DType::Q6_K, 14, 210),
+        ] {
+            assert_eq!(
+                (d.ggml_id(), d.block_elems(), d.block_bytes()),
+                (id, 256, bytes)
+            );
+            assert_eq!(d.row_bytes(4096), Some(16 * bytes));
+            assert_eq!(d.row_bytes(4000), None, "{d}: rows are whole super-blocks");
+        }
         assert_eq!(DType::from_ggml(u32::MAX), None);
         assert_eq!(
             (DType::Q4_0.block_elems(), DType::Q4_0.block_bytes()),
@@ -506,6 +559,14 @@ mod tests {
             .collect();
         for dtype in DType::ALL {
             let mut q = vec![0u8; dtype.row_bytes(src.len()).unwrap()];
+            if dtype.kquant().is_some() {
+                // read only: the K-quants' dequantisation has its own golden (tests/kquant_golden.rs)
+                assert_eq!(
+                    quantize_row(dtype, &src, &mut q),
+                    Err(DTypeError::NoQuantizer { dtype })
+                );
+                continue;
+            }
             quantize_row(dtype, &src, &mut q).unwrap();
             let mut back = vec![0f32; src.len()];
             dequantize_row(dtype, &q, &mut back).unwrap();
@@ -525,6 +586,7 @@ mod tests {
                         (hi - lo) / 15.0 * (0.5 + 16.0 * 2f32.powi(-11)) + amax * 2f32.powi(-11)
                     }
                     DType::Q8_0 => amax / 127.0 * (0.5 + 128.0 * 2f32.powi(-11)),
+                    DType::Q4_K | DType::Q5_K | DType::Q6_K => unreachable!("skipped above"),
                 };
                 for (j, (a, b)) in s.iter().zip(b).enumerate() {
                     assert!(

@@ -1,7 +1,7 @@
 //! The GGUF "K-quant" block formats (`Q4_K`, `Q5_K`, `Q6_K`: what `llama-quantize` writes for the
-//! Q4_K_M, Q5_K_M and Q6_K mixes) and their reference dequantisation to f32. Not yet element types
-//! of [`crate::dtype::DType`]: the loaders and kernels that take them come next; every backend's
-//! dequantisation will be tested against these.
+//! Q4_K_M, Q5_K_M and Q6_K mixes) and their reference dequantisation to f32, which
+//! [`crate::dtype::dequantize_row`] uses for the matching [`crate::dtype::DType`]s; every backend's
+//! dequantisation is tested against these.
 //!
 //! Layouts (ggml's, little-endian), super-blocks of [`QK_K`] = 256 elements in 8 sub-blocks of 32
 //! (Q6_K: 16 sub-blocks of 16):
@@ -44,7 +44,7 @@ impl KQuant {
     }
 
     /// Bytes of one super-block of [`QK_K`] elements.
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             KQuant::Q4_K => 2 + 2 + 12 + QK_K / 2,
             KQuant::Q5_K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
@@ -73,13 +73,20 @@ impl KQuant {
             .chunks_exact(self.block_bytes())
             .zip(out.chunks_exact_mut(QK_K))
         {
-            match self {
-                KQuant::Q4_K => dequantize_q4_k(b, y),
-                KQuant::Q5_K => dequantize_q5_k(b, y),
-                KQuant::Q6_K => dequantize_q6_k(b, y),
-            }
+            self.dequantize_block(b, y);
         }
         Ok(())
+    }
+
+    /// One super-block: `b` of [`Self::block_bytes`] into `y` of [`QK_K`] values. Panics on
+    /// shorter slices (callers hold whole blocks).
+    #[inline]
+    pub fn dequantize_block(self, b: &[u8], y: &mut [f32]) {
+        match self {
+            KQuant::Q4_K => dequantize_q4_k(b, y),
+            KQuant::Q5_K => dequantize_q5_k(b, y),
+            KQuant::Q6_K => dequantize_q6_k(b, y),
+        }
     }
 }
 

@@ -241,12 +241,24 @@ fn tensor_problems() {
         e.contains("blk.0.attn_k.weight") && e.contains("alignment"),
         "{e}"
     );
-    // unsupported ggml type (Q6_K = 14)
+    // unsupported ggml type (Q3_K = 11): the supported ones named
     let mut g = tiny_llama();
-    g.tensor("blk.0.ffn_up.weight").ggml_type = 14;
+    g.tensor("blk.0.ffn_up.weight").ggml_type = 11;
     let e = load_err(&g, "qtype.gguf");
     assert!(
-        e.contains("blk.0.ffn_up.weight") && e.contains("Q6_K") && e.contains("q4_1"),
+        e.contains("blk.0.ffn_up.weight")
+            && e.contains("Q3_K")
+            && e.contains("q4_1")
+            && e.contains("q6_k"),
+        "{e}"
+    );
+    // a K-quant (Q6_K = 14) row must be whole 256-element super-blocks
+    let mut g = tiny_llama();
+    let t = g.tensor("blk.0.ffn_up.weight");
+    t.ggml_type = 14;
+    let e = load_err(&g, "kblock.gguf");
+    assert!(
+        e.contains("blk.0.ffn_up.weight") && e.contains("256"),
         "{e}"
     );
     // a row that is not whole blocks

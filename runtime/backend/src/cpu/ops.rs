@@ -588,7 +588,28 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
         DType::F32 => dot_f32_row(row, x),
         DType::F16 => dot_16bit_row(row, x, false),
         DType::BF16 => dot_16bit_row(row, x, true),
+        DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            dot_kquant_row(dtype.kquant().expect("a K-quant type"), row, x)
+        }
     }
+}
+
+/// Dot product of a K-quant row with `x`: each 256-element super-block dequantised by the reference
+/// (`metrale_core::kquant`) into a buffer on the stack, then multiplied.
+#[inline(always)]
+fn dot_kquant_row(k: metrale_core::kquant::KQuant, row: &[u8], x: &[f32]) -> f32 {
+    use metrale_core::kquant::QK_K;
+    let mut w = [0f32; QK_K];
+    let mut acc = [0f32; 16];
+    for (b, xb) in row.chunks_exact(k.block_bytes()).zip(x.chunks_exact(QK_K)) {
+        k.dequantize_block(b, &mut w);
+        for (ws, xs) in w.chunks_exact(16).zip(xb.chunks_exact(16)) {
+            for l in 0..16 {
+                acc[l] += ws[l] * xs[l];
+            }
+        }
+    }
+    hsum16(&acc)
 }
 
 /// Rows per cache block of [`matmul_rows`]: a block of weight rows stays in L1 while every token of
@@ -837,8 +858,10 @@ mod tests {
 
     #[test]
     fn fused_dots_match_dequantize_then_dot() {
-        let (rows, cols) = (37, 96);
+        let rows = 37;
         for (k, dt) in DType::ALL.into_iter().enumerate() {
+            // whole blocks: two K-quant super-blocks, three 32-element blocks
+            let cols = if dt.kquant().is_some() { 512 } else { 96 };
             let w = rand_weights(dt, rows, cols, 11 + k as u64);
             let x = rand_vec(cols * 3, 5);
             let m = MatRef {

@@ -53,6 +53,19 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
                 c[2..4].copy_from_slice(&h(-0.05 + (i % 5) as f32 * 0.01));
             }
         }
+        // super-block scales: d times 6-bit sub-block scales up to 63 (Q4_K, Q5_K: dmin likewise),
+        // d times i8 scales (Q6_K)
+        DType::Q4_K | DType::Q5_K => {
+            for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                c[..2].copy_from_slice(&h(0.0004 + (i % 7) as f32 * 0.0001));
+                c[2..4].copy_from_slice(&h(0.0008 + (i % 5) as f32 * 0.0001));
+            }
+        }
+        DType::Q6_K => {
+            for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                c[208..210].copy_from_slice(&h(0.0001 + (i % 7) as f32 * 0.00002));
+            }
+        }
     }
     b
 }
