@@ -10,6 +10,8 @@
 //!   steps; same top-1 at each and logits within the tolerances below;
 //! - the GGUF of the same seed is the same model (its logits equal the folder's within rounding),
 //!   and its q4_1 GGUF is close to it (quantization noise, bounded);
+//! - tiny-llama3's GGUF in llama.cpp's Q4_K_M mix against HF transformers loading that file
+//!   (golden/tiny_llama3_q4km_hf.json, made by golden/make_gguf_golden_hf.py);
 //! - the tokenizer is the default model's, padded: the prompt encodes to the reference's ids from
 //!   both files, and the padding tokens exist.
 //!
@@ -301,6 +303,92 @@ fn gguf_is_the_same_model(case: &Case) {
     // 4-bit weights: each weight off by up to half of (max - min) / 15 of its block (~3.5% rms of
     // the weights' spread) through 2 layers, the 8-bit LM head ~0.4%; measured ~0.1
     assert!(rel <= 0.25, "q4_1 logits are {rel} (relative L2) from bf16");
+}
+
+/// tiny-llama3 in llama.cpp's Q4_K_M mix (`--quant q4_k_m`, seed 0) against HF transformers loading
+/// the same file (gguf-py dequantises its Q4_K and Q6_K blocks; golden/make_gguf_golden_hf.py, with
+/// the HF folder's config for the llama3 scaling its GGUF reader drops): the file is the golden's,
+/// byte for byte; its tensors take the mix's types; the CPU backend's logits are HF's within the
+/// bf16 bound (both sides widen the same K-quant values to f32 and compute in f32: gguf-py's and
+/// this project's dequantisation agree bit for bit, tests/golden/make_kquant_golden.py).
+#[test]
+fn q4_k_m_gguf_matches_hf_transformers_on_the_same_file() {
+    let Some(tok) = std::env::var_os("METRALE_MODEL") else {
+        eprintln!("skipping: METRALE_MODEL is not set (the default model: its tokenizer)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q4_k_m.gguf");
+    let toml = repo().join("tests/golden/tiny-llama3.toml");
+    let args = [
+        "synth-model",
+        toml.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--seed",
+        "0",
+        "--quant",
+        "q4_k_m",
+        "--out",
+        path.to_str().unwrap(),
+    ];
+    assert!(run_xtask(&args).status.success(), "synth-model failed");
+    let g: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("tests/golden/tiny_llama3_q4km_hf.json")).unwrap(),
+    )
+    .unwrap();
+    let sha = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(std::fs::read(&path).unwrap()))
+    };
+    assert_eq!(
+        sha,
+        g["gguf_sha256"].as_str().unwrap(),
+        "synth-model no longer writes the Q4_K_M file the golden was made from (seed 0)"
+    );
+    let m = Model::load(&path).unwrap();
+    use metrale_core::dtype::DType;
+    let ty = |n: &str| m.weights.get(n).unwrap().dtype;
+    for (n, t) in [
+        ("token_embd.weight", DType::Q4_K),
+        ("output.weight", DType::Q6_K),
+        ("blk.0.attn_q.weight", DType::Q4_K),
+        ("blk.0.attn_v.weight", DType::Q4_K),
+        ("blk.1.attn_v.weight", DType::Q6_K),
+        ("blk.0.ffn_down.weight", DType::Q4_K),
+        ("blk.1.ffn_down.weight", DType::Q6_K),
+        ("blk.1.ffn_gate.weight", DType::Q4_K),
+        ("blk.1.ffn_norm.weight", DType::F32),
+    ] {
+        assert_eq!(ty(n), t, "{n}");
+    }
+    let prompt = ids(&g["prompt_tokens"]);
+    let decode = ids(&g["decode_tokens"]);
+    let last_ref: Vec<f32> =
+        std::fs::read(repo().join("tests/golden/tiny_llama3_q4km_hf_last.f32"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+    for exact in [true, false] {
+        let rows = run(&m, exact, &prompt, &decode);
+        let mut worst = 0f32;
+        for (i, (row, top)) in rows.iter().zip(g["top20"].as_array().unwrap()).enumerate() {
+            let top = top.as_array().unwrap();
+            assert_eq!(
+                argmax(row),
+                top[0][0].as_u64().unwrap() as usize,
+                "top-1 differs at checked position {i}"
+            );
+            for e in top {
+                let id = e[0].as_u64().unwrap() as usize;
+                worst = worst.max((row[id] - e[1].as_f64().unwrap() as f32).abs());
+            }
+        }
+        worst = worst.max(max_abs(rows.last().unwrap(), &last_ref));
+        eprintln!("Q4_K_M GGUF (exact activations: {exact}): max |logit - HF| {worst:.2e}");
+        assert!(worst <= LLAMA3.tol, "max diff {worst} > {}", LLAMA3.tol);
+    }
 }
 
 /// `--format vocab` writes the padded tokenizer alone (a vocab-only GGUF, ~4 MB for 128k tokens):

@@ -9,8 +9,9 @@
 //!   the other tensors. GGUF bf16 and the HF folder hold the same bf16 values (GGUF keeps norms in
 //!   f32, exactly); GGUF q4_1 quantizes those values with the project's own quantizer
 //!   (`metrale_core::dtype::quantize_row`): layer matrices Q4_1, embedding and LM head Q8_0, as the
-//!   q4_1 targets expect. In GGUF, q/k rows are permuted to its rope convention, as llama.cpp's
-//!   converter does, so both formats describe one model.
+//!   q4_1 targets expect; GGUF q4_k_m writes llama.cpp's Q4_K_M mix ([`q4_k_m_mix`]) with the
+//!   project's K-quant quantizer (`metrale_core::kquant::quantize`). In GGUF, q/k rows are permuted
+//!   to its rope convention, as llama.cpp's converter does, so both formats describe one model.
 //! - the scale: uniform values with standard deviation 1/sqrt(fan-in) in every projection, 1 in the
 //!   embedding, 2/sqrt(hidden) in the LM head (logits of standard deviation ~2) and norm weights in
 //!   [0.75, 1.25]: each layer adds O(1) to the residual stream, so activations stay finite through
@@ -52,7 +53,8 @@ pub struct Args {
     /// A shared model file in targets/models/ (e.g. llama-3.1-8b, smollm2-135m), or the path of a
     /// `.toml` file with a `[model]` table laid out the same way.
     pub model: String,
-    /// Weight types: bf16 (every matrix) or q4_1 (layer matrices Q4_1, embedding and LM head Q8_0).
+    /// Weight types: bf16 (every matrix), q4_1 (layer matrices Q4_1, embedding and LM head Q8_0)
+    /// or q4_k_m (llama.cpp's Q4_K_M mix of Q4_K and Q6_K; GGUF only).
     #[arg(long, default_value = "bf16")]
     pub quant: String,
     #[arg(long, value_enum, default_value = "gguf")]
@@ -125,10 +127,11 @@ pub fn run(args: Args) -> Result<()> {
     let (wt, et) = match (args.quant.as_str(), args.format) {
         ("bf16", _) => (DType::BF16, DType::BF16),
         ("q4_1", Format::Gguf | Format::Vocab) => (DType::Q4_1, DType::Q8_0),
-        ("q4_1", Format::Hf) => {
-            bail!("--format hf writes bf16 safetensors; q4_1 is a GGUF type (use --format gguf)")
+        ("q4_k_m", Format::Gguf | Format::Vocab) => (DType::Q4_K, DType::Q4_K),
+        (q @ ("q4_1" | "q4_k_m"), Format::Hf) => {
+            bail!("--format hf writes bf16 safetensors; {q} is a GGUF type (use --format gguf)")
         }
-        (q, _) => bail!("unknown --quant '{q}': bf16 or q4_1"),
+        (q, _) => bail!("unknown --quant '{q}': bf16, q4_1 or q4_k_m"),
     };
     let tok_path = match &args.tokenizer {
         Some(p) => p.clone(),
@@ -144,7 +147,10 @@ pub fn run(args: Args) -> Result<()> {
             metrale_model::config::SUPPORTED_ARCHS
         )
     })?;
-    let tensors = tensors(&shape, family, wt, et, args.format)?;
+    let mut tensors = tensors(&shape, family, wt, et, args.format)?;
+    if args.quant == "q4_k_m" && args.format == Format::Gguf {
+        q4_k_m_mix(&mut tensors, shape.layers as usize)?;
+    }
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -180,6 +186,38 @@ pub fn run(args: Args) -> Result<()> {
         bytes as f64 / 1e9 / s,
     );
     println!("{}", args.out.display());
+    Ok(())
+}
+
+/// llama.cpp's Q4_K_M mix (`llama-quantize`'s choices for that file type): every matrix Q4_K,
+/// except the LM head and, on the layers where `use_more_bits` holds (the first and last eighth, and
+/// every third between), `attn_v` and `ffn_down` (experts too), which take Q6_K. Norms stay f32.
+/// Every row must be whole 256-element super-blocks.
+fn q4_k_m_mix(tensors: &mut [Tensor], layers: usize) -> Result<()> {
+    let more_bits = |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
+    for t in tensors.iter_mut().filter(|t| t.dtype == DType::Q4_K) {
+        let layer = t
+            .gguf
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok());
+        let six = t.gguf == "output.weight"
+            || (layer.is_some_and(more_bits)
+                && [".attn_v.", ".ffn_down.", ".ffn_down_exps."]
+                    .iter()
+                    .any(|p| t.gguf.contains(p)));
+        if six {
+            t.dtype = DType::Q6_K;
+        }
+        if !t.cols.is_multiple_of(metrale_core::kquant::QK_K) {
+            bail!(
+                "q4_k_m: {} has rows of {} elements, not whole 256-element super-blocks (llama.cpp \
+                 falls back to other types there; this model's shape needs bf16 or q4_1)",
+                t.gguf,
+                t.cols
+            );
+        }
+    }
     Ok(())
 }
 
@@ -490,7 +528,12 @@ fn gguf_metadata(
     family: Family,
     tok: Vec<(String, Value)>,
 ) -> Vec<(String, Value)> {
-    let file_type = if args.quant == "q4_1" { 3 } else { 32 }; // LLAMA_FTYPE_MOSTLY_Q4_1 / _BF16
+    // LLAMA_FTYPE_MOSTLY_Q4_1 / _Q4_K_M / _BF16
+    let file_type = match args.quant.as_str() {
+        "q4_1" => 3,
+        "q4_k_m" => 15,
+        _ => 32,
+    };
     let arch = family.name();
     let u = |k: &str, v: u32| (format!("{arch}.{k}"), Value::U32(v));
     let mut m = vec![

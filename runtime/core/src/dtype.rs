@@ -15,7 +15,7 @@
 //!   `Q8_0` = f16 d, 32 i8, w = q * d.
 //!   In the 4-bit types the low nibble of byte j is element j and the high nibble is element j + 16.
 //!   The K-quants (`Q4_K`, `Q5_K`, `Q6_K`) take super-blocks of 256 elements; their layouts and
-//!   dequantisation are [`crate::kquant`]'s. They are read, not written: [`quantize_row`] refuses them.
+//!   dequantisation and quantizers are [`crate::kquant`]'s.
 
 use crate::kquant::{KQuant, QK_K};
 
@@ -55,8 +55,6 @@ pub enum DTypeError {
     },
     #[error("{dtype}: a row of {elems} elements overflows usize")]
     Overflow { dtype: DType, elems: usize },
-    #[error("{dtype}: no quantizer here (K-quant files come from llama.cpp's llama-quantize)")]
-    NoQuantizer { dtype: DType },
 }
 
 impl DType {
@@ -323,7 +321,8 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 /// bytes. The block types follow ggml's reference quantizers (`quantize_row_*_ref`): Q4_0 scales by
 /// the largest-magnitude element (d = max / -8), Q4_1 spans [min, max] in 15 steps (d = (max - min)
 /// / 15, m = min), Q8_0 scales by the largest magnitude (d = amax / 127); d and m are stored as f16 and
-/// each element takes the nearest level. [`dequantize_row`] is its inverse up to that rounding.
+/// each element takes the nearest level; the K-quants take `kquant::quantize` (the project's own,
+/// simpler than ggml's). [`dequantize_row`] is its inverse up to that rounding.
 pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTypeError> {
     dtype.check_row(src.len(), out.len())?;
     let f16b = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
@@ -392,7 +391,10 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTy
                 }
             }
         }
-        DType::Q4_K | DType::Q5_K | DType::Q6_K => return Err(DTypeError::NoQuantizer { dtype }),
+        DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            let k = dtype.kquant().expect("a K-quant type");
+            crate::kquant::quantize(k, src, out).expect("row size checked above");
+        }
     }
     Ok(())
 }
@@ -560,11 +562,8 @@ mod tests {
         for dtype in DType::ALL {
             let mut q = vec![0u8; dtype.row_bytes(src.len()).unwrap()];
             if dtype.kquant().is_some() {
-                // read only: the K-quants' dequantisation has its own golden (tests/kquant_golden.rs)
-                assert_eq!(
-                    quantize_row(dtype, &src, &mut q),
-                    Err(DTypeError::NoQuantizer { dtype })
-                );
+                // super-blocks with shared scales: kquant's own round-trip test bounds them
+                quantize_row(dtype, &src, &mut q).unwrap();
                 continue;
             }
             quantize_row(dtype, &src, &mut q).unwrap();

@@ -177,6 +177,158 @@ pub fn dequantize_q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// Quantise whole super-blocks of `src` into `out` ([`KQuant::block_bytes`] each), the inverse of
+/// [`KQuant::dequantize`] up to rounding. The project's own quantizer, simpler than ggml's (which
+/// searches each sub-block's scale for the least squared error): every sub-block takes the scale
+/// (and, Q4_K / Q5_K, the offset) that spans its values, the super-block's f16 `d` (and `dmin`) the
+/// largest of those over the 6-bit (Q6_K: i8) range, and each element the nearest level. Used for
+/// synthetic checkpoints in the llama.cpp mixes (`cargo xtask synth-model --quant q4_k_m`).
+pub fn quantize(k: KQuant, src: &[f32], out: &mut [u8]) -> Result<(), String> {
+    if !src.len().is_multiple_of(QK_K) || out.len() != src.len() / QK_K * k.block_bytes() {
+        return Err(format!(
+            "{k:?}: {} values and {} bytes are not matching whole blocks of {QK_K}",
+            src.len(),
+            out.len()
+        ));
+    }
+    for (x, b) in src
+        .chunks_exact(QK_K)
+        .zip(out.chunks_exact_mut(k.block_bytes()))
+    {
+        match k {
+            KQuant::Q4_K => quantize_q45_k(x, b, false),
+            KQuant::Q5_K => quantize_q45_k(x, b, true),
+            KQuant::Q6_K => quantize_q6_k(x, b),
+        }
+    }
+    Ok(())
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Q4_K (`five` false: 16 levels) or Q5_K (32 levels): per 32-element sub-block an offset m_j =
+/// max(0, -min) and a step s_j = (max + m_j) / (levels - 1); d = max s_j / 63, dmin = max m_j / 63,
+/// each stored as a 6-bit multiple; w = d * sc_j * q - dmin * mn_j.
+fn quantize_q45_k(x: &[f32], b: &mut [u8], five: bool) {
+    let top = if five { 31.0 } else { 15.0 };
+    let mut step = [0f32; 8];
+    let mut off = [0f32; 8];
+    for j in 0..8 {
+        let v = &x[32 * j..32 * j + 32];
+        let lo = v.iter().copied().fold(f32::INFINITY, f32::min).min(0.0);
+        let hi = v.iter().copied().fold(f32::NEG_INFINITY, f32::max).max(0.0);
+        off[j] = -lo;
+        step[j] = (hi - lo) / top;
+    }
+    let dq = |m: f32| half::f16::from_f32(m / 63.0).to_f32();
+    let (d, dmin) = (
+        dq(step.iter().copied().fold(0.0, f32::max)),
+        dq(off.iter().copied().fold(0.0, f32::max)),
+    );
+    // the 6-bit multiples: the step rounded up (so the span still fits), the offset to nearest
+    let sc: [u8; 8] = std::array::from_fn(|j| {
+        if d > 0.0 {
+            (step[j] / d).ceil().min(63.0) as u8
+        } else {
+            0
+        }
+    });
+    let mn: [u8; 8] = std::array::from_fn(|j| {
+        if dmin > 0.0 {
+            (off[j] / dmin).round().min(63.0) as u8
+        } else {
+            0
+        }
+    });
+    b[0..2].copy_from_slice(&f16_bytes(d));
+    b[2..4].copy_from_slice(&f16_bytes(dmin));
+    let s = &mut b[4..16];
+    s.fill(0);
+    for j in 0..8 {
+        if j < 4 {
+            s[j] |= sc[j] & 63;
+            s[j + 4] |= mn[j] & 63;
+        } else {
+            s[j + 4] = (sc[j] & 0xF) | ((mn[j] & 0xF) << 4);
+            s[j - 4] |= (sc[j] >> 4) << 6;
+            s[j] |= (mn[j] >> 4) << 6;
+        }
+    }
+    let q: [u8; QK_K] = std::array::from_fn(|i| {
+        let j = i / 32;
+        let (dj, mj) = factors(j, d, dmin, &b[4..16]);
+        if dj > 0.0 {
+            ((x[i] + mj) / dj).round().clamp(0.0, top) as u8
+        } else {
+            0
+        }
+    });
+    if five {
+        let (qh, qs) = b[16..176].split_at_mut(32);
+        qh.fill(0);
+        for i in 0..4 {
+            for l in 0..32 {
+                let (lo, hi) = (q[64 * i + l], q[64 * i + 32 + l]);
+                qs[32 * i + l] = (lo & 0xF) | ((hi & 0xF) << 4);
+                qh[l] |= ((lo >> 4) << (2 * i)) | ((hi >> 4) << (2 * i + 1));
+            }
+        }
+    } else {
+        let qs = &mut b[16..144];
+        for i in 0..4 {
+            for l in 0..32 {
+                qs[32 * i + l] = q[64 * i + l] | (q[64 * i + 32 + l] << 4);
+            }
+        }
+    }
+}
+
+/// Q6_K: per 16-element sub-block a step s_j = max|v| / 31 (levels -32..31); d = max s_j / 127,
+/// each sub-block's i8 scale its step in units of d rounded up; w = d * scale_j * (q - 32).
+fn quantize_q6_k(x: &[f32], b: &mut [u8]) {
+    let step: [f32; 16] = std::array::from_fn(|j| {
+        x[16 * j..16 * j + 16]
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            / 31.0
+    });
+    let d = half::f16::from_f32(step.iter().copied().fold(0.0, f32::max) / 127.0).to_f32();
+    let sc: [i8; 16] = std::array::from_fn(|j| {
+        if d > 0.0 {
+            (step[j] / d).ceil().min(127.0) as i8
+        } else {
+            0
+        }
+    });
+    let q: [u8; QK_K] = std::array::from_fn(|i| {
+        let f = d * sc[i / 16] as f32;
+        if f > 0.0 {
+            ((x[i] / f).round() + 32.0).clamp(0.0, 63.0) as u8
+        } else {
+            32
+        }
+    });
+    let (ql, rest) = b.split_at_mut(128);
+    let (qh, rest) = rest.split_at_mut(64);
+    let (scb, db) = rest.split_at_mut(16);
+    qh.fill(0);
+    for h in 0..2 {
+        for l in 0..32 {
+            let y = |k: usize| q[128 * h + 32 * k + l];
+            ql[64 * h + l] = (y(0) & 0xF) | ((y(2) & 0xF) << 4);
+            ql[64 * h + l + 32] = (y(1) & 0xF) | ((y(3) & 0xF) << 4);
+            qh[32 * h + l] =
+                (y(0) >> 4) | ((y(1) >> 4) << 2) | ((y(2) >> 4) << 4) | ((y(3) >> 4) << 6);
+        }
+    }
+    for (o, &v) in scb.iter_mut().zip(&sc) {
+        *o = v as u8;
+    }
+    db.copy_from_slice(&f16_bytes(d));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +338,76 @@ mod tests {
         assert_eq!(KQuant::Q4_K.block_bytes(), 144);
         assert_eq!(KQuant::Q5_K.block_bytes(), 176);
         assert_eq!(KQuant::Q6_K.block_bytes(), 210);
+    }
+
+    /// The quantizers against the reference dequantisation: each element within a step of its
+    /// sub-block plus what the super-block's shared d / dmin add (a scale rounded up to its 6-bit /
+    /// i8 multiple, an offset rounded to its 6-bit one), on values whose scale changes 300x between
+    /// sub-blocks; the relative L2 error bounded per format; a zero block stays zero.
+    #[test]
+    fn quantize_round_trips_through_dequantize() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let src: Vec<f32> = (0..4 * QK_K)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                u * [3.0, 0.01, 0.4, 1.0][(i / 48) % 4] + if i % 512 < 64 { 0.2 } else { 0.0 }
+            })
+            .collect();
+        for k in [KQuant::Q4_K, KQuant::Q5_K, KQuant::Q6_K] {
+            let mut q = vec![0u8; src.len() / QK_K * k.block_bytes()];
+            quantize(k, &src, &mut q).unwrap();
+            let mut back = vec![0f32; src.len()];
+            k.dequantize(&q, &mut back).unwrap();
+            let (sub, levels) = match k {
+                KQuant::Q4_K => (32, 15.0),
+                KQuant::Q5_K => (32, 31.0),
+                KQuant::Q6_K => (16, 31.0),
+            };
+            let (mut num, mut den) = (0f64, 0f64);
+            for (j, (s, b)) in src.chunks(sub).zip(back.chunks(sub)).enumerate() {
+                let lo = s.iter().copied().fold(0f32, f32::min);
+                let hi = s.iter().copied().fold(0f32, f32::max);
+                let span = if k == KQuant::Q6_K {
+                    hi.max(-lo)
+                } else {
+                    hi - lo
+                };
+                // the super-block's d (and dmin) bound how far a rounded 6-bit scale (or offset)
+                // lands from the sub-block's own: Q4_K / Q5_K d <= 2 big / levels / 63, dmin <=
+                // big / 63; Q6_K d <= big / 31 / 127
+                let blk = &src[j * sub / QK_K * QK_K..][..QK_K];
+                let big = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let tol = match k {
+                    KQuant::Q6_K => span / levels + big / levels / 127.0,
+                    _ => span / levels + 2.0 * big / levels / 63.0 + big / 63.0 / 2.0,
+                } * 1.01
+                    + 1e-6;
+                for (a, b2) in s.iter().zip(b) {
+                    assert!(
+                        (a - b2).abs() <= tol,
+                        "{k:?} sub-block {j}: {a} -> {b2} (tol {tol})"
+                    );
+                    num += ((a - b2) as f64).powi(2);
+                    den += (*a as f64).powi(2);
+                }
+            }
+            let rel = (num / den).sqrt();
+            let bound = match k {
+                KQuant::Q4_K => 0.1,
+                KQuant::Q5_K => 0.05,
+                KQuant::Q6_K => 0.03,
+            };
+            assert!(rel < bound, "{k:?}: relative L2 error {rel}");
+            let zero = vec![0f32; QK_K];
+            let mut zq = vec![0u8; k.block_bytes()];
+            quantize(k, &zero, &mut zq).unwrap();
+            let mut zb = vec![1f32; QK_K];
+            k.dequantize(&zq, &mut zb).unwrap();
+            assert!(zb.iter().all(|v| *v == 0.0), "{k:?}: zeros");
+        }
     }
 
     #[test]

@@ -829,9 +829,10 @@ pub fn matmul(w: MatRef<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
 /// Like [`matmul_many`], but for block-quantized weights the activations are first quantized to
 /// 16-bit integers per 32-element block ([`super::qact::QuantizedActs`], once for all matrices) and
 /// the dots run in exact integer arithmetic (see [`super::qact`] for the error this adds). When any
-/// matrix has a float type, all use [`matmul_many`].
+/// matrix has a type those dots do not take (the float types, the K-quants), all use
+/// [`matmul_many`].
 pub fn matmul_qact_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
-    if ws.iter().any(|w| !w.dtype.is_quantized()) {
+    if ws.iter().any(|w| !super::qact::takes(w.dtype)) {
         return matmul_many(ws, x, n_tok, outs);
     }
     check_shapes("matmul_qact", ws, x, n_tok, outs);

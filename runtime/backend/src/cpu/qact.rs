@@ -208,6 +208,12 @@ impl QuantizedActs {
     }
 }
 
+/// Whether the integer dots take weights of `dtype`: the 32-element block types (Q4_0, Q4_1,
+/// Q8_0); the K-quants and the float types take the f32 path.
+pub fn takes(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+}
+
 /// Generic integer dot of one weight row with one quantized activation row.
 #[inline(always)]
 fn dot_generic(dtype: DType, row: &[u8], q: &[i16], d: &[f32], s: &[f32]) -> f32 {
@@ -532,8 +538,8 @@ mod avx2 {
 /// of that row). Uses AVX2 when the CPU has it.
 pub fn dot_row_qact(dtype: DType, row: &[u8], q: &[i16], d: &[f32], s: &[f32]) -> f32 {
     assert!(
-        dtype.is_quantized(),
-        "dot_row_qact: {dtype} is not block-quantized"
+        takes(dtype),
+        "dot_row_qact: {dtype} is not a 32-element block type"
     );
     assert_eq!(row.len(), d.len() * dtype.block_bytes());
     assert!(q.len() == d.len() * QK && s.len() == d.len());
@@ -554,7 +560,7 @@ pub fn matmul_rows_qact(
     n_tok: usize,
     out_t: &mut [f32],
 ) {
-    assert!(w.dtype.is_quantized());
+    assert!(takes(w.dtype));
     let rb = w.row_bytes();
     let nb = w.cols / QK;
     let nrows = out_t.len() / n_tok;
