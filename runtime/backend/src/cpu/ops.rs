@@ -11,7 +11,7 @@
 //! (the GGUF / llama.cpp "normal" rope; GGUF Q/K weights are permuted for it). Attention is causal
 //! grouped-query attention: query head `h` reads KV head `h / (n_heads / n_kv_heads)`.
 
-use metrale_core::dtype::{f16_to_f32, DType, QK};
+use metrale_core::dtype::{dequantize_row, f16_to_f32, DType, QK};
 
 pub use super::mat::{simd_level, MatRef};
 
@@ -595,7 +595,7 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
 }
 
 /// Dot product of a K-quant row with `x`: each 256-element super-block dequantised by the reference
-/// (`metrale_core::kquant`) into a buffer on the stack, then multiplied.
+/// (`metrale_core::kquant`) into a buffer on the stack, then multiplied ([`dot16_acc`]).
 #[inline(always)]
 fn dot_kquant_row(k: metrale_core::kquant::KQuant, row: &[u8], x: &[f32]) -> f32 {
     use metrale_core::kquant::QK_K;
@@ -603,13 +603,21 @@ fn dot_kquant_row(k: metrale_core::kquant::KQuant, row: &[u8], x: &[f32]) -> f32
     let mut acc = [0f32; 16];
     for (b, xb) in row.chunks_exact(k.block_bytes()).zip(x.chunks_exact(QK_K)) {
         k.dequantize_block(b, &mut w);
-        for (ws, xs) in w.chunks_exact(16).zip(xb.chunks_exact(16)) {
-            for l in 0..16 {
-                acc[l] += ws[l] * xs[l];
-            }
-        }
+        dot16_acc(&mut acc, &w, xb);
     }
     hsum16(&acc)
+}
+
+/// `acc[l] += w[16 i + l] * x[16 i + l]` over whole 16-element chunks, in order: every K-quant dot
+/// accumulates this way, so a row dequantised once and dotted with many tokens gives the bits of
+/// [`dot_kquant_row`].
+#[inline(always)]
+fn dot16_acc(acc: &mut [f32; 16], w: &[f32], x: &[f32]) {
+    for (ws, xs) in w.chunks_exact(16).zip(x.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += ws[l] * xs[l];
+        }
+    }
 }
 
 /// Rows per cache block of [`matmul_rows`]: a block of weight rows stays in L1 while every token of
@@ -628,6 +636,29 @@ fn matmul_rows_body(
     let rb = w.row_bytes();
     let nb = w.cols / QK.min(w.cols.max(1));
     let nrows = out_t.len() / n_tok;
+    if n_tok > 1 && w.dtype.kquant().is_some() {
+        // K-quants: a block of rows dequantised once, then every token's dots on the f32 rows
+        let mut deq = vec![0f32; ROW_BLOCK * w.cols];
+        let mut r = 0;
+        while r < nrows {
+            let re = (r + ROW_BLOCK).min(nrows);
+            for rr in r..re {
+                let row = &w.data[(r0 + rr) * rb..(r0 + rr + 1) * rb];
+                let d = &mut deq[(rr - r) * w.cols..(rr - r + 1) * w.cols];
+                dequantize_row(w.dtype, row, d).expect("shapes validated at load");
+            }
+            for t in 0..n_tok {
+                let xt = &x[t * w.cols..(t + 1) * w.cols];
+                for rr in r..re {
+                    let mut acc = [0f32; 16];
+                    dot16_acc(&mut acc, &deq[(rr - r) * w.cols..(rr - r + 1) * w.cols], xt);
+                    out_t[rr * n_tok + t] = hsum16(&acc);
+                }
+            }
+            r = re;
+        }
+        return;
+    }
     let mut r = 0;
     while r < nrows {
         let re = (r + ROW_BLOCK).min(nrows);

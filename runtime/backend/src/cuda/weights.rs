@@ -68,7 +68,7 @@ impl DevFormat {
 /// Why a tensor cannot be put in a device format.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RepackError {
-    #[error("tensor {tensor}: the {format:?} device layout needs {expected} data, got {got}; build the target whose quant matches the checkpoint")]
+    #[error("tensor {tensor}: the {format:?} device layout needs {expected} data, got {got}; build the target whose quant matches the checkpoint, or a bf16 one (it converts every GGUF type at load)")]
     WrongDtype {
         tensor: String,
         format: DevFormat,
