@@ -310,7 +310,7 @@ fn gguf_is_the_same_model(case: &Case) {
 /// the HF folder's config for the llama3 scaling its GGUF reader drops): the file is the golden's,
 /// byte for byte; its tensors take the mix's types; the CPU backend's logits are HF's within the
 /// bf16 bound (both sides widen the same K-quant values to f32 and compute in f32: gguf-py's and
-/// this project's dequantisation agree bit for bit, tests/golden/make_kquant_golden.py).
+/// this project's dequantisation agree bit for bit, runtime/core/tests/golden/make_gguf_quants_golden.py).
 #[test]
 fn q4_k_m_gguf_matches_hf_transformers_on_the_same_file() {
     let Some(tok) = std::env::var_os("METRALE_MODEL") else {

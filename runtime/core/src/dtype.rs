@@ -12,8 +12,11 @@
 //! - Block layouts are ggml's (ggml-common.h), little-endian, blocks of 32 elements:
 //!   `Q4_0` = f16 d, 16 bytes of nibbles, w = (q - 8) * d;
 //!   `Q4_1` = f16 d, f16 m, 16 bytes of nibbles, w = q * d + m;
+//!   `Q5_0` = f16 d, u32 qh, 16 bytes of nibbles, w = (q - 16) * d;
+//!   `Q5_1` = f16 d, f16 m, u32 qh, 16 bytes of nibbles, w = q * d + m;
 //!   `Q8_0` = f16 d, 32 i8, w = q * d.
-//!   In the 4-bit types the low nibble of byte j is element j and the high nibble is element j + 16.
+//!   In the 4- and 5-bit types the low nibble of byte j is element j and the high nibble is element
+//!   j + 16; a 5-bit element i takes bit i of qh above its nibble.
 //!   The K-quants (`Q4_K`, `Q5_K`, `Q6_K`) take super-blocks of 256 elements; their layouts and
 //!   dequantisation and quantizers are [`crate::kquant`]'s.
 
@@ -28,6 +31,8 @@ pub enum DType {
     BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q4_K,
     Q5_K,
@@ -59,11 +64,13 @@ pub enum DTypeError {
 
 impl DType {
     /// Every type, in ggml id order.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 11] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
         DType::Q8_0,
         DType::Q4_K,
         DType::Q5_K,
@@ -78,6 +85,8 @@ impl DType {
             DType::F16 => 1,
             DType::Q4_0 => 2,
             DType::Q4_1 => 3,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
             DType::Q8_0 => 8,
             DType::Q4_K => 12,
             DType::Q5_K => 13,
@@ -93,6 +102,8 @@ impl DType {
             1 => Some(DType::F16),
             2 => Some(DType::Q4_0),
             3 => Some(DType::Q4_1),
+            6 => Some(DType::Q5_0),
+            7 => Some(DType::Q5_1),
             8 => Some(DType::Q8_0),
             12 => Some(DType::Q4_K),
             13 => Some(DType::Q5_K),
@@ -102,8 +113,8 @@ impl DType {
         }
     }
 
-    /// Lower-case name as ggml and the target files spell it: f32, f16, bf16, q4_0, q4_1, q8_0,
-    /// q4_k, q5_k, q6_k.
+    /// Lower-case name as ggml and the target files spell it: f32, f16, bf16, q4_0, q4_1, q5_0,
+    /// q5_1, q8_0, q4_k, q5_k, q6_k.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -111,6 +122,8 @@ impl DType {
             DType::BF16 => "bf16",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
             DType::Q8_0 => "q8_0",
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
@@ -135,11 +148,12 @@ impl DType {
             .find(|d| d.name().eq_ignore_ascii_case(s))
     }
 
-    /// Elements per block: 1 for the float types, 32 for Q4_0 / Q4_1 / Q8_0, 256 for the K-quants.
+    /// Elements per block: 1 for the float types, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, 256 for
+    /// the K-quants.
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => QK,
             DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
     }
@@ -151,6 +165,8 @@ impl DType {
             DType::F16 | DType::BF16 => 2,
             DType::Q4_0 => 2 + QK / 2,
             DType::Q4_1 => 2 + 2 + QK / 2,
+            DType::Q5_0 => 2 + 4 + QK / 2,
+            DType::Q5_1 => 2 + 2 + 4 + QK / 2,
             DType::Q8_0 => 2 + QK,
             DType::Q4_K => KQuant::Q4_K.block_bytes(),
             DType::Q5_K => KQuant::Q5_K.block_bytes(),
@@ -287,6 +303,31 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
                 }
             }
         }
+        DType::Q5_0 | DType::Q5_1 => {
+            let one = dtype == DType::Q5_1;
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(bytes.chunks_exact(dtype.block_bytes()))
+            {
+                // Q5_0: w = (q - 16) * d; Q5_1: w = q * d + m (ggml's order of operations)
+                let d = f16_at(b, 0);
+                let at = if one { 4 } else { 2 };
+                let m = if one { f16_at(b, 2) } else { 0.0 };
+                let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+                let qs = &b[at + 4..];
+                let w = |q: u32| {
+                    if one {
+                        q as f32 * d + m
+                    } else {
+                        (q as i32 - 16) as f32 * d
+                    }
+                };
+                for j in 0..QK / 2 {
+                    o[j] = w((qs[j] & 0x0f) as u32 | ((qh >> j) & 1) << 4);
+                    o[j + QK / 2] = w((qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4);
+                }
+            }
+        }
         DType::Q8_0 => {
             for (o, b) in out
                 .chunks_exact_mut(QK)
@@ -377,6 +418,44 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTy
                 }
             }
         }
+        DType::Q5_0 | DType::Q5_1 => {
+            let one = dtype == DType::Q5_1;
+            for (b, x) in out
+                .chunks_exact_mut(dtype.block_bytes())
+                .zip(src.chunks_exact(QK))
+            {
+                // Q5_0 as Q4_0 with 32 levels (d = max / -16), Q5_1 as Q4_1 (d = (max - min) / 31)
+                let (d, min, at) = if one {
+                    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    ((max - min) / 31.0, min, 4)
+                } else {
+                    let max = x
+                        .iter()
+                        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                    (max / -16.0, 0.0, 2)
+                };
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                b[..2].copy_from_slice(&f16b(d));
+                if one {
+                    b[2..4].copy_from_slice(&f16b(min));
+                }
+                let q = |v: f32| -> u32 {
+                    if one {
+                        (((v - min) * id + 0.5) as i32).clamp(0, 31) as u32
+                    } else {
+                        ((v * id + 16.5) as i32).clamp(0, 31) as u32
+                    }
+                };
+                let mut qh = 0u32;
+                for j in 0..QK / 2 {
+                    let (lo, hi) = (q(x[j]), q(x[j + QK / 2]));
+                    b[at + 4 + j] = (lo & 0xf) as u8 | (((hi & 0xf) as u8) << 4);
+                    qh |= ((lo >> 4) << j) | ((hi >> 4) << (j + 16));
+                }
+                b[at..at + 4].copy_from_slice(&qh.to_le_bytes());
+            }
+        }
         DType::Q8_0 => {
             for (b, x) in out
                 .chunks_exact_mut(dtype.block_bytes())
@@ -436,7 +515,11 @@ mod tests {
             assert_eq!(DType::from_ggml(d.ggml_id()), Some(d));
             assert_eq!(DType::from_name(d.name()), Some(d));
         }
-        assert_eq!(DType::from_ggml(6), None); // Q5_0: not supported
+        assert_eq!(DType::from_ggml(9), None); // Q8_1: not supported
+        assert_eq!(
+            (DType::Q5_0.block_bytes(), DType::Q5_1.block_bytes()),
+            (22, 24)
+        );
         for (d, id, bytes) in [
             (DType::Q4_K, 12, 144),
             (DType::Q5_K, 13, 176),
@@ -585,6 +668,11 @@ mod tests {
                         (hi - lo) / 15.0 * (0.5 + 16.0 * 2f32.powi(-11)) + amax * 2f32.powi(-11)
                     }
                     DType::Q8_0 => amax / 127.0 * (0.5 + 128.0 * 2f32.powi(-11)),
+                    // as Q4_0 / Q4_1 with twice the levels
+                    DType::Q5_0 => amax / 16.0 * (1.0 + 32.0 * 2f32.powi(-11)),
+                    DType::Q5_1 => {
+                        (hi - lo) / 31.0 * (0.5 + 32.0 * 2f32.powi(-11)) + amax * 2f32.powi(-11)
+                    }
                     DType::Q4_K | DType::Q5_K | DType::Q6_K => unreachable!("skipped above"),
                 };
                 for (j, (a, b)) in s.iter().zip(b).enumerate() {

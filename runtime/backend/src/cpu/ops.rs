@@ -588,29 +588,45 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
         DType::F32 => dot_f32_row(row, x),
         DType::F16 => dot_16bit_row(row, x, false),
         DType::BF16 => dot_16bit_row(row, x, true),
-        DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-            dot_kquant_row(dtype.kquant().expect("a K-quant type"), row, x)
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            dot_dequant_row(dtype, row, x)
         }
     }
 }
 
-/// Dot product of a K-quant row with `x`: each 256-element super-block dequantised by the reference
-/// (`metrale_core::kquant`) into a buffer on the stack, then multiplied ([`dot16_acc`]).
+/// The types without a fused dot of their own: [`dot_dequant_row`] dequantises their blocks
+/// first (Q5_0, Q5_1, the K-quants).
+fn dequantising(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K
+    )
+}
+
+/// Dot product of a row of a [`dequantising`] type with `x`: each block dequantised by the reference
+/// (`metrale_core::dtype` / `kquant`) into a buffer on the stack, then multiplied ([`dot16_acc`]).
 #[inline(always)]
-fn dot_kquant_row(k: metrale_core::kquant::KQuant, row: &[u8], x: &[f32]) -> f32 {
+fn dot_dequant_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     use metrale_core::kquant::QK_K;
+    let (be, k) = (dtype.block_elems(), dtype.kquant());
     let mut w = [0f32; QK_K];
     let mut acc = [0f32; 16];
-    for (b, xb) in row.chunks_exact(k.block_bytes()).zip(x.chunks_exact(QK_K)) {
-        k.dequantize_block(b, &mut w);
-        dot16_acc(&mut acc, &w, xb);
+    for (b, xb) in row
+        .chunks_exact(dtype.block_bytes())
+        .zip(x.chunks_exact(be))
+    {
+        match k {
+            Some(k) => k.dequantize_block(b, &mut w),
+            None => dequantize_row(dtype, b, &mut w[..be]).expect("whole blocks"),
+        }
+        dot16_acc(&mut acc, &w[..be], xb);
     }
     hsum16(&acc)
 }
 
-/// `acc[l] += w[16 i + l] * x[16 i + l]` over whole 16-element chunks, in order: every K-quant dot
-/// accumulates this way, so a row dequantised once and dotted with many tokens gives the bits of
-/// [`dot_kquant_row`].
+/// `acc[l] += w[16 i + l] * x[16 i + l]` over whole 16-element chunks, in order: every dequantising
+/// dot accumulates this way, so a row dequantised once and dotted with many tokens gives the bits
+/// of [`dot_dequant_row`].
 #[inline(always)]
 fn dot16_acc(acc: &mut [f32; 16], w: &[f32], x: &[f32]) {
     for (ws, xs) in w.chunks_exact(16).zip(x.chunks_exact(16)) {
@@ -636,8 +652,8 @@ fn matmul_rows_body(
     let rb = w.row_bytes();
     let nb = w.cols / QK.min(w.cols.max(1));
     let nrows = out_t.len() / n_tok;
-    if n_tok > 1 && w.dtype.kquant().is_some() {
-        // K-quants: a block of rows dequantised once, then every token's dots on the f32 rows
+    if n_tok > 1 && dequantising(w.dtype) {
+        // a block of rows dequantised once, then every token's dots on the f32 rows
         let mut deq = vec![0f32; ROW_BLOCK * w.cols];
         let mut r = 0;
         while r < nrows {

@@ -42,13 +42,13 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
                 c.copy_from_slice(&v.to_le_bytes());
             }
         }
-        DType::Q4_0 | DType::Q8_0 => {
+        DType::Q4_0 | DType::Q8_0 | DType::Q5_0 => {
             for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
                 c[..2].copy_from_slice(&h(0.01 + (i % 7) as f32 * 0.003));
             }
         }
-        DType::Q4_1 => {
-            for (i, c) in b.chunks_exact_mut(20).enumerate() {
+        DType::Q4_1 | DType::Q5_1 => {
+            for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
                 c[..2].copy_from_slice(&h(0.01 + (i % 7) as f32 * 0.003));
                 c[2..4].copy_from_slice(&h(-0.05 + (i % 5) as f32 * 0.01));
             }

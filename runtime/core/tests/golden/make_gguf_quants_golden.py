@@ -1,0 +1,40 @@
+"""Reference dequantisation of the GGUF block formats beyond Q4_0 / Q4_1 / Q8_0 (Q5_0, Q5_1 and the
+K-quants), for runtime/core/tests/gguf_quants_golden.rs.
+
+Reference: gguf-py's `gguf.quants.dequantize` (the llama.cpp project's pure-Python/numpy GGUF
+library, PyPI `gguf`; nobody in this project wrote it). For each of Q4_K, Q5_K, Q6_K, Q5_0 and
+Q5_1: 6 blocks (super-blocks) of seeded random bytes (every bit pattern of the packed scales,
+nibbles and high bits occurs), their f16 fields (`d`, and `dmin` / `m` where the format has one)
+replaced by random finite values of either sign in [1e-3, 1) so the values are finite, dequantised
+by gguf-py.
+
+Writes gguf_quants_golden.bin next to this script: per format, u32 ggml type, u32 blocks, the
+blocks' bytes, then the blocks' values as f32, all little-endian.
+
+Usage (a venv with numpy and gguf): python make_gguf_quants_golden.py
+"""
+import os
+import struct
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+BLOCKS = 6
+rng = np.random.default_rng(0)
+out = bytearray()
+for t, f16_at in ((T.Q4_K, (0, 2)), (T.Q5_K, (0, 2)), (T.Q6_K, (208,)), (T.Q5_0, (0,)),
+                  (T.Q5_1, (0, 2))):
+    elems, size = quants.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(BLOCKS, size), dtype=np.uint8)
+    for b in range(BLOCKS):
+        for at in f16_at:
+            v = np.float16(rng.uniform(1e-3, 1.0) * rng.choice([-1.0, 1.0]))
+            raw[b, at:at + 2] = np.frombuffer(v.tobytes(), dtype=np.uint8)
+    y = quants.dequantize(raw.reshape(-1), t).astype("<f4")
+    assert y.shape == (BLOCKS * elems,) and np.isfinite(y).all()
+    out += struct.pack("<II", int(t), BLOCKS) + raw.tobytes() + y.tobytes()
+path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_quants_golden.bin")
+with open(path, "wb") as f:
+    f.write(out)
+print(f"wrote {path}: {len(out)} bytes")
