@@ -5,7 +5,8 @@
 #                                            the llama-cpp-python sdist on PyPI, checked against the
 #                                            registry's sha256, as a ~10 MB tarball to carry
 #   ci/gpu/llamacpp.sh bench SRC.tgz GGUF [BATCHES]
-#                                            (GPU machine) build llama-bench and llama-batched-bench once
+#                                            (GPU machine) build llama-bench, llama-batched-bench,
+#                                            llama-server, llama-quantize and llama-perplexity once
 #                                            (CUDA, sm_90; ~5 min on 16 cores, in the background: run it
 #                                            early, run it again to wait and measure), then llama-bench
 #                                            pp512/tg128 (-fa 1, 5 repetitions; LLAMACPP_PP=512,8192
@@ -55,7 +56,7 @@ bench)
     (cd "$dir" && cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release > cmake.log 2>&1) || { tail -20 "$dir/cmake.log"; exit 1; }
     # in a session of its own, so that it outlives this command
-    (cd "$dir" && setsid nohup bash -c 'cmake --build build --target llama-bench llama-batched-bench llama-server llama-quantize -j 16 > build.log 2>&1; echo "rc=$?" > build.done' > /dev/null 2>&1 &)
+    (cd "$dir" && setsid nohup bash -c 'cmake --build build --target llama-bench llama-batched-bench llama-server llama-quantize llama-perplexity -j 16 > build.log 2>&1; echo "rc=$?" > build.done' > /dev/null 2>&1 &)
   fi
   [ -n "$gguf" ] || { echo "llama.cpp build started in $dir"; exit 0; }
   for _ in $(seq 1 120); do [ -f "$dir/build.done" ] && break; sleep 5; done

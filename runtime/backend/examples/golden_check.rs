@@ -23,7 +23,11 @@
 //!   largest difference between the two backends' logit rows and whether their greedy tokens agree
 //!   (bounded by `--cpu-tol`, default `--tol`).
 
-use metrale_backend::{Backend, KvConfig, KvDtype};
+#[path = "shared/open.rs"]
+mod open;
+
+use metrale_backend::{Backend, KvDtype};
+use open::{cpu_backend, cuda_backend};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -49,67 +53,6 @@ fn run(b: &mut dyn Backend, prompt: &[u32], decode: &[u32], chunk: Option<usize>
 
 fn argmax(r: &[f32]) -> usize {
     metrale_backend::cpu::ops::argmax(r)
-}
-
-fn cpu_backend(m: &metrale_model::Model, kv: KvDtype, exact: bool, cap: usize) -> Box<dyn Backend> {
-    let mut b = metrale_backend::cpu::CpuBackend::load_kv(
-        m,
-        KvConfig {
-            dtype: kv,
-            ..KvConfig::per_slot(1, cap)
-        },
-        0,
-    )
-    .expect("cpu backend");
-    b.set_exact_activations(exact);
-    Box::new(b)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_backend(
-    m: &metrale_model::Model,
-    dir: &str,
-    target: &str,
-    cap: usize,
-) -> (Box<dyn Backend>, KvDtype) {
-    use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
-    use metrale_core::target::{TargetId, TargetSpec};
-    let id: TargetId = target.parse().expect("target: hw/model/quant");
-    let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
-    let spec = TargetSpec::load(Path::new(&root), &id).expect("target");
-    let kv = spec.quant.kv_dtype();
-    let set = KernelSet::from_dir(Path::new(dir), &spec).expect("kernels");
-    let tuning = metrale_backend::cuda::Tuning::default()
-        .parse(&std::env::var(metrale_backend::cuda::Tuning::ENV).unwrap_or_default())
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            std::process::exit(2)
-        });
-    let b = CudaBackend::new(
-        &set,
-        &m.config,
-        &m.weights,
-        CudaOptions {
-            slots: 1,
-            slot_capacity: cap,
-            kv_blocks: metrale_backend::blocks_for(cap),
-            tuning,
-            ..Default::default()
-        },
-    )
-    .expect("cuda backend");
-    (Box::new(b), kv)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_backend(
-    _: &metrale_model::Model,
-    _: &str,
-    _: &str,
-    _: usize,
-) -> (Box<dyn Backend>, KvDtype) {
-    eprintln!("--cuda needs this example built with --features cuda");
-    std::process::exit(2)
 }
 
 fn main() {

@@ -1,0 +1,204 @@
+//! Perplexity of a checkpoint on a text, as llama.cpp's `llama-perplexity` defines it, so that the
+//! two can be compared on the same files (numbers, not a test).
+//!
+//! The text is tokenized whole (with the model's BOS where its tokenizer adds one) and cut into
+//! chunks of `--ctx` tokens (default 512); in each chunk the first token becomes BOS (where the
+//! model uses one), the first half is context and every later position predicts the next token:
+//! -log softmax(logits)[next] summed over positions ctx/2 .. ctx-2 of every chunk, perplexity =
+//! exp(mean). The uncertainty is llama-perplexity's: the standard error of the mean negative log
+//! likelihood carried through exp. The context half is prefilled in one step, then each scored
+//! token is fed alone (`teacher_forced_logits`: the decode path, whose numerics the server uses).
+//!
+//! With `--reference MODEL2` the same positions also run on a second checkpoint (same tokenizer,
+//! e.g. a less quantized file): its perplexity, the share of positions where both pick the same
+//! top-1 token, and the mean KL divergence KL(reference || model) of the next-token distributions.
+//!
+//! Usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact]
+//!                   [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]
+//! - default backend: cpu (f32 KV cache; `--exact`: f32 activations); `--cuda` as golden_check's
+//!   (the reference then runs on the CPU backend);
+//! - `--chunks N`: the first N chunks only (default all).
+
+#[path = "shared/open.rs"]
+mod open;
+
+use metrale_backend::{Backend, KvDtype};
+use open::{cpu_backend, cuda_backend};
+use serde_json::json;
+use std::time::Instant;
+
+fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+/// log softmax(row)[i] in f64.
+fn log_prob(row: &[f32], i: usize) -> f64 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let s: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
+    row[i] as f64 - m - s.ln()
+}
+
+/// KL(p || q) of the distributions softmax(p), softmax(q), in f64.
+fn kl(p: &[f32], q: &[f32]) -> f64 {
+    let lse = |r: &[f32]| {
+        let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        m + r.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln()
+    };
+    let (lp, lq) = (lse(p), lse(q));
+    p.iter()
+        .zip(q)
+        .map(|(&a, &b)| {
+            let la = a as f64 - lp;
+            la.exp() * (la - (b as f64 - lq))
+        })
+        .sum()
+}
+
+/// Negative log likelihoods (and the rows' top-1 ids) of one chunk's scored positions.
+fn score(b: &mut dyn Backend, chunk: &[u32]) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let first = chunk.len() / 2;
+    let rows = metrale_backend::teacher_forced_logits(
+        b,
+        &chunk[..=first],
+        &chunk[first + 1..chunk.len() - 1],
+        None,
+    )
+    .expect("step");
+    let nll = rows
+        .iter()
+        .enumerate()
+        .map(|(k, r)| -log_prob(r, chunk[first + 1 + k] as usize))
+        .collect();
+    (nll, rows)
+}
+
+fn ppl(nll: &[f64]) -> (f64, f64) {
+    let n = nll.len() as f64;
+    let mean = nll.iter().sum::<f64>() / n;
+    let var = nll.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    let err = (var / n).sqrt();
+    (mean.exp(), mean.exp() * err)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        eprintln!("usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]");
+        std::process::exit(2);
+    }
+    let ctx: usize = opt(&args, "--ctx").map_or(512, |v| v.parse().expect("--ctx N"));
+    if ctx < 4 {
+        eprintln!("--ctx must be at least 4");
+        std::process::exit(2);
+    }
+    let exact = args.iter().any(|a| a == "--exact");
+    let m = metrale_model::Model::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| {
+        eprintln!("{}: {e}", args[1]);
+        std::process::exit(1)
+    });
+    let text = std::fs::read_to_string(&args[2]).unwrap_or_else(|e| {
+        eprintln!("{}: {e}", args[2]);
+        std::process::exit(1)
+    });
+    let bos = m.tokenizer.add_bos().then(|| m.tokenizer.bos()).flatten();
+    let tokens = m
+        .tokenizer
+        .encode(&text, bos.is_some(), false)
+        .expect("tokenize the text");
+    let all = tokens.len() / ctx;
+    let n_chunks =
+        opt(&args, "--chunks").map_or(all, |v| v.parse::<usize>().expect("--chunks N").min(all));
+    if n_chunks == 0 {
+        eprintln!(
+            "the text has {} tokens: fewer than one chunk of {ctx}",
+            tokens.len()
+        );
+        std::process::exit(1);
+    }
+    let mut b = match opt(&args, "--cuda") {
+        Some(dir) => {
+            let target = args
+                .iter()
+                .position(|a| a == "--cuda")
+                .and_then(|i| args.get(i + 2))
+                .expect("--cuda KERNEL_DIR TARGET_ID");
+            cuda_backend(&m, dir, target, ctx).0
+        }
+        None => cpu_backend(&m, KvDtype::F32, exact, ctx),
+    };
+    let reference = opt(&args, "--reference").map(|p| {
+        let r = metrale_model::Model::load(std::path::Path::new(p)).unwrap_or_else(|e| {
+            eprintln!("{p}: {e}");
+            std::process::exit(1)
+        });
+        if r.tokenizer
+            .encode(&text[..text.len().min(2000)], false, false)
+            .ok()
+            != m.tokenizer
+                .encode(&text[..text.len().min(2000)], false, false)
+                .ok()
+        {
+            eprintln!("--reference {p}: its tokenizer encodes the text differently");
+            std::process::exit(1);
+        }
+        let b = cpu_backend(&r, KvDtype::F32, exact, ctx);
+        (p.to_string(), b)
+    });
+    let mut reference = reference;
+    let t0 = Instant::now();
+    let (mut nll, mut nll_ref) = (Vec::new(), Vec::new());
+    let (mut same, mut kl_sum) = (0usize, 0f64);
+    for c in 0..n_chunks {
+        let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
+        if let Some(bos) = bos {
+            chunk[0] = bos;
+        }
+        let (v, rows) = score(b.as_mut(), &chunk);
+        nll.extend_from_slice(&v);
+        if let Some((_, rb)) = reference.as_mut() {
+            let (vr, rrows) = score(rb.as_mut(), &chunk);
+            nll_ref.extend_from_slice(&vr);
+            for (x, y) in rows.iter().zip(&rrows) {
+                same += (metrale_backend::cpu::ops::argmax(x)
+                    == metrale_backend::cpu::ops::argmax(y)) as usize;
+                kl_sum += kl(y, x);
+            }
+        }
+        let (p, e) = ppl(&nll);
+        eprintln!("[{}/{n_chunks}] perplexity {p:.4} +/- {e:.4}", c + 1);
+    }
+    let (p, e) = ppl(&nll);
+    let mut out = json!({
+        "model": args[1],
+        "text": args[2],
+        "text_tokens": tokens.len(),
+        "ctx": ctx,
+        "chunks": n_chunks,
+        "scored": nll.len(),
+        "bos": bos,
+        "backend": b.info().name,
+        "exact_activations": exact,
+        "perplexity": p,
+        "perplexity_err": e,
+        "seconds": t0.elapsed().as_secs_f64(),
+    });
+    if let Some((path, _)) = &reference {
+        let (pr, er) = ppl(&nll_ref);
+        out["reference"] = json!({
+            "model": path,
+            "perplexity": pr,
+            "perplexity_err": er,
+            "top1_agreement": same as f64 / nll.len() as f64,
+            "mean_kl": kl_sum / nll.len() as f64,
+            "perplexity_ratio": p / pr,
+        });
+    }
+    let s = serde_json::to_string_pretty(&out).unwrap();
+    println!("{s}");
+    if let Some(f) = opt(&args, "--out") {
+        std::fs::write(f, s + "\n").expect("write --out");
+    }
+}

@@ -1,0 +1,72 @@
+//! Opening a backend on a checkpoint for the examples that compare numbers (golden_check,
+//! perplexity): the CPU backend, or the CUDA backend on a target's kernels (`cuda` feature;
+//! METRALE_TARGETS names the targets/ folder, default `targets`; METRALE_CUDA_TUNING is read).
+
+use metrale_backend::{Backend, KvConfig, KvDtype};
+
+pub fn cpu_backend(
+    m: &metrale_model::Model,
+    kv: KvDtype,
+    exact: bool,
+    cap: usize,
+) -> Box<dyn Backend> {
+    let mut b = metrale_backend::cpu::CpuBackend::load_kv(
+        m,
+        KvConfig {
+            dtype: kv,
+            ..KvConfig::per_slot(1, cap)
+        },
+        0,
+    )
+    .expect("cpu backend");
+    b.set_exact_activations(exact);
+    Box::new(b)
+}
+
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(
+    m: &metrale_model::Model,
+    dir: &str,
+    target: &str,
+    cap: usize,
+) -> (Box<dyn Backend>, KvDtype) {
+    use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
+    use metrale_core::target::{TargetId, TargetSpec};
+    use std::path::Path;
+    let id: TargetId = target.parse().expect("target: hw/model/quant");
+    let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
+    let spec = TargetSpec::load(Path::new(&root), &id).expect("target");
+    let kv = spec.quant.kv_dtype();
+    let set = KernelSet::from_dir(Path::new(dir), &spec).expect("kernels");
+    let tuning = metrale_backend::cuda::Tuning::default()
+        .parse(&std::env::var(metrale_backend::cuda::Tuning::ENV).unwrap_or_default())
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            std::process::exit(2)
+        });
+    let b = CudaBackend::new(
+        &set,
+        &m.config,
+        &m.weights,
+        CudaOptions {
+            slots: 1,
+            slot_capacity: cap,
+            kv_blocks: metrale_backend::blocks_for(cap),
+            tuning,
+            ..Default::default()
+        },
+    )
+    .expect("cuda backend");
+    (Box::new(b), kv)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_backend(
+    _: &metrale_model::Model,
+    _: &str,
+    _: &str,
+    _: usize,
+) -> (Box<dyn Backend>, KvDtype) {
+    eprintln!("--cuda needs this example built with --features cuda");
+    std::process::exit(2)
+}
