@@ -11,6 +11,7 @@ mod build_target;
 mod fetch_model;
 mod list_targets;
 mod lock;
+mod quantize;
 mod quickstart;
 mod synth_model;
 mod tidy;
@@ -42,6 +43,8 @@ enum Cmd {
     Lock(lock::Args),
     /// Download a known model (checked by sha256) and print its path.
     FetchModel(fetch_model::Args),
+    /// Re-encode a GGUF's matrices in another weight type or llama.cpp K-quant mix.
+    Quantize(quantize::Args),
     /// A new user's first command: model + toolchain + build + serve + one answer.
     Quickstart(quickstart::Args),
     /// Write a checkpoint with a model's exact shapes, random weights and a real tokenizer.
@@ -62,6 +65,7 @@ fn main() {
         Cmd::BenchRecord(a) => bench_record::run(a),
         Cmd::Lock(a) => lock::run(a),
         Cmd::FetchModel(a) => fetch_model::run(a),
+        Cmd::Quantize(a) => quantize::run(a),
         Cmd::Quickstart(a) => quickstart::run(a),
         Cmd::SynthModel(a) => synth_model::run(a),
         Cmd::Tidy(a) => tidy::run(a),

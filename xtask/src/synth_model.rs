@@ -189,26 +189,11 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// llama.cpp's Q4_K_M mix (`llama-quantize`'s choices for that file type): every matrix Q4_K,
-/// except the LM head and, on the layers where `use_more_bits` holds (the first and last eighth, and
-/// every third between), `attn_v` and `ffn_down` (experts too), which take Q6_K. Norms stay f32.
+/// llama.cpp's Q4_K_M mix ([`crate::quantize::mix_type`]) over the Q4_K tensors. Norms stay f32.
 /// Every row must be whole 256-element super-blocks.
 fn q4_k_m_mix(tensors: &mut [Tensor], layers: usize) -> Result<()> {
-    let more_bits = |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
     for t in tensors.iter_mut().filter(|t| t.dtype == DType::Q4_K) {
-        let layer = t
-            .gguf
-            .strip_prefix("blk.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|n| n.parse::<usize>().ok());
-        let six = t.gguf == "output.weight"
-            || (layer.is_some_and(more_bits)
-                && [".attn_v.", ".ffn_down.", ".ffn_down_exps."]
-                    .iter()
-                    .any(|p| t.gguf.contains(p)));
-        if six {
-            t.dtype = DType::Q6_K;
-        }
+        t.dtype = crate::quantize::mix_type(&t.gguf, layers, DType::Q4_K);
         if !t.cols.is_multiple_of(metrale_core::kquant::QK_K) {
             bail!(
                 "q4_k_m: {} has rows of {} elements, not whole 256-element super-blocks (llama.cpp \
