@@ -6,7 +6,8 @@
 //!   whole super-blocks (`ffn_down`, 1,536 columns), the fallbacks Q5_0 / Q8_0 for the 576-column
 //!   rows, the tied embedding the LM head's Q6_K (so Q8_0), norms untouched; its logits stay near
 //!   the f32 file's (quantization noise, bounded);
-//! - a type it does not know is refused by name with the valid ones.
+//! - a type it does not know is refused by name with the valid ones, and the model itself as the
+//!   output before anything is written.
 //!
 //! Needs METRALE_MODEL (the default model); skips, saying so, without it.
 
@@ -44,6 +45,13 @@ fn quantize_writes_the_reference_and_llama_cpps_mixes() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(
         !bad.status.success() && err.contains("q3_k") && err.contains("q4_k_m"),
+        "{err}"
+    );
+    // the model itself as --out is refused before anything is written
+    let same = run_xtask(&["quantize", &model, "--to", "f32", "--out", &model]);
+    let err = String::from_utf8_lossy(&same.stderr);
+    assert!(
+        !same.status.success() && err.contains("the model itself"),
         "{err}"
     );
 

@@ -106,6 +106,13 @@ pub fn run(args: Args) -> Result<()> {
             ),
         },
     };
+    if args.out.exists() && std::fs::canonicalize(&args.out)? == std::fs::canonicalize(&args.model)?
+    {
+        bail!(
+            "--out {} is the model itself: write the new file elsewhere",
+            args.out.display()
+        );
+    }
     let src =
         GgufFile::open(&args.model).with_context(|| format!("reading {}", args.model.display()))?;
     let h = &src.header;

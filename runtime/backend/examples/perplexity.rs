@@ -134,12 +134,9 @@ fn main() {
             eprintln!("{p}: {e}");
             std::process::exit(1)
         });
-        if r.tokenizer
-            .encode(&text[..text.len().min(2000)], false, false)
-            .ok()
-            != m.tokenizer
-                .encode(&text[..text.len().min(2000)], false, false)
-                .ok()
+        let probe: String = text.chars().take(2000).collect();
+        if r.tokenizer.encode(&probe, false, false).ok()
+            != m.tokenizer.encode(&probe, false, false).ok()
         {
             eprintln!("--reference {p}: its tokenizer encodes the text differently");
             std::process::exit(1);
