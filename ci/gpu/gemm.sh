@@ -80,6 +80,16 @@ synth_8b() {
     $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   done
 }
+# setup_8b_both: .gm1 and .gm2 unpacked, the GPU's clocks, the 8B bf16 and q4_1 GGUFs and the
+# 2-layer HF folder; K and KQ the two 8B targets' kernel folders
+setup_8b_both() {
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  synth_8b
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
+    --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+}
 # check_2l WHAT: the 2-layer model (kernels built for 2 layers) against HF transformers
 check_2l() {
   step "2-layer check against HF transformers ($1)"
@@ -387,12 +397,7 @@ tests)
   ;;
 norm)
   # carry .gm1 .gm2
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  synth_8b
-  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
-    --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  setup_8b_both
   step "cuda_kernels h200/llama-3.1-8b/bf16 and q4_1: the GEMM tests first"
   TESTS_TIMEOUT=150 tests8 gemm gemm tma_gemm gemm_prefill
   METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout 150 \
@@ -444,12 +449,7 @@ PY
   ;;
 tiles)
   # carry .gm1 .gm2: the greedy arg-max over several blocks a row and the QKV product's 96-row tiles
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  synth_8b
-  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --layers 2 --format hf \
-    --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels KQ=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  setup_8b_both
   step "cuda_kernels h200/llama-3.1-8b/bf16 and q4_1: the GEMM and arg-max tests first"
   TESTS_TIMEOUT=180 tests8 gemm gemm tma_gemm gemm_prefill lm_head_and_device_argmax
   METRALE_CUDA_TARGET=$T8/q4_1 METRALE_CUDA_KERNELS=$KQ METRALE_TARGETS=$PWD/targets timeout 150 \

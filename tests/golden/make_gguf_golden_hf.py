@@ -28,7 +28,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_synth_golden_hf import CONTINUATION, DECODE_STEPS, PROMPT  # noqa: E402
+from make_synth_golden_hf import CONTINUATION, DECODE_STEPS, PROMPT, top20  # noqa: E402
 
 
 def main():
@@ -53,10 +53,7 @@ def main():
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float().numpy()
     checked = logits[len(prompt) - 1: len(prompt) - 1 + DECODE_STEPS + 1]
-    top = []
-    for row in checked:
-        order = np.argsort(-row, kind="stable")[:20]
-        top.append([[int(i), float(row[i])] for i in order])
+    top = top20(checked)
     # the bf16 folder of the same seed: how far 4-6-bit weights move the logits (recorded)
     bf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():

@@ -54,6 +54,15 @@ CONTINUATION = (" In spring the ice breaks, the water rises, the wheel turns aga
 DECODE_STEPS = 16
 
 
+def top20(checked):
+    """Each row's 20 largest logits as [id, logit], largest first (ties: the lower id first)."""
+    top = []
+    for row in checked:
+        order = np.argsort(-row, kind="stable")[:20]
+        top.append([[int(i), float(row[i])] for i in order])
+    return top
+
+
 def main():
     argv = sys.argv[1:]
     out_prefix = None
@@ -103,10 +112,7 @@ def main():
             checked = model.lm_head(hidden[len(prompt) - 1:]).float().cpu().numpy()
             logits = None
     del model
-    top = []
-    for row in checked:
-        order = np.argsort(-row, kind="stable")[:20]
-        top.append([[int(i), float(row[i])] for i in order])
+    top = top20(checked)
     out = {
         "reference": "HF transformers %s, torch %s, float32 eager on %s, HF folder (bf16 safetensors)" % (
             transformers.__version__, torch.__version__, device),

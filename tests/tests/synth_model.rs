@@ -118,8 +118,45 @@ fn files(case: &Case) -> Option<&'static Files> {
 }
 
 fn golden(case: &Case) -> serde_json::Value {
-    let p = repo().join(format!("tests/golden/{}.json", case.golden));
+    golden_json(case.golden)
+}
+
+/// `tests/golden/<name>.json`.
+fn golden_json(name: &str) -> serde_json::Value {
+    let p = repo().join(format!("tests/golden/{name}.json"));
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+/// `tests/golden/<name>_last.f32`: the reference's full logits row of the last checked position.
+fn golden_last_row(name: &str) -> Vec<f32> {
+    std::fs::read(repo().join(format!("tests/golden/{name}_last.f32")))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Checks `rows` (the prompt's last position, then each decode position) against golden `g`: the
+/// same top-1 at every position (panics naming it), and returns max |logit - reference| over each
+/// position's reference top-20 and over the full last row `last_ref`.
+fn worst_vs_golden(rows: &[Vec<f32>], g: &serde_json::Value, last_ref: &[f32], exact: bool) -> f32 {
+    let mut worst = 0f32;
+    for (i, (row, top)) in rows.iter().zip(g["top20"].as_array().unwrap()).enumerate() {
+        let top = top.as_array().unwrap();
+        assert_eq!(
+            argmax(row),
+            top[0][0].as_u64().unwrap() as usize,
+            "top-1 differs at checked position {i} (exact activations: {exact})"
+        );
+        for e in top {
+            let (id, l) = (
+                e[0].as_u64().unwrap() as usize,
+                e[1].as_f64().unwrap() as f32,
+            );
+            worst = worst.max((row[id] - l).abs());
+        }
+    }
+    worst.max(max_abs(rows.last().unwrap(), last_ref))
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -185,32 +222,11 @@ fn hf_folder_matches_hf_transformers(case: &Case) {
         .encode(g["prompt"].as_str().unwrap(), false, false)
         .unwrap();
     assert_eq!(enc, prompt, "tokenizer.json encodes the prompt as HF does");
-    let last_ref: Vec<f32> =
-        std::fs::read(repo().join(format!("tests/golden/{}_last.f32", case.golden)))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+    let last_ref = golden_last_row(case.golden);
     assert_eq!(last_ref.len(), m.config.vocab);
     for (exact, tol) in [(true, case.tol), (false, case.tol)] {
         let rows = run(&m, exact, &prompt, &decode);
-        let mut worst = 0f32;
-        for (i, (row, top)) in rows.iter().zip(g["top20"].as_array().unwrap()).enumerate() {
-            let top = top.as_array().unwrap();
-            assert_eq!(
-                argmax(row),
-                top[0][0].as_u64().unwrap() as usize,
-                "top-1 differs at checked position {i} (exact activations: {exact})"
-            );
-            for e in top {
-                let (id, l) = (
-                    e[0].as_u64().unwrap() as usize,
-                    e[1].as_f64().unwrap() as f32,
-                );
-                worst = worst.max((row[id] - l).abs());
-            }
-        }
-        worst = worst.max(max_abs(rows.last().unwrap(), &last_ref));
+        let worst = worst_vs_golden(&rows, &g, &last_ref, exact);
         eprintln!(
             "{} activations: max |logit - HF| over 17 positions' top-20 and the last full row: {worst:.2e} (tolerance {tol:.1e})",
             if exact { "f32" } else { "16-bit integer" }
@@ -333,10 +349,7 @@ fn q4_k_m_gguf_matches_hf_transformers_on_the_same_file() {
         path.to_str().unwrap(),
     ];
     assert!(run_xtask(&args).status.success(), "synth-model failed");
-    let g: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(repo().join("tests/golden/tiny_llama3_q4km_hf.json")).unwrap(),
-    )
-    .unwrap();
+    let g = golden_json("tiny_llama3_q4km_hf");
     let sha = {
         use sha2::Digest;
         hex::encode(sha2::Sha256::digest(std::fs::read(&path).unwrap()))
@@ -364,28 +377,10 @@ fn q4_k_m_gguf_matches_hf_transformers_on_the_same_file() {
     }
     let prompt = ids(&g["prompt_tokens"]);
     let decode = ids(&g["decode_tokens"]);
-    let last_ref: Vec<f32> =
-        std::fs::read(repo().join("tests/golden/tiny_llama3_q4km_hf_last.f32"))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+    let last_ref = golden_last_row("tiny_llama3_q4km_hf");
     for exact in [true, false] {
         let rows = run(&m, exact, &prompt, &decode);
-        let mut worst = 0f32;
-        for (i, (row, top)) in rows.iter().zip(g["top20"].as_array().unwrap()).enumerate() {
-            let top = top.as_array().unwrap();
-            assert_eq!(
-                argmax(row),
-                top[0][0].as_u64().unwrap() as usize,
-                "top-1 differs at checked position {i}"
-            );
-            for e in top {
-                let id = e[0].as_u64().unwrap() as usize;
-                worst = worst.max((row[id] - e[1].as_f64().unwrap() as f32).abs());
-            }
-        }
-        worst = worst.max(max_abs(rows.last().unwrap(), &last_ref));
+        let worst = worst_vs_golden(&rows, &g, &last_ref, exact);
         eprintln!("Q4_K_M GGUF (exact activations: {exact}): max |logit - HF| {worst:.2e}");
         assert!(worst <= LLAMA3.tol, "max diff {worst} > {}", LLAMA3.tol);
     }

@@ -23,20 +23,13 @@
 //!   largest difference between the two backends' logit rows and whether their greedy tokens agree
 //!   (bounded by `--cpu-tol`, default `--tol`).
 
-#[path = "shared/open.rs"]
-mod open;
+#[path = "shared/tool.rs"]
+mod tool;
 
 use metrale_backend::{Backend, KvDtype};
-use open::{cpu_backend, cuda_backend};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-
-fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
-}
+use tool::{cpu_backend, cuda_backend, opt};
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()

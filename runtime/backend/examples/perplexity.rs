@@ -19,20 +19,13 @@
 //!   (the reference then runs on the CPU backend);
 //! - `--chunks N`: the first N chunks only (default all).
 
-#[path = "shared/open.rs"]
-mod open;
+#[path = "shared/tool.rs"]
+mod tool;
 
 use metrale_backend::{Backend, KvDtype};
-use open::{cpu_backend, cuda_backend};
 use serde_json::json;
 use std::time::Instant;
-
-fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
-}
+use tool::{cpu_backend, cuda_backend, opt};
 
 /// log softmax(row)[i] in f64.
 fn log_prob(row: &[f32], i: usize) -> f64 {

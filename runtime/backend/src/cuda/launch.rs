@@ -49,7 +49,7 @@ pub struct Gpu {
     pub lm_head_1: bool,
     /// `argmax_logprob` spreads a row over [`plan::argmax_splits`] blocks (else one).
     pub argmax_split: bool,
-    /// The warp-specialised QKV product may take the 96-row tiles.
+    /// The warp-specialised products may take the 96-row tiles (made for QKV).
     pub tma_96: bool,
     /// `attention`'s flags (`abi::ATT_FLAG_TRANSPOSE`).
     pub att_flags: i32,

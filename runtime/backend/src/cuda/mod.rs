@@ -132,8 +132,9 @@ pub struct Tuning {
     /// `argmax_logprob` spreads each logits row over several blocks (`plan::argmax_splits`), else
     /// one block a row.
     pub argmax_split: bool,
-    /// The warp-specialised QKV product may take the 96-row tiles (`layout::TMA_CONFIGS`), else
-    /// only the 128-256-row ones.
+    /// The warp-specialised products may take the 96-row tiles (`layout::TMA_CONFIGS`; made for
+    /// QKV, planned wherever 96 divides the rows and the estimate prefers them), else only the
+    /// 128-256-row ones.
     pub tma_96: bool,
 }
 

@@ -40,6 +40,25 @@ fn capture_warm(
     Ok(graph)
 }
 
+/// Microseconds per call of `launch`: a [`capture_warm`] graph of `reps` calls replayed 7 times,
+/// each timed by the host clock around the replay and a wait; the median.
+fn replay_median_us(
+    g: &super::launch::Gpu,
+    reps: usize,
+    launch: impl Fn() -> Result<(), BackendError>,
+) -> Result<f64, BackendError> {
+    let graph = capture_warm(g, reps, launch)?;
+    let mut v = Vec::new();
+    for _ in 0..7 {
+        let t0 = std::time::Instant::now();
+        g.replay(&graph)?;
+        g.sync()?;
+        v.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
 /// One Hopper GEMM timed alone ([`CudaBackend::profile_gemms`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GemmTiming {
@@ -158,18 +177,8 @@ impl CudaBackend {
             let pick = plan::tma_plan(rows, k, ntok, g.sm_count, p.residual(), g.tma_96);
             let est = plan::tma_estimate(rows, k, ntok, 0, 1, g.sm_count) * 1e6;
             let reps = ((2000.0 / est.max(1.0)) as usize).clamp(3, 100);
-            let time = |launch: &dyn Fn(&super::launch::Gpu) -> Result<(), BackendError>|
-             -> Result<f64, BackendError> {
-                let graph = capture_warm(g, reps, || launch(g))?;
-                let mut v = Vec::new();
-                for _ in 0..7 {
-                    let t0 = std::time::Instant::now();
-                    g.replay(&graph)?;
-                    g.sync()?;
-                    v.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
-                }
-                v.sort_by(f64::total_cmp);
-                Ok(v[v.len() / 2])
+            let time = |launch: &dyn Fn(&super::launch::Gpu) -> Result<(), BackendError>| {
+                replay_median_us(g, reps, || launch(g))
             };
             let mut row = |kernel, tma: Option<TmaPlan>, planned: bool, us: f64| {
                 out.push(GemmTiming {
@@ -241,19 +250,7 @@ impl CudaBackend {
             out_logprob: out.ptr + (4 * nout) as u64,
             ntok: nout as i32,
         };
-        let time = |split: bool| -> Result<f64, BackendError> {
-            let reps = 20;
-            let graph = capture_warm(g, reps, || g.argmax_with(a, split))?;
-            let mut t = Vec::new();
-            for _ in 0..7 {
-                let t0 = std::time::Instant::now();
-                g.replay(&graph)?;
-                g.sync()?;
-                t.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
-            }
-            t.sort_by(f64::total_cmp);
-            Ok(t[t.len() / 2])
-        };
+        let time = |split: bool| replay_median_us(g, 20, || g.argmax_with(a, split));
         let floor = (nout * v * 4) as f64 / (copy_gbs * 1e3);
         let splits = plan::argmax_splits(nout, v, g.sm_count);
         Ok((time(true)?, time(false)?, floor, splits))

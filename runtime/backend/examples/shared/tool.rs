@@ -1,8 +1,17 @@
-//! Opening a backend on a checkpoint for the examples that compare numbers (golden_check,
-//! perplexity): the CPU backend, or the CUDA backend on a target's kernels (`cuda` feature;
-//! METRALE_TARGETS names the targets/ folder, default `targets`; METRALE_CUDA_TUNING is read).
+//! What the examples that compare numbers (golden_check, perplexity) share: their argument lookup,
+//! and opening a backend on a checkpoint: the CPU backend, or the CUDA backend on a target's kernels
+//! (`cuda` feature; METRALE_TARGETS names the targets/ folder, default `targets`;
+//! METRALE_CUDA_TUNING is read).
 
 use metrale_backend::{Backend, KvConfig, KvDtype};
+
+/// The value after flag `name` in `args`, if any.
+pub fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
 
 pub fn cpu_backend(
     m: &metrale_model::Model,
