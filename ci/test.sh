@@ -4,7 +4,7 @@
 # (cargo xtask fetch-model), a Python venv with the official openai client, Chromium and chromedriver
 # from the distribution (apt-get, for the chat page's browser test); checks formatting and
 # lints; then builds once, in release, and runs every test: the Rust workspace's (tidy and the kernels
-# lock among them), the server tests that drive the real binary, a 60-second soak of that binary, and
+# lock among them), the server tests that drive the real binary, a two-minute soak of that binary, and
 # a short run of every fuzz target.
 # Fails loudly: any step that fails stops the run with its exit status.
 set -euo pipefail
@@ -58,10 +58,10 @@ cargo xtask build-target --hw cpu --model smollm2-135m --quant q4_1 --out target
 step "server tests (openai client + curl against the built binary and the real model)"
 METRALE_SERVER_BIN=$PWD/target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server $venv/bin/python -m pytest -q tests/python
 
-step "soak (60 s: mixed and hostile traffic, bursts past the queue, disconnects, then SIGTERM)"
+step "soak (120 s: mixed and hostile traffic, bursts past the queue, disconnects, then SIGTERM)"
 $venv/bin/python bench/soak/soak.py --server-bin target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server \
-    --model "$METRALE_MODEL" --duration 60 --warmup 0.5 --max-rss-slope 8 --out target/soak-60s.json \
-    --log target/soak-60s.log
+    --model "$METRALE_MODEL" --duration 120 --warmup 0.5 --max-rss-slope 6 --out target/soak-120s.json \
+    --log target/soak-120s.log
 
 step "fuzz (every target, 20 s each, seeds in fuzz/corpus)"
 fuzz/run.sh all 20
