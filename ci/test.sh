@@ -47,7 +47,7 @@ step "cargo test (release)"
 cargo test --release --workspace
 
 step "the CUDA backend's host-side unit tests (no GPU needed: launch plans, repacking, tuning, the GEMM threshold)"
-cargo test --release -p metrale-backend --features cuda --lib
+cargo test --release -p metrale-backend --features cuda --lib cuda::
 
 step "structured output: the mask benchmark runs (bench/structured/README.md)"
 target/release/examples/mask_bench "$METRALE_MODEL" --streams 1,4 --tokens 16 --out target/mask-bench.json

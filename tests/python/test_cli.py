@@ -33,7 +33,10 @@ def test_no_model_flag_is_a_usage_error():
     assert r.returncode == 2 and "--model" in r.stderr
 
 
-@pytest.mark.parametrize("flags", [["--parallel", "0"], ["--ctx-size", "0"], ["--threads", "0"], ["--port", "70000"]])
+@pytest.mark.parametrize("flags", [["--parallel", "0"], ["--ctx-size", "0"], ["--threads", "0"], ["--port", "70000"],
+                                   ["--num-speculative-tokens", "0", "--speculative", "ngram"],
+                                   ["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+                                   ["--speculative", "eagle"]])
 def test_bad_flags_fail_early(flags, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")

@@ -121,6 +121,7 @@ fn main() {
             draw: 0,
             want_logits: false,
             allowed: None,
+            drafted: 0,
         };
         b.step(&[s]).expect("step");
     };

@@ -136,6 +136,7 @@ fn main() {
             draw,
             want_logits: false,
             allowed: None,
+            drafted: 0,
         }])
         .unwrap()[0]
             .token
@@ -268,6 +269,7 @@ fn main() {
                 draw: s as u64,
                 want_logits: false,
                 allowed: None,
+                drafted: 0,
             };
             let next = b.step_masked(&[step], &[true], &mut every_other).unwrap()[0].token;
             assert!(
@@ -439,6 +441,7 @@ fn main() {
                         draw: s as u64,
                         want_logits: false,
                         allowed: None,
+                        drafted: 0,
                     }
                 })
                 .collect();

@@ -81,6 +81,7 @@ fn main() {
             draw: 0,
             want_logits: false,
             allowed: None,
+            drafted: 0,
         }])
         .expect("prefill chunk");
         for t in b.profile_gemms(n, sweep).expect("profile") {

@@ -103,6 +103,14 @@ pub struct SeqStep<'a> {
     /// The tokens the next one may be (a grammar's mask: bit `t % 32` of word `t / 32`), applied to
     /// the logits before sampling ([`sampler::apply_mask`]); `None`: any token.
     pub allowed: Option<&'a [u32]>,
+    /// Speculative verification: the last `drafted` of `tokens` are proposed continuations (from a
+    /// proposer, not yet accepted). The step samples at each of the last `drafted + 1` positions
+    /// and accepts proposals in order ([`sampler::verify`]): the answer's `accepted` holds the
+    /// accepted ones, `token` the sample after the last of them. The KV entries of the rejected
+    /// proposals' positions are written but hold nothing: the caller's next step starts at the
+    /// first of them and overwrites them. 0: a plain step. Needs `drafted < tokens.len()` and no
+    /// `allowed` mask (a grammar decides one token at a time).
+    pub drafted: usize,
 }
 
 /// The backend's answer for one `SeqStep`.
@@ -116,6 +124,9 @@ pub struct SeqOutput {
     pub top_logprobs: Vec<(u32, f32)>,
     /// Logits of the last position when `want_logits` was set.
     pub logits: Option<Vec<f32>>,
+    /// The proposals of a verification step (`SeqStep::drafted`) that were accepted, in order, each
+    /// with its logprob and top logprobs; they come before `token`. Empty for a plain step.
+    pub accepted: Vec<sampler::Sampled>,
 }
 
 /// One entry's hidden states from [`Backend::hidden`]: the final-normed hidden state of each of its
@@ -209,6 +220,8 @@ pub struct BackendInfo {
     pub weight_bytes: u64,
     /// Bytes of KV cache.
     pub kv_bytes: u64,
+    /// Whether `step` runs verification entries (`SeqStep::drafted` > 0).
+    pub verifies_drafts: bool,
 }
 
 /// Logits of a prompt prefilled in steps of at most `chunk` tokens (`None`: one step), then of
@@ -244,6 +257,7 @@ pub fn teacher_forced_logits(
             draw: 0,
             want_logits: want,
             allowed: None,
+            drafted: 0,
         };
         let out = b.step(&[s])?.pop();
         if want {
@@ -383,6 +397,22 @@ pub fn validate_batch(
                     "an allowed-token mask of {} words does not cover the vocabulary ({vocab} tokens)",
                     s.allowed.map_or(0, <[u32]>::len)
                 ),
+            );
+        }
+        if s.drafted >= s.tokens.len() {
+            return bad(
+                i,
+                format!(
+                    "{} proposed tokens need at least one accepted token before them ({} tokens)",
+                    s.drafted,
+                    s.tokens.len()
+                ),
+            );
+        }
+        if s.drafted > 0 && s.allowed.is_some() {
+            return bad(
+                i,
+                "proposed tokens cannot be verified under an allowed-token mask".into(),
             );
         }
         if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {

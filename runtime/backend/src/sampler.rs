@@ -18,6 +18,15 @@
 //!    the kept candidates in order (probability descending, id ascending) until it exceeds
 //!    `u * kept_mass` (accumulated in f64).
 //!
+//! 7. **speculative verification** ([`verify`]) of a proposed token `d` at one position runs steps
+//!    0-5 on that position's row; greedy: `d` is accepted when it is the arg-max. Otherwise with
+//!    the kept candidates' probabilities `p`, `d` is accepted when `uniform(seed ^ ACCEPT_KEY,
+//!    draw) < p(d)` (rejection sampling with a deterministic proposer, Leviathan et al. 2023 and
+//!    Chen et al. 2023: the proposal's probability is 1); on rejection the token is drawn by step 6
+//!    from the candidates without `d`. Either way the token is distributed as `p`: `d` comes out
+//!    with probability `p(d)`, any other `x` with `(1 - p(d)) p(x) / (1 - p(d))`. Any proposer
+//!    (prompt lookup, a draft model's greedy choice) fits, since none needs its own distribution.
+//!
 //! Randomness is counter-based so any backend (a GPU included) reproduces it without state:
 //! `uniform(seed, draw)` is the `(draw+1)`-th output of SplitMix64 seeded with `seed`, i.e.
 //! `z = seed + (draw + 1) * 0x9E3779B97F4A7C15` (wrapping), `z = (z ^ z>>30) * 0xBF58476D1CE4E5B9`,
@@ -341,9 +350,6 @@ pub fn candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
     c
 }
 
-/// Sample one token from `logits` (see the module docs for the pipeline). `history` is every token of
-/// the sequence so far (prompt and generated); its last `draw` entries are the generated ones, and
-/// `draw` is the index of this draw in the sequence.
 /// Set the logits of the tokens `allowed` does not hold to -inf (bit `t % 32` of word `t / 32`;
 /// tokens past the mask's end are disallowed): a grammar's constraint on the next token, applied
 /// before any sampling setting, so every setting samples among the allowed tokens only.
@@ -356,7 +362,65 @@ pub fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
     }
 }
 
+/// Sample one token from `logits` (see the module docs for the pipeline). `history` is every token of
+/// the sequence so far (prompt and generated); its last `draw` entries are the generated ones, and
+/// `draw` is the index of this draw in the sequence.
 pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u64) -> Sampled {
+    choose(logits, params, history, draw, None)
+}
+
+/// The key XORed into the seed for the acceptance draws of [`verify`], so they never reuse the
+/// uniform numbers that pick tokens.
+pub const ACCEPT_KEY: u64 = 0x5EC0_DE5A_A5A5_0001;
+
+/// Sample at a position where `proposed` was proposed (module docs, step 7): the answer's token is
+/// `proposed` when it is accepted, another token (distributed as `sample`'s, without `proposed`)
+/// when not. Arguments as [`sample`]'s.
+pub fn verify(
+    logits: &[f32],
+    params: &SamplingParams,
+    history: &[u32],
+    draw: u64,
+    proposed: u32,
+) -> Sampled {
+    choose(logits, params, history, draw, Some(proposed))
+}
+
+/// Verify the proposals of one sequence: `rows` holds the logits of the last `proposed.len() + 1`
+/// positions (`[proposed.len() + 1][vocab]`), `history` every token up to and including the last
+/// proposal, `draw` the draw index of the first position. Proposals are taken in order while
+/// accepted; returns the accepted ones' samples and the sample that follows them (the
+/// replacement of the first rejected proposal, or after all of them one more token).
+pub fn verify_run(
+    rows: &[f32],
+    vocab: usize,
+    params: &SamplingParams,
+    history: &[u32],
+    draw: u64,
+    proposed: &[u32],
+) -> (Vec<Sampled>, Sampled) {
+    let k = proposed.len();
+    let before = history.len() - k; // history length at the first position
+    let mut accepted = Vec::with_capacity(k);
+    for (i, (&d, row)) in proposed.iter().zip(rows.chunks_exact(vocab)).enumerate() {
+        let r = verify(row, params, &history[..before + i], draw + i as u64, d);
+        if r.token != d {
+            return (accepted, r);
+        }
+        accepted.push(r);
+    }
+    let last = &rows[k * vocab..(k + 1) * vocab];
+    (accepted, sample(last, params, history, draw + k as u64))
+}
+
+/// `sample`, or with `proposed` `verify`: steps 0-6 (7) of the module docs.
+fn choose(
+    logits: &[f32],
+    params: &SamplingParams,
+    history: &[u32],
+    draw: u64,
+    proposed: Option<u32>,
+) -> Sampled {
     if logits.is_empty() {
         return Sampled {
             token: 0,
@@ -398,8 +462,21 @@ pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], draw: u6
     let token = if params.is_greedy() {
         argmax(row) as u32
     } else {
-        let c = candidates(row, params);
-        let total: f64 = c.iter().map(|x| x.1).sum();
+        let mut c = candidates(row, params);
+        let mut total: f64 = c.iter().map(|x| x.1).sum();
+        if let Some(d) = proposed {
+            let p = c.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1) / total;
+            if uniform(params.seed ^ ACCEPT_KEY, draw) < p {
+                return Sampled {
+                    token: d,
+                    logprob: logits[d as usize] - lse,
+                    top_logprobs,
+                };
+            }
+            // rejected: p(d) < 1, so another candidate is left
+            c.retain(|x| x.0 != d);
+            total = c.iter().map(|x| x.1).sum();
+        }
         let target = uniform(params.seed, draw) * total;
         let mut acc = 0.0;
         let mut chosen = c[c.len() - 1].0;
@@ -789,5 +866,53 @@ mod tests {
             &[7, 7],
             3,
         );
+    }
+
+    #[test]
+    fn verification_accepts_in_order_and_samples_after() {
+        // three positions of a 4-token vocabulary
+        let rows = [
+            0.0, 3.0, 1.0, 0.0, // arg-max 1
+            2.0, 0.0, 0.0, 1.0, // arg-max 0
+            0.0, 0.0, 0.5, 0.0, // arg-max 2
+        ];
+        let g = SamplingParams::default();
+        // greedy: accepted while equal to the arg-max, then the arg-max where they differ
+        let (acc, next) = verify_run(&rows, 4, &g, &[9, 1, 0], 0, &[1, 0]);
+        assert_eq!(acc.iter().map(|r| r.token).collect::<Vec<_>>(), [1, 0]);
+        assert_eq!(next.token, 2);
+        let (acc, next) = verify_run(&rows, 4, &g, &[9, 1, 3], 0, &[1, 3]);
+        assert_eq!((acc.len(), next.token), (1, 0));
+        let (acc, next) = verify_run(&rows, 4, &g, &[9, 2, 0], 0, &[2, 0]);
+        assert_eq!((acc.len(), next.token), (0, 1));
+        // the accepted tokens' logprobs are the plain sampler's
+        assert_eq!(
+            acc_logprob(&rows[..4], 1),
+            sample(&rows[..4], &g, &[9], 0).logprob
+        );
+        // no proposals: the plain sampler, draw for draw
+        let t = SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..params()
+        };
+        for d in 0..20 {
+            let (acc, next) = verify_run(&rows[..4], 4, &t, &[9], d, &[]);
+            assert!(acc.is_empty());
+            assert_eq!(next, sample(&rows[..4], &t, &[9], d));
+        }
+        // verification is a function of its seed; a certain token is always accepted
+        for seed in 0..200 {
+            let t = SamplingParams { seed, ..t.clone() };
+            let r = verify(&rows[..4], &t, &[9], 0, 0);
+            let again = verify(&rows[..4], &t, &[9], 0, 0);
+            assert_eq!(r, again);
+            let sure = verify(&[0.0, 50.0, 0.0, 0.0], &t, &[9], 0, 1);
+            assert_eq!(sure.token, 1);
+        }
+    }
+
+    fn acc_logprob(row: &[f32], t: u32) -> f32 {
+        verify(row, &SamplingParams::default(), &[9], 0, t).logprob
     }
 }

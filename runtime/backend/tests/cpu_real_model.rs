@@ -50,6 +50,7 @@ fn step_logits(
         draw: 0,
         want_logits: true,
         allowed: None,
+        drafted: 0,
     };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
@@ -160,6 +161,7 @@ fn greedy_answer_names_paris() {
             draw,
             want_logits: false,
             allowed: None,
+            drafted: 0,
         };
         let t = b.step(&[s]).unwrap()[0].token;
         start += new.len();

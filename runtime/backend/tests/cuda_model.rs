@@ -115,6 +115,7 @@ fn generate_logits(
                     draw: step as u64,
                     want_logits: step == 0 || every_step,
                     allowed: None,
+                    drafted: 0,
                 }
             })
             .collect();
@@ -480,6 +481,7 @@ fn batched_gemm_decode_matches_cpu_backend() {
                     draw: step as u64,
                     want_logits: true,
                     allowed: None,
+                    drafted: 0,
                 }
             })
             .collect();
@@ -569,6 +571,7 @@ fn generate_constrained(
                     draw: step as u64,
                     want_logits: false,
                     allowed: (!lazy).then_some(&masks[i][..]),
+                    drafted: 0,
                 }
             })
             .collect();
@@ -695,6 +698,7 @@ fn hidden_states_for_embeddings_match_cpu_backend() {
                 draw: 0,
                 want_logits: false,
                 allowed: None,
+                drafted: 0,
             })
             .collect();
         b.hidden(&steps).expect("hidden")

@@ -10,6 +10,10 @@
 //! admit waiting requests (FIFO) into free slots, then build one step: one token for every decoding
 //! sequence, then prefill chunks (at most `prefill_chunk` tokens each, at most `max_step_tokens` in
 //! all, but always at least one chunk so prefill progresses), run it, stream the sampled tokens.
+//! With speculative decoding ([`spec`]) a decode entry carries the proposals for its sequence
+//! after its last token (`SeqStep::drafted`, within the step's token budget and the free blocks);
+//! the accepted ones and the sample after them stream as that many tokens, and the history rolls
+//! back to them.
 //! When nothing runs or waits, the loop blocks on the channel; when every handle is dropped, it ends.
 //!
 //! KV blocks ([`blocks`]): the backend's KV cache is one pool of blocks of `KV_BLOCK` tokens; a
@@ -43,9 +47,11 @@
 
 pub mod blocks;
 pub mod metrics;
+pub mod spec;
 
 pub use metrale_backend::BackendInfo;
 pub use metrics::{Histogram, MetricsSnapshot};
+pub use spec::{Proposer, Speculation};
 
 use blocks::{BlockKey, BlockPool};
 use metrale_backend::{blocks_for, Backend, HiddenSums, Pooling, SeqOutput, SeqStep, KV_BLOCK};
@@ -206,6 +212,9 @@ pub struct EngineConfig {
     pub max_step_tokens: usize,
     /// Reuse registered KV blocks for a prompt that starts with the tokens they hold (module docs).
     pub prefix_caching: bool,
+    /// Speculative decoding ([`spec`]): proposals verified in the decode steps of sequences with
+    /// no grammar, when the backend verifies (`BackendInfo::verifies_drafts`); `None`: off.
+    pub speculation: Option<Speculation>,
 }
 
 impl Default for EngineConfig {
@@ -214,6 +223,7 @@ impl Default for EngineConfig {
             prefill_chunk: 256,
             max_step_tokens: 512,
             prefix_caching: true,
+            speculation: None,
         }
     }
 }
@@ -368,6 +378,8 @@ struct Seq {
     order: u64,
     /// An embedding request's hidden states pooled over the chunks computed so far.
     hidden: HiddenSums,
+    /// Proposed tokens at the end of `history` during a step (verified by it; 0 otherwise).
+    drafted: usize,
 }
 
 impl Seq {
@@ -430,6 +442,9 @@ impl Loop {
             cfg: EngineConfig {
                 prefill_chunk: cfg.prefill_chunk.max(1),
                 max_step_tokens: cfg.max_step_tokens.max(1),
+                speculation: cfg
+                    .speculation
+                    .filter(|sp| info.verifies_drafts && sp.tokens > 0),
                 ..cfg
             },
             rx,
@@ -542,6 +557,7 @@ impl Loop {
                         last_token_at: None,
                         order: 0,
                         hidden: HiddenSums::default(),
+                        drafted: 0,
                     };
                     (seq, true)
                 }
@@ -646,7 +662,8 @@ impl Loop {
             return;
         }
         let s = &mut self.running[i];
-        while s.keys.len() < s.cached / KV_BLOCK {
+        // (a sequence that ended on an accepted stop token has it cached but not in its history)
+        while s.keys.len() < s.cached.min(s.history.len()) / KV_BLOCK {
             let k = s.keys.len();
             let parent = if k == 0 { 0 } else { s.keys[k - 1] };
             let key = BlockKey::new(parent, &s.history[k * KV_BLOCK..(k + 1) * KV_BLOCK]);
@@ -671,14 +688,19 @@ impl Loop {
         if self.running.is_empty() {
             return;
         }
-        // (running index, tokens range in history) per batch entry: decodes first, then prefill chunks.
+        // (running index, tokens range in history) per batch entry: decodes first (each with the
+        // tokens proposed for it, appended to its history for the step), then prefill chunks.
         let mut plan: Vec<(usize, usize, usize)> = Vec::new();
-        let mut budget = self.cfg.max_step_tokens;
-        for (i, s) in self.running.iter().enumerate() {
-            if !s.prefilling() {
-                plan.push((i, s.cached, s.cached + 1));
-                budget = budget.saturating_sub(1);
+        let decodes = self.running.iter().filter(|s| !s.prefilling()).count();
+        let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
+        for i in 0..self.running.len() {
+            if self.running[i].prefilling() {
+                continue;
             }
+            let drafted = self.propose(i, budget);
+            budget -= drafted;
+            let s = &self.running[i];
+            plan.push((i, s.cached, s.cached + 1 + drafted));
         }
         let mut any_prefill = false;
         for (i, s) in self.running.iter().enumerate() {
@@ -766,6 +788,12 @@ impl Loop {
                 Ok(Err(e)) => vec![Err(format!("backend error: {e}")); plan.len()],
                 Err(msg) => return self.die(msg),
             };
+        // proposals leave the histories: what was accepted comes back as generated tokens
+        for &(i, _, _) in &plan {
+            let s = &mut self.running[i];
+            let keep = s.history.len() - s.drafted;
+            s.history.truncate(keep);
+        }
         self.m.grammar_masks_total += grammars.count;
         self.m.grammar_mask_seconds_total += grammars.seconds;
         // the grammars back into their sequences; one that failed ends its request alone
@@ -798,56 +826,123 @@ impl Loop {
             let s = &mut self.running[i];
             let was_prefill = a < s.prefill_end;
             let prompt_len = s.req.prompt.len();
-            s.cached = b;
-            self.register_full_blocks(i);
-            let s = &mut self.running[i];
+            let drafted = std::mem::take(&mut s.drafted);
+            // the fed token and the accepted proposals are in the KV cache now
+            s.cached = b - drafted + out.accepted.len();
             if was_prefill {
+                self.register_full_blocks(i);
                 // prompt tokens computed (a preempted sequence's recomputation counts once more)
                 self.m.prompt_tokens_total += (b.min(prompt_len).saturating_sub(a)) as u64;
-                if s.prefilling() {
+                if self.running[i].prefilling() {
                     continue; // an intermediate chunk: its sample is not a generated token
                 }
             }
-            s.generated += 1;
-            self.m.generation_tokens_total += 1;
-            match s.last_token_at {
-                None => self
-                    .m
-                    .time_to_first_token_seconds
-                    .observe((now - s.submitted).as_secs_f64()),
-                Some(t) => self
-                    .m
-                    .inter_token_latency_seconds
-                    .observe((now - t).as_secs_f64()),
+            if drafted > 0 {
+                self.m.spec_decode_num_drafts_total += 1;
+                self.m.spec_decode_num_draft_tokens_total += drafted as u64;
+                self.m.spec_decode_num_accepted_tokens_total += out.accepted.len() as u64;
             }
-            s.last_token_at = Some(now);
-            let is_stop = !s.req.ignore_eos && s.req.stop_tokens.contains(&out.token);
-            let mut grammar_done = false;
-            if let (Some(c), false) = (&mut s.req.constraint, is_stop) {
-                if let Err(e) = c.0.commit(out.token) {
-                    ended.push((i, End::Error(format!("the grammar failed: {e}"))));
-                    continue;
+            // the generated tokens: the accepted proposals, then the sample after them
+            let n = out.accepted.len() + 1;
+            let samples = out.accepted.into_iter().chain(std::iter::once(
+                metrale_backend::sampler::Sampled {
+                    token: out.token,
+                    logprob: out.logprob,
+                    top_logprobs: out.top_logprobs,
+                },
+            ));
+            for r in samples {
+                if let Some(end) = self.generated(i, r, now, n) {
+                    ended.push((i, end));
+                    break;
                 }
-                grammar_done = c.0.finished();
             }
-            if is_stop {
-                ended.push((i, End::Stop));
-                continue;
-            }
-            s.history.push(out.token);
-            let ev = Event::Token {
-                id: out.token,
-                logprob: out.logprob,
-                top_logprobs: out.top_logprobs,
-            };
-            self.outbox.push((s.tx.clone(), ev));
-            if grammar_done {
-                ended.push((i, End::Stop)); // the grammar is complete: nothing may follow
-            } else if s.generated >= s.req.max_tokens {
-                ended.push((i, End::Length));
+            if !was_prefill {
+                self.register_full_blocks(i);
             }
         }
         self.end_all(ended);
+    }
+
+    /// Propose tokens for decoding sequence `i` to verify in this step (at most `budget`), append
+    /// them to its history and give it the blocks they need from the free pool (never preempting
+    /// for them); returns how many (0: a plain decode).
+    fn propose(&mut self, i: usize, budget: usize) -> usize {
+        let Some(sp) = &self.cfg.speculation else {
+            return 0;
+        };
+        let s = &self.running[i];
+        if s.req.constraint.is_some() || s.req.embed.is_some() {
+            return 0;
+        }
+        // positions cached + 1 .. stay in the slot; the accepted ones and the sample after them
+        // stay within max_tokens
+        let room = budget
+            .min(self.capacity.saturating_sub(s.cached + 1))
+            .min(s.req.max_tokens.saturating_sub(s.generated + 1));
+        let proposed = sp.propose(&s.history, room).to_vec();
+        let mut n = proposed.len();
+        while n > 0 && self.running[i].blocks.len() < blocks_for(self.running[i].cached + 1 + n) {
+            match self.pool.alloc() {
+                Some(b) => self.running[i].blocks.push(b),
+                None => n = self.running[i].blocks.len() * KV_BLOCK - self.running[i].cached - 1,
+            }
+        }
+        let s = &mut self.running[i];
+        s.history.extend_from_slice(&proposed[..n]);
+        s.drafted = n;
+        n
+    }
+
+    /// Stream generated token `r` of running sequence `i` (one of `n` this step): count it, check
+    /// the stop token, the grammar and the length; returns how the sequence ends, if it does.
+    fn generated(
+        &mut self,
+        i: usize,
+        r: metrale_backend::sampler::Sampled,
+        now: Instant,
+        n: usize,
+    ) -> Option<End> {
+        let s = &mut self.running[i];
+        s.generated += 1;
+        self.m.generation_tokens_total += 1;
+        match s.last_token_at {
+            None => self
+                .m
+                .time_to_first_token_seconds
+                .observe((now - s.submitted).as_secs_f64()),
+            // the n tokens of one verification step share its interval
+            Some(t) => self
+                .m
+                .inter_token_latency_seconds
+                .observe((now - t).as_secs_f64() / n as f64),
+        }
+        s.last_token_at = Some(now);
+        let is_stop = !s.req.ignore_eos && s.req.stop_tokens.contains(&r.token);
+        let mut grammar_done = false;
+        if let (Some(c), false) = (&mut s.req.constraint, is_stop) {
+            if let Err(e) = c.0.commit(r.token) {
+                return Some(End::Error(format!("the grammar failed: {e}")));
+            }
+            grammar_done = c.0.finished();
+        }
+        if is_stop {
+            return Some(End::Stop);
+        }
+        s.history.push(r.token);
+        let ev = Event::Token {
+            id: r.token,
+            logprob: r.logprob,
+            top_logprobs: r.top_logprobs,
+        };
+        self.outbox.push((s.tx.clone(), ev));
+        if grammar_done {
+            Some(End::Stop) // the grammar is complete: nothing may follow
+        } else if s.generated >= s.req.max_tokens {
+            Some(End::Length)
+        } else {
+            None
+        }
     }
 
     /// Finish the running sequences `ended` names (indices into `running`, any order).
@@ -1008,6 +1103,8 @@ fn seq_steps<'a>(running: &'a [Seq], plan: &[(usize, usize, usize)]) -> Vec<SeqS
                 draw: s.generated as u64,
                 want_logits: false,
                 allowed: None,
+                // a decode entry's proposals end its history (prefill chunks have none)
+                drafted: if b == s.history.len() { s.drafted } else { 0 },
             }
         })
         .collect()

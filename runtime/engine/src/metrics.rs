@@ -87,6 +87,12 @@ pub struct MetricsSnapshot {
     /// exported as `metrale:grammar_masks_total` and `metrale:grammar_mask_seconds_total`.
     pub grammar_masks_total: u64,
     pub grammar_mask_seconds_total: f64,
+    /// Speculative decoding: verification steps of one sequence, the tokens they proposed and
+    /// those accepted (vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` /
+    /// `_num_accepted_tokens`).
+    pub spec_decode_num_drafts_total: u64,
+    pub spec_decode_num_draft_tokens_total: u64,
+    pub spec_decode_num_accepted_tokens_total: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     /// Prompt tokens looked up in the prefix cache, and those found (their KV entries reused).
@@ -108,6 +114,9 @@ impl Default for MetricsSnapshot {
             num_preemptions_total: 0,
             grammar_masks_total: 0,
             grammar_mask_seconds_total: 0.0,
+            spec_decode_num_drafts_total: 0,
+            spec_decode_num_draft_tokens_total: 0,
+            spec_decode_num_accepted_tokens_total: 0,
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             prefix_cache_queries_total: 0,
@@ -198,6 +207,25 @@ impl MetricsSnapshot {
             "Prefix cache hits, in terms of number of cached tokens.",
             self.prefix_cache_hits_total.to_string(),
         );
+        for (name, help, v) in [
+            (
+                "spec_decode_num_drafts_total",
+                "Number of spec decoding drafts.",
+                self.spec_decode_num_drafts_total,
+            ),
+            (
+                "spec_decode_num_draft_tokens_total",
+                "Number of draft tokens.",
+                self.spec_decode_num_draft_tokens_total,
+            ),
+            (
+                "spec_decode_num_accepted_tokens_total",
+                "Number of accepted tokens.",
+                self.spec_decode_num_accepted_tokens_total,
+            ),
+        ] {
+            scalar(&mut s, name, "counter", help, v.to_string());
+        }
         scalar(
             &mut s,
             "num_preemptions_total",

@@ -14,6 +14,27 @@ fn engine_with(slots: usize, capacity: usize, prefix_caching: bool) -> EngineHan
 
 /// An engine over a KV pool of `blocks` blocks (0: every slot at full capacity).
 fn engine_kv(slots: usize, capacity: usize, blocks: usize, prefix_caching: bool) -> EngineHandle {
+    engine_model(
+        DType::Q4_1,
+        3,
+        slots,
+        capacity,
+        blocks,
+        prefix_caching,
+        None,
+    )
+}
+
+/// An engine over the tiny model with `dtype` weights from `seed`.
+fn engine_model(
+    dtype: DType,
+    seed: u64,
+    slots: usize,
+    capacity: usize,
+    blocks: usize,
+    prefix_caching: bool,
+    speculation: Option<Speculation>,
+) -> EngineHandle {
     let kv = metrale_backend::KvConfig {
         slots,
         slot_capacity: capacity,
@@ -21,11 +42,12 @@ fn engine_kv(slots: usize, capacity: usize, blocks: usize, prefix_caching: bool)
         dtype: metrale_backend::KvDtype::F32,
     };
     Engine::spawn(
-        Box::new(tiny_backend_kv(DType::Q4_1, 3, kv, 2)),
+        Box::new(tiny_backend_kv(dtype, seed, kv, 2)),
         EngineConfig {
             prefill_chunk: 4,
             max_step_tokens: 6,
             prefix_caching,
+            speculation,
         },
     )
 }
@@ -503,6 +525,7 @@ fn embeddings_pool_every_chunk_and_leave_generation_alone() {
             draw: 0,
             want_logits: false,
             allowed: None,
+            drafted: 0,
         }])
         .unwrap()
         .pop()
@@ -545,4 +568,139 @@ fn embeddings_pool_every_chunk_and_leave_generation_alone() {
             "generation {i} changed beside embeddings"
         );
     }
+}
+
+/// An engine for the speculation tests, with prompt lookup of up to `k` proposals from suffixes
+/// of 1-3 tokens (`None`: off). Its model (f16 weights from seed 5) has greedy output that repeats
+/// in places and wanders in others, so proposals are both accepted and rejected; the Q4_1 model
+/// of the other tests repeats one token forever.
+fn spec_engine(slots: usize, blocks: usize, k: Option<usize>) -> EngineHandle {
+    let speculation = k.map(|tokens| Speculation {
+        tokens,
+        proposer: Proposer::Ngram { min: 1, max: 3 },
+    });
+    engine_model(DType::F16, 5, slots, 64, blocks, true, speculation)
+}
+
+/// Prompts that repeat themselves (prompt lookup has something to propose) and the tiny model's
+/// greedy loops (its output repeats too).
+fn copy_prompts() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|i| {
+            let motif: Vec<u32> = (0..3 + i % 3).map(|j| (i * 13 + j * 7) % 50).collect();
+            motif.iter().cycle().take(9 + i as usize).copied().collect()
+        })
+        .collect()
+}
+
+/// Greedy output with speculation is plain greedy output, token for token (the CPU backend's
+/// rows do not depend on how a sequence's tokens are grouped into steps), with proposals
+/// accepted, rejected, cut by max_tokens, by the slot's end and by a small KV pool; requests
+/// batched, alone, and with prefix-cache hits.
+#[test]
+fn greedy_speculation_gives_plain_greedy_output() {
+    let run = |e: &EngineHandle, max: usize| -> Vec<Vec<u32>> {
+        let rxs: Vec<_> = copy_prompts()
+            .into_iter()
+            .map(|p| {
+                e.submit(GenerateRequest {
+                    ignore_eos: true,
+                    ..req(p, max)
+                })
+                .unwrap()
+            })
+            .collect();
+        rxs.into_iter().map(|rx| collect(rx).0).collect()
+    };
+    for max in [1, 2, 9, 60] {
+        let want = run(&spec_engine(1, 0, None), max);
+        for (k, slots, blocks) in [(1, 3, 0), (4, 3, 0), (4, 1, 0), (7, 2, 0), (4, 3, 9)] {
+            let e = spec_engine(slots, blocks, Some(k));
+            assert_eq!(
+                run(&e, max),
+                want,
+                "k {k}, {slots} slots, {blocks} blocks, max {max}"
+            );
+            let m = e.metrics();
+            assert!(
+                m.spec_decode_num_accepted_tokens_total <= m.spec_decode_num_draft_tokens_total
+            );
+            if max == 60 {
+                assert!(
+                    m.spec_decode_num_accepted_tokens_total > 20,
+                    "proposals must be accepted for the test to mean something: {} of {}",
+                    m.spec_decode_num_accepted_tokens_total,
+                    m.spec_decode_num_draft_tokens_total
+                );
+                assert!(
+                    m.spec_decode_num_accepted_tokens_total < m.spec_decode_num_draft_tokens_total,
+                    "and some rejected"
+                );
+            }
+            assert_eq!(
+                m.generation_tokens_total as usize,
+                want.iter().map(Vec::len).sum::<usize>()
+            );
+        }
+    }
+}
+
+/// A stop token among accepted proposals ends the sequence there, as plain decoding does.
+#[test]
+fn a_stop_token_inside_accepted_proposals_ends_there() {
+    let p = copy_prompts().remove(1);
+    let plain = spec_engine(1, 0, None);
+    let all = collect(
+        plain
+            .submit(GenerateRequest {
+                ignore_eos: true,
+                ..req(p.clone(), 30)
+            })
+            .unwrap(),
+    )
+    .0;
+    let e = spec_engine(1, 0, Some(5));
+    // each token of the plain output in turn as the stop token
+    for (at, &stop) in all.iter().enumerate().skip(1) {
+        let want = all[..all.iter().position(|&t| t == stop).unwrap()].to_vec();
+        let (ids, done) = collect(
+            e.submit(GenerateRequest {
+                stop_tokens: vec![stop],
+                ..req(p.clone(), 30)
+            })
+            .unwrap(),
+        );
+        assert_eq!(ids, want, "stop token {stop} (first at {at})");
+        assert!(matches!(
+            done,
+            Event::Done {
+                reason: FinishReason::Stop,
+                completion_tokens,
+                ..
+            } if completion_tokens == want.len() + 1
+        ));
+    }
+    assert!(e.metrics().spec_decode_num_accepted_tokens_total > 0);
+}
+
+/// Sampled output with speculation is reproducible from its seed.
+#[test]
+fn seeded_sampling_with_speculation_is_reproducible() {
+    let e = spec_engine(2, 0, Some(4));
+    let p = SamplingParams {
+        temperature: 0.7,
+        seed: 77,
+        ..Default::default()
+    };
+    let r = || GenerateRequest {
+        sampling: p.clone(),
+        ignore_eos: true,
+        ..req(copy_prompts().remove(2), 30)
+    };
+    let a = e.submit(r()).unwrap();
+    let b = e.submit(r()).unwrap();
+    let (a, b) = (collect(a).0, collect(b).0);
+    assert_eq!(a.len(), 30);
+    assert_eq!(a, b);
+    assert!(e.metrics().spec_decode_num_drafts_total > 0);
 }

@@ -107,6 +107,25 @@ pub struct Cli {
     #[arg(long, alias = "no-enable-prefix-caching")]
     pub no_prefix_caching: bool,
 
+    /// Speculative decoding: `ngram` proposes the tokens that followed the latest earlier
+    /// occurrence of the sequence's last few tokens (prompt lookup) and verifies them in the decode
+    /// step; output is unchanged (greedy token for token, sampled in distribution). Requests under
+    /// a grammar decode plainly.
+    #[arg(long, value_parser = ["ngram"])]
+    pub speculative: Option<String>,
+
+    /// Most tokens proposed for one sequence in one step (with --speculative).
+    #[arg(long, default_value_t = 4)]
+    pub num_speculative_tokens: usize,
+
+    /// Prompt lookup: the shortest run of last tokens looked up (with --speculative ngram).
+    #[arg(long, default_value_t = 2)]
+    pub prompt_lookup_min: usize,
+
+    /// Prompt lookup: the longest run of last tokens looked up (with --speculative ngram).
+    #[arg(long, default_value_t = 4)]
+    pub prompt_lookup_max: usize,
+
     /// Requests that may wait (being prepared, or queued for a sequence slot) before new ones are
     /// answered 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
@@ -152,6 +171,16 @@ pub fn check(cli: &Cli) -> anyhow::Result<()> {
         anyhow::bail!(
             "--gpu-memory-utilization must be in (0, 1] (got {})",
             cli.gpu_memory_utilization
+        );
+    }
+    if cli.speculative.is_some() && cli.num_speculative_tokens == 0 {
+        anyhow::bail!("--num-speculative-tokens must be at least 1 with --speculative (got 0)");
+    }
+    if cli.prompt_lookup_min == 0 || cli.prompt_lookup_min > cli.prompt_lookup_max {
+        anyhow::bail!(
+            "--prompt-lookup-min ({}) must be at least 1 and at most --prompt-lookup-max ({})",
+            cli.prompt_lookup_min,
+            cli.prompt_lookup_max
         );
     }
     if cli.kv_cache_tokens == Some(0) {

@@ -471,10 +471,15 @@ fn load(
         }
     };
     let vocab = c.vocab;
+    let speculation = speculation(cli, &backend.info())?;
+    if let Some(sp) = &speculation {
+        eprintln!("  speculative decoding: {}", sp.describe());
+    }
     let engine = Engine::spawn(
         backend,
         EngineConfig {
             prefix_caching: !cli.no_prefix_caching,
+            speculation,
             ..EngineConfig::default()
         },
     );
@@ -625,6 +630,35 @@ fn embedding_pooling(
         },
         None => (Pooling::Mean, "the default; --pooling last for the last token's".into()),
     }
+}
+
+/// The engine's speculative decoding from the flags, refused by name on a backend that cannot
+/// verify proposed tokens.
+fn speculation(
+    cli: &Cli,
+    info: &metrale_engine::BackendInfo,
+) -> Result<Option<metrale_engine::Speculation>> {
+    let Some(method) = cli.speculative.as_deref() else {
+        return Ok(None);
+    };
+    if !info.verifies_drafts {
+        bail!(
+            "--speculative {method}: the {} backend does not verify proposed tokens yet; \
+             run without --speculative",
+            info.name
+        );
+    }
+    let proposer = match method {
+        "ngram" => metrale_engine::Proposer::Ngram {
+            min: cli.prompt_lookup_min,
+            max: cli.prompt_lookup_max,
+        },
+        o => bail!("--speculative {o} is not supported; the choices are ngram"),
+    };
+    Ok(Some(metrale_engine::Speculation {
+        tokens: cli.num_speculative_tokens,
+        proposer,
+    }))
 }
 
 #[cfg(test)]

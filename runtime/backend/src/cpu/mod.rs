@@ -563,13 +563,19 @@ impl CpuBackend {
         n as u64
     }
 
-    /// Run the layers over the batch and return the final-normed hidden state of the last position of
-    /// each entry (`[batch.len()][hidden]`). Writes the entries' K/V into their slots.
+    /// Run the layers over the batch and return the final-normed hidden states of the positions
+    /// each entry samples at, its last `drafted + 1`, entries in order (`[rows][hidden]`). Writes
+    /// the entries' K/V into their slots.
     fn forward_hidden(&mut self, batch: &[SeqStep<'_>]) -> Vec<f32> {
         let h = self.dims.hidden;
         let (x, last_rows) = self.forward_layers(batch);
-        let mut out = vec![0f32; batch.len() * h];
-        for (dst, &r) in out.chunks_exact_mut(h).zip(&last_rows) {
+        let rows: Vec<usize> = batch
+            .iter()
+            .zip(&last_rows)
+            .flat_map(|(s, &r)| r - s.drafted..=r)
+            .collect();
+        let mut out = vec![0f32; rows.len() * h];
+        for (dst, &r) in out.chunks_exact_mut(h).zip(&rows) {
             ops::rmsnorm(&x[r * h..(r + 1) * h], &self.out_norm, self.norm_eps, dst);
         }
         out
@@ -915,6 +921,7 @@ impl Backend for CpuBackend {
             kv_dtype: self.kv.dtype,
             weight_bytes: self.weight_bytes(),
             kv_bytes,
+            verifies_drafts: true,
         }
     }
 
@@ -924,24 +931,33 @@ impl Backend for CpuBackend {
         }
         self.validate(batch)?;
         let hidden = self.forward_hidden(batch);
-        let mut logits = self.lm_head(&hidden, batch.len());
         let vocab = self.dims.vocab;
-        for (s, row) in batch.iter().zip(logits.chunks_mut(vocab)) {
+        let mut logits = self.lm_head(&hidden, hidden.len() / self.dims.hidden);
+        // each entry's rows: one, or one per proposal and one after them
+        let mut entries: Vec<&mut [f32]> = Vec::with_capacity(batch.len());
+        let mut rest = &mut logits[..];
+        for s in batch {
+            let (mine, more) = rest.split_at_mut((s.drafted + 1) * vocab);
             if let Some(m) = s.allowed {
-                sampler::apply_mask(row, m);
+                sampler::apply_mask(mine, m); // one row: masks and proposals exclude each other
             }
+            entries.push(mine);
+            rest = more;
         }
         let outs = self.pool.install(|| {
             batch
                 .par_iter()
-                .zip(logits.par_chunks(vocab))
-                .map(|(s, row)| {
-                    let r = sampler::sample(row, s.sampling, s.history, s.draw);
+                .zip(entries.into_par_iter())
+                .map(|(s, rows)| {
+                    let proposed = &s.tokens[s.tokens.len() - s.drafted..];
+                    let (accepted, r) =
+                        sampler::verify_run(rows, vocab, s.sampling, s.history, s.draw, proposed);
                     SeqOutput {
                         token: r.token,
                         logprob: r.logprob,
                         top_logprobs: r.top_logprobs,
-                        logits: s.want_logits.then(|| row.to_vec()),
+                        logits: s.want_logits.then(|| rows[rows.len() - vocab..].to_vec()),
+                        accepted,
                     }
                 })
                 .collect()

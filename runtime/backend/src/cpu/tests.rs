@@ -20,6 +20,7 @@ fn run(b: &mut CpuBackend, slot: usize, start: usize, toks: &[u32], hist: &[u32]
         draw: 0,
         want_logits: true,
         allowed: None,
+        drafted: 0,
     };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
@@ -75,6 +76,7 @@ fn prefill_chunks_decode_and_batching_agree() {
                     draw: 0,
                     want_logits: true,
                     allowed: None,
+                    drafted: 0,
                 },
                 SeqStep {
                     slot: 1,
@@ -86,6 +88,7 @@ fn prefill_chunks_decode_and_batching_agree() {
                     draw: 0,
                     want_logits: true,
                     allowed: None,
+                    drafted: 0,
                 },
             ])
             .unwrap();
@@ -112,6 +115,7 @@ fn invalid_steps_are_refused() {
         draw: 0,
         want_logits: false,
         allowed: None,
+        drafted: 0,
     };
     assert!(b.step(&[bad(3, 0, &[1])]).is_err());
     assert!(b.step(&[bad(0, 31, &[1, 2])]).is_err());
@@ -174,6 +178,7 @@ fn run_table(
         draw: 0,
         want_logits: true,
         allowed: None,
+        drafted: 0,
     };
     b.step(&[s]).unwrap().pop().unwrap().logits.unwrap()
 }
@@ -261,6 +266,7 @@ fn masks_asked_on_demand_constrain_only_their_entries() {
             draw: 0,
             want_logits: false,
             allowed: None,
+            drafted: 0,
         })
         .collect();
     let mut src = Only(Vec::new(), vec![0, 41, 7]);
@@ -290,6 +296,7 @@ fn hidden_states_match_the_step_and_do_not_depend_on_chunks() {
         draw: 0,
         want_logits: false,
         allowed: None,
+        drafted: 0,
     };
     let mut b = tiny(DType::Q4_1);
     let whole = b.hidden(&[entry(0, 11)]).unwrap().pop().unwrap();
@@ -354,4 +361,164 @@ fn route_takes_the_top_k_ties_to_the_lower_index() {
     assert!((rn[0].1 - want).abs() < 1e-6 && (rn[1].1 - want).abs() < 1e-6);
     // one expert of one: weight 1 renormalised
     assert_eq!(route(&[0.5], 1, true), [(0, 1.0)]);
+}
+
+/// The upper tail of the chi-square distribution with `df` degrees of freedom at `x`, by the
+/// Wilson-Hilferty cube-root normal approximation (error below 1e-3 in p for df >= 10) and the
+/// complementary error function of Abramowitz and Stegun 7.1.26 (error below 1.5e-7).
+fn chi_square_p(x: f64, df: usize) -> f64 {
+    let k = df as f64;
+    let z = ((x / k).cbrt() - (1.0 - 2.0 / (9.0 * k))) / (2.0 / (9.0 * k)).sqrt();
+    let erfc = |v: f64| {
+        let t = 1.0 / (1.0 + 0.327_591_1 * v.abs());
+        let poly = t
+            * (0.254_829_592
+                + t * (-0.284_496_736
+                    + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+        let e = poly * (-v * v).exp();
+        if v >= 0.0 {
+            e
+        } else {
+            2.0 - e
+        }
+    };
+    0.5 * erfc(z / std::f64::consts::SQRT_2)
+}
+
+/// Pearson's statistic of `counts` against probabilities `p` (cells expected below 5 pooled into
+/// one) and its degrees of freedom.
+fn chi_square(counts: &[u64], p: &[f64]) -> (f64, usize) {
+    let n: u64 = counts.iter().sum();
+    let (mut x, mut cells, mut small_o, mut small_e) = (0.0, 0usize, 0.0, 0.0);
+    for (&o, &q) in counts.iter().zip(p) {
+        let e = q * n as f64;
+        if e < 5.0 {
+            (small_o, small_e) = (small_o + o as f64, small_e + e);
+            continue;
+        }
+        x += (o as f64 - e).powi(2) / e;
+        cells += 1;
+    }
+    if small_e > 0.0 {
+        x += (small_o - small_e).powi(2) / small_e.max(1e-12);
+        cells += 1;
+    }
+    (x, cells - 1)
+}
+
+/// Rejection sampling keeps the distribution (the issue's exactness bar for sampled output):
+/// 100,000 verification steps of two proposals each on the tiny model, seeds 0..100,000. The
+/// first generated token must be distributed as plain sampling's at that position (its kept
+/// candidates' probabilities), and the second, where the first was the proposal, as plain
+/// sampling's after it; a chi-square test of each with p > 0.01. The proposals are the
+/// second most likely first token (accepted about as often as rejected) and the most likely token
+/// after it; two settings: temperature alone, and with top-k and top-p.
+#[test]
+fn verification_samples_as_plain_sampling_does() {
+    let mut b = super::synthetic::tiny_backend(DType::F16, 5, 1, 32, 2);
+    let prompt: Vec<u32> = vec![4, 17, 29, 3, 11];
+    let probs = |b: &mut CpuBackend, hist: &[u32], p: &SamplingParams| {
+        let row = run(b, 0, 0, hist, hist);
+        let c = crate::sampler::candidates(&row, p);
+        let total: f64 = c.iter().map(|x| x.1).sum();
+        let mut q = vec![0f64; row.len()];
+        for (id, w) in c {
+            q[id as usize] = w / total;
+        }
+        q
+    };
+    let order = |q: &[f64]| {
+        let mut ids: Vec<usize> = (0..q.len()).collect();
+        ids.sort_by(|&a, &b| q[b].total_cmp(&q[a]));
+        ids
+    };
+    // temperatures from the spread of the first row's logits (the random model's are wide), so
+    // that several tokens are likely
+    let row = run(&mut b, 0, 0, &prompt, &prompt);
+    let mut sorted = row.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let t = (sorted[0] - sorted[4]).max(1e-3);
+    let settings = [
+        SamplingParams {
+            temperature: 0.5 * t,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: t,
+            top_k: 12,
+            top_p: 0.9,
+            ..Default::default()
+        },
+    ];
+    let n = 100_000u64;
+    for base in settings {
+        let p0 = probs(&mut b, &prompt, &base);
+        let d1 = order(&p0)[1] as u32;
+        let mut h1 = prompt.clone();
+        h1.push(d1);
+        let p1 = probs(&mut b, &h1, &base);
+        let d2 = order(&p1)[0] as u32;
+        let mut hist = h1.clone();
+        hist.push(d2);
+        let table = crate::slot_blocks(0, 32);
+        let (mut first, mut second) = (vec![0u64; 50], vec![0u64; 50]);
+        for seed in 0..n {
+            let params = SamplingParams {
+                seed,
+                ..base.clone()
+            };
+            let s = SeqStep {
+                slot: 0,
+                start_pos: prompt.len() - 1,
+                tokens: &hist[prompt.len() - 1..],
+                blocks: &table,
+                history: &hist,
+                sampling: &params,
+                draw: 0,
+                want_logits: false,
+                allowed: None,
+                drafted: 2,
+            };
+            let out = b.step(&[s]).unwrap().pop().unwrap();
+            let mut gen = out.accepted.iter().map(|r| r.token).collect::<Vec<_>>();
+            gen.push(out.token);
+            first[gen[0] as usize] += 1;
+            if gen[0] == d1 {
+                second[gen[1] as usize] += 1;
+            }
+        }
+        for (what, counts, p) in [("first", &first, &p0), ("second", &second, &p1)] {
+            let (x, df) = chi_square(counts, p);
+            let pv = chi_square_p(x, df);
+            assert!(
+                pv > 0.01,
+                "{base:?}: the {what} token's counts are not distributed as plain sampling's: \
+                 chi-square {x:.1} on {df} degrees of freedom, p = {pv:.2e}"
+            );
+        }
+        // both branches were taken often, at both positions
+        assert!(
+            first[d1 as usize] > n / 20 && first[d1 as usize] < n * 19 / 20,
+            "{first:?}"
+        );
+        let after = first[d1 as usize];
+        assert!(
+            second[d2 as usize] > after / 20 && second[d2 as usize] < after * 19 / 20,
+            "{second:?}"
+        );
+    }
+}
+
+#[test]
+fn chi_square_tail_matches_tabulated_values() {
+    // 0.01 and 0.5 critical values of the chi-square distribution (standard tables)
+    for (x, df, p) in [
+        (23.209, 10, 0.01),
+        (9.342, 10, 0.5),
+        (37.566, 20, 0.01),
+        (76.154, 50, 0.01),
+    ] {
+        let got = chi_square_p(x, df);
+        assert!((got - p).abs() < 2e-3, "df {df} x {x}: {got} against {p}");
+    }
 }

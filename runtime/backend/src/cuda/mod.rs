@@ -507,6 +507,12 @@ impl CudaBackend {
             self.kv.blocks,
             self.gpu.dims.vocab,
         )?;
+        if let Some(i) = batch.iter().position(|s| s.drafted > 0) {
+            return Err(BackendError::Invalid(format!(
+                "entry {i}: the CUDA backend does not verify proposed tokens yet \
+                 (`verifies_drafts` is false); run without speculative decoding"
+            )));
+        }
         for s in batch {
             self.kv.sync(&self.gpu, s.slot, s.blocks)?;
         }
@@ -637,6 +643,7 @@ impl CudaBackend {
             logprob: lp,
             top_logprobs: Vec::new(),
             logits: None,
+            accepted: Vec::new(),
         })
     }
 
@@ -816,6 +823,7 @@ impl CudaBackend {
                 logprob: f32::from_bits(l),
                 top_logprobs: Vec::new(),
                 logits: None,
+                accepted: Vec::new(),
             };
             let out = if device && greedy && masked[k] {
                 pick(masked_pick[k], masked_pick[nout + k])
@@ -837,6 +845,7 @@ impl CudaBackend {
                     logprob: r.logprob,
                     top_logprobs: r.top_logprobs,
                     logits: s.want_logits.then_some(row),
+                    accepted: Vec::new(),
                 }
             };
             outputs[i] = Some(out);
@@ -883,6 +892,7 @@ impl Backend for CudaBackend {
             kv_dtype: self.kv.dtype,
             weight_bytes: self.w.bytes(),
             kv_bytes: self.kv.bytes(),
+            verifies_drafts: false,
         }
     }
 

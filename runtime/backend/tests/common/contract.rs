@@ -40,6 +40,7 @@ fn step<'a>(
         draw: 0,
         want_logits: false,
         allowed: None,
+        drafted: 0,
     }
 }
 
@@ -75,6 +76,7 @@ fn generate(
                     draw: s as u64,
                     want_logits: logits_at == Some(s),
                     allowed: None,
+                    drafted: 0,
                 }
             })
             .collect();
@@ -195,6 +197,7 @@ pub fn check(b: &mut dyn Backend, vocab: usize, a: &[u32], c: &[u32]) {
                 draw: s as u64,
                 want_logits: false,
                 allowed: None,
+                drafted: 0,
             }])
             .expect("a resumed step");
         hist.push(r[0].token);
