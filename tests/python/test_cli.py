@@ -36,7 +36,8 @@ def test_no_model_flag_is_a_usage_error():
 @pytest.mark.parametrize("flags", [["--parallel", "0"], ["--ctx-size", "0"], ["--threads", "0"], ["--port", "70000"],
                                    ["--num-speculative-tokens", "0", "--speculative", "ngram"],
                                    ["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
-                                   ["--speculative", "eagle"]])
+                                   ["--speculative", "eagle"], ["--speculative", "draft"],
+                                   ["--draft-model", "/x.gguf"]])
 def test_bad_flags_fail_early(flags, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")

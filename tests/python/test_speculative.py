@@ -1,6 +1,8 @@
-"""Speculative decoding (prompt lookup) on the real model over the real API: greedy output and
+"""Speculative decoding on the real model over the real API: with prompt lookup, greedy output and
 logprobs equal the plain server's, token for token, whole and streamed; proposals are accepted
-(the /metrics counters); a request under a grammar runs plainly on the same server."""
+(the /metrics counters); a request under a grammar runs plainly on the same server. With a draft
+model (the model itself, the one other model of its tokenizer at hand), the same output and every
+proposal accepted."""
 
 import json
 import pathlib
@@ -8,7 +10,7 @@ import pathlib
 import httpx
 import pytest
 
-from conftest import API_KEY, start_server, stop_server
+from conftest import API_KEY, model_path, start_server, stop_server
 
 TEXT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "perplexity" / "text.txt"
 
@@ -91,3 +93,23 @@ def test_a_grammar_request_runs_plainly_beside_speculation(client, spec_client):
     got = chat(spec_client, p, response_format=fmt).choices[0].message.content
     assert got == want
     assert set(json.loads(got)) == {"name", "year"}
+
+
+def test_a_draft_model_gives_the_plain_output(client, tmp_path):
+    s = start_server(tmp_path / "server.log", ["--ctx-size", "1024", "--parallel", "2", "--api-key", API_KEY,
+                                               "--speculative", "draft", "--draft-model", model_path(),
+                                               "--num-speculative-tokens", "3"])
+    try:
+        import openai
+
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        assert "speculative decoding: a draft model" in s.log() and "draft model:" in s.log()
+        p = "Write three sentences about the sea."
+        want = chat(client, p, max_tokens=48).choices[0].message.content
+        assert chat(c, p, max_tokens=48).choices[0].message.content == want
+        n = spec_counts(s.base)
+        # the draft is the model itself on the same backend: its greedy choice is the model's
+        assert n["vllm:spec_decode_num_draft_tokens_total"] > 20
+        assert n["vllm:spec_decode_num_accepted_tokens_total"] == n["vllm:spec_decode_num_draft_tokens_total"]
+    finally:
+        stop_server(s.proc)

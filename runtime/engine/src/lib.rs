@@ -255,6 +255,18 @@ pub struct EngineHandle {
 impl Engine {
     /// Start the engine loop on its own thread, owning `backend`.
     pub fn spawn(backend: Box<dyn Backend>, cfg: EngineConfig) -> EngineHandle {
+        Engine::spawn_with_draft(backend, None, cfg)
+    }
+
+    /// [`Engine::spawn`] with the draft model of `Proposer::Draft`: a backend of the same
+    /// vocabulary with at least the target's slots and context, its KV pool laid out
+    /// [`metrale_backend::KvConfig::per_slot`]. Without it (or a backend that does not verify),
+    /// a draft configuration decodes plainly.
+    pub fn spawn_with_draft(
+        backend: Box<dyn Backend>,
+        draft: Option<Box<dyn Backend>>,
+        cfg: EngineConfig,
+    ) -> EngineHandle {
         let info = backend.info();
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
@@ -269,7 +281,7 @@ impl Engine {
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
             .name("metrale-engine".into())
-            .spawn(move || Loop::new(backend, cfg, rx, weak).run())
+            .spawn(move || Loop::new(backend, draft, cfg, rx, weak).run())
             .expect("spawning the engine thread");
         EngineHandle { shared }
     }
@@ -380,6 +392,9 @@ struct Seq {
     hidden: HiddenSums,
     /// Proposed tokens at the end of `history` during a step (verified by it; 0 otherwise).
     drafted: usize,
+    /// Tokens of `history` in the draft model's KV cache (`Proposer::Draft`), in its slot's run of
+    /// blocks (`slot_blocks`).
+    draft_cached: usize,
 }
 
 impl Seq {
@@ -420,6 +435,14 @@ struct Loop {
     /// Events of this iteration, sent after the metrics are published (so a client that has seen
     /// `Done` reads metrics that count its request).
     outbox: Vec<(tmpsc::UnboundedSender<Event>, Event)>,
+    /// The draft model of `Proposer::Draft`.
+    draft: Option<Draft>,
+}
+
+/// A draft model: a second backend with as many slots as the target's, each sequence in its
+/// slot's own run of blocks (`KvConfig::per_slot`).
+struct Draft {
+    backend: Box<dyn Backend>,
 }
 
 enum End {
@@ -432,6 +455,7 @@ enum End {
 impl Loop {
     fn new(
         backend: Box<dyn Backend>,
+        draft: Option<Box<dyn Backend>>,
         cfg: EngineConfig,
         rx: mpsc::Receiver<Submitted>,
         shared: std::sync::Weak<Shared>,
@@ -442,9 +466,11 @@ impl Loop {
             cfg: EngineConfig {
                 prefill_chunk: cfg.prefill_chunk.max(1),
                 max_step_tokens: cfg.max_step_tokens.max(1),
-                speculation: cfg
-                    .speculation
-                    .filter(|sp| info.verifies_drafts && sp.tokens > 0),
+                speculation: cfg.speculation.filter(|sp| {
+                    info.verifies_drafts
+                        && sp.tokens > 0
+                        && (sp.proposer != Proposer::Draft || draft.is_some())
+                }),
                 ..cfg
             },
             rx,
@@ -457,6 +483,7 @@ impl Loop {
             capacity: info.slot_capacity,
             m: MetricsSnapshot::default(),
             outbox: Vec::new(),
+            draft: draft.map(|backend| Draft { backend }),
         }
     }
 
@@ -558,6 +585,7 @@ impl Loop {
                         order: 0,
                         hidden: HiddenSums::default(),
                         drafted: 0,
+                        draft_cached: 0,
                     };
                     (seq, true)
                 }
@@ -646,11 +674,15 @@ impl Loop {
         s.blocks.clear();
         s.keys.clear();
         s.cached = 0;
+        s.draft_cached = 0;
         // an embedding pools its tokens again; recompute everything but the last generated
         // token, which the next decode feeds
         s.hidden = HiddenSums::default();
         s.prefill_end = s.history.len();
         self.backend.release(s.slot);
+        if let Some(d) = &mut self.draft {
+            d.backend.release(s.slot);
+        }
         self.free.push(s.slot);
         self.m.num_preemptions_total += 1;
         self.waiting.push_front(Waiting::Preempted(s));
@@ -691,13 +723,13 @@ impl Loop {
         // (running index, tokens range in history) per batch entry: decodes first (each with the
         // tokens proposed for it, appended to its history for the step), then prefill chunks.
         let mut plan: Vec<(usize, usize, usize)> = Vec::new();
-        let decodes = self.running.iter().filter(|s| !s.prefilling()).count();
-        let mut budget = self.cfg.max_step_tokens.saturating_sub(decodes);
-        for i in 0..self.running.len() {
-            if self.running[i].prefilling() {
-                continue;
-            }
-            let drafted = self.propose(i, budget);
+        let decoding: Vec<usize> = (0..self.running.len())
+            .filter(|&i| !self.running[i].prefilling())
+            .collect();
+        let mut budget = self.cfg.max_step_tokens.saturating_sub(decoding.len());
+        let proposals = self.proposals(&decoding, budget);
+        for (&i, proposed) in decoding.iter().zip(proposals) {
+            let drafted = self.take_proposals(i, &proposed);
             budget -= drafted;
             let s = &self.running[i];
             plan.push((i, s.cached, s.cached + 1 + drafted));
@@ -827,8 +859,10 @@ impl Loop {
             let was_prefill = a < s.prefill_end;
             let prompt_len = s.req.prompt.len();
             let drafted = std::mem::take(&mut s.drafted);
-            // the fed token and the accepted proposals are in the KV cache now
+            // the fed token and the accepted proposals are in the KV cache now (and in the draft
+            // model's, up to what it was fed)
             s.cached = b - drafted + out.accepted.len();
+            s.draft_cached = s.draft_cached.min(s.cached);
             if was_prefill {
                 self.register_full_blocks(i);
                 // prompt tokens computed (a preempted sequence's recomputation counts once more)
@@ -864,23 +898,118 @@ impl Loop {
         self.end_all(ended);
     }
 
-    /// Propose tokens for decoding sequence `i` to verify in this step (at most `budget`), append
-    /// them to its history and give it the blocks they need from the free pool (never preempting
-    /// for them); returns how many (0: a plain decode).
-    fn propose(&mut self, i: usize, budget: usize) -> usize {
+    /// Proposals for the decoding sequences `decoding` (indices into `running`) to verify in this
+    /// step, at most `budget` in all: none for a sequence under a grammar, none past its slot or its
+    /// `max_tokens`.
+    fn proposals(&mut self, decoding: &[usize], mut budget: usize) -> Vec<Vec<u32>> {
         let Some(sp) = &self.cfg.speculation else {
-            return 0;
+            return vec![Vec::new(); decoding.len()];
         };
-        let s = &self.running[i];
-        if s.req.constraint.is_some() || s.req.embed.is_some() {
-            return 0;
+        // room: positions cached + 1 .. stay in the slot; the accepted ones and the sample after
+        // them stay within max_tokens
+        let rooms: Vec<usize> = decoding
+            .iter()
+            .map(|&i| {
+                let s = &self.running[i];
+                if s.req.constraint.is_some() || s.req.embed.is_some() {
+                    return 0;
+                }
+                let room = sp
+                    .tokens
+                    .min(budget)
+                    .min(self.capacity.saturating_sub(s.cached + 1))
+                    .min(s.req.max_tokens.saturating_sub(s.generated + 1));
+                budget -= room;
+                room
+            })
+            .collect();
+        match sp.proposer {
+            Proposer::Ngram { min, max } => decoding
+                .iter()
+                .zip(&rooms)
+                .map(|(&i, &room)| spec::ngram(&self.running[i].history, min, max, room).to_vec())
+                .collect(),
+            Proposer::Draft => self.draft_proposals(decoding, &rooms),
         }
-        // positions cached + 1 .. stay in the slot; the accepted ones and the sample after them
-        // stay within max_tokens
-        let room = budget
-            .min(self.capacity.saturating_sub(s.cached + 1))
-            .min(s.req.max_tokens.saturating_sub(s.generated + 1));
-        let proposed = sp.propose(&s.history, room).to_vec();
+    }
+
+    /// The draft model's greedy proposals (`Proposer::Draft`): one step brings each sequence's
+    /// draft KV up to its history and samples the first proposal, then one step per further
+    /// proposal, all sequences batched. A draft model that fails or panics proposes nothing (its
+    /// state is unknown after a panic: it is dropped and the engine decodes plainly from then on).
+    fn draft_proposals(&mut self, decoding: &[usize], rooms: &[usize]) -> Vec<Vec<u32>> {
+        let mut props: Vec<Vec<u32>> = vec![Vec::new(); decoding.len()];
+        let Some(draft) = self.draft.as_mut() else {
+            return props;
+        };
+        let greedy = SamplingParams::default();
+        let mut hist: Vec<Vec<u32>> = decoding
+            .iter()
+            .map(|&i| self.running[i].history.clone())
+            .collect();
+        let mut done: Vec<usize> = decoding
+            .iter()
+            .map(|&i| self.running[i].draft_cached)
+            .collect();
+        let tables: Vec<Vec<u32>> = decoding
+            .iter()
+            .map(|&i| metrale_backend::slot_blocks(self.running[i].slot, self.capacity))
+            .collect();
+        loop {
+            let active: Vec<usize> = (0..decoding.len())
+                .filter(|&w| props[w].len() < rooms[w])
+                .collect();
+            if active.is_empty() {
+                break;
+            }
+            let steps: Vec<SeqStep<'_>> = active
+                .iter()
+                .map(|&w| SeqStep {
+                    slot: self.running[decoding[w]].slot,
+                    start_pos: done[w],
+                    tokens: &hist[w][done[w]..],
+                    blocks: &tables[w],
+                    history: &hist[w],
+                    sampling: &greedy,
+                    draw: 0,
+                    want_logits: false,
+                    allowed: None,
+                    drafted: 0,
+                })
+                .collect();
+            let backend = &mut draft.backend;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps)));
+            let outs = match r {
+                Ok(Ok(outs)) if outs.len() == active.len() => outs,
+                Ok(_) => break, // refused: what was proposed so far stands
+                Err(p) => {
+                    eprintln!(
+                        "speculative decoding is off from now on: the draft model failed: {}",
+                        panic_message(p)
+                    );
+                    self.draft = None;
+                    for &i in decoding {
+                        self.running[i].draft_cached = 0;
+                    }
+                    return vec![Vec::new(); decoding.len()];
+                }
+            };
+            for (&w, out) in active.iter().zip(outs) {
+                done[w] = hist[w].len();
+                hist[w].push(out.token);
+                props[w].push(out.token);
+            }
+        }
+        for (&i, d) in decoding.iter().zip(done) {
+            self.running[i].draft_cached = d;
+        }
+        props
+    }
+
+    /// Give decoding sequence `i` the blocks its proposals need from the free pool (never
+    /// preempting for them; the ones that do not fit are dropped) and append them to its history
+    /// for the step; returns how many it carries (0: a plain decode).
+    fn take_proposals(&mut self, i: usize, proposed: &[u32]) -> usize {
         let mut n = proposed.len();
         while n > 0 && self.running[i].blocks.len() < blocks_for(self.running[i].cached + 1 + n) {
             match self.pool.alloc() {
@@ -1045,6 +1174,9 @@ impl Loop {
     fn finish(&mut self, i: usize, end: End) {
         let s = self.running.swap_remove(i);
         self.backend.release(s.slot);
+        if let Some(d) = &mut self.draft {
+            d.backend.release(s.slot);
+        }
         self.free.push(s.slot);
         // registered full blocks stay cached for later prompts; the others are free again
         for &b in &s.blocks {

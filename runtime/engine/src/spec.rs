@@ -12,6 +12,10 @@
 //!   up in everything before them, prompt and output; the tokens that followed their latest earlier
 //!   occurrence are proposed. Free to compute and right where the output copies its input (editing,
 //!   quoting, code, extraction).
+//! - **a draft model** ([`Proposer::Draft`], llama.cpp's `--model-draft`, vLLM's draft method): a
+//!   smaller model of the same tokenizer, on its own KV cache, proposes greedily, `k` steps of its
+//!   own per verification step. Its cache follows each sequence: after a verification it is valid
+//!   up to the last proposal it was fed that was accepted, and the next round feeds the rest.
 //!
 //! Invariants: a proposal never asks for positions past the slot or tokens past `max_tokens`; a
 //! sequence under a grammar is never speculated on (a mask decides one token at a time).
@@ -29,22 +33,20 @@ pub struct Speculation {
 pub enum Proposer {
     /// Prompt lookup over the sequence's own tokens, suffixes of `min..=max` tokens.
     Ngram { min: usize, max: usize },
+    /// The engine's draft model (`Engine::spawn_with_draft`), greedy.
+    Draft,
 }
 
 impl Speculation {
-    /// Up to `room` tokens proposed to follow `history`.
-    pub fn propose<'h>(&self, history: &'h [u32], room: usize) -> &'h [u32] {
-        let k = self.tokens.min(room);
-        match self.proposer {
-            Proposer::Ngram { min, max } => ngram(history, min, max, k),
-        }
-    }
-
     /// The settings in words, for the start-up line.
     pub fn describe(&self) -> String {
         match self.proposer {
             Proposer::Ngram { min, max } => format!(
                 "prompt lookup (n-grams of {min}-{max} tokens), up to {} proposed tokens a step",
+                self.tokens
+            ),
+            Proposer::Draft => format!(
+                "a draft model, greedy, up to {} proposed tokens a step",
                 self.tokens
             ),
         }

@@ -704,3 +704,74 @@ fn seeded_sampling_with_speculation_is_reproducible() {
     assert_eq!(a, b);
     assert!(e.metrics().spec_decode_num_drafts_total > 0);
 }
+
+/// An engine with a draft model: the tiny model with `dtype` weights from `seed`, proposing up to
+/// `k` tokens, beside the f16 seed-5 target of `spec_engine`.
+fn draft_engine(slots: usize, blocks: usize, k: usize, dtype: DType, seed: u64) -> EngineHandle {
+    let kv = metrale_backend::KvConfig {
+        slots,
+        slot_capacity: 64,
+        blocks,
+        dtype: metrale_backend::KvDtype::F32,
+    };
+    let draft = tiny_backend_kv(
+        dtype,
+        seed,
+        metrale_backend::KvConfig::per_slot(slots, 64),
+        2,
+    );
+    Engine::spawn_with_draft(
+        Box::new(tiny_backend_kv(DType::F16, 5, kv, 2)),
+        Some(Box::new(draft)),
+        EngineConfig {
+            prefill_chunk: 4,
+            max_step_tokens: 12,
+            prefix_caching: true,
+            speculation: Some(Speculation {
+                tokens: k,
+                proposer: Proposer::Draft,
+            }),
+        },
+    )
+}
+
+/// Greedy output with a draft model is plain greedy output: with the target itself as the draft
+/// (every proposal accepted), with a draft in another precision (most accepted) and with an
+/// unrelated one (few accepted); batched, alone, and with a pool short enough to preempt.
+#[test]
+fn greedy_draft_model_speculation_gives_plain_greedy_output() {
+    let run = |e: &EngineHandle| -> Vec<Vec<u32>> {
+        let rxs: Vec<_> = prompts()
+            .into_iter()
+            .chain(copy_prompts())
+            .map(|p| {
+                e.submit(GenerateRequest {
+                    ignore_eos: true,
+                    ..req(p, 40)
+                })
+                .unwrap()
+            })
+            .collect();
+        rxs.into_iter().map(|rx| collect(rx).0).collect()
+    };
+    let want = run(&spec_engine(1, 0, None));
+    for (dtype, seed, k, slots, blocks, min_rate, max_rate) in [
+        (DType::F16, 5, 4, 3, 0, 1.0, 1.0),
+        (DType::F16, 5, 3, 1, 0, 1.0, 1.0),
+        (DType::BF16, 5, 4, 3, 0, 0.8, 1.0),
+        (DType::Q4_1, 3, 5, 2, 0, 0.0, 0.5),
+        (DType::F16, 5, 4, 3, 9, 1.0, 1.0),
+    ] {
+        let e = draft_engine(slots, blocks, k, dtype, seed);
+        let what = format!("draft {dtype:?} seed {seed}, k {k}, {slots} slots, {blocks} blocks");
+        assert_eq!(run(&e), want, "{what}");
+        let m = e.metrics();
+        let rate = m.spec_decode_num_accepted_tokens_total as f64
+            / m.spec_decode_num_draft_tokens_total.max(1) as f64;
+        assert!(m.spec_decode_num_draft_tokens_total > 100, "{what}: {m:?}");
+        assert!(
+            (min_rate..=max_rate).contains(&rate),
+            "{what}: acceptance {rate:.3} outside {min_rate}..={max_rate}"
+        );
+    }
+}

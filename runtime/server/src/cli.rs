@@ -111,8 +111,14 @@ pub struct Cli {
     /// occurrence of the sequence's last few tokens (prompt lookup) and verifies them in the decode
     /// step; output is unchanged (greedy token for token, sampled in distribution). Requests under
     /// a grammar decode plainly.
-    #[arg(long, value_parser = ["ngram"])]
+    /// `draft` proposes with a smaller model of the same tokenizer (--draft-model), greedily, on
+    /// its own KV cache.
+    #[arg(long, value_parser = ["ngram", "draft"])]
     pub speculative: Option<String>,
+
+    /// The draft model of --speculative draft (GGUF or HF folder, same tokenizer as --model).
+    #[arg(long, visible_alias = "model-draft")]
+    pub draft_model: Option<PathBuf>,
 
     /// Most tokens proposed for one sequence in one step (with --speculative).
     #[arg(long, default_value_t = 4)]
@@ -175,6 +181,17 @@ pub fn check(cli: &Cli) -> anyhow::Result<()> {
     }
     if cli.speculative.is_some() && cli.num_speculative_tokens == 0 {
         anyhow::bail!("--num-speculative-tokens must be at least 1 with --speculative (got 0)");
+    }
+    match (cli.speculative.as_deref(), &cli.draft_model) {
+        (Some("draft"), None) => {
+            anyhow::bail!("--speculative draft needs --draft-model PATH (a smaller model of the same tokenizer)")
+        }
+        (s, Some(_)) if s != Some("draft") => {
+            anyhow::bail!(
+                "--draft-model is used with --speculative draft; add it, or drop --draft-model"
+            )
+        }
+        _ => {}
     }
     if cli.prompt_lookup_min == 0 || cli.prompt_lookup_min > cli.prompt_lookup_max {
         anyhow::bail!(

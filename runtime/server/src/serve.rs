@@ -475,8 +475,13 @@ fn load(
     if let Some(sp) = &speculation {
         eprintln!("  speculative decoding: {}", sp.describe());
     }
-    let engine = Engine::spawn(
+    let draft = match &cli.draft_model {
+        Some(p) => Some(load_draft(p, &model, kv, cli)?),
+        None => None,
+    };
+    let engine = Engine::spawn_with_draft(
         backend,
+        draft,
         EngineConfig {
             prefix_caching: !cli.no_prefix_caching,
             speculation,
@@ -632,6 +637,53 @@ fn embedding_pooling(
     }
 }
 
+/// The draft model of `--speculative draft` on the CPU backend, a KV run per slot of the
+/// target's context: refused unless its tokenizer is the target's, token for token.
+fn load_draft(
+    path: &std::path::Path,
+    target: &Model,
+    kv: KvConfig,
+    cli: &Cli,
+) -> Result<Box<dyn Backend>> {
+    let t = Instant::now();
+    let draft =
+        Model::load(path).with_context(|| format!("loading the draft model {}", path.display()))?;
+    let (a, b) = (&target.tokenizer, &draft.tokenizer);
+    if a.vocab_size() != b.vocab_size() || draft.config.vocab != target.config.vocab {
+        bail!(
+            "the draft model {} has a vocabulary of {} tokens, the model {}: a draft model must share \
+             the model's tokenizer",
+            path.display(),
+            draft.config.vocab,
+            target.config.vocab
+        );
+    }
+    if let Some(id) =
+        (0..a.vocab_size() as u32).find(|&i| a.token_bytes_ref(i) != b.token_bytes_ref(i))
+    {
+        bail!(
+            "the draft model {} has another tokenizer: token {id} is {:?} there and {:?} in the model; \
+             a draft model must share the model's tokenizer",
+            path.display(),
+            String::from_utf8_lossy(b.token_bytes_ref(id)),
+            String::from_utf8_lossy(a.token_bytes_ref(id))
+        );
+    }
+    let kv = KvConfig::per_slot(kv.slots, kv.slot_capacity);
+    let backend = load_backend(None, &draft, kv, cli)
+        .with_context(|| format!("loading the draft model {}", path.display()))?;
+    eprintln!(
+        "  draft model: {} ({} layers, hidden {}), weights {}, on {} [{:.1} s]",
+        draft.config.name,
+        draft.config.n_layers,
+        draft.config.hidden,
+        human_bytes(draft.weights.total_bytes()),
+        backend.info().device,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(backend)
+}
+
 /// The engine's speculative decoding from the flags, refused by name on a backend that cannot
 /// verify proposed tokens.
 fn speculation(
@@ -653,7 +705,8 @@ fn speculation(
             min: cli.prompt_lookup_min,
             max: cli.prompt_lookup_max,
         },
-        o => bail!("--speculative {o} is not supported; the choices are ngram"),
+        "draft" => metrale_engine::Proposer::Draft,
+        o => bail!("--speculative {o} is not supported; the choices are ngram, draft"),
     };
     Ok(Some(metrale_engine::Speculation {
         tokens: cli.num_speculative_tokens,
