@@ -7,11 +7,14 @@ is bound by reading the weights and speculation pays). The passages are cut from
 `bench/perplexity/text.txt` (CPython's pydoc topics, PSF licence), so the run is the same on every
 machine.
 
-For each request it records the completion text, its tokens (`usage`) and the wall time; from the
+Requests stream; for each it records the completion text, its tokens (`usage`), the time to its
+first piece and from the first piece to the last (the decode, which speculation speeds; the
+prompt's prefill is the same with or without it); from the
 server's /metrics before and after, the speculative counters (metrale and vLLM:
 `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
 `..._num_accepted_tokens_total`), or llama-server's per-response `timings.draft_n` and
-`draft_n_accepted`. It reports output tok/s (tokens over the summed request times), the
+`draft_n_accepted`. It reports decode tok/s (the tokens after the first over the summed decode
+times), the
 acceptance rate (accepted over proposed) and the mean accepted length (tokens a verification step
 produced: 1 + accepted / drafts).
 
@@ -94,18 +97,38 @@ def spec_counters(base):
 
 
 def one(args, text):
+    """One streamed request: its text, token counts, and the times of its first and last pieces."""
     body = {"model": args.model, "messages": [{"role": "user", "content": text}],
-            "max_tokens": args.max_tokens, "temperature": 0, "seed": 0}
+            "max_tokens": args.max_tokens, "temperature": 0, "seed": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    u = urllib.parse.urlparse(args.base)
     t0 = time.perf_counter()
-    status, data = http_json(args.base, "POST", "/v1/chat/completions", body, args.timeout)
-    dt = time.perf_counter() - t0
-    if status != 200:
-        raise SystemExit(f"request failed: HTTP {status}: {data[:500]!r}")
-    r = json.loads(data)
-    timings = r.get("timings") or {}
-    return {"seconds": dt, "prompt_tokens": r["usage"]["prompt_tokens"],
-            "completion_tokens": r["usage"]["completion_tokens"],
-            "text": r["choices"][0]["message"].get("content") or "",
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=args.timeout)
+    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = c.getresponse()
+    if resp.status != 200:
+        raise SystemExit(f"request failed: HTTP {resp.status}: {resp.read(500)!r}")
+    pieces, usage, timings, first, last = [], {}, {}, None, None
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        ev = json.loads(line[5:])
+        usage = ev.get("usage") or usage
+        timings = ev.get("timings") or timings
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content")
+            if piece:
+                last = time.perf_counter()
+                first = first or last
+                pieces.append(piece)
+    c.close()
+    t1 = time.perf_counter()
+    n = usage.get("completion_tokens", len(pieces))
+    return {"seconds": t1 - t0, "first_token_s": (first or t1) - t0,
+            # decode alone: the tokens after the first over the time from the first to the last
+            "decode_seconds": (last or t1) - (first or t1),
+            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": n, "text": "".join(pieces),
             # llama-server's own counts, where it gives them
             "draft_n": timings.get("draft_n"), "draft_n_accepted": timings.get("draft_n_accepted")}
 
@@ -135,15 +158,17 @@ def main():
         c["draft_tokens"] = float(sum(r["draft_n"] or 0 for r in results))
         c["accepted"] = float(sum(r["draft_n_accepted"] or 0 for r in results))
     tokens = sum(r["completion_tokens"] for r in results)
-    secs = sum(r["seconds"] for r in results)
-    per_req = [r["completion_tokens"] / r["seconds"] for r in results if r["seconds"] > 0]
+    decode_tokens = sum(r["completion_tokens"] - 1 for r in results)
+    decode_secs = sum(r["decode_seconds"] for r in results)
+    per_req = [(r["completion_tokens"] - 1) / r["decode_seconds"] for r in results if r["decode_seconds"] > 0]
     summary = {
         "label": args.label,
         "requests": len(results),
         "completion_tokens": tokens,
-        "prompt_tokens": sum(r["prompt_tokens"] for r in results),
-        "tok_per_s": tokens / secs,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in results),
+        "tok_per_s": decode_tokens / decode_secs,
         "tok_per_s_median_request": statistics.median(per_req),
+        "time_to_first_token_s_median": statistics.median(r["first_token_s"] for r in results),
         "proposed_tokens": c["draft_tokens"],
         "accepted_tokens": c["accepted"],
         "acceptance": c["accepted"] / c["draft_tokens"] if c["draft_tokens"] else None,

@@ -6,18 +6,21 @@
 //! model uses one), the first half is context and every later position predicts the next token:
 //! -log softmax(logits)[next] summed over positions ctx/2 .. ctx-2 of every chunk, perplexity =
 //! exp(mean). The uncertainty is llama-perplexity's: the standard error of the mean negative log
-//! likelihood carried through exp. The context half is prefilled in one step, then each scored
-//! token is fed alone (`teacher_forced_logits`: the decode path, whose numerics the server uses).
+//! likelihood carried through exp. Each chunk is one step where the backend verifies proposed
+//! tokens (the CPU backend: rows the same bits as the decode path's), else its context half is
+//! prefilled and each scored token fed alone (`teacher_forced_logits`: the decode path).
 //!
 //! With `--reference MODEL2` the same positions also run on a second checkpoint (same tokenizer,
 //! e.g. a less quantized file): its perplexity, the share of positions where both pick the same
 //! top-1 token, and the mean KL divergence KL(reference || model) of the next-token distributions.
 //!
 //! Usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact]
-//!                   [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]
+//!                   [--one-token] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]
 //! - default backend: cpu (f32 KV cache; `--exact`: f32 activations); `--cuda` as golden_check's
 //!   (the reference then runs on the CPU backend);
-//! - `--chunks N`: the first N chunks only (default all).
+//! - `--chunks N`: the first N chunks only (default all);
+//! - `--one-token`: feed each scored token alone even where the backend gives a chunk's rows
+//!   from one step (the CPU backend: the same bits, ~20x slower; a check of that claim).
 
 #[path = "shared/tool.rs"]
 mod tool;
@@ -50,16 +53,46 @@ fn kl(p: &[f32], q: &[f32]) -> f64 {
         .sum()
 }
 
-/// Negative log likelihoods (and the rows' top-1 ids) of one chunk's scored positions.
-fn score(b: &mut dyn Backend, chunk: &[u32]) -> (Vec<f64>, Vec<Vec<f32>>) {
+/// Negative log likelihoods (and the logits rows) of one chunk's scored positions. A backend
+/// that verifies proposed tokens gives every scored row from one step (the chunk's tokens after
+/// the context half fed as proposals: `SeqStep::drafted` with `want_logits`); the CPU backend's
+/// rows are the same bits as feeding the tokens one at a time. Otherwise (or with `--one-token`)
+/// the context half is prefilled and each scored token fed alone.
+fn score(
+    b: &mut dyn Backend,
+    chunk: &[u32],
+    vocab: usize,
+    one_token: bool,
+) -> (Vec<f64>, Vec<Vec<f32>>) {
     let first = chunk.len() / 2;
-    let rows = metrale_backend::teacher_forced_logits(
-        b,
-        &chunk[..=first],
-        &chunk[first + 1..chunk.len() - 1],
-        None,
-    )
-    .expect("step");
+    let rows = if b.info().verifies_drafts && !one_token {
+        let table = metrale_backend::slot_blocks(0, b.info().slot_capacity);
+        let p = metrale_backend::sampler::SamplingParams::default();
+        let toks = &chunk[..chunk.len() - 1];
+        let s = metrale_backend::SeqStep {
+            slot: 0,
+            start_pos: 0,
+            tokens: toks,
+            blocks: &table,
+            history: toks,
+            sampling: &p,
+            draw: 0,
+            want_logits: true,
+            allowed: None,
+            drafted: toks.len() - 1 - first,
+        };
+        let out = b.step(&[s]).expect("step").pop().expect("one output");
+        let flat = out.logits.expect("the rows asked for");
+        flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
+    } else {
+        metrale_backend::teacher_forced_logits(
+            b,
+            &chunk[..=first],
+            &chunk[first + 1..chunk.len() - 1],
+            None,
+        )
+        .expect("step")
+    };
     let nll = rows
         .iter()
         .enumerate()
@@ -79,7 +112,7 @@ fn ppl(nll: &[f64]) -> (f64, f64) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]");
+        eprintln!("usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact] [--one-token] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]");
         std::process::exit(2);
     }
     let ctx: usize = opt(&args, "--ctx").map_or(512, |v| v.parse().expect("--ctx N"));
@@ -88,6 +121,7 @@ fn main() {
         std::process::exit(2);
     }
     let exact = args.iter().any(|a| a == "--exact");
+    let one_token = args.iter().any(|a| a == "--one-token");
     let m = metrale_model::Model::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| {
         eprintln!("{}: {e}", args[1]);
         std::process::exit(1)
@@ -146,10 +180,10 @@ fn main() {
         if let Some(bos) = bos {
             chunk[0] = bos;
         }
-        let (v, rows) = score(b.as_mut(), &chunk);
+        let (v, rows) = score(b.as_mut(), &chunk, m.config.vocab, one_token);
         nll.extend_from_slice(&v);
         if let Some((_, rb)) = reference.as_mut() {
-            let (vr, rrows) = score(rb.as_mut(), &chunk);
+            let (vr, rrows) = score(rb.as_mut(), &chunk, m.config.vocab, one_token);
             nll_ref.extend_from_slice(&vr);
             for (x, y) in rows.iter().zip(&rrows) {
                 same += (metrale_backend::cpu::ops::argmax(x)
@@ -171,6 +205,7 @@ fn main() {
         "bos": bos,
         "backend": b.info().name,
         "exact_activations": exact,
+        "one_step_a_chunk": b.info().verifies_drafts && !one_token,
         "perplexity": p,
         "perplexity_err": e,
         "seconds": t0.elapsed().as_secs_f64(),

@@ -98,7 +98,8 @@ pub struct SeqStep<'a> {
     /// Index of this sampling draw in the sequence (0 for the first generated token): with the seed,
     /// it fixes the random number used, so the same seed gives the same output on every backend.
     pub draw: u64,
-    /// Return the full logits row of the last position (tests and logprob-heavy callers only).
+    /// Return the full logits row of the last position (tests and logprob-heavy callers only); of
+    /// a verification entry (`drafted` > 0), the rows of its last `drafted + 1` positions.
     pub want_logits: bool,
     /// The tokens the next one may be (a grammar's mask: bit `t % 32` of word `t / 32`), applied to
     /// the logits before sampling ([`sampler::apply_mask`]); `None`: any token.
@@ -122,7 +123,8 @@ pub struct SeqOutput {
     pub logprob: f32,
     /// The `sampling.top_logprobs` most likely tokens with their logprobs, best first.
     pub top_logprobs: Vec<(u32, f32)>,
-    /// Logits of the last position when `want_logits` was set.
+    /// Logits of the last position when `want_logits` was set (`[vocab]`); of a verification
+    /// entry's last `drafted + 1` positions (`[drafted + 1][vocab]`).
     pub logits: Option<Vec<f32>>,
     /// The proposals of a verification step (`SeqStep::drafted`) that were accepted, in order, each
     /// with its logprob and top logprobs; they come before `token`. Empty for a plain step.

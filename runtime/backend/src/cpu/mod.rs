@@ -956,7 +956,7 @@ impl Backend for CpuBackend {
                         token: r.token,
                         logprob: r.logprob,
                         top_logprobs: r.top_logprobs,
-                        logits: s.want_logits.then(|| rows[rows.len() - vocab..].to_vec()),
+                        logits: s.want_logits.then(|| rows.to_vec()),
                         accepted,
                     }
                 })
