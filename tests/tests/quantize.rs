@@ -131,3 +131,80 @@ fn quantize_writes_the_reference_and_llama_cpps_mixes() {
         "Q4_K_M logits are {rel} (relative L2) from f32"
     );
 }
+
+/// A mixture of experts through `--to q4_k_m`: the router stays f32 (llama-quantize never
+/// quantizes `ffn_gate_inp`), the experts take the mix, with the fallbacks where their rows (128
+/// columns) are not whole super-blocks. synth-model's own q4_k_m writes the same types, and
+/// llama-quantize wrote these for the same bf16 file (every tensor's type compared, 2026-12-04).
+#[test]
+fn quantize_leaves_a_mixtures_router_alone() {
+    if std::env::var_os("METRALE_MODEL").is_none() {
+        eprintln!("skipping: METRALE_MODEL is not set (synth-model takes its tokenizer)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let toml = repo().join("tests/golden/tiny-qwen3moe.toml");
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let tok = std::env::var("METRALE_MODEL").unwrap();
+    for (args, what) in [
+        (
+            vec![
+                "synth-model",
+                toml.to_str().unwrap(),
+                "--tokenizer",
+                &tok,
+                "--out",
+                &p("bf16.gguf"),
+            ],
+            "synth-model bf16",
+        ),
+        (
+            vec![
+                "quantize",
+                &p("bf16.gguf"),
+                "--to",
+                "q4_k_m",
+                "--out",
+                &p("q.gguf"),
+            ],
+            "quantize",
+        ),
+        (
+            vec![
+                "synth-model",
+                toml.to_str().unwrap(),
+                "--tokenizer",
+                &tok,
+                "--quant",
+                "q4_k_m",
+                "--out",
+                &p("s.gguf"),
+            ],
+            "synth-model q4_k_m",
+        ),
+    ] {
+        let r = run_xtask(&args);
+        assert!(
+            r.status.success(),
+            "{what} failed: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+    }
+    for file in ["q.gguf", "s.gguf"] {
+        let m = Model::load(std::path::Path::new(&p(file))).unwrap();
+        let ty = |n: &str| m.weights.get(n).unwrap().dtype;
+        for (n, t) in [
+            ("blk.0.ffn_gate_inp.weight", DType::F32),
+            ("blk.1.ffn_gate_inp.weight", DType::F32),
+            ("blk.0.ffn_gate_exps.weight", DType::Q4_K),
+            // 2 layers: the last (the last eighth) takes more bits (Q6_K; 128 columns: Q8_0),
+            // layer 0 the base (Q4_K; 128 columns: Q5_0)
+            ("blk.0.ffn_down_exps.weight", DType::Q5_0),
+            ("blk.1.ffn_down_exps.weight", DType::Q8_0),
+            ("blk.1.attn_v.weight", DType::Q6_K),
+            ("output.weight", DType::Q6_K),
+        ] {
+            assert_eq!(ty(n), t, "{file}: {n}");
+        }
+    }
+}

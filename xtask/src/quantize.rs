@@ -2,7 +2,8 @@
 //! type with this project's quantizers, as llama.cpp's `llama-quantize` does with its own: the
 //! accuracy benchmarks (bench/perplexity/) compare the two on the same source file.
 //!
-//! Every matrix (a tensor of two or more dimensions, norms and `rope_freqs` excepted) is dequantised
+//! Every matrix (a tensor of two or more dimensions, norms, `rope_freqs` and a mixture's router
+//! `ffn_gate_inp` excepted) is dequantised
 //! by the reference (`metrale_core::dtype::dequantize_row`) and quantized to the type `--to` names;
 //! the other tensors and every metadata key are copied (`general.file_type` set to llama.cpp's number
 //! for the result). `--to` takes an element type (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0,
@@ -131,8 +132,11 @@ pub fn run(args: Args) -> Result<()> {
         .tensors
         .iter()
         .map(|t| {
+            // (a mixture's router stays as it is, as llama-quantize leaves it: its logits pick
+            // the experts, and a near-tie moved by rounding changes a token's whole MLP)
             let matrix = t.shape.len() >= 2
                 && !t.name.ends_with("_norm.weight")
+                && !t.name.ends_with("ffn_gate_inp.weight")
                 && t.name != "rope_freqs.weight";
             let dtype = if !matrix {
                 t.dtype

@@ -149,8 +149,9 @@ pub fn run(args: Args) -> Result<()> {
     })?;
     let mut tensors = tensors(&shape, family, wt, et, args.format)?;
     if args.quant == "q4_k_m" && args.format == Format::Gguf {
-        q4_k_m_mix(&mut tensors, shape.layers as usize)?;
+        q4_k_m_mix(&mut tensors, shape.layers as usize);
     }
+    check_blocks(&tensors)?;
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -189,21 +190,14 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// llama.cpp's Q4_K_M mix ([`crate::quantize::mix_type`]) over the Q4_K tensors. Norms stay f32.
-/// Every row must be whole 256-element super-blocks.
-fn q4_k_m_mix(tensors: &mut [Tensor], layers: usize) -> Result<()> {
+/// llama.cpp's Q4_K_M mix ([`crate::quantize::mix_type`]) over the Q4_K tensors, with its
+/// fallbacks where rows are not whole 256-element super-blocks ([`crate::quantize::fallback`]:
+/// Q4_K -> Q5_0, Q6_K -> Q8_0), as `llama-quantize` writes them. Norms stay f32.
+fn q4_k_m_mix(tensors: &mut [Tensor], layers: usize) {
     for t in tensors.iter_mut().filter(|t| t.dtype == DType::Q4_K) {
-        t.dtype = crate::quantize::mix_type(&t.gguf, layers, DType::Q4_K);
-        if !t.cols.is_multiple_of(metrale_core::kquant::QK_K) {
-            bail!(
-                "q4_k_m: {} has rows of {} elements, not whole 256-element super-blocks (llama.cpp \
-                 falls back to other types there; this model's shape needs bf16 or q4_1)",
-                t.gguf,
-                t.cols
-            );
-        }
+        let mixed = crate::quantize::mix_type(&t.gguf, layers, DType::Q4_K);
+        t.dtype = crate::quantize::fallback(mixed, t.cols);
     }
-    Ok(())
 }
 
 /// The tensors of a model of this shape and family (GGUF names, HF names, HF orientation).
@@ -429,7 +423,12 @@ fn tensors(
             experts: None,
         });
     }
-    for t in &v {
+    Ok(v)
+}
+
+/// Refuse a tensor whose rows are not whole blocks of its type.
+fn check_blocks(v: &[Tensor]) -> Result<()> {
+    for t in v {
         if t.dtype.row_bytes(t.cols).is_none() {
             bail!(
                 "{}: rows of {} elements are not whole {} blocks",
@@ -439,7 +438,7 @@ fn tensors(
             );
         }
     }
-    Ok(v)
+    Ok(())
 }
 
 /// GGUF `rope_freqs.weight` for llama3 scaling: the divisor of each inverse frequency (1 for high
