@@ -2,7 +2,7 @@
 # Speculative decoding side by side: metrale-server plain and with prompt lookup, llama-server plain
 # and with its n-gram speculation, one after another on the same GGUF and the same copy-heavy
 # prompts (spec.py), greedy, batch 1. Each server's texts are compared with its own plain run.
-# Usage: bench/spec/run.sh OUT_DIR MODEL.gguf METRALE_SERVER LLAMA_SERVER [EXTRA_METRALE_ARGS...]
+# Usage: bench/spec/run.sh OUT_DIR MODEL.gguf OUR_SERVER LLAMA_SERVER [MORE_ARGS_FOR_OUR_SERVER...]
 # Env: NUM_PROMPTS (12), MAX_TOKENS (256), K (4: metrale's --num-speculative-tokens),
 #      LLAMA_SPEC ("--spec-type ngram-simple": llama-server's own defaults, n-grams of 12 tokens).
 set -euo pipefail

@@ -174,7 +174,10 @@ def main():
         "acceptance": c["accepted"] / c["draft_tokens"] if c["draft_tokens"] else None,
         "mean_accepted_length": 1 + c["accepted"] / c["drafts"] if c["drafts"] else None,
     }
-    report = {"schema": "metrale-spec-v1", "settings": vars(args), "summary": summary,
+    settings = dict(vars(args))
+    for k in ("out", "compare"):  # file names only: a report names no machine's paths
+        settings[k] = settings[k] and os.path.basename(settings[k])
+    report = {"schema": "metrale-spec-v1", "settings": settings, "summary": summary,
               "results": results}
     if args.compare:
         ref = json.load(open(args.compare))

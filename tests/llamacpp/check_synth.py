@@ -12,14 +12,15 @@ a file does not load, tokenizes differently, or parts away from a tie.
 
 Not part of CI (llama.cpp's build takes ~15 minutes on two cores); run it where llama.cpp is built:
 
-    cargo xtask synth-model tests/golden/tiny-qwen3moe.toml --out /tmp/q.gguf
+    cargo xtask synth-model tests/golden/tiny-qwen3moe.toml --out q.gguf
     python3 tests/llamacpp/check_synth.py --llama-server path/to/llama-server \\
-        --metrale-server target/release/metrale-server /tmp/q.gguf ...
+        --metrale-server target/release/metrale-server q.gguf ...
 """
 import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -77,13 +78,15 @@ def main():
     ap.add_argument("--metrale-server", required=True)
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--tie", type=float, default=0.02)
+    ap.add_argument("--log-dir", help="where the servers' logs go (default: a new temporary folder)")
     ap.add_argument("gguf", nargs="+")
     args = ap.parse_args()
+    logs = args.log_dir or tempfile.mkdtemp(prefix="check_synth-")
     bad = 0
     for path in args.gguf:
         name = path.rsplit("/", 1)[-1]
-        lp, lerr = start([args.llama_server, "-m", path, "-c", "512", "-np", "1", "-t", "2"], 18431, f"/tmp/{name}.llama.log")
-        mp, merr = start([args.metrale_server, "-m", path, "-c", "512", "--parallel", "1"], 18432, f"/tmp/{name}.metrale.log")
+        lp, lerr = start([args.llama_server, "-m", path, "-c", "512", "-np", "1", "-t", "2"], 18431, f"{logs}/{name}.llama.log")
+        mp, merr = start([args.metrale_server, "-m", path, "-c", "512", "--parallel", "1"], 18432, f"{logs}/{name}.metrale.log")
         try:
             if lerr or merr:
                 print(f"{name}: llama-server {lerr or 'loaded'}; metrale-server {merr or 'loaded'}")
