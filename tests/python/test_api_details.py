@@ -139,3 +139,33 @@ def test_one_json_log_line_per_request(web):
     assert e["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert e["finish_reasons"] == [r.json()["choices"][0]["finish_reason"]]
     assert 0 < e["ttft_s"] <= e["duration_s"]
+
+
+def test_a_small_step_budget_prefills_in_pieces_with_the_same_answers(client, tmp_path):
+    """--max-num-batched-tokens 24: a 300-token prompt is prefilled in pieces between another
+    request's decode steps; both answers equal the default server's (the CPU backend's rows do
+    not depend on how tokens are grouped into steps)."""
+    import concurrent.futures
+
+    import openai
+
+    s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--parallel", "2", "--api-key", "k",
+                                        "--max-num-batched-tokens", "24"])
+    try:
+        assert "scheduler: up to 24 tokens a step (decodes first, then prompt chunks of up to 24)" in s.log()
+        small = openai.OpenAI(base_url=s.base + "/v1", api_key="k", max_retries=0, timeout=300)
+        long_prompt = "Summarise: " + " ".join(f"item {i} is blue;" for i in range(60))
+        asks = [("Count from one to twenty.", 60), (long_prompt, 16)]
+
+        def ask(c, p, n):
+            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                          max_tokens=n, temperature=0)
+            return r.choices[0].message.content, r.usage.prompt_tokens
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(lambda a: ask(small, *a), asks))
+        want = [ask(client, *a) for a in asks]
+        assert got == want
+        assert want[1][1] > 200
+    finally:
+        stop_server(s.proc)

@@ -37,7 +37,7 @@ def test_no_model_flag_is_a_usage_error():
                                    ["--num-speculative-tokens", "0", "--speculative", "ngram"],
                                    ["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
                                    ["--speculative", "eagle"], ["--speculative", "draft"],
-                                   ["--draft-model", "/x.gguf"]])
+                                   ["--draft-model", "/x.gguf"], ["--max-num-batched-tokens", "0"]])
 def test_bad_flags_fail_early(flags, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")

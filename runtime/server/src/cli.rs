@@ -107,6 +107,13 @@ pub struct Cli {
     #[arg(long, alias = "no-enable-prefix-caching")]
     pub no_prefix_caching: bool,
 
+    /// Most tokens one engine step carries (vLLM's flag): every running decode's token (and its
+    /// speculative proposals) first, then prompt chunks up to the budget, so a long prompt is
+    /// prefilled in pieces between decode steps instead of stalling them. A prompt takes at most
+    /// 256 tokens a step (or the whole budget, if smaller).
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+
     /// Speculative decoding: `ngram` proposes the tokens that followed the latest earlier
     /// occurrence of the sequence's last few tokens (prompt lookup) and verifies them in the decode
     /// step; output is unchanged (greedy token for token, sampled in distribution). Requests under
@@ -178,6 +185,9 @@ pub fn check(cli: &Cli) -> anyhow::Result<()> {
             "--gpu-memory-utilization must be in (0, 1] (got {})",
             cli.gpu_memory_utilization
         );
+    }
+    if cli.max_num_batched_tokens == 0 {
+        anyhow::bail!("--max-num-batched-tokens must be at least 1 (got 0)");
     }
     if cli.speculative.is_some() && cli.num_speculative_tokens == 0 {
         anyhow::bail!("--num-speculative-tokens must be at least 1 with --speculative (got 0)");

@@ -471,6 +471,13 @@ fn load(
         }
     };
     let vocab = c.vocab;
+    eprintln!(
+        "  scheduler: up to {} tokens a step (decodes first, then prompt chunks of up to {})",
+        cli.max_num_batched_tokens,
+        EngineConfig::default()
+            .prefill_chunk
+            .min(cli.max_num_batched_tokens)
+    );
     let speculation = speculation(cli, &backend.info())?;
     if let Some(sp) = &speculation {
         eprintln!("  speculative decoding: {}", sp.describe());
@@ -485,7 +492,10 @@ fn load(
         EngineConfig {
             prefix_caching: !cli.no_prefix_caching,
             speculation,
-            ..EngineConfig::default()
+            max_step_tokens: cli.max_num_batched_tokens,
+            prefill_chunk: EngineConfig::default()
+                .prefill_chunk
+                .min(cli.max_num_batched_tokens),
         },
     );
     let (chat_preset, completion_preset) = match &target {
