@@ -275,8 +275,9 @@ mod avx2 {
 
     /// Dots of `R` weight rows (`row_bytes` apart) with `N` quantized activation rows: each weight
     /// block is loaded and widened to 2 x 16 i16 once and used for all `N` tokens, each activation
-    /// block once for all `R` rows. Used with (R, N) = (1, 4) for prefill tiles and (1, 1) otherwise
-    /// ((2, 1) for decode measured no faster: decode is bound by the weight stream).
+    /// block once for all `R` rows. Used with (R, N) = (1, 4) for prefill tiles, (1, 5..=8) for
+    /// steps of 5-8 tokens and (1, 1) otherwise ((2, 1) for decode measured no faster: decode is
+    /// bound by the weight stream).
     #[inline(always)]
     unsafe fn dot_rn<const K: u8, const R: usize, const N: usize>(
         blk0: *const u8,
@@ -492,6 +493,24 @@ mod avx2 {
                 rr0 += 2;
             }
         }
+        // 5-8 tokens (a verification step of 4-7 proposals, a short chunk): one tile, so each
+        // weight block is read once rather than by a 4-token tile and again by the rest
+        macro_rules! one_tile {
+            ($($n:literal)*) => {
+                match n_tok {
+                    $($n => {
+                        for rr in rr0..nrows {
+                            let row = w.data.as_ptr().add((r0 + rr) * rb);
+                            out_t[rr * $n..(rr + 1) * $n]
+                                .copy_from_slice(&dot_row::<K, $n>(row, nb, w.packed, a, 0));
+                        }
+                        return;
+                    })*
+                    _ => {}
+                }
+            };
+        }
+        one_tile!(5 6 7 8);
         for rr in rr0..nrows {
             let row = w.data.as_ptr().add((r0 + rr) * rb);
             let out = &mut out_t[rr * n_tok..(rr + 1) * n_tok];
@@ -639,12 +658,19 @@ mod tests {
     }
 
     fn qact_dots_match(cols: usize) {
+        for n in [5, 8, 9] {
+            qact_dots_match_n(cols, n);
+        }
+    }
+
+    /// `n` tokens: 5 and 8 one tile each, 9 two 4-token tiles and one token alone.
+    fn qact_dots_match_n(cols: usize, n: usize) {
         let rows = 19;
         let nb = cols / QK;
         for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             let w = rand_weights(dt, rows, cols, 3);
-            // 5 tokens: one 4-token tile and one single token; an outlier in one block.
-            let mut x = rand_vec(cols * 5, 9);
+            // the same bits per token as one at a time; an outlier in one block
+            let mut x = rand_vec(cols * n, 9);
             x[7] = 40.0;
             let m = MatRef {
                 dtype: dt,
@@ -653,13 +679,13 @@ mod tests {
                 data: &w,
                 packed: false,
             };
-            let mut exact = vec![0f32; rows * 5];
-            let mut fast = vec![0f32; rows * 5];
-            crate::cpu::ops::matmul(m, &x, 5, &mut exact);
-            crate::cpu::ops::matmul_qact(m, &x, 5, &mut fast);
+            let mut exact = vec![0f32; rows * n];
+            let mut fast = vec![0f32; rows * n];
+            crate::cpu::ops::matmul(m, &x, n, &mut exact);
+            crate::cpu::ops::matmul_qact(m, &x, n, &mut fast);
             // the same products from packed Q4_1 rows, on both paths
             let mut wp = w.clone();
-            let (mut fast_p, mut exact_p) = (vec![0f32; rows * 5], vec![0f32; rows * 5]);
+            let (mut fast_p, mut exact_p) = (vec![0f32; rows * n], vec![0f32; rows * n]);
             if dt == DType::Q4_1 {
                 pack_q4_1(&mut wp, cols);
                 let mp = MatRef {
@@ -667,17 +693,17 @@ mod tests {
                     packed: true,
                     ..m
                 };
-                crate::cpu::ops::matmul_qact(mp, &x, 5, &mut fast_p);
-                crate::cpu::ops::matmul(mp, &x, 5, &mut exact_p);
+                crate::cpu::ops::matmul_qact(mp, &x, n, &mut fast_p);
+                crate::cpu::ops::matmul(mp, &x, n, &mut exact_p);
                 assert_eq!(exact_p, exact, "{dt} {cols}: the f32 path on packed rows");
-                // one token alone (rows in pairs) gives the same bits as inside a 4-token tile
+                // one token alone (rows in pairs) gives the same bits as inside a tile
                 let mut one = vec![0f32; rows];
                 crate::cpu::ops::matmul_qact(mp, &x[..cols], 1, &mut one);
                 assert_eq!(one, fast_p[..rows], "{dt} {cols}: one token vs a tile");
             }
             let a = QuantizedActs::new(&x, cols, false);
             let rb = dt.row_bytes(cols).unwrap();
-            for t in 0..5 {
+            for t in 0..n {
                 for r in 0..rows {
                     let (q, d, s) = (
                         &a.q[t * cols..(t + 1) * cols],
