@@ -648,7 +648,8 @@ fn embedding_pooling(
 }
 
 /// The draft model of `--speculative draft` on the CPU backend, a KV run per slot of the
-/// target's context: refused unless its tokenizer is the target's, token for token.
+/// target's context in the target's KV type: refused unless its tokenizer is the target's, token
+/// for token.
 fn load_draft(
     path: &std::path::Path,
     target: &Model,
@@ -679,7 +680,10 @@ fn load_draft(
             String::from_utf8_lossy(a.token_bytes_ref(id))
         );
     }
-    let kv = KvConfig::per_slot(kv.slots, kv.slot_capacity);
+    let kv = KvConfig {
+        dtype: kv.dtype, // the target's: the draft's attention rounds as the target's does
+        ..KvConfig::per_slot(kv.slots, kv.slot_capacity)
+    };
     let backend = load_backend(None, &draft, kv, cli)
         .with_context(|| format!("loading the draft model {}", path.display()))?;
     eprintln!(
