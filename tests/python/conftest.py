@@ -40,6 +40,13 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def openai(self, api_key=API_KEY, timeout=300, max_retries=0):
+        """The official client on this server (no retries unless asked: a test sees every answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=max_retries,
+                             timeout=timeout)
+
 
 def model_path() -> str:
     model = os.environ.get("METRALE_MODEL")
@@ -107,9 +114,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return server.openai()
 
 
 @pytest.fixture(scope="session")

@@ -147,13 +147,11 @@ def test_a_small_step_budget_prefills_in_pieces_with_the_same_answers(client, tm
     not depend on how tokens are grouped into steps)."""
     import concurrent.futures
 
-    import openai
-
     s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--parallel", "2", "--api-key", "k",
                                         "--max-num-batched-tokens", "24"])
     try:
         assert "scheduler: up to 24 tokens a step (decodes first, then prompt chunks of up to 24)" in s.log()
-        small = openai.OpenAI(base_url=s.base + "/v1", api_key="k", max_retries=0, timeout=300)
+        small = s.openai(api_key="k")
         long_prompt = "Summarise: " + " ".join(f"item {i} is blue;" for i in range(60))
         asks = [("Count from one to twenty.", 60), (long_prompt, 16)]
 

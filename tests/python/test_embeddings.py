@@ -103,7 +103,7 @@ def test_an_input_longer_than_the_context_is_refused(http):
 def test_a_server_without_embeddings_says_how_to_turn_them_on(tmp_path):
     s = start_server(tmp_path / "server.log", ["--ctx-size", "256", "--parallel", "1"])
     try:
-        c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        c = s.openai(api_key="x", timeout=60)
         with pytest.raises(openai.BadRequestError) as e:
             c.embeddings.create(model="m", input="hi")
         assert "--embeddings" in str(e.value)

@@ -10,7 +10,6 @@ thought, then an answer.
 import re
 
 import httpx
-import openai
 import pytest
 
 from conftest import start_server, stop_server
@@ -34,7 +33,7 @@ def serve(tmp_path, *args):
 
 
 def client_of(s):
-    return openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=120)
+    return s.openai(api_key="x", timeout=120)
 
 
 def ask(c, regex, stream=False, **kw):

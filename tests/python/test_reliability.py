@@ -383,10 +383,9 @@ def test_a_burst_past_the_queue_gets_429_with_retry_after(tmp_path):
 
 
 def test_openai_client_retries_a_429(tmp_path):
-    import openai
     s = start_server(tmp_path / "log", ["--ctx-size", "512", "--parallel", "1", "--max-queue", "1"])
     try:
-        c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=8, timeout=120)
+        c = s.openai(api_key="x", timeout=120, max_retries=8)
         with ThreadPoolExecutor(6) as ex:
             outs = list(ex.map(lambda i: c.completions.create(model="m", prompt=f"{i}", max_tokens=8), range(6)))
         assert all(o.choices[0].finish_reason in ("stop", "length") for o in outs)

@@ -33,9 +33,7 @@ def spec_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_client(spec_server):
-    import openai
-
-    return openai.OpenAI(base_url=spec_server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return spec_server.openai()
 
 
 def spec_counts(base):
@@ -100,9 +98,7 @@ def test_a_draft_model_gives_the_plain_output(client, tmp_path):
                                                "--speculative", "draft", "--draft-model", model_path(),
                                                "--num-speculative-tokens", "3"])
     try:
-        import openai
-
-        c = openai.OpenAI(base_url=s.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        c = s.openai()
         assert "speculative decoding: a draft model" in s.log() and "draft model:" in s.log()
         p = "Write three sentences about the sea."
         want = chat(client, p, max_tokens=48).choices[0].message.content

@@ -36,8 +36,7 @@ def synth(tmp_path_factory):
     assert p.returncode == 0, p.stderr
     s = start_server(d / "log", ["--ctx-size", "512", "--parallel", "8"], model=str(gguf))
     try:
-        import openai
-        yield openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=300)
+        yield s.openai(api_key="none")
     finally:
         stop_server(s.proc)
 

@@ -74,20 +74,21 @@ fn quantize_writes_the_reference_and_llama_cpps_mixes() {
             "{n}: the f32 file holds the dequantised values"
         );
     }
-    let ty = |n: &str| k.weights.get(n).unwrap().dtype;
-    for (n, t) in [
-        ("token_embd.weight", DType::Q8_0),
-        ("blk.0.attn_q.weight", DType::Q5_0),
-        ("blk.0.attn_v.weight", DType::Q8_0),
-        ("blk.4.attn_v.weight", DType::Q5_0),
-        ("blk.0.ffn_down.weight", DType::Q6_K),
-        ("blk.3.ffn_down.weight", DType::Q4_K),
-        ("blk.5.ffn_down.weight", DType::Q6_K),
-        ("blk.0.ffn_up.weight", DType::Q5_0),
-        ("blk.0.attn_norm.weight", DType::F32),
-    ] {
-        assert_eq!(ty(n), t, "{n}");
-    }
+    assert_tensor_types(
+        &k,
+        &[
+            ("token_embd.weight", DType::Q8_0),
+            ("blk.0.attn_q.weight", DType::Q5_0),
+            ("blk.0.attn_v.weight", DType::Q8_0),
+            ("blk.4.attn_v.weight", DType::Q5_0),
+            ("blk.0.ffn_down.weight", DType::Q6_K),
+            ("blk.3.ffn_down.weight", DType::Q4_K),
+            ("blk.5.ffn_down.weight", DType::Q6_K),
+            ("blk.0.ffn_up.weight", DType::Q5_0),
+            ("blk.0.attn_norm.weight", DType::F32),
+        ],
+        "q4_k_m",
+    );
     assert_eq!(
         k.config.vocab, q.config.vocab,
         "metadata copied (the tokenizer too)"
@@ -192,19 +193,20 @@ fn quantize_leaves_a_mixtures_router_alone() {
     }
     for file in ["q.gguf", "s.gguf"] {
         let m = Model::load(std::path::Path::new(&p(file))).unwrap();
-        let ty = |n: &str| m.weights.get(n).unwrap().dtype;
-        for (n, t) in [
-            ("blk.0.ffn_gate_inp.weight", DType::F32),
-            ("blk.1.ffn_gate_inp.weight", DType::F32),
-            ("blk.0.ffn_gate_exps.weight", DType::Q4_K),
-            // 2 layers: the last (the last eighth) takes more bits (Q6_K; 128 columns: Q8_0),
-            // layer 0 the base (Q4_K; 128 columns: Q5_0)
-            ("blk.0.ffn_down_exps.weight", DType::Q5_0),
-            ("blk.1.ffn_down_exps.weight", DType::Q8_0),
-            ("blk.1.attn_v.weight", DType::Q6_K),
-            ("output.weight", DType::Q6_K),
-        ] {
-            assert_eq!(ty(n), t, "{file}: {n}");
-        }
+        assert_tensor_types(
+            &m,
+            &[
+                ("blk.0.ffn_gate_inp.weight", DType::F32),
+                ("blk.1.ffn_gate_inp.weight", DType::F32),
+                ("blk.0.ffn_gate_exps.weight", DType::Q4_K),
+                // 2 layers: the last (the last eighth) takes more bits (Q6_K; 128 columns: Q8_0),
+                // layer 0 the base (Q4_K; 128 columns: Q5_0)
+                ("blk.0.ffn_down_exps.weight", DType::Q5_0),
+                ("blk.1.ffn_down_exps.weight", DType::Q8_0),
+                ("blk.1.attn_v.weight", DType::Q6_K),
+                ("output.weight", DType::Q6_K),
+            ],
+            file,
+        );
     }
 }

@@ -361,20 +361,21 @@ fn q4_k_m_gguf_matches_hf_transformers_on_the_same_file() {
     );
     let m = Model::load(&path).unwrap();
     use metrale_core::dtype::DType;
-    let ty = |n: &str| m.weights.get(n).unwrap().dtype;
-    for (n, t) in [
-        ("token_embd.weight", DType::Q4_K),
-        ("output.weight", DType::Q6_K),
-        ("blk.0.attn_q.weight", DType::Q4_K),
-        ("blk.0.attn_v.weight", DType::Q4_K),
-        ("blk.1.attn_v.weight", DType::Q6_K),
-        ("blk.0.ffn_down.weight", DType::Q4_K),
-        ("blk.1.ffn_down.weight", DType::Q6_K),
-        ("blk.1.ffn_gate.weight", DType::Q4_K),
-        ("blk.1.ffn_norm.weight", DType::F32),
-    ] {
-        assert_eq!(ty(n), t, "{n}");
-    }
+    assert_tensor_types(
+        &m,
+        &[
+            ("token_embd.weight", DType::Q4_K),
+            ("output.weight", DType::Q6_K),
+            ("blk.0.attn_q.weight", DType::Q4_K),
+            ("blk.0.attn_v.weight", DType::Q4_K),
+            ("blk.1.attn_v.weight", DType::Q6_K),
+            ("blk.0.ffn_down.weight", DType::Q4_K),
+            ("blk.1.ffn_down.weight", DType::Q6_K),
+            ("blk.1.ffn_gate.weight", DType::Q4_K),
+            ("blk.1.ffn_norm.weight", DType::F32),
+        ],
+        "q4_k_m",
+    );
     let prompt = ids(&g["prompt_tokens"]);
     let decode = ids(&g["decode_tokens"]);
     let last_ref = golden_last_row("tiny_llama3_q4km_hf");

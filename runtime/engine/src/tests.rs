@@ -254,14 +254,19 @@ fn seeded_sampling_is_reproducible_through_the_engine() {
         seed: 77,
         ..Default::default()
     };
+    let (a, b) = twice(&e, &p, vec![5, 6, 7], 12);
+    assert_eq!(a, b);
+}
+
+/// The same sampled request submitted twice at once (ignoring EOS): both outputs.
+fn twice(e: &EngineHandle, p: &SamplingParams, prompt: Vec<u32>, n: usize) -> (Vec<u32>, Vec<u32>) {
     let r = || GenerateRequest {
         sampling: p.clone(),
         ignore_eos: true,
-        ..req(vec![5, 6, 7], 12)
+        ..req(prompt.clone(), n)
     };
-    let a = e.submit(r()).unwrap();
-    let b = e.submit(r()).unwrap();
-    assert_eq!(collect(a).0, collect(b).0);
+    let (a, b) = (e.submit(r()).unwrap(), e.submit(r()).unwrap());
+    (collect(a).0, collect(b).0)
 }
 
 #[test]
@@ -692,14 +697,7 @@ fn seeded_sampling_with_speculation_is_reproducible() {
         seed: 77,
         ..Default::default()
     };
-    let r = || GenerateRequest {
-        sampling: p.clone(),
-        ignore_eos: true,
-        ..req(copy_prompts().remove(2), 30)
-    };
-    let a = e.submit(r()).unwrap();
-    let b = e.submit(r()).unwrap();
-    let (a, b) = (collect(a).0, collect(b).0);
+    let (a, b) = twice(&e, &p, copy_prompts().remove(2), 30);
     assert_eq!(a.len(), 30);
     assert_eq!(a, b);
     assert!(e.metrics().spec_decode_num_drafts_total > 0);

@@ -471,12 +471,12 @@ fn load(
         }
     };
     let vocab = c.vocab;
+    let prefill_chunk = EngineConfig::default()
+        .prefill_chunk
+        .min(cli.max_num_batched_tokens);
     eprintln!(
-        "  scheduler: up to {} tokens a step (decodes first, then prompt chunks of up to {})",
+        "  scheduler: up to {} tokens a step (decodes first, then prompt chunks of up to {prefill_chunk})",
         cli.max_num_batched_tokens,
-        EngineConfig::default()
-            .prefill_chunk
-            .min(cli.max_num_batched_tokens)
     );
     let speculation = speculation(cli, &backend.info())?;
     if let Some(sp) = &speculation {
@@ -493,9 +493,7 @@ fn load(
             prefix_caching: !cli.no_prefix_caching,
             speculation,
             max_step_tokens: cli.max_num_batched_tokens,
-            prefill_chunk: EngineConfig::default()
-                .prefill_chunk
-                .min(cli.max_num_batched_tokens),
+            prefill_chunk,
         },
     );
     let (chat_preset, completion_preset) = match &target {

@@ -133,3 +133,19 @@ pub fn fixture_tree(dir: &Path) {
         .join("\n");
     std::fs::write(&m, text).unwrap();
 }
+
+/// Each named tensor of `m` has the given element type (`what`: the file, for the message).
+pub fn assert_tensor_types(
+    m: &metrale_model::Model,
+    want: &[(&str, metrale_core::dtype::DType)],
+    what: &str,
+) {
+    for &(n, t) in want {
+        let got = m
+            .weights
+            .get(n)
+            .unwrap_or_else(|e| panic!("{what}: {n}: {e}"))
+            .dtype;
+        assert_eq!(got, t, "{what}: {n}");
+    }
+}
