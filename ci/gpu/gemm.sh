@@ -56,6 +56,12 @@
 #        cuda_bench of 8B bf16 (16-256 sequences, pp512) and q4_1 as built and with
 #        argmax_split=off,tma_96=off, interleaved AB_REPS times; the 2-layer check; the rest of the
 #        kernel tests (SKIP_REST=1 skips them); GB_TOKENS as `peer`
+#   bash ci/gpu/gemm.sh kab    carry .gm1 .gm3  the build's 8B bf16 kernels against other builds of
+#        them (.gm3/probes.tar.xz: folders g-NAME/): GEMM tests, gemm_bench's planned products
+#        (GB_TOKENS), cuda_bench of each interleaved AB_REPS times, the 2-layer check
+#   bash ci/gpu/gemm.sh ncu    carry .gm1  Nsight Compute on the first launch of each kernel in
+#        NCU_KERNELS (tma_o,tma_qkv) at NCU_TOKENS (64,256) tokens, 8B bf16 (NCU_SET=full: every
+#        section)
 #   bash ci/gpu/gemm.sh shapes carry .gm2    the kernel tests of h200/smollm2-135m/{bf16,q4_1},
 #        h200/llama-3.2-1b/bf16 and h200/llama-3.1-8b/q4_1 (the GEMMs at other shapes; the
 #        mma.sync path's epilogues)
@@ -475,6 +481,57 @@ tiles)
     kernel_tests smollm2-135m/bf16 llama-3.2-1b/bf16 smollm2-135m/q4_1 llama-3.1-8b/q4_1
   fi
   finish tiles
+  ;;
+kab)
+  # carry .gm1 .gm3: the build's 8B bf16 kernels against each folder g-NAME/ of .gm3/probes.tar.xz
+  # (another build of the same target, e.g. the commit before): the GEMM tests on the build's, then
+  # cuda_bench of each, interleaved AB_REPS times; the 2-layer check
+  rm -rf "$R" "$H/b" "$H/s" "$H/p" && mkdir -p "$R" "$H/s" "$H/p" && tar xJf .gm1/b.tar.xz -C "$H"
+  tar xJf .gm3/probes.tar.xz -C "$H/p"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  synth_8b_2l
+  K=$H/b/k/h200-llama-3.1-8b-bf16/kernels
+  step "cuda_kernels h200/llama-3.1-8b/bf16: the GEMM tests"
+  TESTS_TIMEOUT=200 tests8 gemm tma_gemm gemm_prefill
+  grep -hE "test result|panicked|rc=" "$R/kernel-tests-gemm.txt" | tail -5
+  grep -q "test result: ok" "$R/kernel-tests-gemm.txt" || { finish kab; exit 1; }
+  GB_TOKENS=${GB_TOKENS:-64,128,256} planned
+  for i in $(seq "${AB_REPS:-1}"); do
+    CB_GREP="stages alone|gemm_" bench "$K" bench-bf16-$i --batch 16,64,128,256 --steps 32 --pp 512
+    for v in "$H"/p/g-*; do
+      CB_GREP="stages alone|gemm_" bench "$v/kernels" "bench-bf16-${v##*/g-}-$i" --batch 16,64,128,256 --steps 32 --pp 512
+    done
+  done
+  check_2l "the build"
+  finish kab
+  ;;
+ncu)
+  # carry .gm1: Nsight Compute on the first launch of each kernel in NCU_KERNELS (default tma_o,tma_qkv)
+  # at each of NCU_TOKENS (default 64,256) tokens, 8B bf16 (gemm_bench's prefill chunk: layer 0's
+  # planned launch): speed of light, warp states, scheduler, memory
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .gm1/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" \
+    2>&1 | grep synth-model | tee "$R/synth.txt"
+  NCU_KERNELS=${NCU_KERNELS:-tma_o,tma_qkv}
+  for n in $(echo "${NCU_TOKENS:-64,256}" | tr , ' '); do
+    for kern in $(echo "$NCU_KERNELS" | tr , ' '); do
+      step "ncu: $kern at $n tokens"
+      # NCU_SET=full: every section (the memory tables: L1, L2 and DRAM rates each)
+      sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+        --section SchedulerStats --section MemoryWorkloadAnalysis"
+      [ -n "${NCU_SET:-}" ] && sections="--set $NCU_SET"
+      # shellcheck disable=SC2086
+      METRALE_TARGETS=$PWD/targets timeout 150 ncu --clock-control none -k "regex:^$kern\$" -c 1 $sections --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        "$H/b/bin/gemm_bench" "$H/s/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --tokens "$n" --out "$R/ncu-gemm.jsonl" 2>&1 | sed "s|$H/|\$H/|g" > "$R/ncu-$kern-$n.txt"
+      echo "rc=${PIPESTATUS[0]}" >> "$R/ncu-$kern-$n.txt"
+      grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|L2 Hit|Issue Slots Busy|No Eligible|Eligible Warps|Warp Cycles Per Issued|Grid Size|Registers Per|==ERROR|rc=" \
+        "$R/ncu-$kern-$n.txt" | head -20
+      # the stall reasons above 0.3 warps a issued instruction
+      awk '/issue_stalled/ && $NF + 0 > 0.3 { print "   ", $1, $NF }' "$R/ncu-$kern-$n.txt"
+    done
+  done
+  finish ncu
   ;;
 shapes)
   rm -rf "$R" "$H/b" && mkdir -p "$R" && tar xJf .gm2/b.tar.xz -C "$H"
