@@ -36,7 +36,7 @@ def test_bench_record_names_the_lock_and_no_machine_path(tmp_path):
     assert len(records) == 2, "the second record overwrote the first"
     text = records[0].read_text()
     rec = json.loads(text)
-    assert rec["schema"] == "metrale.bench-record/v3"
+    assert rec["schema"] == "metrale.bench-record/v4"
     lock = (REPO / "targets/kernels.lock").read_bytes()
     assert rec["kernels_lock"]["sha256"] == hashlib.sha256(lock).hexdigest()
     assert rec["kernels_lock"]["matches_binary"] is True, rec["kernels_lock"]
@@ -49,6 +49,12 @@ def test_bench_record_names_the_lock_and_no_machine_path(tmp_path):
     for c in rec["metrics"]["concurrent"]:
         assert c["streams_ok"] == c["concurrency"] and c["streams_failed"] == 0, c
         assert c["prompt_tokens"] == 24
+        # the engine's steps in the run: each stream's tokens need one step each at least, and a
+        # step's backend share is part of its time
+        e = c["engine"]
+        assert e["steps"] >= 8 and 0 < e["backend_ms"] <= e["step_ms"], c
+        assert abs(e["host_ms"] - (e["step_ms"] - e["backend_ms"])) < 1e-9, c
+        assert c["itl_tok_s"] > 0, c
     floors = rec["floors"]
     assert floors["weight_bytes"] == os.path.getsize(model)
     assert abs(floors["decode_tok_s"] - 20e9 / os.path.getsize(model)) < 1e-6 * floors["decode_tok_s"]

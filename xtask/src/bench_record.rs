@@ -13,9 +13,12 @@
 //!   did serve (`vllm:prefix_cache_hits_total`) is left out of the count;
 //! - `concurrent`: for each `--concurrency` value c (default 1, 16, 64, 256), c simultaneous streams
 //!   of `--gen-tokens` tokens after prompts of `--stream-prompt-tokens` token ids (each stream's
-//!   prompt rotated so that no two share a prefix): total generated tokens over wall time, the
-//!   median inter-token latency and time to first token, and the streams that failed (counted and
-//!   the first error kept, not hidden).
+//!   prompt rotated so that no two share a prefix): total generated tokens over wall time (the
+//!   prompts' prefill included), the median inter-token latency and time to first token, c over the
+//!   median inter-token latency (`itl_tok_s`: the rate while every stream decodes, to set beside an
+//!   in-process decode step), the server's engine steps in the run with their mean wall time and
+//!   the part inside the backend (`engine`: `metrale:engine_*`; the difference is the host's work
+//!   between steps), and the streams that failed (counted and the first error kept, not hidden).
 //!
 //! With `--peer DIR` (llama.cpp's `llama-bench` and `llama-batched-bench` in DIR), the same run then
 //! benchmarks llama.cpp on the same GGUF (`--peer-model`, default `--model`) after our server has
@@ -275,7 +278,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     let mut concurrent = Vec::new();
     let stream_prompt = prompt_tokens(&base, args.stream_prompt_tokens)?;
+    let engine = |base: &str| {
+        ["steps", "step_seconds", "backend_seconds"]
+            .map(|n| metric(base, &format!("metrale:engine_{n}_total")).unwrap_or(f64::NAN))
+    };
     for &c in &levels {
+        let e0 = engine(&base);
         let t = Instant::now();
         let results: Vec<Result<Stream>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..c)
@@ -293,6 +301,9 @@ pub fn run(args: Args) -> Result<()> {
                 .collect()
         });
         let wall = t.elapsed().as_secs_f64();
+        let e1 = engine(&base);
+        let steps = e1[0] - e0[0];
+        let per_step_ms = |i: usize| (e1[i] - e0[i]) / steps * 1e3;
         let mut errors = Vec::new();
         let mut streams = Vec::new();
         for r in results {
@@ -309,11 +320,19 @@ pub fn run(args: Args) -> Result<()> {
             tokens as f64 / wall,
             errors.len()
         );
+        let median_itl = median(&mut itl);
         concurrent.push(json!({
             "concurrency": c,
             "prompt_tokens": stream_prompt.len(),
             "output_tok_s": tokens as f64 / wall,
-            "median_itl_ms": median(&mut itl) * 1e3,
+            "itl_tok_s": c as f64 / median_itl,
+            "engine": {
+                "steps": steps,
+                "step_ms": per_step_ms(1),
+                "backend_ms": per_step_ms(2),
+                "host_ms": per_step_ms(1) - per_step_ms(2),
+            },
+            "median_itl_ms": median_itl * 1e3,
             "median_ttft_ms": median(&mut ttft) * 1e3,
             "max_ttft_ms": ttft.iter().copied().fold(0.0, f64::max) * 1e3,
             "streams_ok": streams.len(),
@@ -385,7 +404,7 @@ pub fn run(args: Args) -> Result<()> {
         .collect();
     let date = time::OffsetDateTime::now_utc();
     let record = json!({
-        "schema": "metrale.bench-record/v3",
+        "schema": "metrale.bench-record/v4",
         "date": date.format(&time::format_description::well_known::Rfc3339)?,
         "target": target,
         "binary": {"file": file_name(&binary), "sha256": binary_sha256},

@@ -516,6 +516,7 @@ impl Loop {
                     Err(_) => return, // every handle is gone
                 }
             }
+            let round = Instant::now();
             while let Ok(s) = self.rx.try_recv() {
                 self.waiting.push_back(Waiting::New(s));
             }
@@ -543,6 +544,8 @@ impl Loop {
             }
             if !self.running.is_empty() {
                 self.step();
+                self.m.engine_steps_total += 1;
+                self.m.engine_step_seconds_total += round.elapsed().as_secs_f64();
             }
             self.publish();
             self.flush();
@@ -978,7 +981,9 @@ impl Loop {
                 })
                 .collect();
             let backend = &mut draft.backend;
+            let t = Instant::now();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&steps)));
+            self.m.engine_backend_seconds_total += t.elapsed().as_secs_f64();
             let outs = match r {
                 Ok(Ok(outs)) if outs.len() == active.len() => outs,
                 Ok(_) => break, // refused: what was proposed so far stands
@@ -1093,8 +1098,10 @@ impl Loop {
     ) -> Result<(), String> {
         let steps = seq_steps(&self.running, eplan);
         let backend = &mut self.backend;
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.hidden(&steps)))
-            .map_err(panic_message)?;
+        let t = Instant::now();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.hidden(&steps)));
+        self.m.engine_backend_seconds_total += t.elapsed().as_secs_f64();
+        let r = r.map_err(panic_message)?;
         let sums = match r {
             Ok(v) if v.len() == eplan.len() => v,
             Ok(v) => {
@@ -1140,10 +1147,12 @@ impl Loop {
         let steps = seq_steps(&self.running, plan);
         let backend = &mut self.backend;
         let mut masks = Retry(grammars, entry);
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let t = Instant::now();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             backend.step_masked(&steps, lazy, &mut masks)
-        }))
-        .map_err(panic_message)
+        }));
+        self.m.engine_backend_seconds_total += t.elapsed().as_secs_f64();
+        r.map_err(panic_message)
     }
 
     /// The backend panicked: its state is unknown, so end every request and refuse new ones.

@@ -87,6 +87,14 @@ pub struct MetricsSnapshot {
     /// exported as `metrale:grammar_masks_total` and `metrale:grammar_mask_seconds_total`.
     pub grammar_masks_total: u64,
     pub grammar_mask_seconds_total: f64,
+    /// Engine steps (loop rounds with running sequences), their wall time (the round's intake,
+    /// cancellations and admissions, then the step with its outputs queued), and the part of it
+    /// inside the backend's calls (the step itself, with the grammar masks it asks for while the
+    /// device runs, embeddings, a draft model's steps): the rest is the host's work between steps. Exported as `metrale:engine_steps_total`,
+    /// `metrale:engine_step_seconds_total` and `metrale:engine_backend_seconds_total`.
+    pub engine_steps_total: u64,
+    pub engine_step_seconds_total: f64,
+    pub engine_backend_seconds_total: f64,
     /// Speculative decoding: verification steps of one sequence, the tokens they proposed and
     /// those accepted (vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` /
     /// `_num_accepted_tokens`).
@@ -114,6 +122,9 @@ impl Default for MetricsSnapshot {
             num_preemptions_total: 0,
             grammar_masks_total: 0,
             grammar_mask_seconds_total: 0.0,
+            engine_steps_total: 0,
+            engine_step_seconds_total: 0.0,
+            engine_backend_seconds_total: 0.0,
             spec_decode_num_drafts_total: 0,
             spec_decode_num_draft_tokens_total: 0,
             spec_decode_num_accepted_tokens_total: 0,
@@ -245,6 +256,21 @@ impl MetricsSnapshot {
                 "grammar_mask_seconds_total",
                 "Host time spent computing grammar masks, in seconds.",
                 fmt_f64(self.grammar_mask_seconds_total),
+            ),
+            (
+                "engine_steps_total",
+                "Engine steps run (loop rounds with running sequences).",
+                self.engine_steps_total.to_string(),
+            ),
+            (
+                "engine_step_seconds_total",
+                "Wall time of the engine's rounds that ran a step, intake to outputs queued, in seconds.",
+                fmt_f64(self.engine_step_seconds_total),
+            ),
+            (
+                "engine_backend_seconds_total",
+                "The part of the steps' time inside the backend's calls, in seconds.",
+                fmt_f64(self.engine_backend_seconds_total),
             ),
         ] {
             let _ = writeln!(s, "# HELP metrale:{name} {help}");

@@ -128,11 +128,30 @@ fn concurrent_requests_all_answered_and_equal_to_running_alone() {
     assert_eq!(m.e2e_request_latency_seconds.count, 6);
     assert_eq!(m.request_success_total[1], ("length", 6));
     assert_eq!((m.num_requests_running, m.num_requests_waiting), (0, 0));
+    // 42 tokens from 3 slots take at least 14 steps (more while prompts are still prefilling);
+    // the backend's share is part of the steps' time, and both were counted
+    assert!(
+        (14..=42 + 6 * 4).contains(&m.engine_steps_total),
+        "{} steps",
+        m.engine_steps_total
+    );
+    assert!(
+        0.0 < m.engine_backend_seconds_total
+            && m.engine_backend_seconds_total <= m.engine_step_seconds_total,
+        "backend {} s of {} s",
+        m.engine_backend_seconds_total,
+        m.engine_step_seconds_total
+    );
     let text = m.prometheus_text("tiny");
     assert!(
         text.contains("vllm:generation_tokens_total{model_name=\"tiny\"} 42\n"),
         "{text}"
     );
+    let steps = format!(
+        "metrale:engine_steps_total{{model_name=\"tiny\"}} {}\n",
+        m.engine_steps_total
+    );
+    assert!(text.contains(&steps), "{text}");
 }
 
 #[test]
