@@ -22,6 +22,14 @@ requests that finished within the SLO (their TTFT <= --slo-ttft-ms and their own
 --slo-itl-ms). The summary names the highest swept rate whose TTFT p99 and ITL p99 over all
 requests meet the SLO.
 
+A long prompt among decoding streams (--long-prompt WORDS --among C): C streams of short prompts
+generate --among-output tokens each; once every one has its first token and --settle seconds have
+passed, one request with a prompt of WORDS words arrives (a few output tokens). Reported: the
+streams' ITL p50/p99 over the gaps that end before it arrives (the baseline) and over the gaps
+that overlap its prefill (from its arrival to its first token), their ratio, the long request's
+TTFT and prompt tokens; streams that stopped before the long prompt's first token are counted (a
+run is only meaningful if none did).
+
 --warmup N short requests go first, one by one, uncounted (a fresh server's one-time costs).
 Standard library only (it runs on the GPU machine as is); --plot FILE.png draws TTFT and ITL p50/p99
 against the request rate with matplotlib where it is installed (for each --out file given with
@@ -30,6 +38,8 @@ against the request rate with matplotlib where it is installed (for each --out f
 Usage:
     python3 bench/serve/serve.py --base http://127.0.0.1:8080 --rates 1,2,4,8,inf \
         --num-prompts 200 [--concurrency 64] [--label metrale] [--out FILE.json]
+    python3 bench/serve/serve.py --base http://127.0.0.1:8080 --long-prompt 8000 --among 128 \
+        --among-output 512 [--out FILE.json]
     python3 bench/serve/serve.py --plot FILE.png --plot-from A.json B.json
 """
 
@@ -69,8 +79,10 @@ def percentile(v, q):
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def one(args, text, max_tokens, t_sched):
-    """One streaming request; returns its timings (seconds, relative to its scheduled start)."""
+def one(args, text, max_tokens, t_sched, on_first=None):
+    """One streaming request; returns its timings (seconds, relative to its scheduled start) and
+    its content chunks' arrival times (`chunks_at`, perf_counter seconds); `on_first()` is called
+    when the first content chunk arrives."""
     u = urllib.parse.urlparse(args.base)
     req = {
         "model": args.model,
@@ -108,6 +120,8 @@ def one(args, text, max_tokens, t_sched):
             for ch in ev.get("choices") or []:
                 if (ch.get("delta") or {}).get("content"):
                     chunks.append(time.perf_counter())
+                    if on_first and len(chunks) == 1:
+                        on_first()
         c.close()
         t_end = time.perf_counter()
         if not done or not chunks:
@@ -116,6 +130,7 @@ def one(args, text, max_tokens, t_sched):
         r["ttft_s"] = chunks[0] - t_sched  # from when it was due: a client's view of queueing too
         r["itl_s"] = [b - a for a, b in zip(chunks, chunks[1:])]
         r["e2e_s"] = t_end - t_sched
+        r["chunks_at"] = chunks
         r.setdefault("output_tokens", len(chunks))
         r["ok"] = True
     except Exception as e:  # a reset or timeout is a failed request, not a crash of the benchmark
@@ -192,6 +207,65 @@ def summarize(args, results, dur, rate, concurrency):
     return s
 
 
+def among(args):
+    """The long-prompt run (module docs): C decoding streams, then one long prompt among them."""
+    c = args.among
+    firsts = threading.Semaphore(0)
+    results = [None] * c
+    t0 = time.perf_counter()
+
+    def stream(i):
+        text = f"[{i}] " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(32))
+        results[i] = one(args, text, args.among_output, time.perf_counter(), on_first=firsts.release)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(c)]
+    for t in threads:
+        t.start()
+    for _ in range(c):
+        if not firsts.acquire(timeout=args.timeout):
+            break
+    t_all = time.perf_counter()
+    time.sleep(args.settle)
+    text = "(long) " + " ".join(WORDS[(j * 7 + j * j) % len(WORDS)] for j in range(args.long_prompt))
+    t_long = time.perf_counter()
+    lr = one(args, text, 4, t_long)
+    for t in threads:
+        t.join()
+    ok = [r for r in results if r and r["ok"]]
+    t_first = t_long + lr["ttft_s"] if lr.get("ok") else math.inf
+    base, during = [], []
+    for r in ok:
+        at = r["chunks_at"]
+        for a, b in zip(at, at[1:]):
+            if a >= t_all and b <= t_long:
+                base.append((b - a) * 1e3)
+            elif b > t_long and a < t_first:
+                during.append((b - a) * 1e3)
+    p99b, p99d = percentile(base, 99), percentile(during, 99)
+    s = {
+        "label": args.label, "base": args.base, "streams": c, "stream_output_tokens": args.among_output,
+        "streams_completed": len(ok), "streams_failed": c - len(ok),
+        "streams_done_before_long_first_token": sum(1 for r in ok if r["chunks_at"][-1] < t_first),
+        "long_prompt_words": args.long_prompt, "long_prompt_tokens": lr.get("prompt_tokens"),
+        "long_ok": lr.get("ok", False), "long_error": lr.get("error"),
+        "long_ttft_ms": lr["ttft_s"] * 1e3 if lr.get("ok") else None,
+        "baseline_gaps": len(base), "during_gaps": len(during),
+        "itl_ms_p50_baseline": percentile(base, 50), "itl_ms_p99_baseline": p99b,
+        "itl_ms_p50_during": percentile(during, 50), "itl_ms_p99_during": p99d,
+        "itl_p99_ratio": (p99d / p99b) if p99b and p99d is not None else None,
+        "duration_s": round(time.perf_counter() - t0, 3),
+    }
+    print(f"{args.label}: {c} streams; a {s['long_prompt_tokens']}-token prompt among them: its TTFT "
+          f"{fmt(s['long_ttft_ms'])} ms; the streams' ITL p50/p99 {fmt(s['itl_ms_p50_baseline'])}/"
+          f"{fmt(s['itl_ms_p99_baseline'])} ms before it, {fmt(s['itl_ms_p50_during'])}/"
+          f"{fmt(s['itl_ms_p99_during'])} ms during its prefill ({fmt(s['itl_p99_ratio'], 2)}x at p99); "
+          f"{s['streams_done_before_long_first_token']} streams ended before its first token")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(s, f, indent=1)
+    return 0 if s["long_ok"] and not s["streams_failed"] else 1
+
+
 def fmt(v, nd=1):
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -245,14 +319,18 @@ def main():
     ap.add_argument("--slo-itl-ms", type=float, default=100)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--warmup", type=int, default=4, help="requests sent one by one first, not counted")
+    ap.add_argument("--long-prompt", type=int, help="words of one long prompt sent among --among streams")
+    ap.add_argument("--among", type=int, default=128, help="decoding streams the long prompt arrives among")
+    ap.add_argument("--among-output", type=int, default=512, help="tokens each of those streams generates")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of baseline before the long prompt")
     ap.add_argument("--out")
     ap.add_argument("--plot")
     ap.add_argument("--plot-from", nargs="*", default=[])
     args = ap.parse_args()
     if args.plot:
         return plot(args)
-    if not args.rates and not args.concurrency:
-        ap.error("give --rates or --concurrency")
+    if not args.rates and not args.concurrency and not args.long_prompt:
+        ap.error("give --rates, --concurrency or --long-prompt")
     reqs = workload(args)
     # the first requests of a fresh server pay its one-time costs (pages of the weights, graph
     # captures, allocator growth): a few short ones first, uncounted
@@ -261,6 +339,8 @@ def main():
         if not w["ok"]:
             print(f"serve.py: warm-up request failed: {w.get('error')}", file=sys.stderr)
             return 1
+    if args.long_prompt:
+        return among(args)
     runs = []
     for rate in [float(x) for x in args.rates.split(",") if x]:
         s = run(args, reqs, rate=rate)

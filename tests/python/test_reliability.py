@@ -531,3 +531,27 @@ def test_the_serving_benchmark_reports_what_users_see(tmp_path):
         assert r["max_rate_meeting_slo"] in (None, r["runs"][0]["request_rate"])
     finally:
         stop_server(s.proc)
+
+
+def test_the_serving_benchmark_measures_a_long_prompt_among_streams(tmp_path):
+    # serve.py --long-prompt: the streams' inter-token gaps before a long prompt arrives and while it
+    # is prefilled, split by its arrival and its first token; its TTFT and token count from the
+    # server; every stream finished.
+    s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--parallel", "4"])
+    try:
+        out = tmp_path / "among.json"
+        script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "serve", "serve.py")
+        p = subprocess.run(["python3", script, "--base", s.base, "--long-prompt", "300", "--among", "3",
+                            "--among-output", "128", "--settle", "0.3", "--warmup", "1", "--label", "test",
+                            "--out", str(out)], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr
+        r = json.loads(out.read_text())
+        assert r["streams"] == 3 and r["streams_completed"] == 3 and r["streams_failed"] == 0, r
+        assert r["long_ok"] and r["long_prompt_tokens"] > 300 and r["long_ttft_ms"] > 0, r
+        assert r["baseline_gaps"] > 0 and r["during_gaps"] > 0, r
+        assert 0 < r["itl_ms_p50_baseline"] <= r["itl_ms_p99_baseline"], r
+        assert 0 < r["itl_ms_p50_during"] <= r["itl_ms_p99_during"], r
+        assert r["itl_p99_ratio"] == r["itl_ms_p99_during"] / r["itl_ms_p99_baseline"], r
+        assert r["streams_done_before_long_first_token"] == 0, r
+    finally:
+        stop_server(s.proc)
