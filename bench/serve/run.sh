@@ -4,7 +4,7 @@
 # fixed concurrency, then one long prompt among decoding streams; a JSON file per server and run, the
 # latency plot of both, and a summary table (summary.md).
 #
-#   bash bench/serve/run.sh METRALE_SERVER LLAMA_SERVER MODEL.gguf OUT_DIR
+#   bash bench/serve/run.sh SERVER LLAMA_SERVER MODEL.gguf OUT_DIR
 #
 # Each server gets SV_PARALLEL slots of SV_CTX positions (llama-server: --parallel and a context of
 # their product, which it splits among the slots). Settings (environment; defaults for a CPU
@@ -13,7 +13,7 @@
 #   SV_PROMPT_MEDIAN (100) SV_OUTPUT_MEDIAN (64) SV_MAX_PROMPT (512) SV_MAX_OUTPUT (256)
 #   SV_LONG (1500 words) SV_AMONG (6 streams) SV_AMONG_OUT (160 tokens)
 #   SV_NGL: llama-server's --n-gpu-layers (unset on a CPU machine; 99 on a GPU)
-#   SV_METRALE_ARGS / SV_LLAMA_ARGS: more flags for either server; SV_PORT (18095)
+#   SV_OUR_ARGS / SV_LLAMA_ARGS: more flags for either server; SV_PORT (18095)
 # A server that does not come up within 600 s, or a run with a failed request, fails the script
 # (its log is in OUT_DIR).
 set -euo pipefail
@@ -51,7 +51,7 @@ bench() {
 }
 
 # shellcheck disable=SC2086
-bench metrale "$ours" --model "$model" --port "$port" --parallel "$par" --ctx-size "$ctx" ${SV_METRALE_ARGS:-}
+bench metrale "$ours" --model "$model" --port "$port" --parallel "$par" --ctx-size "$ctx" ${SV_OUR_ARGS:-}
 # shellcheck disable=SC2086
 bench llama-server "$theirs" --model "$model" --port "$port" --parallel "$par" --ctx-size $((par * ctx)) \
   ${SV_NGL:+--n-gpu-layers $SV_NGL} ${SV_LLAMA_ARGS:-}
