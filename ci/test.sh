@@ -60,7 +60,7 @@ METRALE_SERVER_BIN=$PWD/target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server $ven
 
 step "soak (120 s: mixed and hostile traffic, bursts past the queue, disconnects, then SIGTERM)"
 $venv/bin/python bench/soak/soak.py --server-bin target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server \
-    --model "$METRALE_MODEL" --duration 120 --warmup 0.5 --max-rss-slope 6 --out target/soak-120s.json \
+    --model "$METRALE_MODEL" --duration 120 --warmup 0.5 --max-rss-slope 3 --out target/soak-120s.json \
     --log target/soak-120s.log
 
 step "fuzz (every target, 20 s each, seeds in fuzz/corpus)"

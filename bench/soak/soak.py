@@ -20,6 +20,13 @@ Reported: requests by kind and outcome, p50/p99 latency of whole answers, the se
 sampled each second and its slope over the run after warm-up (least squares, MiB/min; the run fails
 if it passes --max-rss-slope), and the drain (exit code, time).
 
+The server runs with glibc's MALLOC_ARENA_MAX set to --malloc-arenas (default 2; 0 leaves glibc's
+default of 8 per core): with the default, each thread that first allocates under contention gets an
+arena of its own, and the arenas' pages add ~15 MiB over the first minutes and then stop (the 600 s
+run in bench/soak/README.md); in a two-minute run that growth is a slope of 1-6 MiB/min that says
+nothing about leaks. With two arenas it stops within seconds, so what grows after warm-up is what
+the server keeps.
+
 Usage: soak.py --server-bin BIN --model GGUF [--duration 600] [--out FILE.json]
 """
 
@@ -251,7 +258,10 @@ async def run(args):
     log = open(args.log, "wb") if args.log else subprocess.DEVNULL
     cmd = [args.server_bin, "--model", args.model, "--port", str(port), "--ctx-size", str(args.ctx),
            "--parallel", str(args.parallel), "--max-queue", str(args.max_queue), "--shutdown-timeout", "60"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    env = dict(os.environ)
+    if args.malloc_arenas:
+        env["MALLOC_ARENA_MAX"] = str(args.malloc_arenas)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     try:
         t0 = time.time()
         while True:
@@ -319,7 +329,7 @@ async def run(args):
             "binary": os.path.basename(args.server_bin),
             "model": os.path.basename(args.model),
             "settings": {k: getattr(args, k) for k in ("duration", "concurrency", "ctx", "parallel", "max_queue",
-                                                       "burst", "burst_every", "seed")},
+                                                       "burst", "burst_every", "seed", "malloc_arenas")},
             "requests": total,
             "requests_per_s": round(total / max(args.duration, 1), 2),
             "by_kind_outcome": dict(sorted(soak.counts.items())),
@@ -366,6 +376,8 @@ def main():
     p.add_argument("--warmup", type=float, default=0.25, help="fraction of the run left out of the RSS slope")
     p.add_argument("--max-rss-slope", type=float, default=2.0, help="MiB/min")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--malloc-arenas", type=int, default=2,
+                   help="MALLOC_ARENA_MAX for the server (0: glibc's default); see the module docs")
     p.add_argument("--out")
     p.add_argument("--log", help="server log file")
     args = p.parse_args()
