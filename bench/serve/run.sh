@@ -61,25 +61,26 @@ python3 - "$out" << 'EOF' | tee "$out/summary.md"
 import json, sys
 out = sys.argv[1]
 f = lambda v, n=1: "-" if v is None else f"{v:,.{n}f}"
+names = ("metrale", "llama-server")
+sweep = {n: json.load(open(f"{out}/{n}-sweep.json")) for n in names}
+long = {n: json.load(open(f"{out}/{n}-long.json")) for n in names}
 print("| server | arrivals | completed req/s | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | goodput (req/s) |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-for name in ("metrale", "llama-server"):
-    d = json.load(open(f"{out}/{name}-sweep.json"))
-    for r in d["runs"]:
+for name in names:
+    for r in sweep[name]["runs"]:
         how = f"{r['concurrency']} in flight" if r["concurrency"] else (
             "all at once" if r["rate"] == "inf" else f"Poisson {r['rate']:g}/s")
         print(f"| {name} | {how} | {f(r['request_rate'], 2)} | {f(r['output_tok_s'])} | "
               f"{f(r['ttft_ms_p50'], 0)} / {f(r['ttft_ms_p99'], 0)} | {f(r['itl_ms_p50'])} / {f(r['itl_ms_p99'])} | "
               f"{f(r['goodput_req_s'], 2)} |")
 print()
-for name in ("metrale", "llama-server"):
-    d = json.load(open(f"{out}/{name}-sweep.json"))
-    print(f"{name}: highest swept rate meeting the SLO: {d['max_rate_meeting_slo']}")
+for name in names:
+    print(f"{name}: highest swept rate meeting the SLO: {sweep[name]['max_rate_meeting_slo']}")
 print()
 print("| server | long prompt (tokens) | its TTFT (ms) | streams' ITL p50 / p99 before (ms) | during its prefill (ms) | p99 ratio |")
 print("| --- | ---: | ---: | ---: | ---: | ---: |")
-for name in ("metrale", "llama-server"):
-    d = json.load(open(f"{out}/{name}-long.json"))
+for name in names:
+    d = long[name]
     print(f"| {name} | {d['long_prompt_tokens']} | {f(d['long_ttft_ms'], 0)} | {f(d['itl_ms_p50_baseline'])} / "
           f"{f(d['itl_ms_p99_baseline'])} | {f(d['itl_ms_p50_during'])} / {f(d['itl_ms_p99_during'])} | "
           f"{f(d['itl_p99_ratio'], 2)}x |")

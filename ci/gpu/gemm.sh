@@ -514,13 +514,13 @@ ncu)
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" \
     2>&1 | grep synth-model | tee "$R/synth.txt"
   NCU_KERNELS=${NCU_KERNELS:-tma_o,tma_qkv}
+  # NCU_SET=full: every section (the memory tables: L1, L2 and DRAM rates each)
+  sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+    --section SchedulerStats --section MemoryWorkloadAnalysis"
+  [ -n "${NCU_SET:-}" ] && sections="--set $NCU_SET"
   for n in $(echo "${NCU_TOKENS:-64,256}" | tr , ' '); do
     for kern in $(echo "$NCU_KERNELS" | tr , ' '); do
       step "ncu: $kern at $n tokens"
-      # NCU_SET=full: every section (the memory tables: L1, L2 and DRAM rates each)
-      sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
-        --section SchedulerStats --section MemoryWorkloadAnalysis"
-      [ -n "${NCU_SET:-}" ] && sections="--set $NCU_SET"
       # shellcheck disable=SC2086
       METRALE_TARGETS=$PWD/targets timeout 150 ncu --clock-control none -k "regex:^$kern\$" -c 1 $sections --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         "$H/b/bin/gemm_bench" "$H/s/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --tokens "$n" --out "$R/ncu-gemm.jsonl" 2>&1 | sed "s|$H/|\$H/|g" > "$R/ncu-$kern-$n.txt"

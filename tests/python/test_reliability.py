@@ -507,6 +507,13 @@ def test_the_load_script_counts_every_outcome(tmp_path):
         stop_server(s.proc)
 
 
+def run_serve_py(*args):
+    """bench/serve/serve.py with these arguments; it must exit 0."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "serve", "serve.py")
+    p = subprocess.run(["python3", script, *args], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_the_serving_benchmark_reports_what_users_see(tmp_path):
     # bench/serve/serve.py (the GPU machine's rate sweep against llama-server) on a small server: a
     # Poisson rate, all at once and a fixed concurrency; every request generates exactly its drawn
@@ -514,12 +521,9 @@ def test_the_serving_benchmark_reports_what_users_see(tmp_path):
     s = start_server(tmp_path / "log", ["--ctx-size", "256", "--parallel", "4"])
     try:
         out = tmp_path / "serve.json"
-        script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "serve", "serve.py")
-        p = subprocess.run(["python3", script, "--base", s.base, "--num-prompts", "6", "--rates", "4,inf",
-                            "--concurrency", "3", "--prompt-median", "20", "--output-median", "8",
-                            "--max-prompt", "64", "--max-output", "16", "--label", "test", "--out", str(out)],
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout + p.stderr
+        run_serve_py("--base", s.base, "--num-prompts", "6", "--rates", "4,inf", "--concurrency", "3",
+                     "--prompt-median", "20", "--output-median", "8", "--max-prompt", "64",
+                     "--max-output", "16", "--label", "test", "--out", str(out))
         r = json.loads(out.read_text())
         assert [x["rate"] for x in r["runs"]] == [4.0, "inf", None] and r["runs"][2]["concurrency"] == 3
         for x in r["runs"]:
@@ -540,11 +544,8 @@ def test_the_serving_benchmark_measures_a_long_prompt_among_streams(tmp_path):
     s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--parallel", "4"])
     try:
         out = tmp_path / "among.json"
-        script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "serve", "serve.py")
-        p = subprocess.run(["python3", script, "--base", s.base, "--long-prompt", "300", "--among", "3",
-                            "--among-output", "128", "--settle", "0.3", "--warmup", "1", "--label", "test",
-                            "--out", str(out)], capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout + p.stderr
+        run_serve_py("--base", s.base, "--long-prompt", "300", "--among", "3", "--among-output", "128",
+                     "--settle", "0.3", "--warmup", "1", "--label", "test", "--out", str(out))
         r = json.loads(out.read_text())
         assert r["streams"] == 3 and r["streams_completed"] == 3 and r["streams_failed"] == 0, r
         assert r["long_ok"] and r["long_prompt_tokens"] > 300 and r["long_ttft_ms"] > 0, r

@@ -278,9 +278,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     let mut concurrent = Vec::new();
     let stream_prompt = prompt_tokens(&base, args.stream_prompt_tokens)?;
+    // the engine's counters, from one read of /metrics
     let engine = |base: &str| {
+        let text = metrics_text(base).unwrap_or_default();
         ["steps", "step_seconds", "backend_seconds"]
-            .map(|n| metric(base, &format!("metrale:engine_{n}_total")).unwrap_or(f64::NAN))
+            .map(|n| metric_in(&text, &format!("metrale:engine_{n}_total")).unwrap_or(f64::NAN))
     };
     for &c in &levels {
         let e0 = engine(&base);
@@ -726,12 +728,21 @@ fn post(base: &str, path: &str, body: &Value) -> Result<Value> {
 
 /// One sample of the server's /metrics (the first line starting with `name`); `None` when absent.
 fn metric(base: &str, name: &str) -> Option<f64> {
-    let text = ureq::get(format!("{base}/metrics"))
+    metric_in(&metrics_text(base)?, name)
+}
+
+/// The server's /metrics page.
+fn metrics_text(base: &str) -> Option<String> {
+    ureq::get(format!("{base}/metrics"))
         .call()
         .ok()?
         .body_mut()
         .read_to_string()
-        .ok()?;
+        .ok()
+}
+
+/// The value of the first sample of `name` on a /metrics page.
+fn metric_in(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(name))?
         .rsplit(' ')
