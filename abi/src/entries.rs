@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
     ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MV_THREADS,
-    SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS, WQ_THREADS,
+    QKN_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS, WQ_THREADS,
 };
 
 macro_rules! field_ty {
@@ -145,6 +145,25 @@ entries! {
         norm_w: ptr<"const float">,
         wqs: ptr<"const void">,
         wsc: ptr<"const void">,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
+        layer: i32,
+        max_blocks: i32,
+        ntok: i32,
+    }
+    /// Families with a per-head Q/K RMSNorm (`features.qk_norm`): the QKV product (`attn_in` or
+    /// a GEMM epilogue) leaves raw rows `qkv[ntok][QD + 2 KD]`; each warp takes one head of one
+    /// token: RMSNorm with `q_norm` / `k_norm` (`head_dim` weights each), RoPE, q to `q`, k and v
+    /// into the paged KV cache. grid = (ntok, ceil((heads + 2 kv_heads) / QKN_WARPS)).
+    QkNormRope = "qk_norm" / "qk_norm_rope", threads QKN_THREADS, {
+        qkv: ptr<"const float">,
+        q_norm: ptr<"const float">,
+        k_norm: ptr<"const float">,
         rope: ptr<"const float2">,
         q: ptr<"float">,
         kc: ptr<"kv_t">,

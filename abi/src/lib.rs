@@ -138,6 +138,11 @@ pub fn templates() -> Vec<&'static str> {
     t
 }
 
+/// The templates a CUDA target compiles only where its family asks for them
+/// (`metrale_core::target::cuda_feature_templates`); every other template of [`templates`] is
+/// compiled for every CUDA target.
+pub const OPTIONAL_TEMPLATES: [&str; 2] = ["decode", "qk_norm"];
+
 /// The entry points declared for `template`.
 pub fn entries_of(template: &str) -> impl Iterator<Item = &'static EntryDecl> + '_ {
     ENTRIES.iter().filter(move |e| e.template == template)
@@ -146,6 +151,8 @@ pub fn entries_of(template: &str) -> impl Iterator<Item = &'static EntryDecl> + 
 /// Threads per block of the matrix-vector kernels (`attn_in`, `attn_out`, `ffn_in`, `ffn_out`,
 /// `lm_head`, `lm_head_1`); each warp owns a row pair at a time.
 pub const MV_THREADS: u32 = 256;
+/// Threads per block of `qk_norm_rope` (one warp per head of a token).
+pub const QKN_THREADS: u32 = 256;
 /// Threads per block of `embed`.
 pub const EMBED_THREADS: u32 = 256;
 /// Threads per block of `attention`.
@@ -260,6 +267,7 @@ pub const SS_COLS: u32 = 32;
 pub const CONSTS: &[(&str, i64)] = &[
     ("MV_THREADS", MV_THREADS as i64),
     ("EMBED_THREADS", EMBED_THREADS as i64),
+    ("QKN_THREADS", QKN_THREADS as i64),
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),

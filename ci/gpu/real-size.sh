@@ -116,15 +116,16 @@ in_rev() {
 }
 
 # the 2-layer variant's kernels (the KV layout and decode_1 depend on the layer count): the same
-# target built from a copy of the targets with layers = 2, into $1/k/h200-llama-3.1-8b-2l-bf16, and
-# that copy's targets/ in $1/t2 (golden_check reads it through METRALE_TARGETS)
-kernels2l() {  # DIR [NAME]: DIR/k/NAME (default h200-llama-3.1-8b-2l-bf16), built by this tree
-  local t2=$1/t2
-  mkdir -p "$t2" "$1/k" && cp -r kernels targets "$t2/"
-  sed -i 's/^layers = 32$/layers = 2/' "$t2/targets/models/llama-3.1-8b.toml"
-  grep -q '^layers = 2$' "$t2/targets/models/llama-3.1-8b.toml"
-  cargo xtask build-target --hw h200 --model llama-3.1-8b --quant bf16 --kernels-only --repo "$t2" \
-    --out "$1/k/${2:-h200-llama-3.1-8b-2l-bf16}" 2>&1 | tail -1
+# target built from a copy of the targets with layers = 2, into $1/k/h200-MODEL-2l-bf16, and that
+# copy's targets/ in $1/t2 (golden_check reads it through METRALE_TARGETS)
+kernels2l() {  # DIR [NAME] [MODEL]: DIR/k/NAME (default h200-MODEL-2l-bf16; MODEL llama-3.1-8b)
+  local t2=$1/t2 m=${3:-llama-3.1-8b}
+  mkdir -p "$t2" "$1/k" && [ -d "$t2/targets" ] || cp -r targets "$t2/"
+  rm -rf "$t2/kernels" && cp -r kernels "$t2/"
+  sed -i 's/^layers = [0-9]*$/layers = 2/' "$t2/targets/models/$m.toml"
+  grep -q '^layers = 2$' "$t2/targets/models/$m.toml"
+  cargo xtask build-target --hw h200 --model "$m" --quant bf16 --kernels-only --repo "$t2" \
+    --out "$1/k/${2:-h200-$m-2l-bf16}" 2>&1 | tail -1
   rm -rf "$t2/kernels"
 }
 

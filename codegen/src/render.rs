@@ -2,7 +2,7 @@
 //!
 //! Templates are handlebars in strict mode with HTML escaping off. The context is exactly
 //! `{ target: "hw/model/quant", hw: {HARDWARE.toml fields}, model: {[model] fields}, quant: {[quant]
-//! fields}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
+//! fields}, features: {the family's metrale_core::target::Features}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
 //! parameter a template uses but the target lacks is an error naming the target, the template and
 //! the parameter. The partial `{{> abi}}` renders the ABI's `abi` namespace (constants, device
 //! structs); a CUDA template's rendered source ends with the ABI's layout `static_assert`s for the
@@ -53,6 +53,7 @@ pub fn context(spec: &TargetSpec, kernel: &str) -> serde_json::Value {
         "hw": serde_json::to_value(&spec.hardware).expect("hardware serializes"),
         "model": serde_json::to_value(&spec.model).expect("model serializes"),
         "quant": serde_json::to_value(&spec.quant).expect("quant serializes"),
+        "features": serde_json::to_value(spec.model.features()).expect("features serialize"),
         "kernel": {"name": kernel},
     });
     if spec.hardware.backend == BackendKind::Cuda {

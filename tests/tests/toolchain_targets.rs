@@ -28,20 +28,34 @@ fn the_matrix_is_listed_and_every_target_loads() {
         let again = TargetSpec::from_toml(&s.hardware_toml, &s.model_toml, id).unwrap();
         assert_eq!(again, s);
     }
-    // every CUDA target compiles exactly the templates the ABI declares entry points for
-    let mut abi_templates = metrale_abi::templates();
-    abi_templates.sort();
+    // every CUDA target compiles exactly the templates the ABI declares entry points for, the
+    // optional ones where its family's features ask (the target validator's rule, seen from the ABI)
     for id in &ids {
         let s = TargetSpec::load(&root, id).unwrap();
         if s.hardware.backend == BackendKind::Cuda {
+            let f = s.model.features();
+            let wanted = metrale_core::target::cuda_feature_templates(&f);
+            let mut want: Vec<&str> = metrale_abi::templates()
+                .into_iter()
+                .filter(|t| {
+                    !metrale_abi::OPTIONAL_TEMPLATES.contains(t)
+                        || wanted.iter().any(|(n, on)| n == t && *on)
+                })
+                .collect();
+            want.sort();
             let mut k: Vec<&str> = s.kernels.iter().map(String::as_str).collect();
             k.sort();
-            assert_eq!(
-                k, abi_templates,
-                "{id}: kernels list vs the ABI's templates"
-            );
+            assert_eq!(k, want, "{id}: kernels list vs the ABI's templates");
         }
     }
+    let mut optional: Vec<&str> = metrale_core::target::cuda_feature_templates(
+        &metrale_core::target::features("llama").unwrap(),
+    )
+    .iter()
+    .map(|(n, _)| *n)
+    .collect();
+    optional.sort();
+    assert_eq!(optional, metrale_abi::OPTIONAL_TEMPLATES);
     let h200 = TargetSpec::load(&root, &TargetId::new("h200", "smollm2-135m", "q4_1")).unwrap();
     assert_eq!(h200.hardware.backend, BackendKind::Cuda);
     assert_eq!(h200.hardware.cubin_arch.as_deref(), Some("sm_90a"));
@@ -90,12 +104,13 @@ fn list_targets_command_prints_the_matrix() {
     for row in [
         "h200 cuda smollm2-135m q4_1 sm_90a 132 13",
         "h200 cuda llama-3.1-8b q4_1 sm_90a 132 13",
+        "h200 cuda qwen3-8b bf16 sm_90a 132 13",
         "cpu cpu qwen3-8b bf16 - - 0",
         "cpu cpu qwen3-30b-a3b q4_1 - - 0",
     ] {
         assert!(rows.iter().any(|r| r == row), "no row '{row}' in:\n{s}");
     }
-    assert!(s.contains("31 targets"), "{s}");
+    assert!(s.contains("33 targets"), "{s}");
 }
 
 fn temp_targets() -> tempfile::TempDir {

@@ -44,6 +44,9 @@ struct Env {
     theta: f32,
     kv: KvDtype,
     rng: StdRng,
+    /// Targets whose family norms each Q/K head: the norm weights (q's then k's, `head_dim` each)
+    /// on the host and the device.
+    qkn: Option<(Vec<f32>, DevBuf)>,
 }
 
 fn env(test: &str) -> Option<Env> {
@@ -68,6 +71,12 @@ fn env(test: &str) -> Option<Env> {
                 .as_nanos() as u64
         });
     eprintln!("{test}: target {target}, seed {seed} (set METRALE_TEST_SEED to replay)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let qkn = gpu.qk_norm().then(|| {
+        let w = rand_vec(&mut rng, 2 * d.head_dim, 0.5, 1.5);
+        let b = gpu.upload(&w).unwrap();
+        (w, b)
+    });
     Some(Env {
         gpu,
         d,
@@ -76,7 +85,8 @@ fn env(test: &str) -> Option<Env> {
         eps: spec.model.norm_eps as f32,
         theta: spec.model.rope_theta as f32,
         kv: spec.quant.kv_dtype(),
-        rng: StdRng::seed_from_u64(seed),
+        rng,
+        qkn,
     })
 }
 
@@ -283,6 +293,50 @@ struct QkvRef<'a> {
     wk: &'a Mat,
     wv: &'a Mat,
     inv: &'a [f32],
+    /// the family's per-head Q/K norm weights (q's then k's), where it has them
+    qkn: Option<&'a [f32]>,
+}
+
+/// The columns a QKV launch writes per token into its `q`: the queries, or where the target's
+/// family norms each Q/K head the raw rows of all three products (`qk_norm_rope`'s input).
+fn q_cols(e: &Env) -> usize {
+    match e.qkn {
+        Some(_) => e.d.qd() + 2 * e.d.kd(),
+        None => e.d.qd(),
+    }
+}
+
+/// The queries of a QKV launch over `n` tokens that wrote its `q` (`o.q`) into `raw`: read back,
+/// or where the target norms each Q/K head, `qk_norm_rope` run first on those raw rows (writing
+/// a fresh q buffer and `o`'s caches), the kernel the forward pass runs after the product.
+fn qkv_finish(
+    e: &Env,
+    o: &metrale_backend::cuda::gemm::QkvOut,
+    raw: &DevBuf,
+    n: usize,
+) -> Vec<f32> {
+    let g = &e.gpu;
+    let Some((_, qkn)) = &e.qkn else {
+        return read_f32(g, raw, n * e.d.qd());
+    };
+    let qb = poisoned(g, n * e.d.qd());
+    g.qk_norm_rope(abi::QkNormRope {
+        qkv: raw.ptr,
+        q_norm: qkn.ptr,
+        k_norm: qkn.ptr + (e.d.head_dim * 4) as u64,
+        rope: o.rope,
+        q: qb.ptr,
+        kc: o.kc,
+        vc: o.vc,
+        pos: o.pos,
+        slot: o.slot,
+        tables: o.tables,
+        layer: o.layer,
+        max_blocks: o.max_blocks,
+        ntok: n as i32,
+    })
+    .unwrap();
+    read_f32(g, &qb, n * e.d.qd())
 }
 
 /// Check a QKV launch (RMSNorm + products + RoPE on q and k + K/V cache write) of the tokens at
@@ -317,6 +371,14 @@ fn check_qkv(
         let mut xn = vec![0f32; d.hidden];
         ops::rmsnorm(&r.x[t * d.hidden..(t + 1) * d.hidden], r.norm, eps, &mut xn);
         let (mut qr, mut kr, vr) = (r.wq.matvec(&xn), r.wk.matvec(&xn), r.wv.matvec(&xn));
+        if let Some(w) = r.qkn {
+            for (rows, w) in [(&mut qr, &w[..hd]), (&mut kr, &w[hd..])] {
+                for h in rows.chunks_exact_mut(hd) {
+                    let raw = h.to_vec();
+                    ops::rmsnorm(&raw, w, eps, h);
+                }
+            }
+        }
         rope_inplace(&mut qr, hd, pos[t] as usize, r.inv);
         rope_inplace(&mut kr, hd, pos[t] as usize, r.inv);
         wq_all.extend(qr);
@@ -453,7 +515,7 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         g.upload(&norm).unwrap(),
         DevMat::upload(g, &wqkv).unwrap(),
     );
-    let qb = poisoned(g, n * qd);
+    let qb = poisoned(g, n * q_cols(&e));
     let pg = Paged::new(d, slots, ctx, e.kv);
     let kc = pg.upload(g, &vec![1e30f32; pg.elems()]);
     let vc = pg.upload(g, &vec![1e30f32; pg.elems()]);
@@ -461,6 +523,17 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
     let (pb, sb) = (g.upload(&pos).unwrap(), g.upload(&slot).unwrap());
     let inv = rope_inv_freq(hd, e.theta, None, None);
     let rope = g.upload(&rope_table(&inv, ctx)).unwrap();
+    let o = metrale_backend::cuda::gemm::QkvOut {
+        rope: rope.ptr,
+        q: qb.ptr,
+        kc: kc.ptr,
+        vc: vc.ptr,
+        pos: pb.ptr,
+        slot: sb.ptr,
+        tables: tb.ptr,
+        layer: layer as i32,
+        max_blocks: pg.max_blocks as i32,
+    };
     g.attn_in(abi::AttnIn {
         x: xb.ptr,
         norm_w: nb.ptr,
@@ -478,7 +551,7 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         ntok: n as i32,
     })
     .unwrap();
-    let q = read_f32(g, &qb, n * qd);
+    let q = qkv_finish(&e, &o, &qb, n);
     let kcache = pg.read(g, &kc);
     let vcache = pg.read(g, &vc);
     check_qkv(
@@ -492,6 +565,7 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
             wk: &wk,
             wv: &wv,
             inv: &inv,
+            qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
         },
         (&pos, &slot, layer, &pg),
         (&q, &kcache, &vcache),
@@ -1391,7 +1465,7 @@ fn check_gemm_products(
     );
 
     // RMSNorm + QKV + RoPE + KV write
-    let qb = poisoned(g, n * qd);
+    let qb = poisoned(g, n * q_cols(e));
     let pg = Paged::new(d, slots, ctx, e.kv);
     let kc = pg.upload(g, &vec![1e30f32; pg.elems()]);
     let vc = pg.upload(g, &vec![1e30f32; pg.elems()]);
@@ -1408,7 +1482,7 @@ fn check_gemm_products(
         max_blocks: pg.max_blocks as i32,
     };
     p.norm_qkv(g, xb.ptr, nb.ptr, &wqkv_b, o, n).unwrap();
-    let (q, kcache, vcache) = (read_f32(g, &qb, n * qd), pg.read(g, &kc), pg.read(g, &vc));
+    let (q, kcache, vcache) = (qkv_finish(e, &o, &qb, n), pg.read(g, &kc), pg.read(g, &vc));
     let qkv_r = QkvRef {
         x: &x,
         norm: &norm,
@@ -1416,6 +1490,7 @@ fn check_gemm_products(
         wk,
         wv,
         inv: &inv,
+        qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
     };
     check_qkv(
         &what,
@@ -1439,7 +1514,7 @@ fn check_gemm_products(
                 else {
                     continue;
                 };
-                let qb = poisoned(g, n * qd);
+                let qb = poisoned(g, n * q_cols(e));
                 let kc = pg.upload(g, &vec![1e30f32; pg.elems()]);
                 let vc = pg.upload(g, &vec![1e30f32; pg.elems()]);
                 let o = QkvOut {
@@ -1450,17 +1525,14 @@ fn check_gemm_products(
                 };
                 p.hopper_product(g, Product::Qkv(o), &wqkv_b, n, Some(l))
                     .unwrap();
+                let q = qkv_finish(e, &o, &qb, n);
                 check_qkv(
                     &format!("{what}tma {bm}x{bn} splits {splits}: "),
                     d,
                     e.eps,
                     qkv_r,
                     (&pos, &slot, layer, &pg),
-                    (
-                        &read_f32(g, &qb, n * qd),
-                        &pg.read(g, &kc),
-                        &pg.read(g, &vc),
-                    ),
+                    (&q, &pg.read(g, &kc), &pg.read(g, &vc)),
                     Some(tol),
                 );
             }
@@ -1580,7 +1652,7 @@ fn check_gemm_products(
         n,
         d.hidden,
     );
-    let qb3 = poisoned(g, n * qd);
+    let qb3 = poisoned(g, n * q_cols(e));
     let kc3 = pg.upload(g, &vec![1e30f32; pg.elems()]);
     let vc3 = pg.upload(g, &vec![1e30f32; pg.elems()]);
     let o3 = QkvOut {
@@ -1591,7 +1663,7 @@ fn check_gemm_products(
     };
     p.qkv(g, &wqkv_b, o3, n).unwrap();
     let (q, kcache, vcache) = (
-        read_f32(g, &qb3, n * qd),
+        qkv_finish(e, &o3, &qb3, n),
         pg.read(g, &kc3),
         pg.read(g, &vc3),
     );
@@ -1602,6 +1674,7 @@ fn check_gemm_products(
         wk,
         wv,
         inv: &inv,
+        qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
     };
     check_qkv(
         &format!("{what}(QKV of the down product's normed output) "),

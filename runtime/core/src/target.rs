@@ -26,7 +26,8 @@
 //! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count`, `smem_per_block_kib`,
 //!   `compute_capability` and its launch choices (`attention_cluster`, `decode_split`); metal
 //!   hardware has `metal_std`. Shapes are consistent (`heads % kv_heads == 0`; on kernel backends
-//!   `heads * head_dim == hidden` and the llama family, whose kernels exist).
+//!   `heads * head_dim == hidden` and a dense family (routed experts have no kernels yet)); a CUDA
+//!   target compiles `decode` and `qk_norm` exactly where its family's [`Features`] ask.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -197,6 +198,48 @@ pub struct RopeScaling {
 /// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
 pub const FAMILIES: [&str; 3] = ["llama", "qwen3", "qwen3moe"];
 
+/// What a family's block does beyond the llama block (RMSNorm, attention with grouped KV heads and
+/// adjacent-pair RoPE, RMSNorm, gated SiLU MLP, residual adds), as data: the runtime's
+/// `metrale_model::Family` answers from it, and the CUDA kernel templates render it
+/// (`{{features.qk_norm}}`, ...). One row per family in [`features`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Features {
+    /// An RMSNorm of each Q and K head (learned, `head_dim` weights shared by the heads) after
+    /// the projections and before RoPE.
+    pub qk_norm: bool,
+    /// GGUF files keep Q/K rows in HF's order (RoPE over the two halves of each head); the reader
+    /// permutes them to adjacent pairs.
+    pub gguf_rope_halves: bool,
+    /// Every layer's MLP is routed experts (`[model.experts]`).
+    pub moe: bool,
+    /// The fused persistent batch-1 kernel (`decode_1`, template `decode`) computes this block;
+    /// a family without it decodes one sequence on the per-stage kernels.
+    pub fused_decode: bool,
+}
+
+/// The features of `family` (one of [`FAMILIES`]).
+pub fn features(family: &str) -> Option<Features> {
+    let (qk_norm, moe, fused_decode) = match family {
+        "llama" => (false, false, true),
+        "qwen3" => (true, false, false),
+        "qwen3moe" => (true, true, false),
+        _ => return None,
+    };
+    Some(Features {
+        qk_norm,
+        gguf_rope_halves: qk_norm,
+        moe,
+        fused_decode,
+    })
+}
+
+/// The CUDA kernel templates a target compiles only where its family's features ask for them
+/// (every other template of the ABI is compiled for every CUDA target): `decode` where
+/// `fused_decode`, `qk_norm` where `qk_norm`.
+pub fn cuda_feature_templates(f: &Features) -> [(&'static str, bool); 2] {
+    [("decode", f.fused_decode), ("qk_norm", f.qk_norm)]
+}
+
 /// `[model.experts]`: a mixture of experts in place of every layer's dense MLP.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -232,6 +275,14 @@ pub struct ModelShape {
     pub rope_scaling: Option<RopeScaling>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts: Option<ExpertShape>,
+}
+
+impl ModelShape {
+    /// The features of its family (validated to be one of [`FAMILIES`]; an unknown one reads as
+    /// llama's until validation refuses it).
+    pub fn features(&self) -> Features {
+        features(&self.family).unwrap_or_else(|| features("llama").expect("llama"))
+    }
 }
 
 impl crate::shape::Dims {
@@ -731,16 +782,37 @@ impl TargetSpec {
                 format!("family {}", m.family),
             ));
         }
-        if m.family != "llama" && !cpu {
+        let features = m.features();
+        if features.moe && !cpu {
             return Err(inv(
                 model_path,
                 "model.family",
                 format!(
-                    "llama on {} targets (the {} family has no kernels yet: build a cpu target)",
-                    self.hardware.backend, m.family
+                    "a dense family on {} targets (routed experts have no kernels yet: build a cpu target)",
+                    self.hardware.backend
                 ),
                 m.family.clone(),
             ));
+        }
+        if self.hardware.backend == BackendKind::Cuda {
+            for (t, wanted) in cuda_feature_templates(&features) {
+                if self.kernels.iter().any(|k| k == t) != wanted {
+                    return Err(inv(
+                        model_path,
+                        "kernels",
+                        format!(
+                            "{} \"{t}\" for the {} family",
+                            if wanted {
+                                "a list holding"
+                            } else {
+                                "a list without"
+                            },
+                            m.family
+                        ),
+                        format!("{:?}", self.kernels),
+                    ));
+                }
+            }
         }
         // the kernels are compiled (and tested) where the query width is the hidden size; the CPU
         // backend keeps the two apart
@@ -1138,8 +1210,26 @@ mod tests {
     }
 
     #[test]
-    fn families_other_than_llama_are_cpu_only_and_unknown_ones_refused() {
+    fn families_pick_their_kernels_moe_is_cpu_only_and_unknown_ones_refused() {
+        // qwen3 on a CUDA target: no fused decode_1, the Q/K norm kernel instead
         let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"qwen3\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("kernels") && err.contains("without \"decode\""),
+            "{err}"
+        );
+        let swap = |s: &str| s.replace("\"decode\"", "\"qk_norm\"");
+        let q = load_edited("bf16", |s| {
+            format!("{}\n[model]\nfamily = \"qwen3\"\n", swap(s))
+        })
+        .unwrap();
+        assert!(q.model.features().qk_norm && !q.model.features().fused_decode);
+        let err = load_edited("bf16", |s| swap(s)).unwrap_err().to_string();
+        assert!(err.contains("holding \"decode\" for the llama"), "{err}");
+        let moe =
+            "\n[model]\nfamily = \"qwen3moe\"\n[model.experts]\ncount = 8\nused = 2\nffn = 64\n";
+        let err = load_edited("bf16", |s| format!("{}{moe}", swap(s)))
             .unwrap_err()
             .to_string();
         assert!(

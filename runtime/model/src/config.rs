@@ -72,23 +72,28 @@ impl Family {
         }
     }
 
+    /// What its block does beyond llama's: the one table, `metrale_core::target::features`.
+    pub fn features(self) -> metrale_core::target::Features {
+        metrale_core::target::features(self.name()).expect("every Family has a features row")
+    }
+
     /// Each head of Q and K is RMS-normalised (weights `blk.N.attn_q_norm` / `attn_k_norm`, one per
     /// head dimension, shared by the heads) after the projections and before RoPE.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
+        self.features().qk_norm
     }
 
     /// Its GGUF files keep Q/K rows in HF's order (RoPE rotating the two halves of each head:
     /// llama.cpp's NEOX rope), so the reader permutes them to adjacent pairs as it does HF rows of
     /// every family; llama GGUFs come permuted by the converter.
     pub fn gguf_rope_halves(self) -> bool {
-        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
+        self.features().gguf_rope_halves
     }
 
     /// Every layer's MLP is routed experts ([`Moe`]): `blk.N.ffn_gate_inp` (the router) and the
     /// experts' `ffn_{gate,up,down}_exps`, no dense `ffn_{gate,up,down}`.
     pub fn moe(self) -> bool {
-        self == Family::Qwen3Moe
+        self.features().moe
     }
 }
 

@@ -3,7 +3,9 @@
 //! QKV, RoPE, KV write), `attention` (split-K GQA; prompt chunks on bf16-KV targets:
 //! `attention_flash`, tensor-core flash attention over query tiles, [`Attn`]), `attn_out` (O projection and residual), `ffn_in`
 //! (RMSNorm, gate/up, SiLU), `ffn_out` (down projection and residual), then `lm_head` (final norm
-//! and LM head on each sequence's last token, with the greedy pick fused): 2 + 5 x layers launches,
+//! and LM head on each sequence's last token, with the greedy pick fused): 2 + 5 x layers launches
+//! (6 a layer for families with a per-head Q/K norm: the QKV product leaves raw rows in
+//! [`Bufs::qkv`] and `qk_norm_rope` norms, rotates and writes them),
 //! the four layer products as tensor-core GEMMs (`gemm`) for chunks where they pay, and, on the
 //! Hopper path, the LM head of several outputs as a GEMM followed by `argmax_logprob`.
 //!
@@ -24,6 +26,9 @@ use super::CudaBackend;
 pub(super) struct Bufs {
     pub x: DevBuf,
     pub q: DevBuf,
+    /// families with a per-head Q/K norm: the QKV product's raw rows `[maxt][qd + 2 kd]`, which
+    /// `qk_norm_rope` norms, rotates and writes to `q` and the KV cache
+    pub qkv: Option<DevBuf>,
     pub h: DevBuf,
     pub part_ml: DevBuf,
     pub part_acc: DevBuf,
@@ -68,6 +73,10 @@ impl Bufs {
         Ok(Bufs {
             x: gpu.alloc(maxt * d.hidden * f)?,
             q: gpu.alloc(maxt * d.qd() * f)?,
+            qkv: match gpu.qk_norm() {
+                true => Some(gpu.alloc(maxt * (d.qd() + 2 * d.kd()) * f)?),
+                false => None,
+            },
             h: gpu.alloc(maxt * d.ffn * f)?,
             part_ml: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * 8)?,
             part_acc: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
@@ -112,7 +121,7 @@ pub(super) enum Attn {
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Stage {
     Embed,
-    /// RMSNorm + QKV + RoPE + KV write
+    /// RMSNorm + QKV + RoPE + KV write (+ the per-head Q/K norm before RoPE, where the family has it)
     Qkv,
     Attention,
     /// O projection + residual
@@ -143,6 +152,58 @@ impl CudaBackend {
         self.opts.tuning.fused_norm && p.hopper()
     }
 
+    /// A layer's QKV product (RMSNorm first unless the product before left its input), on the
+    /// GEMM path `pf` or the matrix-vector kernel; `q` takes the queries (rotated; where the family
+    /// norms each Q/K head, every raw row: the layout of [`Bufs::qkv`]).
+    fn qkv_product(
+        &self,
+        l: usize,
+        pf: Option<&GemmPath>,
+        ntok: usize,
+        q: u64,
+    ) -> Result<(), BackendError> {
+        let (g, b, kv) = (&self.gpu, &self.b, &self.kv);
+        let max_blocks = kv.max_blocks as i32;
+        let w = &self.w.layers[l];
+        match pf {
+            Some(p) => {
+                let o = QkvOut {
+                    rope: self.w.rope.ptr,
+                    q,
+                    kc: kv.kc.ptr,
+                    vc: kv.vc.ptr,
+                    pos: b.pos,
+                    slot: b.slot,
+                    tables: kv.tables.ptr,
+                    layer: l as i32,
+                    max_blocks,
+                };
+                // after layer 0 the down product before it left its input (`fused_norm`)
+                if l > 0 && self.fused_norm(p) {
+                    p.qkv(g, &w.wqkv, o, ntok)
+                } else {
+                    p.norm_qkv(g, b.x.ptr, w.attn_norm.ptr, &w.wqkv, o, ntok)
+                }
+            }
+            None => g.attn_in(abi::AttnIn {
+                x: b.x.ptr,
+                norm_w: w.attn_norm.ptr,
+                wqs: w.wqkv.qs.ptr,
+                wsc: w.wqkv.sc_ptr(),
+                rope: self.w.rope.ptr,
+                q,
+                kc: kv.kc.ptr,
+                vc: kv.vc.ptr,
+                pos: b.pos,
+                slot: b.slot,
+                tables: kv.tables.ptr,
+                layer: l as i32,
+                max_blocks,
+                ntok: ntok as i32,
+            }),
+        }
+    }
+
     /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and
     /// `LmHead`), on the tensor-core GEMM path when `pf` is given (the four layer products only).
     pub(super) fn launch_stage(
@@ -166,8 +227,17 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
-            (Stage::Qkv, Some(p)) => {
-                let o = QkvOut {
+            (Stage::Qkv, _) if b.qkv.is_some() => {
+                // the product's raw rows, then the per-head norm, RoPE and the KV write
+                let raw = b.qkv.as_ref().map_or(0, |r| r.ptr);
+                self.qkv_product(l, pf, ntok, raw)?;
+                let qk = w().qk_norm.as_ref().ok_or_else(|| {
+                    BackendError::Model(format!("layer {l}: no Q/K norm weights on the device"))
+                })?;
+                g.qk_norm_rope(abi::QkNormRope {
+                    qkv: raw,
+                    q_norm: qk.ptr,
+                    k_norm: qk.ptr + (g.dims.head_dim * 4) as u64,
                     rope: self.w.rope.ptr,
                     q: b.q.ptr,
                     kc: kv.kc.ptr,
@@ -177,30 +247,10 @@ impl CudaBackend {
                     tables: kv.tables.ptr,
                     layer: l as i32,
                     max_blocks,
-                };
-                // after layer 0 the down product before it left its input (`fused_norm`)
-                if l > 0 && self.fused_norm(p) {
-                    p.qkv(g, &w().wqkv, o, ntok)
-                } else {
-                    p.norm_qkv(g, b.x.ptr, w().attn_norm.ptr, &w().wqkv, o, ntok)
-                }
+                    ntok: n,
+                })
             }
-            (Stage::Qkv, None) => g.attn_in(abi::AttnIn {
-                x: b.x.ptr,
-                norm_w: w().attn_norm.ptr,
-                wqs: w().wqkv.qs.ptr,
-                wsc: w().wqkv.sc_ptr(),
-                rope: self.w.rope.ptr,
-                q: b.q.ptr,
-                kc: kv.kc.ptr,
-                vc: kv.vc.ptr,
-                pos: b.pos,
-                slot: b.slot,
-                tables: kv.tables.ptr,
-                layer: l as i32,
-                max_blocks,
-                ntok: n,
-            }),
+            (Stage::Qkv, _) => self.qkv_product(l, pf, ntok, b.q.ptr),
             // where the O product runs on the Hopper GEMMs, the output in their activations' type
             (Stage::Attention, _) => {
                 let out16 = pf.map_or(0, |p| p.att_flags());

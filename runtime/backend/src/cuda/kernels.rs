@@ -2,8 +2,11 @@
 //! `build-target` output folder) and, once loaded onto a [`Device`], their entry points indexed by
 //! `metrale_abi::Entry`.
 //!
-//! Invariants: the templates and entry points loaded are exactly those the ABI declares
-//! (`metrale_abi::ENTRIES`); a module is loaded from its cubin, or from its PTX when the driver
+//! Invariants: the templates loaded are the target's `kernels` list, which holds every template of the
+//! ABI (`metrale_abi::templates`) but the optional ones its family does not ask for
+//! (`metrale_abi::OPTIONAL_TEMPLATES`, validated with the target); their entry points are exactly
+//! those the ABI declares (`metrale_abi::ENTRIES`), and an absent template's entries are never
+//! launched ([`Kernels::has`]); a module is loaded from its cubin, or from its PTX when the driver
 //! refuses the cubin; where a module's PTX is present, its entry points are checked against the ABI
 //! again before any launch (`metrale_abi::check_ptx`, as `build-target` did); a device whose compute
 //! capability differs from the cubins' arch is refused before any module is loaded.
@@ -55,7 +58,7 @@ impl KernelSet {
     pub fn from_dir(dir: &Path, spec: &TargetSpec) -> Result<KernelSet, BackendError> {
         let (target, arch) = cuda_arch(spec)?;
         let mut blobs = BTreeMap::new();
-        for name in metrale_abi::templates() {
+        for name in templates_of(spec) {
             let cp = dir.join(format!("{name}.cubin"));
             let cubin = std::fs::read(&cp).map_err(|e| {
                 BackendError::Device(format!(
@@ -91,7 +94,7 @@ impl KernelSet {
         })?;
         let (target, arch) = cuda_arch(&spec)?;
         let mut blobs = BTreeMap::new();
-        for name in metrale_abi::templates() {
+        for name in templates_of(&spec) {
             let k = reg.kernel(name).ok_or_else(|| {
                 BackendError::Device(format!(
                     "target {target}: the binary embeds no kernel {name}"
@@ -116,10 +119,20 @@ impl KernelSet {
     }
 }
 
+/// The ABI's templates that `spec` compiles: all but the optional ones its family leaves out.
+fn templates_of(spec: &TargetSpec) -> Vec<&'static str> {
+    metrale_abi::templates()
+        .into_iter()
+        .filter(|t| {
+            !metrale_abi::OPTIONAL_TEMPLATES.contains(t) || spec.kernels.iter().any(|k| k == t)
+        })
+        .collect()
+}
+
 /// The entry points of a [`KernelSet`] loaded onto a device.
 pub struct Kernels {
-    /// Indexed by `metrale_abi::Entry as usize`.
-    funcs: Vec<CudaFunction>,
+    /// Indexed by `metrale_abi::Entry as usize`; `None` for an optional template the set lacks.
+    funcs: Vec<Option<CudaFunction>>,
     /// "cubin" or "ptx": how the modules were loaded.
     pub loaded_from: &'static str,
     _modules: BTreeMap<&'static str, Arc<CudaModule>>,
@@ -132,7 +145,7 @@ impl Kernels {
             .map_err(BackendError::Device)?;
         let mut modules = BTreeMap::new();
         let mut loaded_from = "cubin";
-        for name in metrale_abi::templates() {
+        for name in templates_of(&set.spec) {
             let blob = set.blobs.get(name).ok_or_else(|| {
                 BackendError::Device(format!(
                     "kernel set {}: kernel {name} is missing",
@@ -177,12 +190,13 @@ impl Kernels {
         let funcs = ENTRIES
             .iter()
             .map(|e| {
-                modules[e.template]
-                    .load_function(e.entry)
-                    .map_err(dev_err(format!(
-                        "kernel {}: entry point {} not found",
-                        e.template, e.entry
-                    )))
+                let Some(m) = modules.get(e.template) else {
+                    return Ok(None);
+                };
+                m.load_function(e.entry).map(Some).map_err(dev_err(format!(
+                    "kernel {}: entry point {} not found",
+                    e.template, e.entry
+                )))
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Kernels {
@@ -192,8 +206,18 @@ impl Kernels {
         })
     }
 
-    /// The loaded function of an entry point.
+    /// The loaded function of an entry point (one of a template the set has: [`Kernels::has`]).
     pub fn get(&self, e: metrale_abi::Entry) -> &CudaFunction {
-        &self.funcs[e as usize]
+        self.funcs[e as usize].as_ref().unwrap_or_else(|| {
+            panic!(
+                "entry {:?}: its template is not in this target's kernels (ask Kernels::has first)",
+                e
+            )
+        })
+    }
+
+    /// Whether the set has the entry point's template.
+    pub fn has(&self, e: metrale_abi::Entry) -> bool {
+        self.funcs[e as usize].is_some()
     }
 }

@@ -364,6 +364,20 @@ impl Gpu {
         self.launch(g, self.plain(), a)
     }
 
+    /// The per-head Q/K RMSNorm, RoPE and KV write of `a.ntok` tokens' raw QKV rows (families with
+    /// `features.qk_norm`; the target's `qk_norm` template).
+    pub fn qk_norm_rope(&self, a: abi::QkNormRope) -> Result<(), BackendError> {
+        let d = self.dims;
+        let warps = (abi::QKN_THREADS / 32) as usize;
+        let heads = (d.heads + 2 * d.kv_heads).div_ceil(warps);
+        self.launch((a.ntok as u32, heads as u32, 1), self.plain(), a)
+    }
+
+    /// Whether the target's family norms each Q/K head (its kernels hold `qk_norm_rope`).
+    pub fn qk_norm(&self) -> bool {
+        self.kernels.has(abi::QkNormRope::ID)
+    }
+
     /// `attention`'s flag bits packing the pairs of a launch of `ntok` tokens in `nsplit` splits
     /// ([`plan::attention_pack`]; none where [`Gpu::att_pack`] is off).
     pub fn att_pack_flags(&self, ntok: usize, nsplit: usize) -> i32 {
@@ -547,7 +561,9 @@ impl Gpu {
     /// Get `decode_1` ready for `smem` bytes of dynamic shared memory per block: its resident blocks
     /// per SM and resources; `None` when the device cannot give a block that much shared memory.
     pub fn decode1_prepare(&self, smem: usize) -> Result<Option<Occupancy>, BackendError> {
-        if !allow_smem(&self.kernels, &[abi::DecodeOne::ID], smem) {
+        if !self.kernels.has(abi::DecodeOne::ID)
+            || !allow_smem(&self.kernels, &[abi::DecodeOne::ID], smem)
+        {
             return Ok(None);
         }
         let f = self.kernels.get(abi::DecodeOne::ID);
@@ -634,7 +650,7 @@ impl Gpu {
         mut a: G,
     ) -> Result<(), BackendError> {
         let ntok = ntok.max(0) as usize;
-        if self.wq_gemm && plan::wq_pays(f, ntok) {
+        if self.wq_gemm && plan::wq_pays(f, rows, ntok) {
             let p = plan::wq_plan(rows, k, ntok, self.sm_count, f);
             let mut q = Q::from(a);
             q.set_tile(p.tile_n as i32);

@@ -331,7 +331,7 @@ impl CudaBackend {
     ) -> Result<CudaBackend, BackendError> {
         let spec = &set.spec;
         let d = metrale_core::shape::Dims::from_shape(&spec.model);
-        weights::check_config(config, &d, &set.target)?;
+        weights::check_config(config, &d, &spec.model.family, &set.target)?;
         let fmt = |s: &str, what: &str| {
             DevFormat::from_quant_name(s)
                 .ok_or_else(|| BackendError::Model(format!("unknown {what} format {s:?}")))

@@ -323,8 +323,13 @@ pub fn wq_plan(rows: usize, k: usize, ntok: usize, sm_count: usize, f: WgFormat)
 /// warp-specialised kernels ([`wq_plan`]) rather than the one-warpgroup ones ([`wg_plan`]): q4_1
 /// always; the q8_0 LM head up to 64 tokens (H200, 8B head, 2026-12-03: 231 against 260 us at 16
 /// tokens, 292 against 309 at 64, but 1,022 against 685 at 256, where the one-warpgroup kernel's
-/// two blocks per SM hold more stages of its 68-byte rows).
-pub fn wq_pays(f: WgFormat, ntok: usize) -> bool {
+/// two blocks per SM hold more stages of its 68-byte rows). Only products whose rows fill its
+/// blocks (a multiple of `WQ_ROWS`): Qwen3's 151,936-row head is 593.5 of them, and its last 128
+/// rows would go unwritten.
+pub fn wq_pays(f: WgFormat, rows: usize, ntok: usize) -> bool {
+    if !rows.is_multiple_of(WQ_ROWS as usize) {
+        return false;
+    }
     match f {
         WgFormat::Q4_1 => true,
         WgFormat::Q8_0 => ntok <= 64,
@@ -794,6 +799,12 @@ mod tests {
             wq_plan(6144, 4096, 16, 132, WgFormat::Q8_0).smem as usize,
             wq_smem_bytes(16, WgFormat::Q8_0)
         );
+        // a head whose rows do not fill 256-row blocks (Qwen3's 151,936) stays on wg_plan's
+        // 64-row blocks (the H200's kernel test left its last 128 rows unwritten otherwise)
+        assert!(wq_pays(WgFormat::Q8_0, 128256, 5));
+        assert!(!wq_pays(WgFormat::Q8_0, 151936, 5));
+        let p = wg_plan(151936, 4096, 5, 132, WgFormat::Q8_0);
+        assert_eq!(p.grid.1 as usize * wg_rows(p.tile_n), 151936);
     }
 
     #[test]

@@ -337,6 +337,8 @@ impl DevMat {
 /// One layer's weights on the device.
 pub struct LayerW {
     pub attn_norm: DevBuf,
+    /// Families with `qk_norm`: the Q heads' norm weights then the K heads' (`head_dim` f32 each).
+    pub qk_norm: Option<DevBuf>,
     pub wqkv: DevMat,
     pub wo: DevMat,
     pub ffn_norm: DevBuf,
@@ -374,11 +376,23 @@ pub struct ModelWeights {
 }
 
 /// Refuse a checkpoint whose family or shape is not the one the kernels were compiled for.
-pub fn check_config(c: &ModelConfig, d: &Dims, target: &str) -> Result<(), BackendError> {
-    if c.family != metrale_model::Family::Llama {
+pub fn check_config(
+    c: &ModelConfig,
+    d: &Dims,
+    family: &str,
+    target: &str,
+) -> Result<(), BackendError> {
+    if c.family.name() != family {
         return Err(BackendError::Model(format!(
-            "model {}: the {} family (its per-head Q/K norm) has no CUDA kernels yet; the CUDA \
-             backend runs the llama family (this binary: {target}). Run it on a cpu target",
+            "model {}: the {} family, but this binary's kernels ({target}) compute the {family} \
+             block; build a target for a {} model",
+            c.name, c.family, c.family
+        )));
+    }
+    if c.family.moe() {
+        return Err(BackendError::Model(format!(
+            "model {}: the {} family's routed experts have no CUDA kernels yet (this binary: \
+             {target}); run it on a cpu target",
             c.name, c.family
         )));
     }
@@ -435,6 +449,7 @@ pub(super) fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, Ba
 /// One layer's weights repacked on the host, ready to upload.
 struct HostLayer {
     attn_norm: Vec<f32>,
+    qk_norm: Option<Vec<f32>>,
     wqkv: HostMat,
     wo: HostMat,
     ffn_norm: Vec<f32>,
@@ -443,7 +458,13 @@ struct HostLayer {
 }
 
 impl HostLayer {
-    fn read(w: &Weights, d: &Dims, wf: DevFormat, l: usize) -> Result<HostLayer, BackendError> {
+    fn read(
+        w: &Weights,
+        d: &Dims,
+        wf: DevFormat,
+        qk_norm: bool,
+        l: usize,
+    ) -> Result<HostLayer, BackendError> {
         let (hd, qd, kd) = (d.hidden, d.qd(), d.kd());
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let wq = host_mat(w, &n("attn_q"), wf, qd, hd)?;
@@ -451,8 +472,16 @@ impl HostLayer {
         let wv = host_mat(w, &n("attn_v"), wf, kd, hd)?;
         let wg = host_mat(w, &n("ffn_gate"), wf, d.ffn, hd)?;
         let wu = host_mat(w, &n("ffn_up"), wf, d.ffn, hd)?;
+        let qk_norm = if qk_norm {
+            let mut v = host_vec(w, &n("attn_q_norm"), d.head_dim)?;
+            v.extend(host_vec(w, &n("attn_k_norm"), d.head_dim)?);
+            Some(v)
+        } else {
+            None
+        };
         Ok(HostLayer {
             attn_norm: host_vec(w, &n("attn_norm"), hd)?,
+            qk_norm,
             wqkv: HostMat::concat_rows(&n("attn_qkv"), &[wq, wk, wv]).map_err(model_err)?,
             wo: host_mat(w, &n("attn_output"), wf, hd, qd)?,
             ffn_norm: host_vec(w, &n("ffn_norm"), hd)?,
@@ -464,6 +493,10 @@ impl HostLayer {
     fn upload(&self, dev: &Device) -> Result<LayerW, BackendError> {
         Ok(LayerW {
             attn_norm: dev.upload(&self.attn_norm)?,
+            qk_norm: match &self.qk_norm {
+                Some(v) => Some(dev.upload(v)?),
+                None => None,
+            },
             wqkv: DevMat::upload(dev, &self.wqkv)?,
             wo: DevMat::upload(dev, &self.wo)?,
             ffn_norm: dev.upload(&self.ffn_norm)?,
@@ -500,7 +533,13 @@ impl ModelWeights {
             Ok(match i {
                 0 => HostPart::Mat(host_mat(weights, "token_embd.weight", ef, d.vocab, hd)?),
                 1 if untied => HostPart::Mat(host_mat(weights, "output.weight", ef, d.vocab, hd)?),
-                _ => HostPart::Layer(Box::new(HostLayer::read(weights, d, wf, i - first_layer)?)),
+                _ => HostPart::Layer(Box::new(HostLayer::read(
+                    weights,
+                    d,
+                    wf,
+                    config.family.qk_norm(),
+                    i - first_layer,
+                )?)),
             })
         };
         // four threads hold at most five items: for the bf16 8B, 2-3 GB of host memory (1 GB each
@@ -559,6 +598,7 @@ impl ModelWeights {
             self.emb.bytes() + self.out.as_ref().map_or(0, DevMat::bytes) + self.out_norm.bytes;
         for l in &self.layers {
             n += l.attn_norm.bytes
+                + l.qk_norm.as_ref().map_or(0, |b| b.bytes)
                 + l.wqkv.bytes()
                 + l.wo.bytes()
                 + l.ffn_norm.bytes
@@ -753,9 +793,9 @@ mod tests {
             add_bos: false,
             pooling: None,
         };
-        assert!(check_config(&c, &d, "h200/smollm2-135m/q4_1").is_ok());
+        assert!(check_config(&c, &d, "llama", "h200/smollm2-135m/q4_1").is_ok());
         c.hidden = 2048;
-        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1")
+        let e = check_config(&c, &d, "llama", "h200/smollm2-135m/q4_1")
             .unwrap_err()
             .to_string();
         assert!(
@@ -770,12 +810,25 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position: 8192,
         });
-        assert!(check_config(&c, &d, "h200/llama-3.2-1b/q4_1").is_ok());
-        // a family the kernels do not compute is refused by name, shape or not
+        assert!(check_config(&c, &d, "llama", "h200/llama-3.2-1b/q4_1").is_ok());
+        // a family other than the kernels' is refused by name, shape or not
         c.family = metrale_model::Family::Qwen3;
-        let e = check_config(&c, &d, "h200/smollm2-135m/q4_1")
+        let e = check_config(&c, &d, "llama", "h200/smollm2-135m/q4_1")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("qwen3") && e.contains("cpu target"), "{e}");
+        assert!(
+            e.contains("qwen3") && e.contains("compute the llama block"),
+            "{e}"
+        );
+        assert!(check_config(&c, &d, "qwen3", "h200/qwen3-tiny/bf16").is_ok());
+        // routed experts have no CUDA kernels
+        c.family = metrale_model::Family::Qwen3Moe;
+        let e = check_config(&c, &d, "qwen3moe", "h200/x/bf16")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("routed experts") && e.contains("cpu target"),
+            "{e}"
+        );
     }
 }
