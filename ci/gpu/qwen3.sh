@@ -17,6 +17,10 @@
 #        targets and, for what the family's changes touched in the shared templates, on
 #        h200/llama-3.1-8b/{bf16,q4_1} and h200/smollm2-135m/q4_1; the 2-layer checks against HF
 #        transformers and the CPU backend of qwen3-8b and llama-3.1-8b
+#   bash ci/gpu/qwen3.sh prepare-small MODEL.gguf   CPU machine: .q3/
+#   bash ci/gpu/qwen3.sh small  carry .q3        h200/qwen3-0.6b/bf16 (query width 2048 over a hidden
+#        size of 1024, tied head): cuda_kernels; CUDA against HF transformers and the CPU backend at
+#        full depth (28 layers); cuda_bench
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
@@ -81,6 +85,41 @@ verify)
     done
   done
   finish verify
+  ;;
+prepare-small)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare-small MODEL.gguf" >&2; exit 2; }
+  rm -rf .q3 && mkdir -p .q3/b/bin .q3/b/k
+  cargo xtask build-target --hw h200 --model qwen3-0.6b --quant bf16 --kernels-only --out .q3/b/k/h200-qwen3-0.6b-bf16 2>&1 | tail -1
+  C="--release -p metrale-backend --features cuda"
+  cp "$(exe test $C --no-run --test cuda_kernels)" .q3/b/bin/cuda_kernels
+  for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q3/b/bin/$e; done
+  cp "$(exe build --release -p xtask)" .q3/b/bin/xtask
+  strip .q3/b/bin/*
+  cargo xtask synth-model qwen3-0.6b --tokenizer "$model" --format vocab --out .q3/b/vocab.gguf >/dev/null
+  tar cJf .q3/b.tar.xz -C .q3 b && rm -rf .q3/b
+  echo "carry .q3: $(du -cb .q3 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  ;;
+small)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q3/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  kernel_tests qwen3-0.6b/bf16
+  export METRALE_TARGETS=$PWD/targets
+  X="$H/b/bin/xtask synth-model qwen3-0.6b --tokenizer $H/b/vocab.gguf --seed 0"
+  step "synth-model: bf16 GGUF and HF folder; HF golden (f32 on the GPU, 28 layers)"
+  $X --out "$H/s/q06-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --format hf --out "$H/s/q06-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/q06-hf" --device cuda --out "$R/q06_golden" > "$R/golden.txt" 2>&1; tail -1 "$R/golden.txt"
+  step "CUDA vs HF and vs CPU, 28 layers: GGUF and HF folder, prompt in one GEMM step; GGUF in 8-token steps"
+  for a in "q06-bf16.gguf" "q06-hf" "q06-bf16.gguf 8"; do
+    set -- $a
+    "$H/b/bin/golden_check" "$H/s/$1" "$R/q06_golden.json" --cuda "$H/b/k/h200-qwen3-0.6b-bf16/kernels" h200/qwen3-0.6b/bf16 \
+      --vs-cpu --tol 0.1 ${2:+--prefill-chunk $2} | tee -a "$R/check.json"
+  done
+  CB_TIMEOUT=120 cb_run "$H/s/q06-bf16.gguf" "$H/b/k/h200-qwen3-0.6b-bf16/kernels" h200/qwen3-0.6b/bf16 bench-bf16 \
+    --batch 1,16,64,256 --steps 64 --pp 512
+  finish small
   ;;
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q1/b.tar.xz -C "$H"

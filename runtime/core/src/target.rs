@@ -26,7 +26,8 @@
 //! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count`, `smem_per_block_kib`,
 //!   `compute_capability` and its launch choices (`attention_cluster`, `decode_split`); metal
 //!   hardware has `metal_std`. Shapes are consistent (`heads % kv_heads == 0`; on kernel backends
-//!   `heads * head_dim == hidden` and a dense family (routed experts have no kernels yet)); a CUDA
+//!   a dense family (routed experts have no kernels yet), and `heads * head_dim == hidden` where
+//!   the family has the fused batch-1 kernel); a CUDA
 //!   target compiles `decode` and `qk_norm` exactly where its family's [`Features`] ask.
 
 use std::collections::BTreeMap;
@@ -814,9 +815,9 @@ impl TargetSpec {
                 }
             }
         }
-        // the kernels are compiled (and tested) where the query width is the hidden size; the CPU
-        // backend keeps the two apart
-        if m.heads * m.head_dim != m.hidden && !cpu {
+        // the per-stage kernels keep the query width and the hidden size apart (h200/qwen3-0.6b:
+        // 2048 and 1024); the fused batch-1 kernel is compiled and tested where they are equal
+        if m.heads * m.head_dim != m.hidden && !cpu && features.fused_decode {
             return Err(inv(
                 model_path,
                 "model.head_dim",
