@@ -21,7 +21,7 @@ mod toolchain_support;
 
 use metrale_backend::cpu::CpuBackend;
 use metrale_model::Model;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use toolchain_support::*;
 
@@ -261,7 +261,7 @@ fn qwen3_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
 #[test]
 fn qwen3moe_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     gguf_is_the_same_model(&QWEN3MOE);
-    let f = files(&QWEN3MOE).unwrap();
+    let Some(f) = files(&QWEN3MOE) else { return };
     for p in [&f.hf, &f.bf16] {
         let m = Model::load(p).unwrap();
         let moe = m.config.moe.expect("experts");
@@ -289,6 +289,16 @@ fn gguf_is_the_same_model(case: &Case) {
         );
         assert_eq!(m.config.tied_embeddings, case.tied);
         assert_eq!(m.config.family, hf.config.family);
+        // the family's chat format (targets/chat/), in the GGUF and the HF folder alike
+        let src = |m: &Model| m.chat_template.as_ref().map(|t| t.source().to_string());
+        assert_eq!(src(m), src(&hf));
+        if m.config.family != metrale_model::Family::Llama {
+            let want = std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../targets/chat/qwen3.jinja"),
+            )
+            .unwrap();
+            assert_eq!(src(m).as_deref(), Some(want.as_str()), "{}", case.name);
+        }
         let enc = m
             .tokenizer
             .encode(g["prompt"].as_str().unwrap(), false, false)

@@ -139,7 +139,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let tok = GgufFile::open(&tok_path)
         .with_context(|| format!("reading the tokenizer from {}", tok_path.display()))?;
-    let tok_meta = tokenizer_metadata(&tok, shape.vocab as usize)?;
+    let mut tok_meta = tokenizer_metadata(&tok, shape.vocab as usize)?;
     let family = Family::from_arch(&shape.family).with_context(|| {
         format!(
             "model family '{}': synth-model writes {}",
@@ -147,6 +147,14 @@ pub fn run(args: Args) -> Result<()> {
             metrale_model::config::SUPPORTED_ARCHS
         )
     })?;
+    if let Some(name) = chat_format(family) {
+        // the family's chat format in place of the tokenizer file's, as its real checkpoints carry
+        let p = root.join("chat").join(format!("{name}.jinja"));
+        let text = std::fs::read_to_string(&p)
+            .with_context(|| format!("reading the {family} chat template {}", p.display()))?;
+        tok_meta.retain(|(k, _)| k != "tokenizer.chat_template");
+        tok_meta.push(("tokenizer.chat_template".into(), Value::String(text)));
+    }
     let mut tensors = tensors(&shape, family, wt, et, args.format)?;
     if args.quant == "q4_k_m" && args.format == Format::Gguf {
         q4_k_m_mix(&mut tensors, shape.layers as usize);
@@ -461,6 +469,16 @@ fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) ->
 }
 
 /// The source GGUF's `tokenizer.*` metadata with the vocabulary padded to `vocab` tokens.
+/// The chat format (`targets/chat/<name>.jinja`) synth-model gives a family's checkpoints, where
+/// the project writes one: Qwen3's for both Qwen3 families; llama's checkpoints keep the tokenizer
+/// file's (the default model's ChatML).
+fn chat_format(family: Family) -> Option<&'static str> {
+    match family {
+        Family::Qwen3 | Family::Qwen3Moe => Some("qwen3"),
+        Family::Llama => None,
+    }
+}
+
 fn tokenizer_metadata(g: &GgufFile, vocab: usize) -> Result<Vec<(String, Value)>> {
     let path = g.path.display();
     let tokens = g
