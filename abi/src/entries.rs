@@ -175,6 +175,42 @@ entries! {
         max_blocks: i32,
         ntok: i32,
     }
+    /// Families with routed experts (`features.moe`), one block per token: RMSNorm(x) with the
+    /// FFN norm into `xn`, the router's logits (`router`: f32 `[experts][hidden]`), softmax, the
+    /// `used` largest (ties to the lower index) renormalised, written as `ids` / `wts`
+    /// `[ntok][used]` in ascending expert order. grid = (ntok).
+    MoeRoute = "moe" / "moe_route", threads MV_THREADS, {
+        x: ptr<"const float">,
+        norm_w: ptr<"const float">,
+        router: ptr<"const float">,
+        xn: ptr<"float">,
+        ids: ptr<"int">,
+        wts: ptr<"float">,
+        ntok: i32,
+    }
+    /// Each routed (token, expert) pair's gate and up products and SiLU: `h[pair][expert_ffn]`.
+    /// `w`: every expert's gate/up matrix (rows interleaved as `ffn_in`'s) stacked by expert.
+    /// grid = (ntok * used, row-pair groups).
+    MoeGu = "moe" / "moe_gu", threads MV_THREADS, {
+        xn: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        ids: ptr<"const int">,
+        h: ptr<"float">,
+        ntok: i32,
+    }
+    /// Each token's experts' down products weighted by the router and added, in ascending
+    /// expert order, to the residual `x`. `w`: every expert's down matrix stacked by expert.
+    /// grid = (ntok, row-pair groups).
+    MoeDown = "moe" / "moe_down", threads MV_THREADS, {
+        h: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        ids: ptr<"const int">,
+        wts: ptr<"const float">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
     /// Split-K GQA attention over the paged KV cache, the splits combined in the same launch.
     /// grid = (kv_heads >> pack, nsplit, ntok), pack = (flags >> ATT_PACK_SHIFT) & 3 (0 unless
     /// nsplit = 1); `counter` holds ntok * kv_heads zeroed tickets.

@@ -21,6 +21,11 @@
 #   bash ci/gpu/qwen3.sh small  carry .q3        h200/qwen3-0.6b/bf16 (query width 2048 over a hidden
 #        size of 1024, tied head): cuda_kernels; CUDA against HF transformers and the CPU backend at
 #        full depth (28 layers); cuda_bench
+#   bash ci/gpu/qwen3.sh prepare-moe MODEL.gguf   CPU machine: .q4/
+#   bash ci/gpu/qwen3.sh moe    carry .q4        h200/qwen3-30b-a3b/bf16 (128 experts, 8 a token):
+#        cuda_kernels (the routed experts against the CPU reference, a full tie among them); the
+#        2-layer checkpoints (HF folder, one tensor per expert; GGUF, 3-D experts) against HF
+#        transformers and the CPU backend
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
@@ -120,6 +125,40 @@ small)
   CB_TIMEOUT=120 cb_run "$H/s/q06-bf16.gguf" "$H/b/k/h200-qwen3-0.6b-bf16/kernels" h200/qwen3-0.6b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
   finish small
+  ;;
+prepare-moe)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare-moe MODEL.gguf" >&2; exit 2; }
+  rm -rf .q4 && mkdir -p .q4/b/bin .q4/b/k
+  cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant bf16 --kernels-only --out .q4/b/k/h200-qwen3-30b-a3b-bf16 2>&1 | tail -1
+  kernels2l .q4/b h200-qwen3-30b-a3b-2l-bf16 qwen3-30b-a3b
+  C="--release -p metrale-backend --features cuda"
+  cp "$(exe test $C --no-run --test cuda_kernels)" .q4/b/bin/cuda_kernels
+  for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q4/b/bin/$e; done
+  cp "$(exe build --release -p xtask)" .q4/b/bin/xtask
+  strip .q4/b/bin/*
+  cargo xtask synth-model qwen3-30b-a3b --tokenizer "$model" --format vocab --out .q4/b/vocab.gguf >/dev/null
+  tar cJf .q4/b.tar.xz -C .q4 b && rm -rf .q4/b
+  echo "carry .q4: $(du -cb .q4 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  ;;
+moe)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q4/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  kernel_tests qwen3-30b-a3b/bf16
+  X="$H/b/bin/xtask synth-model qwen3-30b-a3b --tokenizer $H/b/vocab.gguf --seed 0 --layers 2"
+  step "synth-model: 2-layer HF folder and GGUF; HF golden (f32 on the GPU)"
+  $X --format hf --out "$H/s/moe2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --out "$H/s/moe2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/moe2-hf" --device cuda --out "$R/moe2_golden" > "$R/golden.txt" 2>&1; tail -1 "$R/golden.txt"
+  export METRALE_TARGETS=$H/b/t2/targets
+  step "CUDA vs HF and vs CPU, 2 layers: HF folder and GGUF (prompt in one step), GGUF in 8-token steps"
+  for a in "moe2-hf" "moe2-bf16.gguf" "moe2-bf16.gguf 8"; do
+    set -- $a
+    "$H/b/bin/golden_check" "$H/s/$1" "$R/moe2_golden.json" --cuda "$H/b/k/h200-qwen3-30b-a3b-2l-bf16/kernels" \
+      h200/qwen3-30b-a3b/bf16 --vs-cpu --tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
+  done
+  finish moe
   ;;
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q1/b.tar.xz -C "$H"

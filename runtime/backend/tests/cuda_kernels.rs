@@ -1851,3 +1851,145 @@ fn grammar_masks_on_the_device_match_the_host() {
         rows - 1
     );
 }
+
+/// The routed experts (`moe.cu.hbs`: `moe_route`, `moe_gu`, `moe_down`) on targets whose family has
+/// them, against the CPU reference (`cpu::route`, the ops) over 6 tokens at the target's shape (every
+/// expert's matrices random, stacked as the loader stacks them). Token 2's input is zero, so every
+/// router logit is exactly 0 and all experts tie: the kernel must take experts 0..used, each
+/// weighted 1/used (ties go to the lower index), and leave that residual row unchanged. The chosen
+/// experts must be the reference's exactly; their weights within 1e-6; the residual within [`TOL`]
+/// (f32 sums in another order).
+#[test]
+fn moe_routing_and_experts_match_cpu() {
+    let Some(mut e) = env("moe") else { return };
+    let Some(m) = e.gpu.moe else {
+        eprintln!("moe: skipped: the target's family has no routed experts");
+        return;
+    };
+    let d = e.d;
+    let (h, n) = (d.hidden, 6);
+    let mut x = rand_vec(&mut e.rng, n * h, -1.0, 1.0);
+    x[2 * h..3 * h].fill(0.0);
+    let norm = rand_vec(&mut e.rng, h, 0.5, 1.5);
+    let router = rand_vec(&mut e.rng, m.experts * h, -0.05, 0.05);
+    let t0 = std::time::Instant::now();
+    let gate: Vec<Mat> = (0..m.experts)
+        .map(|_| Mat::new(&mut e.rng, e.wf, m.ffn, h))
+        .collect();
+    let up: Vec<Mat> = (0..m.experts)
+        .map(|_| Mat::new(&mut e.rng, e.wf, m.ffn, h))
+        .collect();
+    let down: Vec<Mat> = (0..m.experts)
+        .map(|_| Mat::new(&mut e.rng, e.wf, h, m.ffn))
+        .collect();
+    let gu: Vec<HostMat> = (0..m.experts)
+        .map(|i| HostMat::interleave_rows("gu", &gate[i].host(e.wf), &up[i].host(e.wf)).unwrap())
+        .collect();
+    let gu = HostMat::concat_rows("gu", &gu).unwrap();
+    let dn: Vec<HostMat> = down.iter().map(|w| w.host(e.wf)).collect();
+    let dn = HostMat::concat_rows("down", &dn).unwrap();
+    eprintln!(
+        "  {} experts' matrices made in {:.1} s",
+        m.experts,
+        t0.elapsed().as_secs_f64()
+    );
+    let g = &e.gpu;
+    let (xb, nb, rb) = (
+        g.upload(&x).unwrap(),
+        g.upload(&norm).unwrap(),
+        g.upload(&router).unwrap(),
+    );
+    let (gub, dnb) = (
+        DevMat::upload(g, &gu).unwrap(),
+        DevMat::upload(g, &dn).unwrap(),
+    );
+    let xn = poisoned(g, n * h);
+    let ids = g.upload(&vec![-1i32; n * m.used]).unwrap();
+    let wts = poisoned(g, n * m.used);
+    let hb = poisoned(g, n * m.used * m.ffn);
+    g.moe_route(abi::MoeRoute {
+        x: xb.ptr,
+        norm_w: nb.ptr,
+        router: rb.ptr,
+        xn: xn.ptr,
+        ids: ids.ptr,
+        wts: wts.ptr,
+        ntok: n as i32,
+    })
+    .unwrap();
+    g.moe_gu(abi::MoeGu {
+        xn: xn.ptr,
+        wqs: gub.qs.ptr,
+        wsc: gub.sc_ptr(),
+        ids: ids.ptr,
+        h: hb.ptr,
+        ntok: n as i32,
+    })
+    .unwrap();
+    g.moe_down(abi::MoeDown {
+        h: hb.ptr,
+        wqs: dnb.qs.ptr,
+        wsc: dnb.sc_ptr(),
+        ids: ids.ptr,
+        wts: wts.ptr,
+        x: xb.ptr,
+        ntok: n as i32,
+    })
+    .unwrap();
+    let mut got_ids = vec![0i32; n * m.used];
+    g.read(&ids, 0, &mut got_ids).unwrap();
+    let got_w = read_f32(g, &wts, n * m.used);
+    let got_x = read_f32(g, &xb, n * h);
+    let mut want_x = x.clone();
+    for t in 0..n {
+        let mut xn = vec![0f32; h];
+        ops::rmsnorm(&x[t * h..(t + 1) * h], &norm, e.eps, &mut xn);
+        let logits: Vec<f32> = router
+            .chunks_exact(h)
+            .map(|r| r.iter().zip(&xn).map(|(a, b)| a * b).sum())
+            .collect();
+        let mut chosen = metrale_backend::cpu::route(&logits, m.used, true);
+        chosen.sort_by_key(|&(ex, _)| ex);
+        let ids_t: Vec<i32> = chosen.iter().map(|&(ex, _)| ex as i32).collect();
+        assert_eq!(
+            &got_ids[t * m.used..(t + 1) * m.used],
+            &ids_t[..],
+            "token {t}: experts"
+        );
+        if t == 2 {
+            assert_eq!(
+                ids_t,
+                (0..m.used as i32).collect::<Vec<_>>(),
+                "a full tie takes the lowest"
+            );
+        }
+        let mut out = vec![0f32; h];
+        for (k, &(ex, wgt)) in chosen.iter().enumerate() {
+            let gw = got_w[t * m.used + k];
+            assert!(
+                (gw - wgt).abs() <= 1e-6,
+                "token {t} expert {ex}: weight {gw} vs {wgt}"
+            );
+            let (gv, mut uv) = (gate[ex].matvec(&xn), up[ex].matvec(&xn));
+            ops::swiglu_inplace(&gv, &mut uv);
+            for (o, v) in out.iter_mut().zip(down[ex].matvec(&uv)) {
+                *o += wgt * v;
+            }
+        }
+        for (xo, o) in want_x[t * h..(t + 1) * h].iter_mut().zip(&out) {
+            *xo += o;
+        }
+    }
+    assert!(
+        got_x[2 * h..3 * h].iter().all(|&v| v == 0.0),
+        "the tied token's residual stays 0"
+    );
+    check(
+        "moe: x + sum of the routed experts' outputs",
+        &got_x,
+        &want_x,
+    );
+    eprintln!(
+        "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within 1e-6"
+    );
+}

@@ -27,8 +27,9 @@
 //!   `compute_capability` and its launch choices (`attention_cluster`, `decode_split`); metal
 //!   hardware has `metal_std`. Shapes are consistent (`heads % kv_heads == 0`; on kernel backends
 //!   a dense family (routed experts have no kernels yet), and `heads * head_dim == hidden` where
-//!   the family has the fused batch-1 kernel); a CUDA
-//!   target compiles `decode` and `qk_norm` exactly where its family's [`Features`] ask.
+//!   the family has the fused batch-1 kernel); a CUDA target lists no `decode`, `moe` or
+//!   `qk_norm` its family's [`Features`] do not ask for (those it asks for and lacks are refused
+//!   when the kernels load).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -236,9 +237,13 @@ pub fn features(family: &str) -> Option<Features> {
 
 /// The CUDA kernel templates a target compiles only where its family's features ask for them
 /// (every other template of the ABI is compiled for every CUDA target): `decode` where
-/// `fused_decode`, `qk_norm` where `qk_norm`.
-pub fn cuda_feature_templates(f: &Features) -> [(&'static str, bool); 2] {
-    [("decode", f.fused_decode), ("qk_norm", f.qk_norm)]
+/// `fused_decode`, `moe` where `moe`, `qk_norm` where `qk_norm`.
+pub fn cuda_feature_templates(f: &Features) -> [(&'static str, bool); 3] {
+    [
+        ("decode", f.fused_decode),
+        ("moe", f.moe),
+        ("qk_norm", f.qk_norm),
+    ]
 }
 
 /// `[model.experts]`: a mixture of experts in place of every layer's dense MLP.
@@ -784,32 +789,23 @@ impl TargetSpec {
             ));
         }
         let features = m.features();
-        if features.moe && !cpu {
+        if features.moe && self.hardware.backend == BackendKind::Metal {
             return Err(inv(
                 model_path,
                 "model.family",
-                format!(
-                    "a dense family on {} targets (routed experts have no kernels yet: build a cpu target)",
-                    self.hardware.backend
-                ),
+                "a dense family on metal targets (routed experts have no Metal kernels: build a cpu or cuda target)".into(),
                 m.family.clone(),
             ));
         }
+        // a feature's kernel for a family without the feature computes another block; a kernel the
+        // family needs and the list lacks is refused where the kernels load (the CUDA backend)
         if self.hardware.backend == BackendKind::Cuda {
             for (t, wanted) in cuda_feature_templates(&features) {
-                if self.kernels.iter().any(|k| k == t) != wanted {
+                if !wanted && self.kernels.iter().any(|k| k == t) {
                     return Err(inv(
                         model_path,
                         "kernels",
-                        format!(
-                            "{} \"{t}\" for the {} family",
-                            if wanted {
-                                "a list holding"
-                            } else {
-                                "a list without"
-                            },
-                            m.family
-                        ),
+                        format!("a list without \"{t}\" for the {} family", m.family),
                         format!("{:?}", self.kernels),
                     ));
                 }
@@ -1211,7 +1207,7 @@ mod tests {
     }
 
     #[test]
-    fn families_pick_their_kernels_moe_is_cpu_only_and_unknown_ones_refused() {
+    fn families_pick_their_kernels_and_unknown_ones_are_refused() {
         // qwen3 on a CUDA target: no fused decode_1, the Q/K norm kernel instead
         let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"qwen3\"\n"))
             .unwrap_err()
@@ -1226,17 +1222,24 @@ mod tests {
         })
         .unwrap();
         assert!(q.model.features().qk_norm && !q.model.features().fused_decode);
-        let err = load_edited("bf16", |s| swap(s)).unwrap_err().to_string();
-        assert!(err.contains("holding \"decode\" for the llama"), "{err}");
+        let err = load_edited("bf16", |s| {
+            s.replace("\"decode\"]", "\"decode\", \"qk_norm\"]")
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("without \"qk_norm\" for the llama"), "{err}");
+        // qwen3moe: the routed experts' kernels too (refused for the other families)
         let moe =
             "\n[model]\nfamily = \"qwen3moe\"\n[model.experts]\ncount = 8\nused = 2\nffn = 64\n";
-        let err = load_edited("bf16", |s| format!("{}{moe}", swap(s)))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("model.family") && err.contains("cpu target"),
-            "{err}"
-        );
+        let with_moe = |s: &str| swap(s).replace("\"qk_norm\"]", "\"qk_norm\", \"moe\"]");
+        let m = load_edited("bf16", |s| format!("{}{moe}", with_moe(s))).unwrap();
+        assert!(m.model.features().moe);
+        let err = load_edited("bf16", |s| {
+            format!("{}\n[model]\nfamily = \"qwen3\"\n", with_moe(s))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("without \"moe\" for the qwen3"), "{err}");
         let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"mistral\"\n"))
             .unwrap_err()
             .to_string();

@@ -29,6 +29,8 @@ pub(super) struct Bufs {
     /// families with a per-head Q/K norm: the QKV product's raw rows `[maxt][qd + 2 kd]`, which
     /// `qk_norm_rope` norms, rotates and writes to `q` and the KV cache
     pub qkv: Option<DevBuf>,
+    /// families with routed experts ([`MoeBufs`])
+    pub moe: Option<MoeBufs>,
     pub h: DevBuf,
     pub part_ml: DevBuf,
     pub part_acc: DevBuf,
@@ -77,6 +79,15 @@ impl Bufs {
                 true => Some(gpu.alloc(maxt * (d.qd() + 2 * d.kd()) * f)?),
                 false => None,
             },
+            moe: match gpu.moe {
+                Some(m) => Some(MoeBufs {
+                    xn: gpu.alloc(maxt * d.hidden * f)?,
+                    ids: gpu.alloc(maxt * m.used * 4)?,
+                    wts: gpu.alloc(maxt * m.used * 4)?,
+                    h: gpu.alloc(maxt * m.used * m.ffn * f)?,
+                }),
+                None => None,
+            },
             h: gpu.alloc(maxt * d.ffn * f)?,
             part_ml: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * 8)?,
             part_acc: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
@@ -100,6 +111,16 @@ impl Bufs {
             mask_out: gpu.alloc(2 * nout * 4)?,
         })
     }
+}
+
+/// The routed experts' buffers: the normed input `xn[maxt][hidden]`, each token's experts and
+/// weights `ids` / `wts` `[maxt][used]`, and each (token, expert) pair's SiLU(gate) * up
+/// `h[maxt * used][expert ffn]` (f32).
+pub struct MoeBufs {
+    pub xn: DevBuf,
+    pub ids: DevBuf,
+    pub wts: DevBuf,
+    pub h: DevBuf,
 }
 
 /// The i32 words of the input buffer for chunks of up to `maxt` tokens and `nout` outputs: tokens,
@@ -126,9 +147,10 @@ pub(super) enum Stage {
     Attention,
     /// O projection + residual
     Out,
-    /// RMSNorm + gate/up + SiLU
+    /// RMSNorm + gate/up + SiLU (routed experts: norm, router and top-k, then the chosen
+    /// experts' gate/up)
     GateUp,
-    /// down projection + residual
+    /// down projection + residual (routed experts: the chosen experts' down products, weighted)
     Down,
     LmHead,
 }
@@ -149,7 +171,8 @@ impl CudaBackend {
     /// (the Hopper path, `GemmPath::hopper`, unless `Tuning::fused_norm` is off), so the QKV product of every
     /// layer after the first and every gate/up product start from it.
     pub(super) fn fused_norm(&self, p: &GemmPath) -> bool {
-        self.opts.tuning.fused_norm && p.hopper()
+        // the routed experts' kernels neither take nor leave that input
+        self.opts.tuning.fused_norm && p.hopper() && self.gpu.moe.is_none()
     }
 
     /// A layer's QKV product (RMSNorm first unless the product before left its input), on the
@@ -303,6 +326,42 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
+            // routed experts: the matrix-vector kernels, whatever the chunk (moe.cu.hbs)
+            (Stage::GateUp, _) if b.moe.is_some() => {
+                let m = b.moe.as_ref().expect("moe buffers");
+                let router = w().router.as_ref().ok_or_else(|| {
+                    BackendError::Model(format!("layer {l}: no router on the device"))
+                })?;
+                g.moe_route(abi::MoeRoute {
+                    x: b.x.ptr,
+                    norm_w: w().ffn_norm.ptr,
+                    router: router.ptr,
+                    xn: m.xn.ptr,
+                    ids: m.ids.ptr,
+                    wts: m.wts.ptr,
+                    ntok: n,
+                })?;
+                g.moe_gu(abi::MoeGu {
+                    xn: m.xn.ptr,
+                    wqs: w().wgu.qs.ptr,
+                    wsc: w().wgu.sc_ptr(),
+                    ids: m.ids.ptr,
+                    h: m.h.ptr,
+                    ntok: n,
+                })
+            }
+            (Stage::Down, _) if b.moe.is_some() => {
+                let m = b.moe.as_ref().expect("moe buffers");
+                g.moe_down(abi::MoeDown {
+                    h: m.h.ptr,
+                    wqs: w().wdown.qs.ptr,
+                    wsc: w().wdown.sc_ptr(),
+                    ids: m.ids.ptr,
+                    wts: m.wts.ptr,
+                    x: b.x.ptr,
+                    ntok: n,
+                })
+            }
             (Stage::GateUp, Some(p)) if self.fused_norm(p) => p.gate_up(g, &w().wgu, b.h.ptr, ntok),
             (Stage::GateUp, Some(p)) => {
                 p.norm_gate_up(g, b.x.ptr, w().ffn_norm.ptr, &w().wgu, b.h.ptr, ntok)

@@ -36,6 +36,8 @@ pub struct Gpu {
     kernels: Kernels,
     /// The shape the kernels were compiled for.
     pub dims: Dims,
+    /// The routed experts the kernels were compiled for (`moe` template), if the family has them.
+    pub moe: Option<MoeShape>,
     /// Launch with programmatic dependent launch (sm_90+).
     pub pdl: bool,
     /// Most attention splits launched as one thread-block cluster (the target's
@@ -229,6 +231,17 @@ impl MvPerSm {
     }
 }
 
+/// A layer's routed experts as compiled (`[model.experts]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts routed per token.
+    pub used: usize,
+    /// Each expert's FFN width.
+    pub ffn: usize,
+}
+
 impl Deref for Gpu {
     type Target = Device;
     fn deref(&self) -> &Device {
@@ -268,8 +281,20 @@ impl Gpu {
         } else {
             0
         };
+        let moe = set
+            .spec
+            .model
+            .experts
+            .as_ref()
+            .filter(|_| kernels.has(abi::MoeRoute::ID))
+            .map(|x| MoeShape {
+                experts: x.count as usize,
+                used: x.used as usize,
+                ffn: x.ffn as usize,
+            });
         Ok(Gpu {
             dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
+            moe,
             pdl: sm90,
             cluster_max,
             lm1_per_sm,
@@ -371,6 +396,35 @@ impl Gpu {
         let warps = (abi::QKN_THREADS / 32) as usize;
         let heads = (d.heads + 2 * d.kv_heads).div_ceil(warps);
         self.launch((a.ntok as u32, heads as u32, 1), self.plain(), a)
+    }
+
+    /// The routed experts of `a.ntok` tokens: norm, router, top-k (`moe_route`).
+    pub fn moe_route(&self, a: abi::MoeRoute) -> Result<(), BackendError> {
+        self.launch((a.ntok.max(0) as u32, 1, 1), self.plain(), a)
+    }
+
+    /// The blocks a routed product gives each of its `items` (pairs or tokens) over `row_pairs` row
+    /// pairs: one warp per row pair while the grid stays within a few waves, fewer (warps loop)
+    /// beyond.
+    fn moe_blocks(&self, row_pairs: usize, items: usize) -> u32 {
+        let most = row_pairs.div_ceil(abi::MV_THREADS as usize / 32);
+        let wave = 4 * self.sm_count / items.max(1);
+        most.min(wave).max(1) as u32
+    }
+
+    /// Every routed (token, expert) pair's gate/up and SiLU (`moe_gu`).
+    pub fn moe_gu(&self, a: abi::MoeGu) -> Result<(), BackendError> {
+        let m = self.moe.expect("moe_gu on a target with routed experts");
+        let pairs = a.ntok.max(0) as usize * m.used;
+        let gx = self.moe_blocks(m.ffn, pairs);
+        self.launch((pairs as u32, gx, 1), self.plain(), a)
+    }
+
+    /// Every token's experts' down products, weighted, into the residual (`moe_down`).
+    pub fn moe_down(&self, a: abi::MoeDown) -> Result<(), BackendError> {
+        let n = a.ntok.max(0) as usize;
+        let gx = self.moe_blocks(self.dims.hidden / 2, n);
+        self.launch((n as u32, gx, 1), self.plain(), a)
     }
 
     /// Whether the target's family norms each Q/K head (its kernels hold `qk_norm_rope`).

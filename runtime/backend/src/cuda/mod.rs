@@ -331,7 +331,12 @@ impl CudaBackend {
     ) -> Result<CudaBackend, BackendError> {
         let spec = &set.spec;
         let d = metrale_core::shape::Dims::from_shape(&spec.model);
-        weights::check_config(config, &d, &spec.model.family, &set.target)?;
+        let moe = spec.model.experts.as_ref().map(|x| launch::MoeShape {
+            experts: x.count as usize,
+            used: x.used as usize,
+            ffn: x.ffn as usize,
+        });
+        weights::check_config(config, &d, (&spec.model.family, moe), &set.target)?;
         let fmt = |s: &str, what: &str| {
             DevFormat::from_quant_name(s)
                 .ok_or_else(|| BackendError::Model(format!("unknown {what} format {s:?}")))
@@ -346,6 +351,19 @@ impl CudaBackend {
             ));
         }
         let mut gpu = Gpu::open(opts.device, set)?;
+        let f = config.family.features();
+        for (name, needed, there) in [
+            ("qk_norm", f.qk_norm, gpu.qk_norm()),
+            ("moe", f.moe, gpu.moe.is_some()),
+        ] {
+            if needed && !there {
+                return Err(BackendError::Model(format!(
+                    "target {}: the {} family needs the kernel template {name}, which the \
+                     target's kernels list lacks; add it to its MODEL.toml and rebuild",
+                    set.target, config.family
+                )));
+            }
+        }
         gpu.pdl &= opts.tuning.pdl;
         if !opts.tuning.attention_cluster {
             gpu.cluster_max = 0;

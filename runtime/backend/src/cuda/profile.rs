@@ -148,6 +148,10 @@ impl CudaBackend {
                 &l0.wdown,
             ),
         ];
+        if self.gpu.moe.is_some() {
+            // routed experts run on their own kernels, not these products
+            products.truncate(2);
+        }
         if head_ok {
             products.push((Product::Head { logits: logits.ptr }, self.w.head()));
         }

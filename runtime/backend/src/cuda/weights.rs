@@ -14,6 +14,7 @@ use metrale_core::BackendError;
 use metrale_model::{ModelConfig, Weights};
 
 use super::device::{DevBuf, Device};
+use super::launch::MoeShape;
 
 fn model_err(e: impl std::fmt::Display) -> BackendError {
     BackendError::Model(e.to_string())
@@ -339,6 +340,9 @@ pub struct LayerW {
     pub attn_norm: DevBuf,
     /// Families with `qk_norm`: the Q heads' norm weights then the K heads' (`head_dim` f32 each).
     pub qk_norm: Option<DevBuf>,
+    /// Families with routed experts: the router, f32 `[experts][hidden]`; `wgu` and `wdown` then
+    /// hold every expert's matrices stacked by expert (`moe.cu.hbs`).
+    pub router: Option<DevBuf>,
     pub wqkv: DevMat,
     pub wo: DevMat,
     pub ffn_norm: DevBuf,
@@ -373,13 +377,15 @@ pub struct ModelWeights {
     /// (cos, sin) per position and pair: `crate::rope::rope_table`, `positions` rows.
     pub rope: DevBuf,
     pub layers: Vec<LayerW>,
+    /// The routed experts of every layer, if the family has them.
+    pub moe: Option<MoeShape>,
 }
 
 /// Refuse a checkpoint whose family or shape is not the one the kernels were compiled for.
 pub fn check_config(
     c: &ModelConfig,
     d: &Dims,
-    family: &str,
+    (family, moe): (&str, Option<MoeShape>),
     target: &str,
 ) -> Result<(), BackendError> {
     if c.family.name() != family {
@@ -389,11 +395,13 @@ pub fn check_config(
             c.name, c.family, c.family
         )));
     }
-    if c.family.moe() {
+    let got = c.moe.map(|m| (m.experts, m.used, m.ffn, m.norm_topk));
+    let want = moe.map(|m| (m.experts, m.used, m.ffn, true));
+    if got != want {
         return Err(BackendError::Model(format!(
-            "model {}: the {} family's routed experts have no CUDA kernels yet (this binary: \
-             {target}); run it on a cpu target",
-            c.name, c.family
+            "model {}: routed experts (count, used, ffn, renormalised) {got:?}, but this binary's \
+             kernels ({target}) are compiled for {want:?}; build the target for this model",
+            c.name
         )));
     }
     let pairs = [
@@ -406,6 +414,11 @@ pub fn check_config(
         ("vocab", c.vocab, d.vocab),
     ];
     for (field, got, want) in pairs {
+        // a mixture's checkpoint states its experts' width; the target's `ffn` is the dense width
+        // its config also carries (unused), checked above as the experts' shape
+        if field == "ffn" && moe.is_some() {
+            continue;
+        }
         if got != want {
             return Err(BackendError::Model(format!(
                 "model {}: {field} is {got}, but this binary's kernels ({target}) are compiled for {want}; build the target for this model",
@@ -414,6 +427,27 @@ pub fn check_config(
         }
     }
     Ok(())
+}
+
+/// Expert `e`'s matrix of the experts' tensor `name` (GGUF: one 3-D tensor; HF: one a expert,
+/// `Weights::expert`), checked to be `rows` x `k`, repacked to `fmt`.
+fn expert_mat(
+    w: &Weights,
+    name: &str,
+    e: usize,
+    fmt: DevFormat,
+    rows: usize,
+    k: usize,
+) -> Result<HostMat, BackendError> {
+    let t = w.expert(name, e).map_err(model_err)?;
+    if t.row_len() != k || t.n_rows() != rows {
+        return Err(BackendError::Model(format!(
+            "tensor {name} expert {e}: expected {rows} rows of {k}, got {} rows of {}",
+            t.n_rows(),
+            t.row_len()
+        )));
+    }
+    HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
 }
 
 /// A weight matrix from `weights`, checked to be `rows` x `k`, repacked to `fmt`.
@@ -450,6 +484,7 @@ pub(super) fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, Ba
 struct HostLayer {
     attn_norm: Vec<f32>,
     qk_norm: Option<Vec<f32>>,
+    router: Option<Vec<f32>>,
     wqkv: HostMat,
     wo: HostMat,
     ffn_norm: Vec<f32>,
@@ -462,7 +497,7 @@ impl HostLayer {
         w: &Weights,
         d: &Dims,
         wf: DevFormat,
-        qk_norm: bool,
+        (qk_norm, moe): (bool, Option<MoeShape>),
         l: usize,
     ) -> Result<HostLayer, BackendError> {
         let (hd, qd, kd) = (d.hidden, d.qd(), d.kd());
@@ -470,8 +505,36 @@ impl HostLayer {
         let wq = host_mat(w, &n("attn_q"), wf, qd, hd)?;
         let wk = host_mat(w, &n("attn_k"), wf, kd, hd)?;
         let wv = host_mat(w, &n("attn_v"), wf, kd, hd)?;
-        let wg = host_mat(w, &n("ffn_gate"), wf, d.ffn, hd)?;
-        let wu = host_mat(w, &n("ffn_up"), wf, d.ffn, hd)?;
+        let (router, wgu, wdown) = match moe {
+            None => {
+                let wg = host_mat(w, &n("ffn_gate"), wf, d.ffn, hd)?;
+                let wu = host_mat(w, &n("ffn_up"), wf, d.ffn, hd)?;
+                (
+                    None,
+                    HostMat::interleave_rows(&n("ffn_gate_up"), &wg, &wu).map_err(model_err)?,
+                    host_mat(w, &n("ffn_down"), wf, hd, d.ffn)?,
+                )
+            }
+            Some(m) => {
+                let router = host_vec(w, &n("ffn_gate_inp"), m.experts * hd)?;
+                let mut gu = Vec::with_capacity(m.experts);
+                let mut down = Vec::with_capacity(m.experts);
+                for e in 0..m.experts {
+                    let g = expert_mat(w, &n("ffn_gate_exps"), e, wf, m.ffn, hd)?;
+                    let u = expert_mat(w, &n("ffn_up_exps"), e, wf, m.ffn, hd)?;
+                    gu.push(
+                        HostMat::interleave_rows(&n("ffn_gate_up_exps"), &g, &u)
+                            .map_err(model_err)?,
+                    );
+                    down.push(expert_mat(w, &n("ffn_down_exps"), e, wf, hd, m.ffn)?);
+                }
+                (
+                    Some(router),
+                    HostMat::concat_rows(&n("ffn_gate_up_exps"), &gu).map_err(model_err)?,
+                    HostMat::concat_rows(&n("ffn_down_exps"), &down).map_err(model_err)?,
+                )
+            }
+        };
         let qk_norm = if qk_norm {
             let mut v = host_vec(w, &n("attn_q_norm"), d.head_dim)?;
             v.extend(host_vec(w, &n("attn_k_norm"), d.head_dim)?);
@@ -482,11 +545,12 @@ impl HostLayer {
         Ok(HostLayer {
             attn_norm: host_vec(w, &n("attn_norm"), hd)?,
             qk_norm,
+            router,
             wqkv: HostMat::concat_rows(&n("attn_qkv"), &[wq, wk, wv]).map_err(model_err)?,
             wo: host_mat(w, &n("attn_output"), wf, hd, qd)?,
             ffn_norm: host_vec(w, &n("ffn_norm"), hd)?,
-            wgu: HostMat::interleave_rows(&n("ffn_gate_up"), &wg, &wu).map_err(model_err)?,
-            wdown: host_mat(w, &n("ffn_down"), wf, hd, d.ffn)?,
+            wgu,
+            wdown,
         })
     }
 
@@ -494,6 +558,10 @@ impl HostLayer {
         Ok(LayerW {
             attn_norm: dev.upload(&self.attn_norm)?,
             qk_norm: match &self.qk_norm {
+                Some(v) => Some(dev.upload(v)?),
+                None => None,
+            },
+            router: match &self.router {
                 Some(v) => Some(dev.upload(v)?),
                 None => None,
             },
@@ -526,6 +594,11 @@ impl ModelWeights {
         positions: usize,
     ) -> Result<ModelWeights, BackendError> {
         let hd = d.hidden;
+        let moe = config.moe.map(|m| MoeShape {
+            experts: m.experts,
+            used: m.used,
+            ffn: m.ffn,
+        });
         let untied = weights.contains("output.weight");
         // item 0: the embedding, 1: the untied head (when there is one), then the layers
         let first_layer = if untied { 2 } else { 1 };
@@ -537,7 +610,7 @@ impl ModelWeights {
                     weights,
                     d,
                     wf,
-                    config.family.qk_norm(),
+                    (config.family.qk_norm(), moe),
                     i - first_layer,
                 )?)),
             })
@@ -574,6 +647,7 @@ impl ModelWeights {
             out_norm,
             rope,
             layers,
+            moe,
         })
     }
 
@@ -583,12 +657,18 @@ impl ModelWeights {
     }
 
     /// Bytes one single-sequence decode step reads: every weight once, but of an embedding table
-    /// separate from the LM head only the token's row.
+    /// separate from the LM head only the token's row, and of a layer's routed experts only the
+    /// `used` a token goes to (the active parameters).
     pub fn decode_bytes(&self) -> u64 {
-        let unread = match &self.out {
+        let mut unread = match &self.out {
             Some(_) => self.emb.bytes() - self.emb.bytes() / self.emb.rows.max(1),
             None => 0,
         };
+        if let Some(m) = self.moe {
+            for l in &self.layers {
+                unread += (l.wgu.bytes() + l.wdown.bytes()) / m.experts * (m.experts - m.used);
+            }
+        }
         self.bytes() - unread as u64
     }
 
@@ -599,6 +679,7 @@ impl ModelWeights {
         for l in &self.layers {
             n += l.attn_norm.bytes
                 + l.qk_norm.as_ref().map_or(0, |b| b.bytes)
+                + l.router.as_ref().map_or(0, |b| b.bytes)
                 + l.wqkv.bytes()
                 + l.wo.bytes()
                 + l.ffn_norm.bytes
@@ -793,9 +874,9 @@ mod tests {
             add_bos: false,
             pooling: None,
         };
-        assert!(check_config(&c, &d, "llama", "h200/smollm2-135m/q4_1").is_ok());
+        assert!(check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1").is_ok());
         c.hidden = 2048;
-        let e = check_config(&c, &d, "llama", "h200/smollm2-135m/q4_1")
+        let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
             .unwrap_err()
             .to_string();
         assert!(
@@ -810,24 +891,38 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position: 8192,
         });
-        assert!(check_config(&c, &d, "llama", "h200/llama-3.2-1b/q4_1").is_ok());
+        assert!(check_config(&c, &d, ("llama", None), "h200/llama-3.2-1b/q4_1").is_ok());
         // a family other than the kernels' is refused by name, shape or not
         c.family = metrale_model::Family::Qwen3;
-        let e = check_config(&c, &d, "llama", "h200/smollm2-135m/q4_1")
+        let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("qwen3") && e.contains("compute the llama block"),
             "{e}"
         );
-        assert!(check_config(&c, &d, "qwen3", "h200/qwen3-tiny/bf16").is_ok());
-        // routed experts have no CUDA kernels
+        assert!(check_config(&c, &d, ("qwen3", None), "h200/qwen3-tiny/bf16").is_ok());
+        // routed experts: the compiled ones
         c.family = metrale_model::Family::Qwen3Moe;
-        let e = check_config(&c, &d, "qwen3moe", "h200/x/bf16")
+        c.moe = Some(metrale_model::config::Moe {
+            experts: 128,
+            used: 8,
+            ffn: 768,
+            norm_topk: true,
+        });
+        let x = MoeShape {
+            experts: 128,
+            used: 8,
+            ffn: 768,
+        };
+        c.ffn = 768; // the experts' width, as the readers give it; the target's is the dense one
+        assert!(check_config(&c, &d, ("qwen3moe", Some(x)), "h200/x/bf16").is_ok());
+        let four = Some(MoeShape { used: 4, ..x });
+        let e = check_config(&c, &d, ("qwen3moe", four), "h200/x/bf16")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("routed experts") && e.contains("cpu target"),
+            e.contains("routed experts") && e.contains("compiled for"),
             "{e}"
         );
     }
