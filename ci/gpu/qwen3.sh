@@ -22,10 +22,14 @@
 #        size of 1024, tied head): cuda_kernels; CUDA against HF transformers and the CPU backend at
 #        full depth (28 layers); cuda_bench
 #   bash ci/gpu/qwen3.sh prepare-moe MODEL.gguf   CPU machine: .q4/
-#   bash ci/gpu/qwen3.sh moe    carry .q4        h200/qwen3-30b-a3b/bf16 (128 experts, 8 a token):
-#        cuda_kernels (the routed experts against the CPU reference, a full tie among them); the
-#        2-layer checkpoints (HF folder, one tensor per expert; GGUF, 3-D experts) against HF
-#        transformers and the CPU backend
+#   bash ci/gpu/qwen3.sh moe    carry .q4 .peer  h200/qwen3-30b-a3b/bf16 (128 experts, 8 a token):
+#        llama.cpp's build (background); cuda_kernels (the routed experts against the CPU
+#        reference, a full tie among them); the 2-layer checkpoints (HF folder, one tensor per
+#        expert; GGUF, 3-D experts) against HF transformers and the CPU backend; the full bf16
+#        GGUF (61 GB, in /dev/shm when it has the room) and cuda_bench on it (batch-1 decode beside
+#        the active experts' bytes, 16 / 64 / 256 sequences, pp512)
+#   bash ci/gpu/qwen3.sh moe2   carry nothing    llama-bench and llama-batched-bench on that GGUF;
+#        bench-record with llama.cpp
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
@@ -137,13 +141,19 @@ prepare-moe)
   cp "$(exe test $C --no-run --test cuda_kernels)" .q4/b/bin/cuda_kernels
   for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q4/b/bin/$e; done
   cp "$(exe build --release -p xtask)" .q4/b/bin/xtask
-  strip .q4/b/bin/*
+  mkdir -p .q4/b/srv
+  cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant bf16 --out .q4/b/srv/h200-qwen3-30b-a3b-bf16 2>&1 | tail -1
+  rm -rf .q4/b/srv/h200-qwen3-30b-a3b-bf16/kernels
+  strip .q4/b/bin/* .q4/b/srv/*/metrale-server
+  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
   cargo xtask synth-model qwen3-30b-a3b --tokenizer "$model" --format vocab --out .q4/b/vocab.gguf >/dev/null
   tar cJf .q4/b.tar.xz -C .q4 b && rm -rf .q4/b
   echo "carry .q4: $(du -cb .q4 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
   ;;
 moe)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q4/b.tar.xz -C "$H"
+  step "llama.cpp build (background)"
+  [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
   kernel_tests qwen3-30b-a3b/bf16
   X="$H/b/bin/xtask synth-model qwen3-30b-a3b --tokenizer $H/b/vocab.gguf --seed 0 --layers 2"
@@ -158,7 +168,29 @@ moe)
     "$H/b/bin/golden_check" "$H/s/$1" "$R/moe2_golden.json" --cuda "$H/b/k/h200-qwen3-30b-a3b-2l-bf16/kernels" \
       h200/qwen3-30b-a3b/bf16 --vs-cpu --tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
   done
+  rm -rf "$H/s/moe2-hf" "$H/s/moe2-bf16.gguf"
+  export METRALE_TARGETS=$PWD/targets
+  # the full file where it fits: /dev/shm (RAM) if it holds 64 GB, else the disk
+  F=$H/s/moe-bf16.gguf
+  [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
+  step "synth-model: the 48-layer bf16 GGUF ($F)"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  ln -sf "$F" "$H/s/moe.gguf"
+  CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
+    --batch 1,16,64,256 --steps 64 --pp 512
   finish moe
+  ;;
+moe2)
+  mkdir -p "$R"
+  step "llama.cpp build (started by moe) done?"
+  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  cat "$H/llamacpp/build.done"
+  step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: bf16"
+  mkdir -p "$R/llamacpp-bf16"
+  OUT=$R/llamacpp-bf16 timeout 300 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/moe.gguf" 1,16,64,256 \
+    > "$R/llamacpp-bf16.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-bf16/llamacpp-bench.md" "$R/llamacpp-bf16/llamacpp-batched.txt"
+  [ "$(left)" -gt 150 ] && RECORD_CONCURRENCY=1,16,64 record h200-qwen3-30b-a3b-bf16 "$H/s/moe.gguf" 4096
+  finish moe2
   ;;
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q1/b.tar.xz -C "$H"
