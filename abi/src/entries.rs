@@ -178,7 +178,8 @@ entries! {
     /// Families with routed experts (`features.moe`), one block per token: RMSNorm(x) with the
     /// FFN norm into `xn`, the router's logits (`router`: f32 `[experts][hidden]`), softmax, the
     /// `used` largest (ties to the lower index) renormalised, written as `ids` / `wts`
-    /// `[ntok][used]` in ascending expert order. grid = (ntok).
+    /// `[ntok][used]` in ascending expert order; each choice counted in `counts[experts]` (the
+    /// run's expert histogram; null: not counted). grid = (ntok).
     MoeRoute = "moe" / "moe_route", threads MV_THREADS, {
         x: ptr<"const float">,
         norm_w: ptr<"const float">,
@@ -186,6 +187,7 @@ entries! {
         xn: ptr<"float">,
         ids: ptr<"int">,
         wts: ptr<"float">,
+        counts: ptr<"unsigned int">,
         ntok: i32,
     }
     /// Each routed (token, expert) pair's gate and up products and SiLU: `h[pair][expert_ffn]`.

@@ -102,8 +102,8 @@ pub struct Args {
 
 /// The lock's digest and whether the binary's blobs (the attestation's `kernels/*` subjects) are
 /// the ones it records for `target`, with the blobs that differ.
-/// FLOPs of one token's matrix products (2 per weight of the layers and the LM head) of the model
-/// shape the attested kernels were compiled for; `None` where the attestation names none (a CPU
+/// FLOPs of one token's matrix products (`ModelShape::matmul_flops_per_token`: the active experts
+/// alone, where routed) of the model shape the attested kernels were compiled for; `None` where the attestation names none (a CPU
 /// target has no kernels).
 fn matmul_flops_per_token(attestation: &Value) -> Option<f64> {
     let kernels = attestation
@@ -112,14 +112,8 @@ fn matmul_flops_per_token(attestation: &Value) -> Option<f64> {
     let m = kernels
         .values()
         .find_map(|k| k.pointer("/manifest/params/model"))?;
-    let g = |k: &str| m.get(k).and_then(Value::as_u64).map(|v| v as f64);
-    let (layers, hidden, ffn, vocab) = (g("layers")?, g("hidden")?, g("ffn")?, g("vocab")?);
-    let (qd, kd) = (
-        g("heads")? * g("head_dim")?,
-        g("kv_heads")? * g("head_dim")?,
-    );
-    let layer = hidden * (qd + 2.0 * kd) + qd * hidden + 3.0 * ffn * hidden;
-    Some(2.0 * (layers * layer + vocab * hidden))
+    let shape: metrale_core::target::ModelShape = serde_json::from_value(m.clone()).ok()?;
+    Some(shape.matmul_flops_per_token())
 }
 
 fn lock_check(lock: &Path, target: &str, attestation: &Value) -> Result<Value> {
@@ -878,13 +872,21 @@ mod tests {
 
     #[test]
     fn flops_per_token_come_from_the_attested_model_shape() {
-        // the llama-3.1-8b shape: 15.01 GFLOP per token (layers and LM head)
-        let model = serde_json::json!({"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
-            "head_dim": 128, "ffn": 14336, "vocab": 128256});
-        let att = serde_json::json!({"predicate": {"buildDefinition": {"internalParameters": {
-            "kernels": {"gemm": {"manifest": {"params": {"model": model}}}}}}}});
-        let f = super::matmul_flops_per_token(&att).unwrap();
+        // the model block of the kernels' parameters, as build-target writes it
+        let att = |model: &str| {
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../targets");
+            let id = metrale_core::target::TargetId::new("cpu", model, "bf16");
+            let spec = metrale_core::target::TargetSpec::load(&root, &id).unwrap();
+            let m = serde_json::to_value(&spec.model).unwrap();
+            serde_json::json!({"predicate": {"buildDefinition": {"internalParameters": {
+                "kernels": {"gemm": {"manifest": {"params": {"model": m}}}}}}}})
+        };
+        // llama-3.1-8b: 15.01 GFLOP per token (layers and LM head)
+        let f = super::matmul_flops_per_token(&att("llama-3.1-8b")).unwrap();
         assert!((f - 15.0095e9).abs() < 1e6, "{f}");
+        // qwen3-30b-a3b: the router and 8 of 128 experts, 6.08 GFLOP
+        let f = super::matmul_flops_per_token(&att("qwen3-30b-a3b")).unwrap();
+        assert!((f - 6.0833e9).abs() < 1e6, "{f}");
         // no kernels (a CPU target): none
         assert!(super::matmul_flops_per_token(&serde_json::json!({"subject": []})).is_none());
     }

@@ -103,11 +103,7 @@ fn main() {
     let copy_gbs = b.copy_rate_gbs(2 << 30).unwrap();
     // FLOPs of a token's matrix products (2 per weight: the layers' four and the LM head), the
     // rate the batched and prefill figures are also given in
-    let flops_tok = {
-        let d = metrale_backend::Dims::from_shape(&spec.model);
-        let layer = d.hidden * (d.qd() + 2 * d.kd()) + d.qd() * d.hidden + 3 * d.ffn * d.hidden;
-        2.0 * (d.layers * layer + d.vocab * d.hidden) as f64
-    };
+    let flops_tok = spec.model.matmul_flops_per_token();
     let wbytes = b.decode_weight_bytes();
     let floor_us = |bytes: u64| bytes as f64 / (copy_gbs * 1e3);
     eprintln!(
@@ -496,9 +492,42 @@ fn main() {
             prof_b_json
         ));
     }
+    // the routed experts' histogram over the whole run (every step above), where there are some
+    let histogram = match b.expert_counts().unwrap() {
+        Some(layers) => {
+            let experts = layers.first().map_or(0, Vec::len);
+            let (mut lo, mut hi) = (f64::INFINITY, 0f64);
+            for l in &layers {
+                let mean = l.iter().map(|&c| c as f64).sum::<f64>() / experts.max(1) as f64;
+                for &c in l {
+                    lo = lo.min(c as f64 / mean);
+                    hi = hi.max(c as f64 / mean);
+                }
+            }
+            eprintln!(
+                "expert histogram over the run: {} layers x {experts} experts; an expert's count \
+                 from {lo:.2} to {hi:.2} times its layer's mean",
+                layers.len()
+            );
+            let rows: Vec<String> = layers
+                .iter()
+                .map(|l| {
+                    format!(
+                        "[{}]",
+                        l.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+                    )
+                })
+                .collect();
+            format!(
+                "{{\"min_over_mean\": {lo:.4}, \"max_over_mean\": {hi:.4}, \"counts\": [{}]}}",
+                rows.join(",")
+            )
+        }
+        None => "null".into(),
+    };
     let nodes = 2 + 5 * spec.model.layers as usize + 1;
     let json = format!(
-        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"masked_pick_us\": {pick_json}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"long\": [{}], \"stats\": \"{:?}\"}}",
+        "{{\"target\": \"{target}\", \"device\": \"{}\", \"weight_bytes\": {}, \"copy_gbs\": {copy_gbs:.1}, \"decode_weight_bytes\": {wbytes}, \"floor_bytes_us\": {:.2}, \"share_of_copy_rate\": {:.4}, \"graph_nodes\": {nodes}, \"floor_launch_us\": {:.1}, \"decode_b1_us_median\": {med:.2}, \"decode_b1_us_p10\": {p10:.2}, \"decode_b1_us_p90\": {p90:.2}, \"decode_b1_tok_s\": {:.1}, \"tg128_tok_s\": {tg128:.1}, \"tg128_masked_tok_s\": {tg128_masked:.1}, \"tg128_masked_run_ahead_hits\": {masked_hits}, \"masked_pick_us\": {pick_json}, \"graph_replay_us\": {replay_us:.2}, \"decode_path\": \"{path}\", \"decode1\": \"{:?}\", \"kernel_us\": {{{}}}, \"pdl\": {}, \"decode_steps\": {}, \"pp\": {pp}, \"pp_ms_median\": {pp_ms:.3}, \"pp_tok_s\": {:.1}, \"pp_tflops\": {pp_tflops:.2}, \"matmul_flops_per_token\": {flops_tok:.0}, \"prefill_kernel_us\": {{{}}}, \"tuning\": \"{:?}\", \"first_step_ms\": {ttft_ms:.3}, \"load_s\": {load_s:.3}, \"batched\": [{}], \"depth\": [{}], \"long\": [{}], \"expert_histogram\": {histogram}, \"stats\": \"{:?}\"}}",
         info.device,
         info.weight_bytes,
         floor_us(wbytes),

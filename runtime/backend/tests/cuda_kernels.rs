@@ -1858,7 +1858,7 @@ fn grammar_masks_on_the_device_match_the_host() {
 /// router logit is exactly 0 and all experts tie: the kernel must take experts 0..used, each
 /// weighted 1/used (ties go to the lower index), and leave that residual row unchanged. The chosen
 /// experts must be the reference's exactly; their weights within 1e-6; the residual within [`TOL`]
-/// (f32 sums in another order).
+/// (f32 sums in another order); the expert histogram (`counts`) every choice once.
 #[test]
 fn moe_routing_and_experts_match_cpu() {
     let Some(mut e) = env("moe") else { return };
@@ -1907,6 +1907,7 @@ fn moe_routing_and_experts_match_cpu() {
     let ids = g.upload(&vec![-1i32; n * m.used]).unwrap();
     let wts = poisoned(g, n * m.used);
     let hb = poisoned(g, n * m.used * m.ffn);
+    let counts = g.upload(&vec![0u32; m.experts]).unwrap();
     g.moe_route(abi::MoeRoute {
         x: xb.ptr,
         norm_w: nb.ptr,
@@ -1914,6 +1915,7 @@ fn moe_routing_and_experts_match_cpu() {
         xn: xn.ptr,
         ids: ids.ptr,
         wts: wts.ptr,
+        counts: counts.ptr,
         ntok: n as i32,
     })
     .unwrap();
@@ -1983,6 +1985,16 @@ fn moe_routing_and_experts_match_cpu() {
     assert!(
         got_x[2 * h..3 * h].iter().all(|&v| v == 0.0),
         "the tied token's residual stays 0"
+    );
+    let mut got_counts = vec![0u32; m.experts];
+    g.read(&counts, 0, &mut got_counts).unwrap();
+    let mut want_counts = vec![0u32; m.experts];
+    for &ex in &got_ids {
+        want_counts[ex as usize] += 1;
+    }
+    assert_eq!(
+        got_counts, want_counts,
+        "the expert histogram counts every choice once"
     );
     check(
         "moe: x + sum of the routed experts' outputs",

@@ -284,6 +284,22 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
+    /// FLOPs of one token's matrix products: 2 per weight a token multiplies, the layers' (of routed
+    /// experts the router and the `used` experts a token goes to) and the LM head's.
+    pub fn matmul_flops_per_token(&self) -> f64 {
+        let (h, qd, kd) = (
+            self.hidden as f64,
+            (self.heads * self.head_dim) as f64,
+            (self.kv_heads * self.head_dim) as f64,
+        );
+        let mlp = match &self.experts {
+            Some(x) => x.count as f64 * h + 3.0 * x.used as f64 * x.ffn as f64 * h,
+            None => 3.0 * self.ffn as f64 * h,
+        };
+        let layer = h * (qd + 2.0 * kd) + qd * h + mlp;
+        2.0 * (self.layers as f64 * layer + self.vocab as f64 * h)
+    }
+
     /// The features of its family (validated to be one of [`FAMILIES`]; an unknown one reads as
     /// llama's until validation refuses it).
     pub fn features(&self) -> Features {

@@ -85,6 +85,7 @@ impl Bufs {
                     ids: gpu.alloc(maxt * m.used * 4)?,
                     wts: gpu.alloc(maxt * m.used * 4)?,
                     h: gpu.alloc(maxt * m.used * m.ffn * f)?,
+                    counts: gpu.alloc(d.layers * m.experts * 4)?,
                 }),
                 None => None,
             },
@@ -121,6 +122,9 @@ pub struct MoeBufs {
     pub ids: DevBuf,
     pub wts: DevBuf,
     pub h: DevBuf,
+    /// How often each layer's router chose each expert since the backend started or the counts
+    /// were last cleared: u32 `[layers][experts]` (`CudaBackend::expert_counts`).
+    pub counts: DevBuf,
 }
 
 /// The i32 words of the input buffer for chunks of up to `maxt` tokens and `nout` outputs: tokens,
@@ -339,6 +343,7 @@ impl CudaBackend {
                     xn: m.xn.ptr,
                     ids: m.ids.ptr,
                     wts: m.wts.ptr,
+                    counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
                     ntok: n,
                 })?;
                 g.moe_gu(abi::MoeGu {

@@ -429,6 +429,27 @@ impl CudaBackend {
     }
 
     /// The persistent decode kernel, when loaded: its grid, shared memory, occupancy and split.
+    /// The routed experts' histogram since start or the last [`CudaBackend::clear_expert_counts`]:
+    /// per layer, how often each expert was chosen (`None`: the family has no routed experts).
+    /// Synchronises the stream.
+    pub fn expert_counts(&self) -> Result<Option<Vec<Vec<u32>>>, BackendError> {
+        let (Some(m), Some(x)) = (self.b.moe.as_ref(), self.gpu.moe) else {
+            return Ok(None);
+        };
+        let mut all = vec![0u32; self.w.layers.len() * x.experts];
+        self.gpu.sync()?;
+        self.gpu.read(&m.counts, 0, &mut all)?;
+        Ok(Some(all.chunks(x.experts).map(<[u32]>::to_vec).collect()))
+    }
+
+    /// Zero the routed experts' histogram.
+    pub fn clear_expert_counts(&self) -> Result<(), BackendError> {
+        match self.b.moe.as_ref() {
+            Some(m) => self.gpu.zero_async(&m.counts),
+            None => Ok(()),
+        }
+    }
+
     pub fn decode1_info(&self) -> Option<Decode1Info> {
         self.decode1.as_ref().map(|k| Decode1Info {
             blocks: k.blocks,
