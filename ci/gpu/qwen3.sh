@@ -28,8 +28,8 @@
 #        expert; GGUF, 3-D experts) against HF transformers and the CPU backend; the full bf16
 #        GGUF (61 GB, in /dev/shm when it has the room) and cuda_bench on it (batch-1 decode beside
 #        the active experts' bytes, 16 / 64 / 256 sequences, pp512)
-#   bash ci/gpu/qwen3.sh moe2   carry nothing    llama-bench and llama-batched-bench on that GGUF;
-#        bench-record with llama.cpp
+#   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
+#        target); llama-bench and llama-batched-bench on both GGUFs; bench-record with llama.cpp
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
@@ -135,15 +135,19 @@ prepare-moe)
   model=${2:-${METRALE_MODEL:-}}
   [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare-moe MODEL.gguf" >&2; exit 2; }
   rm -rf .q4 && mkdir -p .q4/b/bin .q4/b/k
-  cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant bf16 --kernels-only --out .q4/b/k/h200-qwen3-30b-a3b-bf16 2>&1 | tail -1
+  for q in bf16 q4_1; do
+    cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant $q --kernels-only --out .q4/b/k/h200-qwen3-30b-a3b-$q 2>&1 | tail -1
+  done
   kernels2l .q4/b h200-qwen3-30b-a3b-2l-bf16 qwen3-30b-a3b
   C="--release -p metrale-backend --features cuda"
   cp "$(exe test $C --no-run --test cuda_kernels)" .q4/b/bin/cuda_kernels
   for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q4/b/bin/$e; done
   cp "$(exe build --release -p xtask)" .q4/b/bin/xtask
   mkdir -p .q4/b/srv
-  cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant bf16 --out .q4/b/srv/h200-qwen3-30b-a3b-bf16 2>&1 | tail -1
-  rm -rf .q4/b/srv/h200-qwen3-30b-a3b-bf16/kernels
+  for q in bf16 q4_1; do
+    cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant $q --out .q4/b/srv/h200-qwen3-30b-a3b-$q 2>&1 | tail -1
+    rm -rf .q4/b/srv/h200-qwen3-30b-a3b-$q/kernels
+  done
   strip .q4/b/bin/* .q4/b/srv/*/metrale-server
   [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
   cargo xtask synth-model qwen3-30b-a3b --tokenizer "$model" --format vocab --out .q4/b/vocab.gguf >/dev/null
@@ -155,7 +159,7 @@ moe)
   step "llama.cpp build (background)"
   [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-  kernel_tests qwen3-30b-a3b/bf16
+  kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   X="$H/b/bin/xtask synth-model qwen3-30b-a3b --tokenizer $H/b/vocab.gguf --seed 0 --layers 2"
   step "synth-model: 2-layer HF folder and GGUF; HF golden (f32 on the GPU)"
   $X --format hf --out "$H/s/moe2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
@@ -182,13 +186,21 @@ moe)
   ;;
 moe2)
   mkdir -p "$R"
+  step "synth-model: the 48-layer q4_1 GGUF; cuda_bench on it"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
+    --batch 1,16,64,256 --steps 64 --pp 512
   step "llama.cpp build (started by moe) done?"
   for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
   cat "$H/llamacpp/build.done"
-  step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: bf16"
-  mkdir -p "$R/llamacpp-bf16"
-  OUT=$R/llamacpp-bf16 timeout 300 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/moe.gguf" 1,16,64,256 \
-    > "$R/llamacpp-bf16.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-bf16/llamacpp-bench.md" "$R/llamacpp-bf16/llamacpp-batched.txt"
+  for q in bf16 q4_1; do
+    f=$H/s/moe.gguf; [ $q = q4_1 ] && f=$H/s/moe-q4_1.gguf
+    step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: $q"
+    mkdir -p "$R/llamacpp-$q"
+    OUT=$R/llamacpp-$q timeout 200 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$f" 1,16,64,256 \
+      > "$R/llamacpp-$q.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-$q/llamacpp-bench.md" "$R/llamacpp-$q/llamacpp-batched.txt"
+  done
   [ "$(left)" -gt 150 ] && RECORD_CONCURRENCY=1,16,64 record h200-qwen3-30b-a3b-bf16 "$H/s/moe.gguf" 4096
   finish moe2
   ;;
