@@ -138,11 +138,6 @@ pub fn templates() -> Vec<&'static str> {
     t
 }
 
-/// The templates a CUDA target compiles only where its family asks for them
-/// (`metrale_core::target::cuda_feature_templates`); every other template of [`templates`] is
-/// compiled for every CUDA target.
-pub const OPTIONAL_TEMPLATES: [&str; 3] = ["decode", "moe", "qk_norm"];
-
 /// The entry points declared for `template`.
 pub fn entries_of(template: &str) -> impl Iterator<Item = &'static EntryDecl> + '_ {
     ENTRIES.iter().filter(move |e| e.template == template)

@@ -34,52 +34,97 @@
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
 
+# --- packing (CPU machine); DIR is the carried folder, its files go in DIR/b.tar.xz
+# pack_start DIR MODE MODEL.gguf: the model (the vocabulary's source) checked, DIR emptied
+pack_start() {
+  model=${3:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh $2 MODEL.gguf" >&2; exit 2; }
+  rm -rf "$1" && mkdir -p "$1/b/bin" "$1/b/k" "$1/b/srv"
+}
+# kernels DIR MODEL/QUANT...: each h200 target's kernels in DIR/b/k/h200-MODEL-QUANT
+kernels() {
+  local d=$1 t; shift
+  for t in "$@"; do
+    cargo xtask build-target --hw h200 --model "${t%/*}" --quant "${t#*/}" --kernels-only \
+      --out "$d/b/k/h200-${t%/*}-${t#*/}" 2>&1 | tail -1
+  done
+}
+# servers DIR MODEL/QUANT...: each h200 target's server binary in DIR/b/srv/h200-MODEL-QUANT
+servers() {
+  local d=$1 t o; shift
+  for t in "$@"; do
+    o=$d/b/srv/h200-${t%/*}-${t#*/}
+    cargo xtask build-target --hw h200 --model "${t%/*}" --quant "${t#*/}" --out "$o" 2>&1 | tail -1
+    rm -rf "$o/kernels"
+  done
+}
+# tools DIR EXAMPLE...: cuda_kernels, the examples named and xtask in DIR/b/bin
+tools() {
+  local d=$1 e C="--release -p metrale-backend --features cuda"; shift
+  cp "$(exe test $C --no-run --test cuda_kernels)" "$d/b/bin/cuda_kernels"
+  for e in "$@"; do cp "$(exe build $C --example "$e")" "$d/b/bin/$e"; done
+  cp "$(exe build --release -p xtask)" "$d/b/bin/xtask"
+}
+# vocab DIR MODEL [FILE]: the model's vocabulary-only GGUF in DIR/b/FILE (default vocab.gguf)
+vocab() {
+  cargo xtask synth-model "$2" --tokenizer "$model" --format vocab --out "$1/b/${3:-vocab.gguf}" >/dev/null
+}
+# pack_end DIR [.peer]: binaries stripped, DIR/b packed; what the call carries (with .peer: the
+# peer's source too, packed once)
+pack_end() {
+  local f
+  for f in "$1"/b/bin/* "$1"/b/srv/*/metrale-server; do
+    if [ -f "$f" ]; then strip "$f"; fi
+  done
+  tar cJf "$1/b.tar.xz" -C "$1" b && rm -rf "$1/b"
+  [ -z "${2:-}" ] || [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
+  echo "carry $1${2:+ $2}: $(du -cb "$1" ${2:-} | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+}
+# --- calls (GPU machine)
+# unpack DIR: a fresh results folder, DIR's files in ~/b, the GPU's state recorded
+unpack() {
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf "$1/b.tar.xz" -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+}
+# llamacpp_start: llama.cpp's build in the background (it outlives the call)
+llamacpp_start() {
+  step "llama.cpp build (background)"
+  bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+}
+# peer_bench NAME GGUF: llama-bench (pp512, tg128) and llama-batched-bench (1, 16, 64, 256), once
+# the build started by an earlier call is done; tables in $R/llamacpp-NAME/
+peer_bench() {
+  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: $1 ($(cat "$H/llamacpp/build.done"))"
+  mkdir -p "$R/llamacpp-$1"
+  OUT=$R/llamacpp-$1 timeout 200 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$2" 1,16,64,256 \
+    > "$R/llamacpp-$1.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-$1/llamacpp-bench.md" "$R/llamacpp-$1/llamacpp-batched.txt"
+}
+
 case "${1:-}" in
 prepare)
   set -e
-  model=${2:-${METRALE_MODEL:-}}
-  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare MODEL.gguf" >&2; exit 2; }
-  rm -rf .q1 && mkdir -p .q1/b/bin .q1/b/k .q1/b/srv
-  for q in bf16 q4_1; do
-    cargo xtask build-target --hw h200 --model qwen3-8b --quant $q --kernels-only --out .q1/b/k/h200-qwen3-8b-$q 2>&1 | tail -1
-    cargo xtask build-target --hw h200 --model qwen3-8b --quant $q --out .q1/b/srv/h200-qwen3-8b-$q 2>&1 | tail -1
-    rm -rf .q1/b/srv/h200-qwen3-8b-$q/kernels
-  done
+  pack_start .q1 prepare "${2:-}"
+  kernels .q1 qwen3-8b/bf16 qwen3-8b/q4_1
+  servers .q1 qwen3-8b/bf16 qwen3-8b/q4_1
   kernels2l .q1/b h200-qwen3-8b-2l-bf16 qwen3-8b
-  C="--release -p metrale-backend --features cuda"
-  cp "$(exe test $C --no-run --test cuda_kernels)" .q1/b/bin/cuda_kernels
-  for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q1/b/bin/$e; done
-  cp "$(exe build --release -p xtask)" .q1/b/bin/xtask
-  strip .q1/b/bin/* .q1/b/srv/*/metrale-server
-  cargo xtask synth-model qwen3-8b --tokenizer "$model" --format vocab --out .q1/b/vocab.gguf >/dev/null
-  tar cJf .q1/b.tar.xz -C .q1 b && rm -rf .q1/b
-  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
-  echo "carry .q1 .peer: $(du -cb .q1 .peer | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  tools .q1 cuda_bench golden_check
+  vocab .q1 qwen3-8b
+  pack_end .q1 .peer
   ;;
 prepare-verify)
   set -e
-  model=${2:-${METRALE_MODEL:-}}
-  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare-verify MODEL.gguf" >&2; exit 2; }
-  rm -rf .q2 && mkdir -p .q2/b/bin .q2/b/k
-  for t in qwen3-8b/bf16 qwen3-8b/q4_1 llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1; do
-    m=${t%/*} q=${t#*/}
-    cargo xtask build-target --hw h200 --model "$m" --quant "$q" --kernels-only --out ".q2/b/k/h200-$m-$q" 2>&1 | tail -1
-  done
+  pack_start .q2 prepare-verify "${2:-}"
+  kernels .q2 qwen3-8b/bf16 qwen3-8b/q4_1 llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1
   kernels2l .q2/b h200-qwen3-8b-2l-bf16 qwen3-8b
   kernels2l .q2/b h200-llama-3.1-8b-2l-bf16 llama-3.1-8b
-  C="--release -p metrale-backend --features cuda"
-  cp "$(exe test $C --no-run --test cuda_kernels)" .q2/b/bin/cuda_kernels
-  cp "$(exe build $C --example golden_check)" .q2/b/bin/golden_check
-  cp "$(exe build --release -p xtask)" .q2/b/bin/xtask
-  strip .q2/b/bin/*
-  cargo xtask synth-model qwen3-8b --tokenizer "$model" --format vocab --out .q2/b/vocab.gguf >/dev/null
-  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .q2/b/vocab-8b.gguf >/dev/null
-  tar cJf .q2/b.tar.xz -C .q2 b && rm -rf .q2/b
-  echo "carry .q2: $(du -cb .q2 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  tools .q2 golden_check
+  vocab .q2 qwen3-8b
+  vocab .q2 llama-3.1-8b vocab-8b.gguf
+  pack_end .q2
   ;;
 verify)
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q2/b.tar.xz -C "$H"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  unpack .q2
   kernel_tests qwen3-8b/q4_1 qwen3-8b/bf16 llama-3.1-8b/bf16 llama-3.1-8b/q4_1 smollm2-135m/q4_1
   G=tests/golden/make_synth_golden_hf.py
   export METRALE_TARGETS=$H/b/t2/targets
@@ -97,22 +142,14 @@ verify)
   ;;
 prepare-small)
   set -e
-  model=${2:-${METRALE_MODEL:-}}
-  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare-small MODEL.gguf" >&2; exit 2; }
-  rm -rf .q3 && mkdir -p .q3/b/bin .q3/b/k
-  cargo xtask build-target --hw h200 --model qwen3-0.6b --quant bf16 --kernels-only --out .q3/b/k/h200-qwen3-0.6b-bf16 2>&1 | tail -1
-  C="--release -p metrale-backend --features cuda"
-  cp "$(exe test $C --no-run --test cuda_kernels)" .q3/b/bin/cuda_kernels
-  for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q3/b/bin/$e; done
-  cp "$(exe build --release -p xtask)" .q3/b/bin/xtask
-  strip .q3/b/bin/*
-  cargo xtask synth-model qwen3-0.6b --tokenizer "$model" --format vocab --out .q3/b/vocab.gguf >/dev/null
-  tar cJf .q3/b.tar.xz -C .q3 b && rm -rf .q3/b
-  echo "carry .q3: $(du -cb .q3 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  pack_start .q3 prepare-small "${2:-}"
+  kernels .q3 qwen3-0.6b/bf16
+  tools .q3 cuda_bench golden_check
+  vocab .q3 qwen3-0.6b
+  pack_end .q3
   ;;
 small)
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q3/b.tar.xz -C "$H"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  unpack .q3
   kernel_tests qwen3-0.6b/bf16
   export METRALE_TARGETS=$PWD/targets
   X="$H/b/bin/xtask synth-model qwen3-0.6b --tokenizer $H/b/vocab.gguf --seed 0"
@@ -132,33 +169,17 @@ small)
   ;;
 prepare-moe)
   set -e
-  model=${2:-${METRALE_MODEL:-}}
-  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh prepare-moe MODEL.gguf" >&2; exit 2; }
-  rm -rf .q4 && mkdir -p .q4/b/bin .q4/b/k
-  for q in bf16 q4_1; do
-    cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant $q --kernels-only --out .q4/b/k/h200-qwen3-30b-a3b-$q 2>&1 | tail -1
-  done
+  pack_start .q4 prepare-moe "${2:-}"
+  kernels .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
+  servers .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   kernels2l .q4/b h200-qwen3-30b-a3b-2l-bf16 qwen3-30b-a3b
-  C="--release -p metrale-backend --features cuda"
-  cp "$(exe test $C --no-run --test cuda_kernels)" .q4/b/bin/cuda_kernels
-  for e in cuda_bench golden_check; do cp "$(exe build $C --example $e)" .q4/b/bin/$e; done
-  cp "$(exe build --release -p xtask)" .q4/b/bin/xtask
-  mkdir -p .q4/b/srv
-  for q in bf16 q4_1; do
-    cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant $q --out .q4/b/srv/h200-qwen3-30b-a3b-$q 2>&1 | tail -1
-    rm -rf .q4/b/srv/h200-qwen3-30b-a3b-$q/kernels
-  done
-  strip .q4/b/bin/* .q4/b/srv/*/metrale-server
-  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
-  cargo xtask synth-model qwen3-30b-a3b --tokenizer "$model" --format vocab --out .q4/b/vocab.gguf >/dev/null
-  tar cJf .q4/b.tar.xz -C .q4 b && rm -rf .q4/b
-  echo "carry .q4: $(du -cb .q4 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  tools .q4 cuda_bench golden_check
+  vocab .q4 qwen3-30b-a3b
+  pack_end .q4 .peer
   ;;
 moe)
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q4/b.tar.xz -C "$H"
-  step "llama.cpp build (background)"
-  [ -f .peer/llamacpp-src.tgz ] && bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  unpack .q4
+  llamacpp_start
   kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   X="$H/b/bin/xtask synth-model qwen3-30b-a3b --tokenizer $H/b/vocab.gguf --seed 0 --layers 2"
   step "synth-model: 2-layer HF folder and GGUF; HF golden (f32 on the GPU)"
@@ -191,24 +212,14 @@ moe2)
     --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  step "llama.cpp build (started by moe) done?"
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done"
-  for q in bf16 q4_1; do
-    f=$H/s/moe.gguf; [ $q = q4_1 ] && f=$H/s/moe-q4_1.gguf
-    step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: $q"
-    mkdir -p "$R/llamacpp-$q"
-    OUT=$R/llamacpp-$q timeout 200 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$f" 1,16,64,256 \
-      > "$R/llamacpp-$q.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-$q/llamacpp-bench.md" "$R/llamacpp-$q/llamacpp-batched.txt"
-  done
+  peer_bench bf16 "$H/s/moe.gguf"
+  peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   [ "$(left)" -gt 150 ] && RECORD_CONCURRENCY=1,16,64 record h200-qwen3-30b-a3b-bf16 "$H/s/moe.gguf" 4096
   finish moe2
   ;;
 call1)
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .q1/b.tar.xz -C "$H"
-  step "llama.cpp build (background)"
-  bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  unpack .q1
+  llamacpp_start
   kernel_tests qwen3-8b/bf16 qwen3-8b/q4_1
   X="$H/b/bin/xtask synth-model qwen3-8b --tokenizer $H/b/vocab.gguf --seed 0"
   step "synth-model: bf16 and q4_1 GGUFs, HF folder, 2-layer HF folder and GGUF"
@@ -242,15 +253,7 @@ call1)
   ;;
 call2)
   mkdir -p "$R"
-  step "llama.cpp build (started by call1) done?"
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done"
-  for q in bf16 q4_1; do
-    step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: $q"
-    mkdir -p "$R/llamacpp-$q"
-    OUT=$R/llamacpp-$q timeout 200 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/q8b-$q.gguf" 1,16,64,256 \
-      > "$R/llamacpp-$q.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-$q/llamacpp-bench.md"; cat "$R/llamacpp-$q/llamacpp-batched.txt"
-  done
+  for q in bf16 q4_1; do peer_bench $q "$H/s/q8b-$q.gguf"; done
   for q in bf16 q4_1; do
     [ "$(left)" -gt 120 ] && RECORD_CONCURRENCY=1,16,64 record h200-qwen3-8b-$q "$H/s/q8b-$q.gguf" 4096
   done

@@ -29,18 +29,22 @@ fn the_matrix_is_listed_and_every_target_loads() {
         assert_eq!(again, s);
     }
     // every CUDA target compiles exactly the templates the ABI declares entry points for, the
-    // optional ones where its family's features ask (the target validator's rule, seen from the ABI)
+    // feature templates where its family's features ask (the target validator's rule, seen from
+    // the ABI), and every feature template is one of the ABI's
+    use metrale_core::target::FEATURE_TEMPLATES;
+    for t in FEATURE_TEMPLATES {
+        assert!(
+            metrale_abi::templates().contains(&t),
+            "{t}: not an ABI template"
+        );
+    }
     for id in &ids {
         let s = TargetSpec::load(&root, id).unwrap();
         if s.hardware.backend == BackendKind::Cuda {
             let f = s.model.features();
-            let wanted = metrale_core::target::cuda_feature_templates(&f);
             let mut want: Vec<&str> = metrale_abi::templates()
                 .into_iter()
-                .filter(|t| {
-                    !metrale_abi::OPTIONAL_TEMPLATES.contains(t)
-                        || wanted.iter().any(|(n, on)| n == t && *on)
-                })
+                .filter(|t| !FEATURE_TEMPLATES.contains(t) || f.wants(t))
                 .collect();
             want.sort();
             let mut k: Vec<&str> = s.kernels.iter().map(String::as_str).collect();
@@ -48,14 +52,6 @@ fn the_matrix_is_listed_and_every_target_loads() {
             assert_eq!(k, want, "{id}: kernels list vs the ABI's templates");
         }
     }
-    let mut optional: Vec<&str> = metrale_core::target::cuda_feature_templates(
-        &metrale_core::target::features("llama").unwrap(),
-    )
-    .iter()
-    .map(|(n, _)| *n)
-    .collect();
-    optional.sort();
-    assert_eq!(optional, metrale_abi::OPTIONAL_TEMPLATES);
     let h200 = TargetSpec::load(&root, &TargetId::new("h200", "smollm2-135m", "q4_1")).unwrap();
     assert_eq!(h200.hardware.backend, BackendKind::Cuda);
     assert_eq!(h200.hardware.cubin_arch.as_deref(), Some("sm_90a"));

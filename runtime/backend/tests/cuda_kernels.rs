@@ -320,22 +320,9 @@ fn qkv_finish(
         return read_f32(g, raw, n * e.d.qd());
     };
     let qb = poisoned(g, n * e.d.qd());
-    g.qk_norm_rope(abi::QkNormRope {
-        qkv: raw.ptr,
-        q_norm: qkn.ptr,
-        k_norm: qkn.ptr + (e.d.head_dim * 4) as u64,
-        rope: o.rope,
-        q: qb.ptr,
-        kc: o.kc,
-        vc: o.vc,
-        pos: o.pos,
-        slot: o.slot,
-        tables: o.tables,
-        layer: o.layer,
-        max_blocks: o.max_blocks,
-        ntok: n as i32,
-    })
-    .unwrap();
+    let o = metrale_backend::cuda::gemm::QkvOut { q: qb.ptr, ..*o };
+    g.qk_norm_rope(o.qk_norm_rope(raw.ptr, qkn.ptr, e.d.head_dim, n))
+        .unwrap();
     read_f32(g, &qb, n * e.d.qd())
 }
 
@@ -534,23 +521,7 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         layer: layer as i32,
         max_blocks: pg.max_blocks as i32,
     };
-    g.attn_in(abi::AttnIn {
-        x: xb.ptr,
-        norm_w: nb.ptr,
-        wqs: wb.qs.ptr,
-        wsc: wb.sc_ptr(),
-        rope: rope.ptr,
-        q: qb.ptr,
-        kc: kc.ptr,
-        vc: vc.ptr,
-        pos: pb.ptr,
-        slot: sb.ptr,
-        tables: tb.ptr,
-        layer: layer as i32,
-        max_blocks: pg.max_blocks as i32,
-        ntok: n as i32,
-    })
-    .unwrap();
+    g.attn_in(o.attn_in(xb.ptr, nb.ptr, &wb, n)).unwrap();
     let q = qkv_finish(&e, &o, &qb, n);
     let kcache = pg.read(g, &kc);
     let vcache = pg.read(g, &vc);

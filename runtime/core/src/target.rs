@@ -236,14 +236,20 @@ pub fn features(family: &str) -> Option<Features> {
 }
 
 /// The CUDA kernel templates a target compiles only where its family's features ask for them
-/// (every other template of the ABI is compiled for every CUDA target): `decode` where
-/// `fused_decode`, `moe` where `moe`, `qk_norm` where `qk_norm`.
-pub fn cuda_feature_templates(f: &Features) -> [(&'static str, bool); 3] {
-    [
-        ("decode", f.fused_decode),
-        ("moe", f.moe),
-        ("qk_norm", f.qk_norm),
-    ]
+/// ([`Features::wants`]); every other template of the ABI is compiled for every CUDA target.
+pub const FEATURE_TEMPLATES: [&str; 3] = ["decode", "moe", "qk_norm"];
+
+impl Features {
+    /// Whether the family asks for feature template `t` (one of [`FEATURE_TEMPLATES`]): `decode`
+    /// where `fused_decode`, `moe` where `moe`, `qk_norm` where `qk_norm`.
+    pub fn wants(&self, t: &str) -> bool {
+        match t {
+            "decode" => self.fused_decode,
+            "moe" => self.moe,
+            "qk_norm" => self.qk_norm,
+            _ => false,
+        }
+    }
 }
 
 /// `[model.experts]`: a mixture of experts in place of every layer's dense MLP.
@@ -816,8 +822,8 @@ impl TargetSpec {
         // a feature's kernel for a family without the feature computes another block; a kernel the
         // family needs and the list lacks is refused where the kernels load (the CUDA backend)
         if self.hardware.backend == BackendKind::Cuda {
-            for (t, wanted) in cuda_feature_templates(&features) {
-                if !wanted && self.kernels.iter().any(|k| k == t) {
+            for t in FEATURE_TEMPLATES {
+                if !features.wants(t) && self.kernels.iter().any(|k| k == t) {
                     return Err(inv(
                         model_path,
                         "kernels",

@@ -179,6 +179,21 @@ impl CudaBackend {
         self.opts.tuning.fused_norm && p.hopper() && self.gpu.moe.is_none()
     }
 
+    /// The outputs of layer `l`'s QKV product with the queries (or raw rows) to `q`.
+    fn qkv_out(&self, l: usize, q: u64) -> QkvOut {
+        QkvOut {
+            rope: self.w.rope.ptr,
+            q,
+            kc: self.kv.kc.ptr,
+            vc: self.kv.vc.ptr,
+            pos: self.b.pos,
+            slot: self.b.slot,
+            tables: self.kv.tables.ptr,
+            layer: l as i32,
+            max_blocks: self.kv.max_blocks as i32,
+        }
+    }
+
     /// A layer's QKV product (RMSNorm first unless the product before left its input), on the
     /// GEMM path `pf` or the matrix-vector kernel; `q` takes the queries (rotated; where the family
     /// norms each Q/K head, every raw row: the layout of [`Bufs::qkv`]).
@@ -189,45 +204,14 @@ impl CudaBackend {
         ntok: usize,
         q: u64,
     ) -> Result<(), BackendError> {
-        let (g, b, kv) = (&self.gpu, &self.b, &self.kv);
-        let max_blocks = kv.max_blocks as i32;
+        let (g, x) = (&self.gpu, self.b.x.ptr);
         let w = &self.w.layers[l];
+        let o = self.qkv_out(l, q);
         match pf {
-            Some(p) => {
-                let o = QkvOut {
-                    rope: self.w.rope.ptr,
-                    q,
-                    kc: kv.kc.ptr,
-                    vc: kv.vc.ptr,
-                    pos: b.pos,
-                    slot: b.slot,
-                    tables: kv.tables.ptr,
-                    layer: l as i32,
-                    max_blocks,
-                };
-                // after layer 0 the down product before it left its input (`fused_norm`)
-                if l > 0 && self.fused_norm(p) {
-                    p.qkv(g, &w.wqkv, o, ntok)
-                } else {
-                    p.norm_qkv(g, b.x.ptr, w.attn_norm.ptr, &w.wqkv, o, ntok)
-                }
-            }
-            None => g.attn_in(abi::AttnIn {
-                x: b.x.ptr,
-                norm_w: w.attn_norm.ptr,
-                wqs: w.wqkv.qs.ptr,
-                wsc: w.wqkv.sc_ptr(),
-                rope: self.w.rope.ptr,
-                q,
-                kc: kv.kc.ptr,
-                vc: kv.vc.ptr,
-                pos: b.pos,
-                slot: b.slot,
-                tables: kv.tables.ptr,
-                layer: l as i32,
-                max_blocks,
-                ntok: ntok as i32,
-            }),
+            // after layer 0 the down product before it left its input (`fused_norm`)
+            Some(p) if l > 0 && self.fused_norm(p) => p.qkv(g, &w.wqkv, o, ntok),
+            Some(p) => p.norm_qkv(g, x, w.attn_norm.ptr, &w.wqkv, o, ntok),
+            None => g.attn_in(o.attn_in(x, w.attn_norm.ptr, &w.wqkv, ntok)),
         }
     }
 
@@ -261,21 +245,8 @@ impl CudaBackend {
                 let qk = w().qk_norm.as_ref().ok_or_else(|| {
                     BackendError::Model(format!("layer {l}: no Q/K norm weights on the device"))
                 })?;
-                g.qk_norm_rope(abi::QkNormRope {
-                    qkv: raw,
-                    q_norm: qk.ptr,
-                    k_norm: qk.ptr + (g.dims.head_dim * 4) as u64,
-                    rope: self.w.rope.ptr,
-                    q: b.q.ptr,
-                    kc: kv.kc.ptr,
-                    vc: kv.vc.ptr,
-                    pos: b.pos,
-                    slot: b.slot,
-                    tables: kv.tables.ptr,
-                    layer: l as i32,
-                    max_blocks,
-                    ntok: n,
-                })
+                let o = self.qkv_out(l, b.q.ptr);
+                g.qk_norm_rope(o.qk_norm_rope(raw, qk.ptr, g.dims.head_dim, ntok))
             }
             (Stage::Qkv, _) => self.qkv_product(l, pf, ntok, b.q.ptr),
             // where the O product runs on the Hopper GEMMs, the output in their activations' type

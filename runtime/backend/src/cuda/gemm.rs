@@ -126,6 +126,55 @@ pub struct QkvOut {
     pub max_blocks: i32,
 }
 
+impl QkvOut {
+    /// The matrix-vector QKV product of `ntok` tokens of `x` (normed by `norm_w`) into these
+    /// outputs.
+    pub fn attn_in(self, x: u64, norm_w: u64, w: &DevMat, ntok: usize) -> abi::AttnIn {
+        abi::AttnIn {
+            x,
+            norm_w,
+            wqs: w.qs.ptr,
+            wsc: w.sc_ptr(),
+            rope: self.rope,
+            q: self.q,
+            kc: self.kc,
+            vc: self.vc,
+            pos: self.pos,
+            slot: self.slot,
+            tables: self.tables,
+            layer: self.layer,
+            max_blocks: self.max_blocks,
+            ntok: ntok as i32,
+        }
+    }
+
+    /// The per-head Q/K norm of `ntok` tokens' raw QKV rows `raw` into these outputs; `qk_norm`:
+    /// the Q heads' norm weights then the K heads' (`head_dim` f32 each).
+    pub fn qk_norm_rope(
+        self,
+        raw: u64,
+        qk_norm: u64,
+        head_dim: usize,
+        ntok: usize,
+    ) -> abi::QkNormRope {
+        abi::QkNormRope {
+            qkv: raw,
+            q_norm: qk_norm,
+            k_norm: qk_norm + (head_dim * 4) as u64,
+            rope: self.rope,
+            q: self.q,
+            kc: self.kc,
+            vc: self.vc,
+            pos: self.pos,
+            slot: self.slot,
+            tables: self.tables,
+            layer: self.layer,
+            max_blocks: self.max_blocks,
+            ntok: ntok as i32,
+        }
+    }
+}
+
 /// One product of the Hopper GEMM path, with where its epilogue writes.
 #[derive(Debug, Clone, Copy)]
 pub enum Product {

@@ -4,7 +4,7 @@
 //!
 //! Invariants: the templates loaded are the target's `kernels` list, which holds every template of the
 //! ABI (`metrale_abi::templates`) but the optional ones its family does not ask for
-//! (`metrale_abi::OPTIONAL_TEMPLATES`, validated with the target); their entry points are exactly
+//! (`metrale_core::target::FEATURE_TEMPLATES`, validated with the target); their entry points are exactly
 //! those the ABI declares (`metrale_abi::ENTRIES`), and an absent template's entries are never
 //! launched ([`Kernels::has`]); a module is loaded from its cubin, or from its PTX when the driver
 //! refuses the cubin; where a module's PTX is present, its entry points are checked against the ABI
@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule};
 use metrale_abi::ENTRIES;
-use metrale_core::target::TargetSpec;
+use metrale_core::target::{TargetSpec, FEATURE_TEMPLATES};
 use metrale_core::BackendError;
 
 use super::device::{dev_err, Device};
@@ -123,9 +123,7 @@ impl KernelSet {
 fn templates_of(spec: &TargetSpec) -> Vec<&'static str> {
     metrale_abi::templates()
         .into_iter()
-        .filter(|t| {
-            !metrale_abi::OPTIONAL_TEMPLATES.contains(t) || spec.kernels.iter().any(|k| k == t)
-        })
+        .filter(|t| !FEATURE_TEMPLATES.contains(t) || spec.kernels.iter().any(|k| k == t))
         .collect()
 }
 

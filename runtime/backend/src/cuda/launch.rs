@@ -242,6 +242,17 @@ pub struct MoeShape {
     pub ffn: usize,
 }
 
+impl MoeShape {
+    /// The routed experts of a target's model shape (`[model.experts]`), if it has them.
+    pub fn of(m: &metrale_core::target::ModelShape) -> Option<MoeShape> {
+        m.experts.as_ref().map(|x| MoeShape {
+            experts: x.count as usize,
+            used: x.used as usize,
+            ffn: x.ffn as usize,
+        })
+    }
+}
+
 impl Deref for Gpu {
     type Target = Device;
     fn deref(&self) -> &Device {
@@ -281,17 +292,7 @@ impl Gpu {
         } else {
             0
         };
-        let moe = set
-            .spec
-            .model
-            .experts
-            .as_ref()
-            .filter(|_| kernels.has(abi::MoeRoute::ID))
-            .map(|x| MoeShape {
-                experts: x.count as usize,
-                used: x.used as usize,
-                ffn: x.ffn as usize,
-            });
+        let moe = MoeShape::of(&set.spec.model).filter(|_| kernels.has(abi::MoeRoute::ID));
         Ok(Gpu {
             dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
             moe,

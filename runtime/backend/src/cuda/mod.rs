@@ -331,11 +331,7 @@ impl CudaBackend {
     ) -> Result<CudaBackend, BackendError> {
         let spec = &set.spec;
         let d = metrale_core::shape::Dims::from_shape(&spec.model);
-        let moe = spec.model.experts.as_ref().map(|x| launch::MoeShape {
-            experts: x.count as usize,
-            used: x.used as usize,
-            ffn: x.ffn as usize,
-        });
+        let moe = launch::MoeShape::of(&spec.model);
         weights::check_config(config, &d, (&spec.model.family, moe), &set.target)?;
         let fmt = |s: &str, what: &str| {
             DevFormat::from_quant_name(s)

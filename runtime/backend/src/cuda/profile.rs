@@ -138,19 +138,17 @@ impl CudaBackend {
                 },
                 &l0.wo,
             ),
-            (Product::GateUp { h: b.h.ptr }, &l0.wgu),
-            (
-                Product::Down {
-                    h: b.h.ptr,
-                    x: b.x.ptr,
-                    next: fused.then_some(next_attn),
-                },
-                &l0.wdown,
-            ),
         ];
-        if self.gpu.moe.is_some() {
-            // routed experts run on their own kernels, not these products
-            products.truncate(2);
+        // routed experts run on their own kernels, not these products
+        if self.gpu.moe.is_none() {
+            products.push((Product::GateUp { h: b.h.ptr }, &l0.wgu));
+            let next = fused.then_some(next_attn);
+            let down = Product::Down {
+                h: b.h.ptr,
+                x: b.x.ptr,
+                next,
+            };
+            products.push((down, &l0.wdown));
         }
         if head_ok {
             products.push((Product::Head { logits: logits.ptr }, self.w.head()));

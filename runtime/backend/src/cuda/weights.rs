@@ -557,14 +557,8 @@ impl HostLayer {
     fn upload(&self, dev: &Device) -> Result<LayerW, BackendError> {
         Ok(LayerW {
             attn_norm: dev.upload(&self.attn_norm)?,
-            qk_norm: match &self.qk_norm {
-                Some(v) => Some(dev.upload(v)?),
-                None => None,
-            },
-            router: match &self.router {
-                Some(v) => Some(dev.upload(v)?),
-                None => None,
-            },
+            qk_norm: self.qk_norm.as_deref().map(|v| dev.upload(v)).transpose()?,
+            router: self.router.as_deref().map(|v| dev.upload(v)).transpose()?,
             wqkv: DevMat::upload(dev, &self.wqkv)?,
             wo: DevMat::upload(dev, &self.wo)?,
             ffn_norm: dev.upload(&self.ffn_norm)?,
