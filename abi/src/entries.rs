@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
     ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MV_THREADS,
-    QKN_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS, WQ_THREADS,
+    QKV_ROPE_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS, WQ_THREADS,
 };
 
 macro_rules! field_ty {
@@ -156,12 +156,15 @@ entries! {
         max_blocks: i32,
         ntok: i32,
     }
-    /// Families with a per-head Q/K RMSNorm (`features.qk_norm`): the QKV product (`attn_in` or
-    /// a GEMM epilogue) leaves raw rows `qkv[ntok][QD + 2 KD]`; each warp takes one head of one
-    /// token: RMSNorm with `q_norm` / `k_norm` (`head_dim` weights each), RoPE, q to `q`, k and v
-    /// into the paged KV cache. grid = (ntok, ceil((heads + 2 kv_heads) / QKN_WARPS)).
-    QkNormRope = "qk_norm" / "qk_norm_rope", threads QKN_THREADS, {
+    /// Families with `features.qkv_rope` (Q/K/V biases, a per-head Q/K RMSNorm): the QKV product
+    /// (`attn_in` or a GEMM epilogue) leaves raw rows `qkv[ntok][QD + 2 KD]`; each warp takes one
+    /// head of one token: + `bias` (`[QD + 2 KD]`, `features.qkv_bias`), RMSNorm with `q_norm` /
+    /// `k_norm` (`head_dim` weights each, `features.qk_norm`), RoPE, q to `q`, k and v into the
+    /// paged KV cache; an unused pointer is null.
+    /// grid = (ntok, ceil((heads + 2 kv_heads) / (QKV_ROPE_THREADS / 32))).
+    QkvRope = "qkv_rope" / "qkv_rope", threads QKV_ROPE_THREADS, {
         qkv: ptr<"const float">,
+        bias: ptr<"const float">,
         q_norm: ptr<"const float">,
         k_norm: ptr<"const float">,
         rope: ptr<"const float2">,

@@ -146,8 +146,8 @@ pub fn entries_of(template: &str) -> impl Iterator<Item = &'static EntryDecl> + 
 /// Threads per block of the matrix-vector kernels (`attn_in`, `attn_out`, `ffn_in`, `ffn_out`,
 /// `lm_head`, `lm_head_1`); each warp owns a row pair at a time.
 pub const MV_THREADS: u32 = 256;
-/// Threads per block of `qk_norm_rope` (one warp per head of a token).
-pub const QKN_THREADS: u32 = 256;
+/// Threads per block of `qkv_rope` (one warp per head of a token).
+pub const QKV_ROPE_THREADS: u32 = 256;
 /// Threads per block of `embed`.
 pub const EMBED_THREADS: u32 = 256;
 /// Threads per block of `attention`.
@@ -262,7 +262,7 @@ pub const SS_COLS: u32 = 32;
 pub const CONSTS: &[(&str, i64)] = &[
     ("MV_THREADS", MV_THREADS as i64),
     ("EMBED_THREADS", EMBED_THREADS as i64),
-    ("QKN_THREADS", QKN_THREADS as i64),
+    ("QKV_ROPE_THREADS", QKV_ROPE_THREADS as i64),
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),

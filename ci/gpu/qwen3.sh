@@ -30,6 +30,12 @@
 #        the active experts' bytes, 16 / 64 / 256 sequences, pp512)
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
 #        target); llama-bench and llama-batched-bench on both GGUFs; bench-record with llama.cpp
+#   bash ci/gpu/qwen3.sh prepare-qwen2 MODEL.gguf   CPU machine: .q5/
+#   bash ci/gpu/qwen3.sh qwen2  carry .q5       h200/qwen2.5-7b/{bf16,q4_1} (the qwen2 family: Q/K/V
+#        biases, added by qkv_rope): cuda_kernels on both and on h200/qwen3-8b/bf16 (qkv_rope's
+#        other feature); the 2-layer HF folder and GGUF against HF transformers and the CPU
+#        backend; the 28-layer bf16 GGUF against HF transformers; cuda_bench on both GGUFs; where
+#        an earlier call of the session built llama.cpp, llama-bench and llama-batched-bench on them
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
@@ -216,6 +222,50 @@ moe2)
   peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   [ "$(left)" -gt 150 ] && RECORD_CONCURRENCY=1,16,64 record h200-qwen3-30b-a3b-bf16 "$H/s/moe.gguf" 4096
   finish moe2
+  ;;
+prepare-qwen2)
+  set -e
+  pack_start .q5 prepare-qwen2 "${2:-}"
+  kernels .q5 qwen2.5-7b/bf16 qwen2.5-7b/q4_1 qwen3-8b/bf16
+  kernels2l .q5/b h200-qwen2.5-7b-2l-bf16 qwen2.5-7b
+  tools .q5 cuda_bench golden_check
+  vocab .q5 qwen2.5-7b
+  pack_end .q5
+  ;;
+qwen2)
+  unpack .q5
+  kernel_tests qwen2.5-7b/bf16 qwen2.5-7b/q4_1 qwen3-8b/bf16
+  X="$H/b/bin/xtask synth-model qwen2.5-7b --tokenizer $H/b/vocab.gguf --seed 0"
+  G=tests/golden/make_synth_golden_hf.py
+  C="$H/b/bin/golden_check"
+  step "synth-model: 2-layer HF folder and GGUF, 28-layer HF folder, bf16 and q4_1 GGUFs; HF goldens (f32 on the GPU)"
+  for a in "--layers 2 --format hf --out $H/s/q25-2l-hf" "--layers 2 --out $H/s/q25-2l.gguf" \
+           "--format hf --out $H/s/q25-hf" "--out $H/s/q25-bf16.gguf" "--quant q4_1 --out $H/s/q25-q4_1.gguf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+  python3 $G "$H/s/q25-2l-hf" "$H/s/q25-2l.gguf" --device cuda --out "$R/q25-2l_golden" > "$R/golden2.txt" 2>&1; tail -4 "$R/golden2.txt"
+  python3 $G "$H/s/q25-hf" --device cuda --out "$R/q25_golden" > "$R/golden28.txt" 2>&1; tail -1 "$R/golden28.txt"
+  rm -rf "$H/s/q25-hf"
+  step "CUDA vs HF and vs CPU, 2 layers: HF folder and GGUF (prompt in one step), GGUF in 8-token steps"
+  for a in "q25-2l-hf" "q25-2l.gguf" "q25-2l.gguf 8"; do
+    set -- $a
+    METRALE_TARGETS=$H/b/t2/targets $C "$H/s/$1" "$R/q25-2l_golden.json" --cuda "$H/b/k/h200-qwen2.5-7b-2l-bf16/kernels" \
+      h200/qwen2.5-7b/bf16 --vs-cpu --tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
+  done
+  export METRALE_TARGETS=$PWD/targets
+  step "CUDA vs HF: 28 layers bf16 GGUF; q4_1 against the CPU backend"
+  $C "$H/s/q25-bf16.gguf" "$R/q25_golden.json" --cuda "$H/b/k/h200-qwen2.5-7b-bf16/kernels" h200/qwen2.5-7b/bf16 \
+    --tol 0.1 | tee "$R/check-28l.json"
+  $C "$H/s/q25-q4_1.gguf" "$R/q25_golden.json" --cuda "$H/b/k/h200-qwen2.5-7b-q4_1/kernels" h200/qwen2.5-7b/q4_1 \
+    --tol 100 --vs-cpu --cpu-tol 0.1 | tee "$R/check-28l-q4_1.json"
+  for q in bf16 q4_1; do
+    CB_TIMEOUT=120 cb_run "$H/s/q25-$q.gguf" "$H/b/k/h200-qwen2.5-7b-$q/kernels" h200/qwen2.5-7b/$q bench-$q \
+      --batch 1,16,64,256 --steps 64 --pp 512
+  done
+  if [ -f "$H/llamacpp/build.done" ]; then
+    for q in bf16 q4_1; do [ "$(left)" -gt 100 ] && peer_bench $q "$H/s/q25-$q.gguf"; done
+  fi
+  finish qwen2
   ;;
 call1)
   unpack .q1

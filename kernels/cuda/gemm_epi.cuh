@@ -2,8 +2,8 @@
 // mma.sync, gemm_hopper.cu.hbs and gemm_tma.cu.hbs on wgmma): what happens to a finished pair of
 // adjacent output columns (n, n+1) of token t, the same layouts and arithmetic as the
 // matrix-vector kernels attn_in, attn_out, ffn_in and ffn_out. A template includes this after
-// defining its shape constants (HIDDEN, FFN, QD, KD, HEAD_DIM, KV_HEADS, LAYERS) and QK_NORM (the
-// family's features.qk_norm).
+// defining its shape constants (HIDDEN, FFN, QD, KD, HEAD_DIM, KV_HEADS, LAYERS) and RAW_QKV (the
+// family's features.qkv_rope).
 //
 // Each epilogue comes in three steps so that a kernel holding many pairs of one token can issue
 // every load before any store (a store through a pointer the compiler cannot tell apart from the
@@ -61,9 +61,9 @@ template <int L> MT_INLINE void norm_partial(float* ss, int t, int c, float v, b
 }
 
 // QKV: RoPE on q and k (GGUF adjacent pairs, host cos/sin table), q to q[ntok][QD], k and v into the
-// paged KV cache at the token's position. Where the family norms each Q/K head (QK_NORM) the
-// pair is stored raw into q[ntok][QD + 2 KD] instead, for qk_norm_rope (the norm needs the
-// whole head).
+// paged KV cache at the token's position. Where the family adds Q/K/V biases or norms each Q/K
+// head (RAW_QKV: features.qkv_rope) the pair is stored raw into q[ntok][QD + 2 KD] instead, for
+// qkv_rope (the norm needs the whole head).
 struct Qkv {
     using Pre = float2;
     const float2* rope;
@@ -84,12 +84,12 @@ struct Qkv {
         return Row{p, tables[(size_t)slot[t] * max_blocks + p / abi::KV_BLOCK], t};
     }
     MT_INLINE float2 pre(const Row& r, int n) const {
-        if constexpr (QK_NORM) return make_float2(1.f, 0.f);
+        if constexpr (RAW_QKV) return make_float2(1.f, 0.f);
         // the (cos, sin) of the pair's rotation (v is not rotated)
         return n < QD + KD ? rope[(size_t)r.p * (HEAD_DIM / 2) + (n % HEAD_DIM) / 2] : make_float2(1.f, 0.f);
     }
     MT_INLINE float2 post(const Row& r, int n, float2 cs, float a, float b) const {
-        if constexpr (QK_NORM) {
+        if constexpr (RAW_QKV) {
             *reinterpret_cast<float2*>(q + (size_t)r.t * (QD + 2 * KD) + n) = make_float2(a, b);
             return make_float2(0.f, 0.f);
         }

@@ -4,13 +4,14 @@ The model is tests/golden/tiny-llama3.toml (llama-3.1-8b's features at test size
 4 query heads per KV head, untied LM head, llama3 RoPE scaling, padded vocabulary) with seed 0:
     cargo xtask synth-model tests/golden/tiny-llama3.toml --format hf --out DIR
     cargo xtask synth-model tests/golden/tiny-llama3.toml --out FILE.gguf
-or tests/golden/tiny-qwen3.toml (Qwen3 dense's features) and tests/golden/tiny-qwen3moe.toml
-(Qwen3 MoE's: one safetensors tensor per expert, the hub's layout) the same way, their goldens
-written with
+or tests/golden/tiny-qwen3.toml (Qwen3 dense's features), tests/golden/tiny-qwen3moe.toml
+(Qwen3 MoE's: one safetensors tensor per expert, the hub's layout) and tests/golden/tiny-qwen2.toml
+(Qwen2's: Q/K/V biases) the same way, their goldens written with
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3_hf
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3moe_hf
+    python make_synth_golden_hf.py DIR FILE.gguf --out tests/golden/tiny_qwen2_hf
 Reference: HF transformers' model class of the folder's config (LlamaForCausalLM,
-Qwen3ForCausalLM, Qwen3MoeForCausalLM) in float32, eager attention, on CPU, loading the HF folder
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM) in float32, eager attention, on CPU, loading the HF folder
 (bf16 safetensors widened to f32). Nobody in this project wrote it. The sequence is a
 >= 100-token prompt followed by 16 teacher-forced tokens; the golden holds the logits of the prompt's
 last position and of each of the 16 decode positions.

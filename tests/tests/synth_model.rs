@@ -1,8 +1,9 @@
-//! `cargo xtask synth-model` end to end, on two test models: `tests/golden/tiny-llama3.toml`
+//! `cargo xtask synth-model` end to end, on a test model of each family: `tests/golden/tiny-llama3.toml`
 //! (llama-3.1-8b's features at test size: head dim 128, 4 query heads per KV head, untied LM head,
-//! llama3 RoPE scaling, a vocabulary padded past the tokenizer's) and `tests/golden/tiny-qwen3.toml`
-//! (Qwen3 dense: per-head Q/K RMSNorm before RoPE, heads x head_dim wider than hidden, tied LM head,
-//! rope theta 1e6). For each:
+//! llama3 RoPE scaling, a vocabulary padded past the tokenizer's), `tiny-qwen2.toml` (Qwen2: Q/K/V
+//! biases, tied LM head), `tiny-qwen3.toml` (Qwen3 dense: per-head Q/K RMSNorm before RoPE, heads x
+//! head_dim wider than hidden, tied LM head, rope theta 1e6) and `tiny-qwen3moe.toml` (routed
+//! experts). For each:
 //! - the HF folder is byte for byte the file the golden was made from (same seed, same bytes, on 2
 //!   threads here and on whatever machine made the golden);
 //! - the CPU backend on the HF folder against HF transformers (golden/tiny_*_hf.json, made by
@@ -43,6 +44,9 @@ struct Case {
     /// measured 9.2e-5, the bound leaves 16x (without the Q/K norms the error is O(1)).
     tol: f32,
     slot: usize,
+    /// The chat format synth-model gives the family (`targets/chat/<chat>.jinja`), or none (the
+    /// tokenizer file's).
+    chat: Option<&'static str>,
 }
 
 const LLAMA3: Case = Case {
@@ -52,6 +56,7 @@ const LLAMA3: Case = Case {
     tied: false,
     tol: 1e-4,
     slot: 0,
+    chat: None,
 };
 
 const QWEN3: Case = Case {
@@ -61,6 +66,7 @@ const QWEN3: Case = Case {
     tied: true,
     tol: 1.5e-3,
     slot: 1,
+    chat: Some("qwen3"),
 };
 
 /// Qwen3 MoE (16 experts, 4 a token): logits of standard deviation 2 as tiny-llama3's, so its
@@ -73,6 +79,20 @@ const QWEN3MOE: Case = Case {
     tied: false,
     tol: 1e-4,
     slot: 2,
+    chat: Some("qwen3"),
+};
+
+/// Qwen2 dense: the Q/K/V biases (uniform in +-0.5, larger than the products' own spread of ~1 per
+/// row, so a bias missed or added after RoPE moves every logit by O(1)); LM head tied as
+/// tiny-qwen3's, so logits of that size and its bound.
+const QWEN2: Case = Case {
+    name: "tiny-qwen2",
+    golden: "tiny_qwen2_hf",
+    heads: (4, 2, 64),
+    tied: true,
+    tol: 1.5e-3,
+    slot: 3,
+    chat: Some("qwen2"),
 };
 
 struct Files {
@@ -83,8 +103,12 @@ struct Files {
 }
 
 fn files(case: &Case) -> Option<&'static Files> {
-    static FILES: [OnceLock<Option<Files>>; 3] =
-        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static FILES: [OnceLock<Option<Files>>; 4] = [
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+    ];
     FILES[case.slot]
         .get_or_init(|| {
             let Some(tok) = std::env::var_os("METRALE_MODEL") else {
@@ -196,6 +220,11 @@ fn qwen3_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
 }
 
 #[test]
+fn qwen2_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
+    hf_folder_matches_hf_transformers(&QWEN2);
+}
+
+#[test]
 fn qwen3moe_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
     hf_folder_matches_hf_transformers(&QWEN3MOE);
 }
@@ -256,6 +285,11 @@ fn qwen3_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     gguf_is_the_same_model(&QWEN3);
 }
 
+#[test]
+fn qwen2_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
+    gguf_is_the_same_model(&QWEN2);
+}
+
 /// The GGUF's 3-D expert tensors and the HF folder's one tensor per expert are the same experts,
 /// routed the same way.
 #[test]
@@ -292,9 +326,9 @@ fn gguf_is_the_same_model(case: &Case) {
         // the family's chat format (targets/chat/), in the GGUF and the HF folder alike
         let src = |m: &Model| m.chat_template.as_ref().map(|t| t.source().to_string());
         assert_eq!(src(m), src(&hf));
-        if m.config.family != metrale_model::Family::Llama {
+        if let Some(chat) = case.chat {
             let want = std::fs::read_to_string(
-                Path::new(env!("CARGO_MANIFEST_DIR")).join("../targets/chat/qwen3.jinja"),
+                Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../targets/chat/{chat}.jinja")),
             )
             .unwrap();
             assert_eq!(src(m).as_deref(), Some(want.as_str()), "{}", case.name);

@@ -288,6 +288,24 @@ fn tensors(
                 None,
             ),
         ]);
+        if family.qkv_bias() {
+            // one value a row (GGUF f32, HF bf16): the converters keep Q/K biases in HF's row
+            // order for the families that have them, as their matrices
+            assert!(
+                !permuted,
+                "a family with Q/K/V biases keeps HF's row order in GGUF"
+            );
+            let bias = |n: &str, hf: &str, len| Tensor {
+                gguf: format!("blk.{l}.{n}.bias"),
+                hf: Some(format!("model.layers.{l}.{hf}.bias")),
+                ..t("", "", 1, len, norm_t, Init::Uniform(0.5), None)
+            };
+            v.extend([
+                bias("attn_q", "self_attn.q_proj", qd),
+                bias("attn_k", "self_attn.k_proj", kd),
+                bias("attn_v", "self_attn.v_proj", kd),
+            ]);
+        }
         if family.qk_norm() {
             v.extend([
                 t(
@@ -470,10 +488,11 @@ fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) ->
 
 /// The source GGUF's `tokenizer.*` metadata with the vocabulary padded to `vocab` tokens.
 /// The chat format (`targets/chat/<name>.jinja`) synth-model gives a family's checkpoints, where
-/// the project writes one: Qwen3's for both Qwen3 families; llama's checkpoints keep the tokenizer
-/// file's (the default model's ChatML).
+/// the project writes one: Qwen2.5's, Qwen3's for both Qwen3 families; llama's checkpoints keep
+/// the tokenizer file's (the default model's ChatML).
 fn chat_format(family: Family) -> Option<&'static str> {
     match family {
+        Family::Qwen2 => Some("qwen2"),
         Family::Qwen3 | Family::Qwen3Moe => Some("qwen3"),
         Family::Llama => None,
     }
@@ -665,12 +684,20 @@ fn write_hf(
         "max_position_embeddings": s.max_context,
         "vocab_size": s.vocab,
         "tie_word_embeddings": s.tied_embeddings,
-        "attention_bias": false,
         "mlp_bias": false,
         "torch_dtype": "bfloat16",
         "bos_token_id": cfg.0,
         "eos_token_id": cfg.1.first(),
     });
+    if family.qkv_bias() {
+        // Qwen2's modelling code always has its Q/K/V biases; its configs carry the (unused)
+        // sliding window instead
+        config["use_sliding_window"] = json!(false);
+        config["sliding_window"] = json!(s.max_context);
+        config["max_window_layers"] = json!(s.layers);
+    } else {
+        config["attention_bias"] = json!(false);
+    }
     if let Some(x) = &s.experts {
         config["num_experts"] = json!(x.count);
         config["num_experts_per_tok"] = json!(x.used);

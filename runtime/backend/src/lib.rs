@@ -7,7 +7,8 @@
 //! numerical reference every other backend is tested against: its ops are public in `cpu::ops`.
 //!
 //! What both backends share sits here, at the seam: the step types and [`validate_batch`] (one
-//! message set for a bad batch), [`rope`] (the rotation both apply), [`numerics`] (the exponential
+//! message set for a bad batch), [`stage`] (the forward pass as one list of stages both walk),
+//! [`rope`] (the rotation both apply), [`numerics`] (the exponential
 //! of attention and sampling) and the host [`sampler`] (the reference of the device sampler).
 //! Layers run one way: `cuda` and `cpu` use the seam; neither imports the other.
 //!
@@ -20,6 +21,7 @@ pub mod numerics;
 pub mod pipeline;
 pub mod rope;
 pub mod sampler;
+pub mod stage;
 
 use metrale_core::BackendError;
 

@@ -47,6 +47,10 @@ struct Env {
     /// Targets whose family norms each Q/K head: the norm weights (q's then k's, `head_dim` each)
     /// on the host and the device.
     qkn: Option<(Vec<f32>, DevBuf)>,
+    /// Targets whose family has Q/K/V biases: the biases (`[qd + 2 kd]`) on the host and the device.
+    bias: Option<(Vec<f32>, DevBuf)>,
+    /// The QKV products leave raw rows for `qkv_rope` (`features.qkv_rope`).
+    raw_qkv: bool,
 }
 
 fn env(test: &str) -> Option<Env> {
@@ -72,11 +76,19 @@ fn env(test: &str) -> Option<Env> {
         });
     eprintln!("{test}: target {target}, seed {seed} (set METRALE_TEST_SEED to replay)");
     let mut rng = StdRng::seed_from_u64(seed);
-    let qkn = gpu.qk_norm().then(|| {
-        let w = rand_vec(&mut rng, 2 * d.head_dim, 0.5, 1.5);
+    let f = spec.model.features();
+    assert_eq!(
+        gpu.raw_qkv(),
+        f.qkv_rope,
+        "the target's kernels follow its features"
+    );
+    let mut on_both = |n: usize, lo: f32, hi: f32| {
+        let w = rand_vec(&mut rng, n, lo, hi);
         let b = gpu.upload(&w).unwrap();
         (w, b)
-    });
+    };
+    let qkn = f.qk_norm.then(|| on_both(2 * d.head_dim, 0.5, 1.5));
+    let bias = f.qkv_bias.then(|| on_both(d.qd() + 2 * d.kd(), -0.5, 0.5));
     Some(Env {
         gpu,
         d,
@@ -87,6 +99,8 @@ fn env(test: &str) -> Option<Env> {
         kv: spec.quant.kv_dtype(),
         rng,
         qkn,
+        bias,
+        raw_qkv: f.qkv_rope,
     })
 }
 
@@ -295,20 +309,23 @@ struct QkvRef<'a> {
     inv: &'a [f32],
     /// the family's per-head Q/K norm weights (q's then k's), where it has them
     qkn: Option<&'a [f32]>,
+    /// the family's Q/K/V biases (`[qd + 2 kd]`), where it has them
+    bias: Option<&'a [f32]>,
 }
 
 /// The columns a QKV launch writes per token into its `q`: the queries, or where the target's
-/// family norms each Q/K head the raw rows of all three products (`qk_norm_rope`'s input).
+/// family adds Q/K/V biases or norms each Q/K head the raw rows of all three products
+/// (`qkv_rope`'s input).
 fn q_cols(e: &Env) -> usize {
-    match e.qkn {
-        Some(_) => e.d.qd() + 2 * e.d.kd(),
-        None => e.d.qd(),
+    match e.raw_qkv {
+        true => e.d.qd() + 2 * e.d.kd(),
+        false => e.d.qd(),
     }
 }
 
 /// The queries of a QKV launch over `n` tokens that wrote its `q` (`o.q`) into `raw`: read back,
-/// or where the target norms each Q/K head, `qk_norm_rope` run first on those raw rows (writing
-/// a fresh q buffer and `o`'s caches), the kernel the forward pass runs after the product.
+/// or where the products leave raw rows, `qkv_rope` run first on them (writing a fresh q buffer
+/// and `o`'s caches), the kernel the forward pass runs after the product.
 fn qkv_finish(
     e: &Env,
     o: &metrale_backend::cuda::gemm::QkvOut,
@@ -316,12 +333,13 @@ fn qkv_finish(
     n: usize,
 ) -> Vec<f32> {
     let g = &e.gpu;
-    let Some((_, qkn)) = &e.qkn else {
+    if !e.raw_qkv {
         return read_f32(g, raw, n * e.d.qd());
-    };
+    }
     let qb = poisoned(g, n * e.d.qd());
     let o = metrale_backend::cuda::gemm::QkvOut { q: qb.ptr, ..*o };
-    g.qk_norm_rope(o.qk_norm_rope(raw.ptr, qkn.ptr, e.d.head_dim, n))
+    let ptr = |v: &Option<(Vec<f32>, DevBuf)>| v.as_ref().map_or(0, |(_, b)| b.ptr);
+    g.qkv_rope(o.qkv_rope(raw.ptr, (ptr(&e.bias), ptr(&e.qkn)), e.d.head_dim, n))
         .unwrap();
     read_f32(g, &qb, n * e.d.qd())
 }
@@ -357,7 +375,14 @@ fn check_qkv(
     for t in 0..pos.len() {
         let mut xn = vec![0f32; d.hidden];
         ops::rmsnorm(&r.x[t * d.hidden..(t + 1) * d.hidden], r.norm, eps, &mut xn);
-        let (mut qr, mut kr, vr) = (r.wq.matvec(&xn), r.wk.matvec(&xn), r.wv.matvec(&xn));
+        let (mut qr, mut kr, mut vr) = (r.wq.matvec(&xn), r.wk.matvec(&xn), r.wv.matvec(&xn));
+        if let Some(b) = r.bias {
+            let (bq, bk) = b.split_at(d.qd());
+            let (bk, bv) = bk.split_at(d.kd());
+            for (rows, b) in [(&mut qr, bq), (&mut kr, bk), (&mut vr, bv)] {
+                ops::add_inplace(rows, b);
+            }
+        }
         if let Some(w) = r.qkn {
             for (rows, w) in [(&mut qr, &w[..hd]), (&mut kr, &w[hd..])] {
                 for h in rows.chunks_exact_mut(hd) {
@@ -537,6 +562,7 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
             wv: &wv,
             inv: &inv,
             qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
+            bias: e.bias.as_ref().map(|(b, _)| &b[..]),
         },
         (&pos, &slot, layer, &pg),
         (&q, &kcache, &vcache),
@@ -1462,6 +1488,7 @@ fn check_gemm_products(
         wv,
         inv: &inv,
         qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
+        bias: e.bias.as_ref().map(|(b, _)| &b[..]),
     };
     check_qkv(
         &what,
@@ -1646,6 +1673,7 @@ fn check_gemm_products(
         wv,
         inv: &inv,
         qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
+        bias: e.bias.as_ref().map(|(b, _)| &b[..]),
     };
     check_qkv(
         &format!("{what}(QKV of the down product's normed output) "),

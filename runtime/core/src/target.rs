@@ -26,9 +26,9 @@
 //! - cuda hardware has `cubin_arch`, `ptx_arch`, `sm_count`, `smem_per_block_kib`,
 //!   `compute_capability` and its launch choices (`attention_cluster`, `decode_split`); metal
 //!   hardware has `metal_std`. Shapes are consistent (`heads % kv_heads == 0`; on kernel backends
-//!   a dense family (routed experts have no kernels yet), and `heads * head_dim == hidden` where
+//!   routed experts on the CPU and CUDA only, and `heads * head_dim == hidden` where
 //!   the family has the fused batch-1 kernel); a CUDA target lists no `decode`, `moe` or
-//!   `qk_norm` its family's [`Features`] do not ask for (those it asks for and lacks are refused
+//!   `qkv_rope` its family's [`Features`] do not ask for (those it asks for and lacks are refused
 //!   when the kernels load).
 
 use std::collections::BTreeMap;
@@ -198,7 +198,7 @@ pub struct RopeScaling {
 
 /// The model families a target may name (`[model] family`): GGUF `general.architecture` / HF
 /// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
-pub const FAMILIES: [&str; 3] = ["llama", "qwen3", "qwen3moe"];
+pub const FAMILIES: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen3moe"];
 
 /// What a family's block does beyond the llama block (RMSNorm, attention with grouped KV heads and
 /// adjacent-pair RoPE, RMSNorm, gated SiLU MLP, residual adds), as data: the runtime's
@@ -209,6 +209,12 @@ pub struct Features {
     /// An RMSNorm of each Q and K head (learned, `head_dim` weights shared by the heads) after
     /// the projections and before RoPE.
     pub qk_norm: bool,
+    /// Biases on the Q, K and V projections (`blk.N.attn_{q,k,v}.bias`), added before RoPE.
+    pub qkv_bias: bool,
+    /// Derived: `qk_norm || qkv_bias`. The QKV products leave raw rows and the CUDA kernel
+    /// `qkv_rope` (template `qkv_rope`) adds the biases, norms the heads, rotates and writes the
+    /// KV cache; other families rotate and write in the products' own epilogues.
+    pub qkv_rope: bool,
     /// GGUF files keep Q/K rows in HF's order (RoPE over the two halves of each head); the reader
     /// permutes them to adjacent pairs.
     pub gguf_rope_halves: bool,
@@ -221,15 +227,19 @@ pub struct Features {
 
 /// The features of `family` (one of [`FAMILIES`]).
 pub fn features(family: &str) -> Option<Features> {
-    let (qk_norm, moe, fused_decode) = match family {
-        "llama" => (false, false, true),
-        "qwen3" => (true, false, false),
-        "qwen3moe" => (true, true, false),
+    let (qk_norm, qkv_bias, moe, fused_decode) = match family {
+        "llama" => (false, false, false, true),
+        "qwen2" => (false, true, false, false),
+        "qwen3" => (true, false, false, false),
+        "qwen3moe" => (true, false, true, false),
         _ => return None,
     };
     Some(Features {
         qk_norm,
-        gguf_rope_halves: qk_norm,
+        qkv_bias,
+        qkv_rope: qk_norm || qkv_bias,
+        // llama.cpp's converter permutes llama's Q/K rows to adjacent pairs and no other family's
+        gguf_rope_halves: family != "llama",
         moe,
         fused_decode,
     })
@@ -237,16 +247,16 @@ pub fn features(family: &str) -> Option<Features> {
 
 /// The CUDA kernel templates a target compiles only where its family's features ask for them
 /// ([`Features::wants`]); every other template of the ABI is compiled for every CUDA target.
-pub const FEATURE_TEMPLATES: [&str; 3] = ["decode", "moe", "qk_norm"];
+pub const FEATURE_TEMPLATES: [&str; 3] = ["decode", "moe", "qkv_rope"];
 
 impl Features {
     /// Whether the family asks for feature template `t` (one of [`FEATURE_TEMPLATES`]): `decode`
-    /// where `fused_decode`, `moe` where `moe`, `qk_norm` where `qk_norm`.
+    /// where `fused_decode`, `moe` where `moe`, `qkv_rope` where `qkv_rope`.
     pub fn wants(&self, t: &str) -> bool {
         match t {
             "decode" => self.fused_decode,
             "moe" => self.moe,
-            "qk_norm" => self.qk_norm,
+            "qkv_rope" => self.qkv_rope,
             _ => false,
         }
     }
@@ -1238,22 +1248,29 @@ mod tests {
             err.contains("kernels") && err.contains("without \"decode\""),
             "{err}"
         );
-        let swap = |s: &str| s.replace("\"decode\"", "\"qk_norm\"");
+        let swap = |s: &str| s.replace("\"decode\"", "\"qkv_rope\"");
         let q = load_edited("bf16", |s| {
             format!("{}\n[model]\nfamily = \"qwen3\"\n", swap(s))
         })
         .unwrap();
         assert!(q.model.features().qk_norm && !q.model.features().fused_decode);
+        // qwen2: the same kernel for its Q/K/V biases
+        let q2 = load_edited("bf16", |s| {
+            format!("{}\n[model]\nfamily = \"qwen2\"\n", swap(s))
+        })
+        .unwrap();
+        let f2 = q2.model.features();
+        assert!(f2.qkv_bias && f2.qkv_rope && !f2.qk_norm && f2.gguf_rope_halves);
         let err = load_edited("bf16", |s| {
-            s.replace("\"decode\"]", "\"decode\", \"qk_norm\"]")
+            s.replace("\"decode\"]", "\"decode\", \"qkv_rope\"]")
         })
         .unwrap_err()
         .to_string();
-        assert!(err.contains("without \"qk_norm\" for the llama"), "{err}");
+        assert!(err.contains("without \"qkv_rope\" for the llama"), "{err}");
         // qwen3moe: the routed experts' kernels too (refused for the other families)
         let moe =
             "\n[model]\nfamily = \"qwen3moe\"\n[model.experts]\ncount = 8\nused = 2\nffn = 64\n";
-        let with_moe = |s: &str| swap(s).replace("\"qk_norm\"]", "\"qk_norm\", \"moe\"]");
+        let with_moe = |s: &str| swap(s).replace("\"qkv_rope\"]", "\"qkv_rope\", \"moe\"]");
         let m = load_edited("bf16", |s| format!("{}{moe}", with_moe(s))).unwrap();
         assert!(m.model.features().moe);
         let err = load_edited("bf16", |s| {
@@ -1265,7 +1282,7 @@ mod tests {
         let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"mistral\"\n"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("llama, qwen3"), "{err}");
+        assert!(err.contains("llama, qwen2, qwen3"), "{err}");
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../targets");
         let q = TargetSpec::load(&src, &TargetId::new("cpu", "qwen3-8b", "q4_1")).unwrap();
         assert_eq!((q.model.family.as_str(), q.model.layers), ("qwen3", 36));

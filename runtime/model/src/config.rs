@@ -18,7 +18,7 @@ use std::path::Path;
 /// The architectures this runtime runs.
 pub const SUPPORTED_ARCHS: &str =
     "llama (GGUF general.architecture = llama; HF LlamaForCausalLM), \
-     qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
+     qwen2 (GGUF qwen2; HF Qwen2ForCausalLM), qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
      Qwen3MoeForCausalLM)";
 
 /// A model family: the block's features that differ between the architectures this runtime reads.
@@ -28,6 +28,8 @@ pub const SUPPORTED_ARCHS: &str =
 pub enum Family {
     /// Llama 2/3 (and the models laid out as it, SmolLM2 among them).
     Llama,
+    /// Qwen2 and Qwen2.5 dense: biases on the Q, K and V projections.
+    Qwen2,
     /// Qwen3 dense: RMSNorm of each head of Q and K (learned, `head_dim` weights) before RoPE.
     Qwen3,
     /// Qwen3 MoE: Qwen3's attention, and in every layer routed experts in place of the MLP.
@@ -40,6 +42,7 @@ impl Family {
     pub fn from_arch(arch: &str) -> Option<Family> {
         match arch {
             "llama" => Some(Family::Llama),
+            "qwen2" => Some(Family::Qwen2),
             "qwen3" => Some(Family::Qwen3),
             "qwen3moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
             _ => None,
@@ -50,6 +53,7 @@ impl Family {
     pub fn name(self) -> &'static str {
         match self {
             Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3moe",
         }
@@ -67,6 +71,7 @@ impl Family {
     pub fn hf_architecture(self) -> &'static str {
         match self {
             Family::Llama => "LlamaForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
@@ -81,6 +86,12 @@ impl Family {
     /// head dimension, shared by the heads) after the projections and before RoPE.
     pub fn qk_norm(self) -> bool {
         self.features().qk_norm
+    }
+
+    /// The Q, K and V projections have biases (`blk.N.attn_{q,k,v}.bias`, f32 or 16-bit floats),
+    /// added to the products before anything else.
+    pub fn qkv_bias(self) -> bool {
+        self.features().qkv_bias
     }
 
     /// Its GGUF files keep Q/K rows in HF's order (RoPE rotating the two halves of each head:
@@ -466,7 +477,7 @@ impl ModelConfig {
             let v = opt_usize(k)?.ok_or_else(|| ModelError::Missing {
                 path: path.to_path_buf(),
                 field: field(k),
-                hint: "a llama or qwen3 config.json has it".into(),
+                hint: "a llama, qwen2 or qwen3 config.json has it".into(),
             })?;
             positive(path, &field(k), v)
         };
@@ -510,7 +521,12 @@ impl ModelConfig {
                 });
             }
         }
-        for k in ["attention_bias", "mlp_bias"] {
+        // Qwen2's config has no key for its Q/K/V biases (its modelling code always has them)
+        let bias_keys: &[&str] = match family.qkv_bias() {
+            true => &["mlp_bias"],
+            false => &["attention_bias", "mlp_bias"],
+        };
+        for &k in bias_keys {
             if cfg.get(k).and_then(Json::as_bool) == Some(true) {
                 return Err(ModelError::Unsupported {
                     path: path.to_path_buf(),
@@ -725,7 +741,7 @@ pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
             return Err(ModelError::Mismatch {
                 path: w.path.clone(),
                 field: format!("tensor '{name}' type"),
-                expected: "f32, f16 or bf16 (a norm vector)".into(),
+                expected: "f32, f16 or bf16 (a norm or bias vector)".into(),
                 got: t.dtype.to_string(),
             });
         }
@@ -746,6 +762,12 @@ pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
         check(&b("attn_k"), &[c.hidden, kv], false)?;
         check(&b("attn_v"), &[c.hidden, kv], false)?;
         check(&b("attn_output"), &[q, c.hidden], false)?;
+        if c.family.qkv_bias() {
+            let bias = |s: &str| format!("blk.{l}.{s}.bias");
+            check(&bias("attn_q"), &[q], true)?;
+            check(&bias("attn_k"), &[kv], true)?;
+            check(&bias("attn_v"), &[kv], true)?;
+        }
         if c.family.qk_norm() {
             check(&b("attn_q_norm"), &[c.head_dim], true)?;
             check(&b("attn_k_norm"), &[c.head_dim], true)?;

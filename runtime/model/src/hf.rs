@@ -57,6 +57,16 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    // the Q/K/V projections' biases (qwen2) keep their matrix's name with `.bias`
+    if let Some(proj) = rest.strip_suffix("_proj.bias") {
+        let short = match proj {
+            "self_attn.q" => "attn_q",
+            "self_attn.k" => "attn_k",
+            "self_attn.v" => "attn_v",
+            _ => return None,
+        };
+        return Some(Some(format!("blk.{layer}.{short}.bias")));
+    }
     let short = match rest {
         "input_layernorm.weight" => "attn_norm",
         "self_attn.q_proj.weight" => "attn_q",
@@ -118,7 +128,8 @@ pub fn permute_qk_rows(
 
 /// Tensor `name` (a GGUF name) with its rows reordered from RoPE over the two halves of each head
 /// (HF's layout) to adjacent pairs, where it is a Q or K projection (rows: heads x head_dim) or a
-/// Q or K norm (one weight per head dimension, permuted as a head's rows); `Ok(None)` for any other
+/// Q or K bias (one value per row) or a Q or K norm (one weight per head dimension, permuted as a
+/// head's rows); `Ok(None)` for any other
 /// tensor. `shown` names it in errors (the file's own name).
 pub(crate) fn rope_pairs(
     name: &str,
@@ -138,6 +149,17 @@ pub(crate) fn rope_pairs(
             };
             let rows: usize = shape[1..].iter().product();
             (n_head, rows, dtype.row_bytes(shape[0]).unwrap_or(0))
+        } else if name.ends_with(".attn_q.bias") || name.ends_with(".attn_k.bias") {
+            let n_head = if name.ends_with(".attn_q.bias") {
+                c.n_heads
+            } else {
+                c.n_kv_heads
+            };
+            (
+                n_head,
+                shape.iter().product(),
+                dtype.row_bytes(1).unwrap_or(0),
+            )
         } else if name.ends_with(".attn_q_norm.weight") || name.ends_with(".attn_k_norm.weight") {
             (1, shape.iter().product(), dtype.row_bytes(1).unwrap_or(0))
         } else {

@@ -352,6 +352,18 @@ fn config_refusals() {
     });
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("blk.0.attn_q_norm.weight"), "{e}");
+    // a qwen2 config over llama tensors: its Q/K/V biases are missing, by name; attention_bias
+    // is not one of its keys (its biases are always there), an MLP bias is refused
+    reset();
+    edit_json(&cfg, |v| {
+        v["model_type"] = "qwen2".into();
+        v["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+    });
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("blk.0.attn_q.bias"), "{e}");
+    edit_json(&cfg, |v| v["mlp_bias"] = true.into());
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("mlp_bias"), "{e}");
     // a model_type and an architecture of different families
     reset();
     edit_json(&cfg, |v| v["model_type"] = "qwen3".into());

@@ -28,6 +28,7 @@ pub mod qact;
 pub mod synthetic;
 
 use crate::sampler;
+use crate::stage::Stage;
 use crate::{
     Backend, BackendInfo, HiddenSums, KvConfig, KvDtype, SeqOutput, SeqStep, SlotId, KV_BLOCK,
 };
@@ -79,6 +80,9 @@ struct Layer {
     /// The weights of the RMSNorm of each Q and K head before RoPE (`head_dim` each), in families
     /// with `Family::qk_norm`.
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// The Q, K and V projections' biases (`qd`, `kd`, `kd`), in families with
+    /// `Family::qkv_bias`.
+    qkv_bias: Option<[Vec<f32>; 3]>,
     wo: QTensor,
     ffn_norm: Vec<f32>,
     ffn: Ffn,
@@ -401,6 +405,14 @@ impl CpuBackend {
                     )),
                     false => None,
                 },
+                qkv_bias: match c.family.qkv_bias() {
+                    true => {
+                        let b =
+                            |s: &str, len| load_vector(model, &format!("blk.{i}.{s}.bias"), len);
+                        Some([b("attn_q", q)?, b("attn_k", kv)?, b("attn_v", kv)?])
+                    }
+                    false => None,
+                },
                 wo: load_matrix(model, &n("attn_output"), h, q)?.packed_for_this_cpu(),
                 ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
                 ffn: match c.moe {
@@ -553,6 +565,10 @@ impl CpuBackend {
                 .qk_norm
                 .as_ref()
                 .map_or(0, |(q, k)| (q.len() + k.len()) * 4);
+            n += l
+                .qkv_bias
+                .as_ref()
+                .map_or(0, |b| b.iter().map(|v| v.len() * 4).sum());
             for t in [&l.wq, &l.wk, &l.wv, &l.wo]
                 .into_iter()
                 .chain(l.ffn.tensors())
@@ -583,133 +599,26 @@ impl CpuBackend {
 
     /// Run the layers over the batch: the residual stream after the last layer for every token
     /// (`[tokens][hidden]`, batch order) and the row of each entry's last token. Writes the
-    /// entries' K/V into their slots.
+    /// entries' K/V into their slots. Walks [`Stage::Embed`] and each layer's [`Stage::LAYER`];
+    /// the final norm and the LM head run on the rows that sample (`forward_hidden`, `lm_head`).
     fn forward_layers(&mut self, batch: &[SeqStep<'_>]) -> (Vec<f32>, Vec<usize>) {
-        let d = self.dims;
-        let (h, qd, kvd, hd) = (d.hidden, d.qd(), d.kd(), d.head_dim);
-        // (batch entry, position) of every token, in batch order.
-        let mut tok_meta: Vec<(usize, usize)> = Vec::new();
-        let mut ids: Vec<u32> = Vec::new();
-        let mut last_rows = Vec::with_capacity(batch.len());
-        for (e, s) in batch.iter().enumerate() {
-            for (j, &t) in s.tokens.iter().enumerate() {
-                tok_meta.push((e, s.start_pos + j));
-                ids.push(t);
-            }
-            last_rows.push(ids.len() - 1);
-        }
-        let mut seq_kv: Vec<SeqKv> = batch.iter().map(|_| SeqKv::default()).collect();
-        let n = ids.len();
-        // Attention blocks: runs of at most ATT_BLOCK consecutive tokens of one sequence.
-        const ATT_BLOCK: usize = 16;
-        let mut blocks: Vec<(usize, usize)> = Vec::new();
-        let mut first = 0;
-        for s in batch {
-            let end = first + s.tokens.len();
-            let mut b0 = first;
-            while b0 < end {
-                let b1 = (b0 + ATT_BLOCK).min(end);
-                blocks.push((b0, b1));
-                b0 = b1;
-            }
-            first = end;
-        }
-        let mut x = vec![0f32; n * h];
-        let erb = self.embd.mat().row_bytes();
-        for (row, &t) in x.chunks_exact_mut(h).zip(&ids) {
-            let t = t as usize;
-            dequantize_row(
-                self.embd.dtype,
-                &self.embd.data[t * erb..(t + 1) * erb],
-                row,
-            )
-            .expect("validated at load");
-        }
-        let mut xn = vec![0f32; n * h];
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        let mut att = vec![0f32; n * qd];
-        let mut o = vec![0f32; n * h];
-        let mut g = vec![0f32; n * d.ffn];
-        let mut u = vec![0f32; n * d.ffn];
-        let scale = 1.0 / (hd as f32).sqrt();
-        let split_parts = &mut Vec::new();
-        let mm = self.mm();
-        let pool = &self.pool;
-        let layers = &self.layers;
-        // RoPE factors once per token, for every layer
-        let rope: Vec<Vec<(f32, f32)>> = tok_meta
-            .iter()
-            .map(|&(_, pos)| crate::rope::rope_factors(hd, pos, &self.inv_freq))
-            .collect();
-        let kv = &mut self.kv;
-        pool.install(|| {
+        let mut pass = Pass::new(batch, &self.dims, &self.inv_freq);
+        let net = Net {
+            d: self.dims,
+            eps: self.norm_eps,
+            mm: self.mm(),
+            embd: &self.embd,
+        };
+        let (layers, kv) = (&self.layers, &mut self.kv);
+        self.pool.install(|| {
+            pass.embed(&net);
             for (li, l) in layers.iter().enumerate() {
-                for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                    ops::rmsnorm(xr, &l.attn_norm, self.norm_eps, xnr);
+                for stage in Stage::LAYER {
+                    pass.layer_stage(stage, &net, (li, l), kv);
                 }
-                mm(
-                    &[l.wq.mat(), l.wk.mat(), l.wv.mat()],
-                    &xn,
-                    n,
-                    &mut [&mut q, &mut k, &mut v],
-                );
-                if let Some((qn, kn)) = &l.qk_norm {
-                    let mut head = vec![0f32; hd];
-                    for (rows, w) in [(&mut q, qn), (&mut k, kn)] {
-                        for r in rows.chunks_exact_mut(hd) {
-                            head.copy_from_slice(r);
-                            ops::rmsnorm(&head, w, self.norm_eps, r);
-                        }
-                    }
-                }
-                for (i, &(e, pos)) in tok_meta.iter().enumerate() {
-                    crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
-                    crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);
-                    let at = kv.at(batch[e].blocks, li, pos);
-                    kv.k.write(at, &k[i * kvd..(i + 1) * kvd]);
-                    kv.v.write(at, &v[i * kvd..(i + 1) * kvd]);
-                }
-                // each sequence's positions 0..=its last, read back (widened) from its blocks
-                let kv_ro: &KvPool = kv;
-                seq_kv.par_iter_mut().zip(batch).for_each(|(sk, s)| {
-                    let n_pos = s.start_pos + s.tokens.len();
-                    kv_ro.gather(s.blocks, li, n_pos, &mut sk.k, &mut sk.v);
-                });
-                attention_layer(
-                    &d,
-                    &q,
-                    &seq_kv,
-                    &tok_meta,
-                    &blocks,
-                    scale,
-                    &mut att,
-                    split_parts,
-                );
-                mm(&[l.wo.mat()], &att, n, &mut [&mut o]);
-                ops::add_inplace(&mut x, &o);
-                for (xr, xnr) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                    ops::rmsnorm(xr, &l.ffn_norm, self.norm_eps, xnr);
-                }
-                match &l.ffn {
-                    Ffn::Dense { gate, up, down } => {
-                        mm(&[gate.mat(), up.mat()], &xn, n, &mut [&mut g, &mut u]);
-                        for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
-                            ops::swiglu_inplace(gr, ur);
-                        }
-                        mm(&[down.mat()], &u, n, &mut [&mut o]);
-                    }
-                    Ffn::Moe {
-                        router,
-                        experts,
-                        moe,
-                    } => moe_ffn(mm, router, experts, *moe, &xn, n, h, &mut o),
-                }
-                ops::add_inplace(&mut x, &o);
             }
         });
-        (x, last_rows)
+        (pass.x, pass.last_rows)
     }
 
     /// Refuse a batch this backend cannot run (`crate::validate_batch`), before any work.
@@ -734,20 +643,244 @@ impl CpuBackend {
     }
 }
 
-/// A mixture-of-experts MLP over `n` tokens (`xn`, `[n][h]`, normed) into `out` (`[n][h]`): each
-/// token routed ([`route`]), then every expert that any token chose runs once over its tokens
-/// (gathered), its outputs added to theirs with their weights, experts in index order.
-#[allow(clippy::too_many_arguments)]
-fn moe_ffn(
+/// What a forward pass reads besides its layers: the shape, the norms' epsilon, the matrix
+/// product (the numerics chosen), the embedding.
+struct Net<'a> {
+    d: Dims,
+    eps: f32,
     mm: MatmulMany,
-    router: &QTensor,
-    experts: &[[QTensor; 3]],
-    moe: metrale_model::config::Moe,
+    embd: &'a QTensor,
+}
+
+/// A layer's routed experts between [`Stage::GateUp`] and [`Stage::Down`]: each chosen expert, its
+/// tokens (row, routing weight) and their SiLU(gate) x up rows `[tokens][expert ffn]`.
+type Routed = Vec<(usize, Vec<(usize, f32)>, Vec<f32>)>;
+
+/// One step's forward pass: its tokens' activations (`[tokens][...]`, batch order) and what the
+/// stages of a layer hand each other.
+struct Pass<'s, 'b> {
+    batch: &'s [SeqStep<'b>],
+    /// (batch entry, position) of every token
+    tok_meta: Vec<(usize, usize)>,
+    ids: Vec<u32>,
+    /// the row of each entry's last token
+    last_rows: Vec<usize>,
+    /// attention blocks: runs of at most `ATT_BLOCK` consecutive tokens of one sequence
+    blocks: Vec<(usize, usize)>,
+    /// each token's RoPE factors (every layer's)
+    rope: Vec<Vec<(f32, f32)>>,
+    /// each sequence's K and V of the current layer, widened
+    seq_kv: Vec<SeqKv>,
+    /// the residual stream
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+    /// routed experts in ascending expert order
+    routed: Routed,
+    split_parts: Vec<f32>,
+}
+
+impl<'s, 'b> Pass<'s, 'b> {
+    fn new(batch: &'s [SeqStep<'b>], d: &Dims, inv_freq: &[f32]) -> Self {
+        let mut tok_meta: Vec<(usize, usize)> = Vec::new();
+        let mut ids: Vec<u32> = Vec::new();
+        let mut last_rows = Vec::with_capacity(batch.len());
+        for (e, s) in batch.iter().enumerate() {
+            for (j, &t) in s.tokens.iter().enumerate() {
+                tok_meta.push((e, s.start_pos + j));
+                ids.push(t);
+            }
+            last_rows.push(ids.len() - 1);
+        }
+        const ATT_BLOCK: usize = 16;
+        let mut blocks: Vec<(usize, usize)> = Vec::new();
+        let mut first = 0;
+        for s in batch {
+            let end = first + s.tokens.len();
+            let mut b0 = first;
+            while b0 < end {
+                let b1 = (b0 + ATT_BLOCK).min(end);
+                blocks.push((b0, b1));
+                b0 = b1;
+            }
+            first = end;
+        }
+        let rope = tok_meta
+            .iter()
+            .map(|&(_, pos)| crate::rope::rope_factors(d.head_dim, pos, inv_freq))
+            .collect();
+        let n = ids.len();
+        let z = |w: usize| vec![0f32; n * w];
+        Pass {
+            batch,
+            seq_kv: batch.iter().map(|_| SeqKv::default()).collect(),
+            tok_meta,
+            last_rows,
+            blocks,
+            rope,
+            x: z(d.hidden),
+            xn: z(d.hidden),
+            q: z(d.qd()),
+            k: z(d.kd()),
+            v: z(d.kd()),
+            att: z(d.qd()),
+            o: z(d.hidden),
+            g: z(d.ffn),
+            u: z(d.ffn),
+            routed: Vec::new(),
+            split_parts: Vec::new(),
+            ids,
+        }
+    }
+
+    /// [`Stage::Embed`]: the tokens' embedding rows, dequantised, into `x`.
+    fn embed(&mut self, net: &Net<'_>) {
+        let (h, e) = (net.d.hidden, net.embd);
+        let erb = e.mat().row_bytes();
+        for (row, &t) in self.x.chunks_exact_mut(h).zip(&self.ids) {
+            let t = t as usize;
+            dequantize_row(e.dtype, &e.data[t * erb..(t + 1) * erb], row)
+                .expect("validated at load");
+        }
+    }
+
+    /// One stage of layer `li` (one of [`Stage::LAYER`]).
+    fn layer_stage(
+        &mut self,
+        stage: Stage,
+        net: &Net<'_>,
+        (li, l): (usize, &Layer),
+        kv: &mut KvPool,
+    ) {
+        let d = net.d;
+        let (h, qd, kvd, hd) = (d.hidden, d.qd(), d.kd(), d.head_dim);
+        let (n, mm, eps) = (self.ids.len(), net.mm, net.eps);
+        match stage {
+            Stage::Qkv => {
+                for (xr, xnr) in self.x.chunks_exact(h).zip(self.xn.chunks_exact_mut(h)) {
+                    ops::rmsnorm(xr, &l.attn_norm, eps, xnr);
+                }
+                let (q, k, v) = (&mut self.q, &mut self.k, &mut self.v);
+                let w = [l.wq.mat(), l.wk.mat(), l.wv.mat()];
+                mm(&w, &self.xn, n, &mut [&mut q[..], &mut k[..], &mut v[..]]);
+                if let Some(bias) = &l.qkv_bias {
+                    for (rows, b) in [
+                        (&mut *q, &bias[0]),
+                        (&mut *k, &bias[1]),
+                        (&mut *v, &bias[2]),
+                    ] {
+                        for r in rows.chunks_exact_mut(b.len()) {
+                            ops::add_inplace(r, b);
+                        }
+                    }
+                }
+                if let Some((qn, kn)) = &l.qk_norm {
+                    let mut head = vec![0f32; hd];
+                    for (rows, w) in [(&mut *q, qn), (&mut *k, kn)] {
+                        for r in rows.chunks_exact_mut(hd) {
+                            head.copy_from_slice(r);
+                            ops::rmsnorm(&head, w, eps, r);
+                        }
+                    }
+                }
+                for (i, &(e, pos)) in self.tok_meta.iter().enumerate() {
+                    crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &self.rope[i]);
+                    crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &self.rope[i]);
+                    let at = kv.at(self.batch[e].blocks, li, pos);
+                    kv.k.write(at, &k[i * kvd..(i + 1) * kvd]);
+                    kv.v.write(at, &v[i * kvd..(i + 1) * kvd]);
+                }
+            }
+            Stage::Attention => {
+                // each sequence's positions 0..=its last, read back (widened) from its blocks
+                let kv_ro: &KvPool = kv;
+                self.seq_kv
+                    .par_iter_mut()
+                    .zip(self.batch)
+                    .for_each(|(sk, s)| {
+                        let n_pos = s.start_pos + s.tokens.len();
+                        kv_ro.gather(s.blocks, li, n_pos, &mut sk.k, &mut sk.v);
+                    });
+                attention_layer(
+                    &d,
+                    &self.q,
+                    &self.seq_kv,
+                    &self.tok_meta,
+                    &self.blocks,
+                    1.0 / (hd as f32).sqrt(),
+                    &mut self.att,
+                    &mut self.split_parts,
+                );
+            }
+            Stage::Out => {
+                mm(&[l.wo.mat()], &self.att, n, &mut [&mut self.o]);
+                ops::add_inplace(&mut self.x, &self.o);
+            }
+            Stage::GateUp => {
+                for (xr, xnr) in self.x.chunks_exact(h).zip(self.xn.chunks_exact_mut(h)) {
+                    ops::rmsnorm(xr, &l.ffn_norm, eps, xnr);
+                }
+                match &l.ffn {
+                    Ffn::Dense { gate, up, .. } => {
+                        let (g, u) = (&mut self.g, &mut self.u);
+                        mm(
+                            &[gate.mat(), up.mat()],
+                            &self.xn,
+                            n,
+                            &mut [&mut g[..], &mut u[..]],
+                        );
+                        for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
+                            ops::swiglu_inplace(gr, ur);
+                        }
+                    }
+                    Ffn::Moe {
+                        router,
+                        experts,
+                        moe,
+                    } => self.routed = routed_gate_up(mm, (router, experts, *moe), &self.xn, n, h),
+                }
+            }
+            Stage::Down => {
+                match &l.ffn {
+                    Ffn::Dense { down, .. } => mm(&[down.mat()], &self.u, n, &mut [&mut self.o]),
+                    Ffn::Moe { experts, .. } => {
+                        // each chosen expert once over its tokens, weighted, experts in index order
+                        self.o.fill(0.0);
+                        for (e, toks, u) in &self.routed {
+                            let mut y = vec![0f32; toks.len() * h];
+                            mm(&[experts[*e][2].mat()], u, toks.len(), &mut [&mut y]);
+                            for (yr, &(t, w)) in y.chunks_exact(h).zip(toks) {
+                                for (o, v) in self.o[t * h..(t + 1) * h].iter_mut().zip(yr) {
+                                    *o += w * v;
+                                }
+                            }
+                        }
+                    }
+                }
+                ops::add_inplace(&mut self.x, &self.o);
+            }
+            Stage::Embed | Stage::LmHead => unreachable!("{stage:?} is not a layer stage"),
+        }
+    }
+}
+
+/// The routed experts' first half over `n` tokens (`xn`, `[n][h]`, normed): each token routed
+/// ([`route`]) by `router` over `experts` (each one's gate, up, down), then every expert that any
+/// token chose runs its gate and up products once over its tokens (gathered) and SiLU(gate) x up,
+/// experts in index order.
+fn routed_gate_up(
+    mm: MatmulMany,
+    (router, experts, moe): (&QTensor, &[[QTensor; 3]], metrale_model::config::Moe),
     xn: &[f32],
     n: usize,
     h: usize,
-    out: &mut [f32],
-) {
+) -> Routed {
     let mut logits = vec![0f32; n * moe.experts];
     mm(&[router.mat()], xn, n, &mut [&mut logits]);
     let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];
@@ -756,30 +889,25 @@ fn moe_ffn(
             by_expert[e].push((t, w));
         }
     }
-    out[..n * h].fill(0.0);
-    for (e, toks) in by_expert.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+    let mut out = Vec::new();
+    for (e, toks) in by_expert.into_iter().enumerate() {
+        if toks.is_empty() {
+            continue;
+        }
         let m = toks.len();
         let mut xe = vec![0f32; m * h];
-        for (row, &(t, _)) in xe.chunks_exact_mut(h).zip(toks) {
+        for (row, &(t, _)) in xe.chunks_exact_mut(h).zip(&toks) {
             row.copy_from_slice(&xn[t * h..(t + 1) * h]);
         }
-        let [gate, up, down] = &experts[e];
-        let (mut g, mut u, mut y) = (
-            vec![0f32; m * moe.ffn],
-            vec![0f32; m * moe.ffn],
-            vec![0f32; m * h],
-        );
+        let [gate, up, _] = &experts[e];
+        let (mut g, mut u) = (vec![0f32; m * moe.ffn], vec![0f32; m * moe.ffn]);
         mm(&[gate.mat(), up.mat()], &xe, m, &mut [&mut g, &mut u]);
         for (ur, gr) in u.chunks_exact_mut(moe.ffn).zip(g.chunks_exact(moe.ffn)) {
             ops::swiglu_inplace(gr, ur);
         }
-        mm(&[down.mat()], &u, m, &mut [&mut y]);
-        for (yr, &(t, w)) in y.chunks_exact(h).zip(toks) {
-            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(yr) {
-                *o += w * v;
-            }
-        }
+        out.push((e, toks, u));
     }
+    out
 }
 
 /// One layer's attention for every token of the step (queries `q`, `[n][qd]`; outputs `att`,

@@ -120,6 +120,7 @@ pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: us
             wk: m(32, 64, dtype).packed_for_this_cpu(),
             wv: m(32, 64, dtype).packed_for_this_cpu(),
             qk_norm: None,
+            qkv_bias: None,
             wo: m(64, 64, dtype).packed_for_this_cpu(),
             ffn_norm: rand_vec(64, seed + 950 + i)
                 .iter()

@@ -4,8 +4,8 @@
 //! `attention_flash`, tensor-core flash attention over query tiles, [`Attn`]), `attn_out` (O projection and residual), `ffn_in`
 //! (RMSNorm, gate/up, SiLU), `ffn_out` (down projection and residual), then `lm_head` (final norm
 //! and LM head on each sequence's last token, with the greedy pick fused): 2 + 5 x layers launches
-//! (6 a layer for families with a per-head Q/K norm: the QKV product leaves raw rows in
-//! [`Bufs::qkv`] and `qk_norm_rope` norms, rotates and writes them),
+//! (6 a layer for families with Q/K/V biases or a per-head Q/K norm: the QKV product leaves raw
+//! rows in [`Bufs::qkv`] and `qkv_rope` adds, norms, rotates and writes them),
 //! the four layer products as tensor-core GEMMs (`gemm`) for chunks where they pay, and, on the
 //! Hopper path, the LM head of several outputs as a GEMM followed by `argmax_logprob`.
 //!
@@ -21,13 +21,14 @@ use super::gemm::{GemmPath, QkvOut};
 use super::launch::Gpu;
 use super::plan;
 use super::CudaBackend;
+pub(super) use crate::stage::Stage;
 
 /// Activation and I/O buffers, sized once.
 pub(super) struct Bufs {
     pub x: DevBuf,
     pub q: DevBuf,
-    /// families with a per-head Q/K norm: the QKV product's raw rows `[maxt][qd + 2 kd]`, which
-    /// `qk_norm_rope` norms, rotates and writes to `q` and the KV cache
+    /// families with `features.qkv_rope`: the QKV product's raw rows `[maxt][qd + 2 kd]`, which
+    /// `qkv_rope` adds the biases to, norms, rotates and writes to `q` and the KV cache
     pub qkv: Option<DevBuf>,
     /// families with routed experts ([`MoeBufs`])
     pub moe: Option<MoeBufs>,
@@ -75,7 +76,7 @@ impl Bufs {
         Ok(Bufs {
             x: gpu.alloc(maxt * d.hidden * f)?,
             q: gpu.alloc(maxt * d.qd() * f)?,
-            qkv: match gpu.qk_norm() {
+            qkv: match gpu.raw_qkv() {
                 true => Some(gpu.alloc(maxt * (d.qd() + 2 * d.kd()) * f)?),
                 false => None,
             },
@@ -140,34 +141,6 @@ pub fn io_words(maxt: usize, nout: usize) -> usize {
 pub(super) enum Attn {
     Split(usize),
     Flash(usize),
-}
-
-/// The launches of a chunk's forward pass: the embedding, five per layer, the LM head.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Stage {
-    Embed,
-    /// RMSNorm + QKV + RoPE + KV write (+ the per-head Q/K norm before RoPE, where the family has it)
-    Qkv,
-    Attention,
-    /// O projection + residual
-    Out,
-    /// RMSNorm + gate/up + SiLU (routed experts: norm, router and top-k, then the chosen
-    /// experts' gate/up)
-    GateUp,
-    /// down projection + residual (routed experts: the chosen experts' down products, weighted)
-    Down,
-    LmHead,
-}
-
-impl Stage {
-    /// A layer's stages in order.
-    pub const LAYER: [Stage; 5] = [
-        Stage::Qkv,
-        Stage::Attention,
-        Stage::Out,
-        Stage::GateUp,
-        Stage::Down,
-    ];
 }
 
 impl CudaBackend {
@@ -239,14 +212,13 @@ impl CudaBackend {
                 ntok: n,
             }),
             (Stage::Qkv, _) if b.qkv.is_some() => {
-                // the product's raw rows, then the per-head norm, RoPE and the KV write
+                // the product's raw rows, then the biases, the per-head norm, RoPE and the KV write
                 let raw = b.qkv.as_ref().map_or(0, |r| r.ptr);
                 self.qkv_product(l, pf, ntok, raw)?;
-                let qk = w().qk_norm.as_ref().ok_or_else(|| {
-                    BackendError::Model(format!("layer {l}: no Q/K norm weights on the device"))
-                })?;
+                let ptr = |v: &Option<DevBuf>| v.as_ref().map_or(0, |b| b.ptr);
                 let o = self.qkv_out(l, b.q.ptr);
-                g.qk_norm_rope(o.qk_norm_rope(raw, qk.ptr, g.dims.head_dim, ntok))
+                let extra = (ptr(&w().qkv_bias), ptr(&w().qk_norm));
+                g.qkv_rope(o.qkv_rope(raw, extra, g.dims.head_dim, ntok))
             }
             (Stage::Qkv, _) => self.qkv_product(l, pf, ntok, b.q.ptr),
             // where the O product runs on the Hopper GEMMs, the output in their activations' type

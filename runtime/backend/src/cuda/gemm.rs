@@ -148,19 +148,25 @@ impl QkvOut {
         }
     }
 
-    /// The per-head Q/K norm of `ntok` tokens' raw QKV rows `raw` into these outputs; `qk_norm`:
-    /// the Q heads' norm weights then the K heads' (`head_dim` f32 each).
-    pub fn qk_norm_rope(
+    /// `qkv_rope` of `ntok` tokens' raw QKV rows `raw` into these outputs; `bias`: the Q, K and V
+    /// biases (`[qd + 2 kd]` f32) or 0; `qk_norm`: the Q heads' norm weights then the K heads'
+    /// (`head_dim` f32 each) or 0.
+    pub fn qkv_rope(
         self,
         raw: u64,
-        qk_norm: u64,
+        (bias, qk_norm): (u64, u64),
         head_dim: usize,
         ntok: usize,
-    ) -> abi::QkNormRope {
-        abi::QkNormRope {
+    ) -> abi::QkvRope {
+        abi::QkvRope {
             qkv: raw,
+            bias,
             q_norm: qk_norm,
-            k_norm: qk_norm + (head_dim * 4) as u64,
+            k_norm: if qk_norm == 0 {
+                0
+            } else {
+                qk_norm + (head_dim * 4) as u64
+            },
             rope: self.rope,
             q: self.q,
             kc: self.kc,

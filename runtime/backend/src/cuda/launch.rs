@@ -390,11 +390,11 @@ impl Gpu {
         self.launch(g, self.plain(), a)
     }
 
-    /// The per-head Q/K RMSNorm, RoPE and KV write of `a.ntok` tokens' raw QKV rows (families with
-    /// `features.qk_norm`; the target's `qk_norm` template).
-    pub fn qk_norm_rope(&self, a: abi::QkNormRope) -> Result<(), BackendError> {
+    /// The Q/K/V biases, per-head Q/K RMSNorm, RoPE and KV write of `a.ntok` tokens' raw QKV rows
+    /// (families with `features.qkv_rope`; the target's `qkv_rope` template).
+    pub fn qkv_rope(&self, a: abi::QkvRope) -> Result<(), BackendError> {
         let d = self.dims;
-        let warps = (abi::QKN_THREADS / 32) as usize;
+        let warps = (abi::QKV_ROPE_THREADS / 32) as usize;
         let heads = (d.heads + 2 * d.kv_heads).div_ceil(warps);
         self.launch((a.ntok as u32, heads as u32, 1), self.plain(), a)
     }
@@ -428,9 +428,10 @@ impl Gpu {
         self.launch((n as u32, gx, 1), self.plain(), a)
     }
 
-    /// Whether the target's family norms each Q/K head (its kernels hold `qk_norm_rope`).
-    pub fn qk_norm(&self) -> bool {
-        self.kernels.has(abi::QkNormRope::ID)
+    /// Whether the target's QKV products leave raw rows for `qkv_rope` (its family adds Q/K/V
+    /// biases or norms each Q/K head: `features.qkv_rope`; its kernels hold that template).
+    pub fn raw_qkv(&self) -> bool {
+        self.kernels.has(abi::QkvRope::ID)
     }
 
     /// `attention`'s flag bits packing the pairs of a launch of `ntok` tokens in `nsplit` splits

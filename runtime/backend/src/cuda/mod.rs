@@ -349,7 +349,7 @@ impl CudaBackend {
         let mut gpu = Gpu::open(opts.device, set)?;
         let f = config.family.features();
         for (name, needed, there) in [
-            ("qk_norm", f.qk_norm, gpu.qk_norm()),
+            ("qkv_rope", f.qkv_rope, gpu.raw_qkv()),
             ("moe", f.moe, gpu.moe.is_some()),
         ] {
             if needed && !there {

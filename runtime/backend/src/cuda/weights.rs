@@ -10,6 +10,7 @@
 use half::bf16;
 use metrale_core::dtype::{bf16_to_f32, dequantize_row, f16_to_f32, DType, QK};
 use metrale_core::shape::Dims;
+use metrale_core::target::Features;
 use metrale_core::BackendError;
 use metrale_model::{ModelConfig, Weights};
 
@@ -340,6 +341,9 @@ pub struct LayerW {
     pub attn_norm: DevBuf,
     /// Families with `qk_norm`: the Q heads' norm weights then the K heads' (`head_dim` f32 each).
     pub qk_norm: Option<DevBuf>,
+    /// Families with `qkv_bias`: the Q, K and V projections' biases, f32 `[qd + 2 kd]` (the rows
+    /// of `wqkv`).
+    pub qkv_bias: Option<DevBuf>,
     /// Families with routed experts: the router, f32 `[experts][hidden]`; `wgu` and `wdown` then
     /// hold every expert's matrices stacked by expert (`moe.cu.hbs`).
     pub router: Option<DevBuf>,
@@ -484,6 +488,7 @@ pub(super) fn host_vec(w: &Weights, name: &str, n: usize) -> Result<Vec<f32>, Ba
 struct HostLayer {
     attn_norm: Vec<f32>,
     qk_norm: Option<Vec<f32>>,
+    qkv_bias: Option<Vec<f32>>,
     router: Option<Vec<f32>>,
     wqkv: HostMat,
     wo: HostMat,
@@ -497,7 +502,7 @@ impl HostLayer {
         w: &Weights,
         d: &Dims,
         wf: DevFormat,
-        (qk_norm, moe): (bool, Option<MoeShape>),
+        (f, moe): (Features, Option<MoeShape>),
         l: usize,
     ) -> Result<HostLayer, BackendError> {
         let (hd, qd, kd) = (d.hidden, d.qd(), d.kd());
@@ -535,9 +540,18 @@ impl HostLayer {
                 )
             }
         };
-        let qk_norm = if qk_norm {
+        let qk_norm = if f.qk_norm {
             let mut v = host_vec(w, &n("attn_q_norm"), d.head_dim)?;
             v.extend(host_vec(w, &n("attn_k_norm"), d.head_dim)?);
+            Some(v)
+        } else {
+            None
+        };
+        let qkv_bias = if f.qkv_bias {
+            let b = |s: &str, len| host_vec(w, &format!("blk.{l}.{s}.bias"), len);
+            let mut v = b("attn_q", qd)?;
+            v.extend(b("attn_k", kd)?);
+            v.extend(b("attn_v", kd)?);
             Some(v)
         } else {
             None
@@ -545,6 +559,7 @@ impl HostLayer {
         Ok(HostLayer {
             attn_norm: host_vec(w, &n("attn_norm"), hd)?,
             qk_norm,
+            qkv_bias,
             router,
             wqkv: HostMat::concat_rows(&n("attn_qkv"), &[wq, wk, wv]).map_err(model_err)?,
             wo: host_mat(w, &n("attn_output"), wf, hd, qd)?,
@@ -558,6 +573,11 @@ impl HostLayer {
         Ok(LayerW {
             attn_norm: dev.upload(&self.attn_norm)?,
             qk_norm: self.qk_norm.as_deref().map(|v| dev.upload(v)).transpose()?,
+            qkv_bias: self
+                .qkv_bias
+                .as_deref()
+                .map(|v| dev.upload(v))
+                .transpose()?,
             router: self.router.as_deref().map(|v| dev.upload(v)).transpose()?,
             wqkv: DevMat::upload(dev, &self.wqkv)?,
             wo: DevMat::upload(dev, &self.wo)?,
@@ -604,7 +624,7 @@ impl ModelWeights {
                     weights,
                     d,
                     wf,
-                    (config.family.qk_norm(), moe),
+                    (config.family.features(), moe),
                     i - first_layer,
                 )?)),
             })
@@ -673,6 +693,7 @@ impl ModelWeights {
         for l in &self.layers {
             n += l.attn_norm.bytes
                 + l.qk_norm.as_ref().map_or(0, |b| b.bytes)
+                + l.qkv_bias.as_ref().map_or(0, |b| b.bytes)
                 + l.router.as_ref().map_or(0, |b| b.bytes)
                 + l.wqkv.bytes()
                 + l.wo.bytes()
