@@ -10,8 +10,9 @@ use std::ffi::c_void;
 
 use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
-    ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MV_THREADS,
-    QKV_ROPE_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS, WQ_THREADS,
+    ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MOE_SORT_THREADS,
+    MV_THREADS, QKV_ROPE_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS,
+    WQ_THREADS,
 };
 
 macro_rules! field_ty {
@@ -212,6 +213,46 @@ entries! {
         wqs: ptr<"const void">,
         wsc: ptr<"const void">,
         ids: ptr<"const int">,
+        wts: ptr<"const float">,
+        x: ptr<"float">,
+        ntok: i32,
+    }
+    /// Many tokens' routed pairs grouped by expert (one block): `offsets[e] .. offsets[e + 1]` of
+    /// `order` are the pairs (`t * used + k`) routed to expert e (`offsets`: experts + 1 words),
+    /// in no fixed order within an expert (each pair's products are its own). grid = (1).
+    MoeSort = "moe" / "moe_sort", threads MOE_SORT_THREADS, {
+        ids: ptr<"const int">,
+        offsets: ptr<"int">,
+        order: ptr<"int">,
+        ntok: i32,
+    }
+    /// `moe_gu` by expert: a block group per expert reads its gate/up rows once for tiles of its
+    /// tokens (`moe_sort`'s groups), `h[pair][expert_ffn]` as `moe_gu` writes it.
+    /// grid = (row-pair groups, experts).
+    MoeGuGrouped = "moe" / "moe_gu_grouped", threads MV_THREADS, {
+        xn: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        offsets: ptr<"const int">,
+        order: ptr<"const int">,
+        h: ptr<"float">,
+        ntok: i32,
+    }
+    /// The down products by expert, as `moe_gu_grouped`: each pair's unweighted output
+    /// `y[pair][hidden]`. grid = (row-pair groups, experts).
+    MoeDownGrouped = "moe" / "moe_down_grouped", threads MV_THREADS, {
+        h: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        offsets: ptr<"const int">,
+        order: ptr<"const int">,
+        y: ptr<"float">,
+        ntok: i32,
+    }
+    /// Each token's pairs' outputs `y`, weighted and summed in ascending expert order (as
+    /// `moe_down` sums them), added to the residual `x`. grid = (ntok).
+    MoeCombine = "moe" / "moe_combine", threads MV_THREADS, {
+        y: ptr<"const float">,
         wts: ptr<"const float">,
         x: ptr<"float">,
         ntok: i32,

@@ -148,6 +148,8 @@ pub fn entries_of(template: &str) -> impl Iterator<Item = &'static EntryDecl> + 
 pub const MV_THREADS: u32 = 256;
 /// Threads per block of `qkv_rope` (one warp per head of a token).
 pub const QKV_ROPE_THREADS: u32 = 256;
+/// Threads of `moe_sort`'s one block.
+pub const MOE_SORT_THREADS: u32 = 1024;
 /// Threads per block of `embed`.
 pub const EMBED_THREADS: u32 = 256;
 /// Threads per block of `attention`.
@@ -263,6 +265,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("MV_THREADS", MV_THREADS as i64),
     ("EMBED_THREADS", EMBED_THREADS as i64),
     ("QKV_ROPE_THREADS", QKV_ROPE_THREADS as i64),
+    ("MOE_SORT_THREADS", MOE_SORT_THREADS as i64),
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),

@@ -1851,8 +1851,9 @@ fn grammar_masks_on_the_device_match_the_host() {
     );
 }
 
-/// The routed experts (`moe.cu.hbs`: `moe_route`, `moe_gu`, `moe_down`) on targets whose family has
-/// them, against the CPU reference (`cpu::route`, the ops) over 6 tokens at the target's shape (every
+/// The routed experts (`moe.cu.hbs`: `moe_route`, `moe_gu`, `moe_down`; for many tokens grouped by
+/// expert: `moe_sort`, `moe_gu_grouped`, `moe_down_grouped`, `moe_combine`) on targets whose family
+/// has them, against the CPU reference (`cpu::route`, the ops) over 6 tokens at the target's shape (every
 /// expert's matrices random, stacked as the loader stacks them). Token 2's input is zero, so every
 /// router logit is exactly 0 and all experts tie: the kernel must take experts 0..used, each
 /// weighted 1/used (ties go to the lower index), and leave that residual row unchanged. The chosen
@@ -2002,5 +2003,166 @@ fn moe_routing_and_experts_match_cpu() {
     );
     eprintln!(
         "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within 1e-6"
+    );
+
+    // Many tokens, grouped by expert (moe_sort, moe_gu_grouped, moe_down_grouped, moe_combine):
+    // the same bits as the per-pair kernels on the same 40 tokens, and the CPU's sums. Tokens
+    // 0..20 share one row, so their experts take 20 tokens each (several tiles of several).
+    let n2 = 40;
+    assert!(m.grouped(n2) && !m.grouped(n));
+    let mut x2 = rand_vec(&mut e.rng, n2 * h, -1.0, 1.0);
+    for t in 1..20 {
+        x2.copy_within(0..h, t * h);
+    }
+    let run = |grouped: bool| -> Vec<f32> {
+        let xb = g.upload(&x2).unwrap();
+        let (xn, ids, wts) = (
+            poisoned(g, n2 * h),
+            g.upload(&vec![-1i32; n2 * m.used]).unwrap(),
+            poisoned(g, n2 * m.used),
+        );
+        let hb = poisoned(g, n2 * m.used * m.ffn);
+        g.moe_route(abi::MoeRoute {
+            x: xb.ptr,
+            norm_w: nb.ptr,
+            router: rb.ptr,
+            xn: xn.ptr,
+            ids: ids.ptr,
+            wts: wts.ptr,
+            counts: 0,
+            ntok: n2 as i32,
+        })
+        .unwrap();
+        if !grouped {
+            g.moe_gu(abi::MoeGu {
+                xn: xn.ptr,
+                wqs: gub.qs.ptr,
+                wsc: gub.sc_ptr(),
+                ids: ids.ptr,
+                h: hb.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            g.moe_down(abi::MoeDown {
+                h: hb.ptr,
+                wqs: dnb.qs.ptr,
+                wsc: dnb.sc_ptr(),
+                ids: ids.ptr,
+                wts: wts.ptr,
+                x: xb.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            return read_f32(g, &xb, n2 * h);
+        }
+        let offsets = g.upload(&vec![-1i32; m.experts + 1]).unwrap();
+        let order = g.upload(&vec![-1i32; n2 * m.used]).unwrap();
+        let y = poisoned(g, n2 * m.used * h);
+        g.moe_sort(abi::MoeSort {
+            ids: ids.ptr,
+            offsets: offsets.ptr,
+            order: order.ptr,
+            ntok: n2 as i32,
+        })
+        .unwrap();
+        g.moe_gu_grouped(abi::MoeGuGrouped {
+            xn: xn.ptr,
+            wqs: gub.qs.ptr,
+            wsc: gub.sc_ptr(),
+            offsets: offsets.ptr,
+            order: order.ptr,
+            h: hb.ptr,
+            ntok: n2 as i32,
+        })
+        .unwrap();
+        g.moe_down_grouped(abi::MoeDownGrouped {
+            h: hb.ptr,
+            wqs: dnb.qs.ptr,
+            wsc: dnb.sc_ptr(),
+            offsets: offsets.ptr,
+            order: order.ptr,
+            y: y.ptr,
+            ntok: n2 as i32,
+        })
+        .unwrap();
+        g.moe_combine(abi::MoeCombine {
+            y: y.ptr,
+            wts: wts.ptr,
+            x: xb.ptr,
+            ntok: n2 as i32,
+        })
+        .unwrap();
+        // the groups: every pair once, under the expert it was routed to
+        let (mut off, mut ord, mut got_ids) = (
+            vec![0i32; m.experts + 1],
+            vec![0i32; n2 * m.used],
+            vec![0i32; n2 * m.used],
+        );
+        g.read(&offsets, 0, &mut off).unwrap();
+        g.read(&order, 0, &mut ord).unwrap();
+        g.read(&ids, 0, &mut got_ids).unwrap();
+        assert_eq!((off[0], off[m.experts]), (0, (n2 * m.used) as i32));
+        let mut seen = vec![false; n2 * m.used];
+        for ex in 0..m.experts {
+            for &p in &ord[off[ex] as usize..off[ex + 1] as usize] {
+                assert_eq!(
+                    got_ids[p as usize], ex as i32,
+                    "pair {p} grouped under expert {ex}"
+                );
+                assert!(
+                    !std::mem::replace(&mut seen[p as usize], true),
+                    "pair {p} twice"
+                );
+            }
+        }
+        assert!(
+            off[got_ids[0] as usize + 1] - off[got_ids[0] as usize] >= 20,
+            "token 0's experts take its 20 copies"
+        );
+        read_f32(g, &xb, n2 * h)
+    };
+    let per_pair = run(false);
+    let grouped = run(true);
+    // the same per-token sums in the same order: expected bit for bit; held to TOL like the CPU
+    let same = per_pair
+        .iter()
+        .zip(&grouped)
+        .filter(|(a, b)| a.to_bits() == b.to_bits())
+        .count();
+    check(
+        "moe grouped against the per-pair kernels",
+        &grouped,
+        &per_pair,
+    );
+    let mut want2 = x2.clone();
+    for t in 0..n2 {
+        let mut xn = vec![0f32; h];
+        ops::rmsnorm(&x2[t * h..(t + 1) * h], &norm, e.eps, &mut xn);
+        let logits: Vec<f32> = router
+            .chunks_exact(h)
+            .map(|r| r.iter().zip(&xn).map(|(a, b)| a * b).sum())
+            .collect();
+        let mut chosen = metrale_backend::cpu::route(&logits, m.used, true);
+        chosen.sort_by_key(|&(ex, _)| ex);
+        let mut out = vec![0f32; h];
+        for &(ex, wgt) in &chosen {
+            let (gv, mut uv) = (gate[ex].matvec(&xn), up[ex].matvec(&xn));
+            ops::swiglu_inplace(&gv, &mut uv);
+            for (o, v) in out.iter_mut().zip(down[ex].matvec(&uv)) {
+                *o += wgt * v;
+            }
+        }
+        for (xo, o) in want2[t * h..(t + 1) * h].iter_mut().zip(&out) {
+            *xo += o;
+        }
+    }
+    check(
+        "moe grouped: x + sum of the routed experts' outputs",
+        &grouped,
+        &want2,
+    );
+    eprintln!(
+        "  moe grouped: {n2} tokens, {same} of {} values bit-identical to the per-pair kernels",
+        n2 * h
     );
 }

@@ -87,6 +87,14 @@ impl Bufs {
                     wts: gpu.alloc(maxt * m.used * 4)?,
                     h: gpu.alloc(maxt * m.used * m.ffn * f)?,
                     counts: gpu.alloc(d.layers * m.experts * 4)?,
+                    grouped: match m.grouped(maxt) {
+                        true => Some(MoeGrouped {
+                            offsets: gpu.alloc((m.experts + 1) * 4)?,
+                            order: gpu.alloc(maxt * m.used * 4)?,
+                            y: gpu.alloc(maxt * m.used * d.hidden * f)?,
+                        }),
+                        false => None,
+                    },
                 }),
                 None => None,
             },
@@ -126,6 +134,16 @@ pub struct MoeBufs {
     /// How often each layer's router chose each expert since the backend started or the counts
     /// were last cleared: u32 `[layers][experts]` (`CudaBackend::expert_counts`).
     pub counts: DevBuf,
+    /// Where chunks can be large enough to group their pairs by expert (`MoeShape::grouped`).
+    pub grouped: Option<MoeGrouped>,
+}
+
+/// The grouped experts' buffers: `moe_sort`'s `offsets[experts + 1]` and `order[maxt * used]`,
+/// and each pair's down output `y[maxt * used][hidden]` (f32) before `moe_combine` weighs it.
+pub struct MoeGrouped {
+    pub offsets: DevBuf,
+    pub order: DevBuf,
+    pub y: DevBuf,
 }
 
 /// The i32 words of the input buffer for chunks of up to `maxt` tokens and `nout` outputs: tokens,
@@ -273,9 +291,14 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
-            // routed experts: the matrix-vector kernels, whatever the chunk (moe.cu.hbs)
+            // routed experts: the matrix-vector kernels, whatever the chunk (moe.cu.hbs), grouped by
+            // expert where the chunk has tokens enough
             (Stage::GateUp, _) if b.moe.is_some() => {
                 let m = b.moe.as_ref().expect("moe buffers");
+                let grouped = m
+                    .grouped
+                    .as_ref()
+                    .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
                 let router = w().router.as_ref().ok_or_else(|| {
                     BackendError::Model(format!("layer {l}: no router on the device"))
                 })?;
@@ -289,6 +312,23 @@ impl CudaBackend {
                     counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
                     ntok: n,
                 })?;
+                if let Some(gr) = grouped {
+                    g.moe_sort(abi::MoeSort {
+                        ids: m.ids.ptr,
+                        offsets: gr.offsets.ptr,
+                        order: gr.order.ptr,
+                        ntok: n,
+                    })?;
+                    return g.moe_gu_grouped(abi::MoeGuGrouped {
+                        xn: m.xn.ptr,
+                        wqs: w().wgu.qs.ptr,
+                        wsc: w().wgu.sc_ptr(),
+                        offsets: gr.offsets.ptr,
+                        order: gr.order.ptr,
+                        h: m.h.ptr,
+                        ntok: n,
+                    });
+                }
                 g.moe_gu(abi::MoeGu {
                     xn: m.xn.ptr,
                     wqs: w().wgu.qs.ptr,
@@ -300,6 +340,27 @@ impl CudaBackend {
             }
             (Stage::Down, _) if b.moe.is_some() => {
                 let m = b.moe.as_ref().expect("moe buffers");
+                let grouped = m
+                    .grouped
+                    .as_ref()
+                    .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
+                if let Some(gr) = grouped {
+                    g.moe_down_grouped(abi::MoeDownGrouped {
+                        h: m.h.ptr,
+                        wqs: w().wdown.qs.ptr,
+                        wsc: w().wdown.sc_ptr(),
+                        offsets: gr.offsets.ptr,
+                        order: gr.order.ptr,
+                        y: gr.y.ptr,
+                        ntok: n,
+                    })?;
+                    return g.moe_combine(abi::MoeCombine {
+                        y: gr.y.ptr,
+                        wts: m.wts.ptr,
+                        x: b.x.ptr,
+                        ntok: n,
+                    });
+                }
                 g.moe_down(abi::MoeDown {
                     h: m.h.ptr,
                     wqs: w().wdown.qs.ptr,

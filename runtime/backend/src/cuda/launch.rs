@@ -243,6 +243,14 @@ pub struct MoeShape {
 }
 
 impl MoeShape {
+    /// Whether a step of `ntok` tokens runs its experts grouped (`moe_sort`, `moe_gu_grouped`,
+    /// `moe_down_grouped`, `moe_combine`): from two pairs an expert on average, where reading an
+    /// expert's rows once for its tokens saves more than the sort and the combine cost; fewer
+    /// tokens read each pair's expert rows for it (`moe_gu`, `moe_down`).
+    pub fn grouped(&self, ntok: usize) -> bool {
+        ntok * self.used >= 2 * self.experts
+    }
+
     /// The routed experts of a target's model shape (`[model.experts]`), if it has them.
     pub fn of(m: &metrale_core::target::ModelShape) -> Option<MoeShape> {
         m.experts.as_ref().map(|x| MoeShape {
@@ -426,6 +434,34 @@ impl Gpu {
         let n = a.ntok.max(0) as usize;
         let gx = self.moe_blocks(self.dims.hidden / 2, n);
         self.launch((n as u32, gx, 1), self.plain(), a)
+    }
+
+    /// `a.ntok` tokens' routed pairs grouped by expert (`moe_sort`, one block).
+    pub fn moe_sort(&self, a: abi::MoeSort) -> Result<(), BackendError> {
+        self.launch((1, 1, 1), self.plain(), a)
+    }
+
+    /// Every expert's gate/up and SiLU over its pairs (`moe_gu_grouped`, after `moe_sort`).
+    pub fn moe_gu_grouped(&self, a: abi::MoeGuGrouped) -> Result<(), BackendError> {
+        let m = self
+            .moe
+            .expect("moe_gu_grouped on a target with routed experts");
+        let gx = self.moe_blocks(m.ffn, m.experts);
+        self.launch((gx, m.experts as u32, 1), self.plain(), a)
+    }
+
+    /// Every expert's down products over its pairs, unweighted (`moe_down_grouped`).
+    pub fn moe_down_grouped(&self, a: abi::MoeDownGrouped) -> Result<(), BackendError> {
+        let m = self
+            .moe
+            .expect("moe_down_grouped on a target with routed experts");
+        let gx = self.moe_blocks(self.dims.hidden / 2, m.experts);
+        self.launch((gx, m.experts as u32, 1), self.plain(), a)
+    }
+
+    /// Each token's pairs' down outputs, weighted, into the residual (`moe_combine`).
+    pub fn moe_combine(&self, a: abi::MoeCombine) -> Result<(), BackendError> {
+        self.launch((a.ntok.max(0) as u32, 1, 1), self.plain(), a)
     }
 
     /// Whether the target's QKV products leave raw rows for `qkv_rope` (its family adds Q/K/V
@@ -774,5 +810,22 @@ impl Gpu {
             ..self.plain()
         };
         self.launch((p.blocks, 1, 1), how, a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MoeShape;
+
+    #[test]
+    fn experts_group_from_two_pairs_an_expert() {
+        // Qwen3-30B-A3B: 128 experts, 8 a token; batch 1 and 16 sequences read per pair
+        let m = MoeShape {
+            experts: 128,
+            used: 8,
+            ffn: 768,
+        };
+        assert!(!m.grouped(1) && !m.grouped(16) && !m.grouped(31));
+        assert!(m.grouped(32) && m.grouped(256) && m.grouped(512));
     }
 }
