@@ -78,7 +78,7 @@ fn main() {
     let cap = (prompt.len() + decode.len() + 16).next_multiple_of(16);
     let idx = args.iter().position(|a| a == "--cuda");
     let (mut b, kv) = match idx {
-        Some(i) => cuda_backend(&m, &args[i + 1], &args[i + 2], cap),
+        Some(i) => cuda_backend(&m, &args[i + 1], &args[i + 2], cap, 0),
         None => {
             let kv = match opt(&args, "--kv") {
                 Some(k) => KvDtype::parse(k).expect("--kv f32 or bf16"),

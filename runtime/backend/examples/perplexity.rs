@@ -152,7 +152,7 @@ fn main() {
                 .position(|a| a == "--cuda")
                 .and_then(|i| args.get(i + 2))
                 .expect("--cuda KERNEL_DIR TARGET_ID");
-            cuda_backend(&m, dir, target, ctx).0
+            cuda_backend(&m, dir, target, ctx, 0).0
         }
         None => cpu_backend(&m, KvDtype::F32, exact, ctx),
     };

@@ -28,6 +28,11 @@ pub fn load(
         // 0: every slot at full context, or what fits in the memory fraction
         kv_blocks: kv.blocks,
         memory_fraction: cli.gpu_memory_utilization,
+        // verification rows for the proposals --speculative makes
+        max_drafts: match cli.speculative {
+            Some(_) => cli.num_speculative_tokens,
+            None => 0,
+        },
         tuning,
         ..CudaOptions::default()
     };

@@ -1,4 +1,4 @@
-//! What the examples that compare numbers (golden_check, perplexity) share: their argument lookup,
+//! What the examples that compare numbers (golden_check, perplexity, spec_bench) share: their argument lookup,
 //! and opening a backend on a checkpoint: the CPU backend, or the CUDA backend on a target's kernels
 //! (`cuda` feature; METRALE_TARGETS names the targets/ folder, default `targets`;
 //! METRALE_CUDA_TUNING is read).
@@ -32,12 +32,15 @@ pub fn cpu_backend(
     Box::new(b)
 }
 
+/// The CUDA backend of `target` on the kernels in `dir`, one slot of `cap` positions, verifying up
+/// to `max_drafts` proposed tokens a step.
 #[cfg(feature = "cuda")]
 pub fn cuda_backend(
     m: &metrale_model::Model,
     dir: &str,
     target: &str,
     cap: usize,
+    max_drafts: usize,
 ) -> (Box<dyn Backend>, KvDtype) {
     use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
     use metrale_core::target::{TargetId, TargetSpec};
@@ -61,6 +64,7 @@ pub fn cuda_backend(
             slots: 1,
             slot_capacity: cap,
             kv_blocks: metrale_backend::blocks_for(cap),
+            max_drafts,
             tuning,
             ..Default::default()
         },
@@ -74,6 +78,7 @@ pub fn cuda_backend(
     _: &metrale_model::Model,
     _: &str,
     _: &str,
+    _: usize,
     _: usize,
 ) -> (Box<dyn Backend>, KvDtype) {
     eprintln!("--cuda needs this example built with --features cuda");

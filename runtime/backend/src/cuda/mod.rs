@@ -251,7 +251,19 @@ pub struct CudaOptions {
     pub memory_fraction: f64,
     /// Most tokens one launch sequence processes (prefill chunks are split to this).
     pub max_step_tokens: usize,
+    /// Most proposed tokens one sequence's step verifies (`SeqStep::drafted`; the server's
+    /// `--num-speculative-tokens` under `--speculative`); 0: no verification. A chunk's output
+    /// rows are sized for every slot's `1 + max_drafts` ([`CudaOptions::outputs`]).
+    pub max_drafts: usize,
     pub tuning: Tuning,
+}
+
+impl CudaOptions {
+    /// Most output rows (LM head rows, sampled tokens) of one chunk: one a slot, or with
+    /// verification one a proposal and one after them.
+    pub fn outputs(&self) -> usize {
+        self.slots * (1 + self.max_drafts)
+    }
 }
 
 impl Default for CudaOptions {
@@ -263,6 +275,7 @@ impl Default for CudaOptions {
             kv_blocks: 0,
             memory_fraction: 0.9,
             max_step_tokens: 512,
+            max_drafts: 0,
             tuning: Tuning::default(),
         }
     }
@@ -276,7 +289,8 @@ pub struct CudaBackend {
     w: ModelWeights,
     b: Bufs,
     kv: KvCache,
-    graphs: HashMap<(usize, Attn), CudaGraph>,
+    /// Decode chunks' graphs by (tokens, output rows, attention plan).
+    graphs: HashMap<(usize, usize, Attn), CudaGraph>,
     /// The final RMSNorm's epsilon and weights, on the host (the embeddings path norms there).
     norm_eps: f32,
     out_norm: Vec<f32>,
@@ -294,8 +308,8 @@ pub struct CudaBackend {
     out_stage: Option<HostStage>,
     /// The grammar masks' staging area (`forward::mask_words` for every slot).
     mask_stage: HostWrite,
-    /// (tokens, attention plan) of the last chunk run
-    last_key: Option<(usize, Attn)>,
+    /// (tokens, output rows, attention plan) of the last chunk run
+    last_key: Option<(usize, usize, Attn)>,
     /// Counters for tests and benchmarks.
     pub stats: Stats,
 }
@@ -346,6 +360,13 @@ impl CudaBackend {
                 "slots, slot capacity and max step tokens must be positive".into(),
             ));
         }
+        if opts.max_drafts >= opts.max_step_tokens {
+            return Err(BackendError::Invalid(format!(
+                "{} proposed tokens a step do not fit a chunk of {} tokens with the token \
+                 before them; propose fewer",
+                opts.max_drafts, opts.max_step_tokens
+            )));
+        }
         let mut gpu = Gpu::open(opts.device, set)?;
         let f = config.family.features();
         for (name, needed, there) in [
@@ -375,15 +396,15 @@ impl CudaBackend {
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         gpu.wq_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
-        // at most one output per sequence (= slot) of a chunk
-        let b = Bufs::new(&gpu, opts.max_step_tokens, opts.slots)?;
+        // at most one output per sequence (= slot) of a chunk, or 1 + max_drafts verifying
+        let b = Bufs::new(&gpu, opts.max_step_tokens, opts.outputs())?;
         let gemm = GemmPath::new(&gpu, opts.max_step_tokens)?;
         let mask_stage = gpu.host_write(
-            forward::mask_words(opts.slots, d.vocab),
+            forward::mask_words(opts.outputs(), d.vocab),
             opts.tuning.mask_zero_copy,
         )?;
         let out_stage = if opts.tuning.run_ahead {
-            Some(gpu.host_stage(2 * opts.slots)?)
+            Some(gpu.host_stage(2 * opts.outputs())?)
         } else {
             None
         };
@@ -521,10 +542,15 @@ impl CudaBackend {
             self.kv.blocks,
             self.gpu.dims.vocab,
         )?;
-        if let Some(i) = batch.iter().position(|s| s.drafted > 0) {
+        if let Some((i, s)) = batch
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.drafted > self.opts.max_drafts)
+        {
             return Err(BackendError::Invalid(format!(
-                "entry {i}: the CUDA backend does not verify proposed tokens yet \
-                 (`verifies_drafts` is false); run without speculative decoding"
+                "entry {i}: {} proposed tokens, more than the {} this backend was started to \
+                 verify (CudaOptions::max_drafts)",
+                s.drafted, self.opts.max_drafts
             )));
         }
         for s in batch {
@@ -559,7 +585,7 @@ impl CudaBackend {
             plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
         // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
         let t = self.opts.max_step_tokens;
-        let slots = self.opts.slots;
+        let slots = self.opts.outputs();
         let mut io = vec![0i32; forward::io_words(t, slots)];
         io[..ntok].copy_from_slice(tokens);
         io[t..t + ntok].copy_from_slice(pos);
@@ -578,12 +604,12 @@ impl CudaBackend {
             Attn::Split(nsplit)
         };
         self.gpu.write_async(&self.b.io_in, 0, &io)?;
-        self.last_key = Some((ntok, attn));
+        self.last_key = Some((ntok, nout, attn));
         // long chunks take the tensor-core GEMM path; decode steps too unless tuned off
         let gemm = gemm::gemm_pays_on(&self.gpu.dims, ntok, self.gemm.hopper())
             && (!decode || self.opts.tuning.decode_gemm);
-        if decode && self.opts.tuning.graphs && nout == ntok {
-            let key = (ntok, attn);
+        if decode && self.opts.tuning.graphs {
+            let key = (ntok, nout, attn);
             if !self.graphs.contains_key(&key) {
                 self.gpu.begin_capture()?;
                 let r = self.enqueue(ntok, nout, attn, gemm);
@@ -645,7 +671,7 @@ impl CudaBackend {
             .as_ref()
             .expect("checked by the caller")
             .wait()?;
-        let (tok, lp) = (out[0] as i32, f32::from_bits(out[self.opts.slots]));
+        let (tok, lp) = (out[0] as i32, f32::from_bits(out[self.opts.outputs()]));
         if tok == abi::DECODE_REFUSED {
             return Err(BackendError::Device(DECODE1_REFUSED.into()));
         }
@@ -659,6 +685,31 @@ impl CudaBackend {
             logits: None,
             accepted: Vec::new(),
         })
+    }
+
+    /// Run chunk `c` (`run_chunk`), ask the grammar masks of its lazy entries while the device
+    /// runs it, collect its outputs, and empty it.
+    fn run_and_collect(
+        &mut self,
+        c: &mut Chunk,
+        batch: &[SeqStep<'_>],
+        decode: bool,
+        outputs: &mut [Option<SeqOutput>],
+        (lazy, masks): (&[bool], &mut dyn crate::MaskSource),
+    ) -> Result<(), BackendError> {
+        self.run_chunk(&c.tokens, &c.pos, &c.slot, &c.sel, decode)?;
+        // the device runs the chunk while the host computes its grammar masks
+        let chunk_masks: Vec<Option<Vec<u32>>> = c
+            .sel_seq
+            .iter()
+            .map(|&i| match lazy.get(i) == Some(&true) {
+                true => masks.mask(i),
+                false => None,
+            })
+            .collect();
+        self.collect(batch, &c.sel_seq, outputs, (&chunk_masks, lazy))?;
+        c.clear();
+        Ok(())
     }
 
     /// Enqueue the grammar masks of a chunk's `n` outputs (`mask_of(k)`: output k's mask, if any)
@@ -758,7 +809,7 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let nout = self.opts.slots;
+        let nout = self.opts.outputs();
         let vocab = self.gpu.dims.vocab;
         let mask_of = |k: usize, i: usize| -> Option<&[u32]> {
             let lazy_mask = if lazy.get(i) == Some(&true) {
@@ -809,9 +860,9 @@ impl CudaBackend {
             self.gpu.read(&self.b.mask_out, 0, &mut masked_pick)?;
         }
         // temperature sampling on the device for the rows that need nothing else (one extra launch)
-        let sampled = sel_seq
-            .iter()
-            .any(|&i| device_only(&batch[i]) && !batch[i].sampling.is_greedy());
+        let sampled = sel_seq.iter().any(|&i| {
+            device_only(&batch[i]) && !batch[i].sampling.is_greedy() && batch[i].drafted == 0
+        });
         let mut samp = vec![0u32; 3 * nout];
         if sampled {
             let params: Vec<abi::device::SampleParams> =
@@ -828,8 +879,51 @@ impl CudaBackend {
             })?;
             self.gpu.read(&self.b.samp_out, 0, &mut samp)?;
         }
-        for (k, &i) in sel_seq.iter().enumerate() {
+        let mut k = 0;
+        while k < n {
+            let i = sel_seq[k];
             let s = &batch[i];
+            if s.drafted > 0 {
+                let proposed = &s.tokens[s.tokens.len() - s.drafted..];
+                let greedy_pick = |j: usize| sampler::Sampled {
+                    token: tok[k + j] as u32,
+                    logprob: lp[k + j],
+                    top_logprobs: Vec::new(),
+                };
+                outputs[i] = Some(if device_only(s) && s.sampling.is_greedy() {
+                    // greedy: a proposal is accepted while it is the position's arg-max
+                    // (sampler::verify's greedy case), then the pick after the last accepted
+                    let accepted: Vec<sampler::Sampled> = (0..s.drafted)
+                        .map(greedy_pick)
+                        .zip(proposed)
+                        .take_while(|(p, &d)| p.token == d)
+                        .map(|(p, _)| p)
+                        .collect();
+                    let next = greedy_pick(accepted.len());
+                    SeqOutput {
+                        token: next.token,
+                        logprob: next.logprob,
+                        top_logprobs: Vec::new(),
+                        logits: None,
+                        accepted,
+                    }
+                } else {
+                    // anything else: the rows on the host, verified as the CPU backend does
+                    let mut rows = vec![0f32; (s.drafted + 1) * vocab];
+                    self.gpu.read(&self.b.logits, k * vocab * 4, &mut rows)?;
+                    let (accepted, r) =
+                        sampler::verify_run(&rows, vocab, s.sampling, s.history, s.draw, proposed);
+                    SeqOutput {
+                        token: r.token,
+                        logprob: r.logprob,
+                        top_logprobs: r.top_logprobs,
+                        logits: s.want_logits.then_some(rows),
+                        accepted,
+                    }
+                });
+                k += s.drafted + 1;
+                continue;
+            }
             let device = device_only(s);
             let greedy = s.sampling.is_greedy();
             let pick = |t: u32, l: u32| SeqOutput {
@@ -863,8 +957,40 @@ impl CudaBackend {
                 }
             };
             outputs[i] = Some(out);
+            k += 1;
         }
         Ok(())
+    }
+}
+
+/// One chunk's inputs as `step_masked` packs them: each token's id, position and slot, the rows
+/// that produce outputs (`sel`) and the batch entry of each (`sel_seq`: once per row, a
+/// verification entry's `drafted + 1` rows in a run).
+struct Chunk {
+    tokens: Vec<i32>,
+    pos: Vec<i32>,
+    slot: Vec<i32>,
+    sel: Vec<i32>,
+    sel_seq: Vec<usize>,
+}
+
+impl Chunk {
+    fn with_capacity(n: usize) -> Chunk {
+        Chunk {
+            tokens: Vec::with_capacity(n),
+            pos: Vec::with_capacity(n),
+            slot: Vec::with_capacity(n),
+            sel: Vec::new(),
+            sel_seq: Vec::new(),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.tokens.clear();
+        self.pos.clear();
+        self.slot.clear();
+        self.sel.clear();
+        self.sel_seq.clear();
     }
 }
 
@@ -906,7 +1032,7 @@ impl Backend for CudaBackend {
             kv_dtype: self.kv.dtype,
             weight_bytes: self.w.bytes(),
             kv_bytes: self.kv.bytes(),
-            verifies_drafts: false,
+            verifies_drafts: self.opts.max_drafts > 0,
         }
     }
 
@@ -1001,46 +1127,53 @@ impl Backend for CudaBackend {
                 return Ok(vec![self.greedy_decode1(s, ahead, mask)?]);
             }
         }
-        let decode = batch.iter().all(|s| s.tokens.len() == 1);
+        // decode-like: every entry one token, or one and its proposals (a verification step runs
+        // its tokens as decode tokens of one sequence each: the split-K attention, a graph)
+        let decode = batch.iter().all(|s| s.tokens.len() == 1 + s.drafted);
         let maxt = self.opts.max_step_tokens;
+        if let Some((i, s)) = batch
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.drafted > 0 && s.tokens.len() > maxt)
+        {
+            return Err(BackendError::Invalid(format!(
+                "entry {i}: a verification entry of {} tokens is longer than a chunk ({maxt})",
+                s.tokens.len()
+            )));
+        }
         let mut outputs: Vec<Option<SeqOutput>> = vec![None; batch.len()];
-        // Pack (sequence, token range) pieces into chunks of at most max_step_tokens tokens.
-        let mut tokens = Vec::with_capacity(maxt);
-        let mut pos = Vec::with_capacity(maxt);
-        let mut slot = Vec::with_capacity(maxt);
-        let mut sel = Vec::new();
-        let mut sel_seq = Vec::new();
+        // Pack (sequence, token range) pieces into chunks of at most max_step_tokens tokens; a
+        // verification entry's output rows (its last `drafted + 1` positions) are one chunk's, so
+        // it starts a new chunk where it does not fit whole.
+        let mut c = Chunk::with_capacity(maxt);
         let mut pending: Vec<(usize, usize)> =
             batch.iter().enumerate().map(|(i, _)| (i, 0)).collect();
         pending.reverse();
         while let Some((i, from)) = pending.pop() {
             let s = &batch[i];
-            let room = maxt - tokens.len();
+            let room = maxt - c.tokens.len();
+            if s.drafted > 0 && s.tokens.len() - from > room {
+                pending.push((i, from));
+                self.run_and_collect(&mut c, batch, decode, &mut outputs, (lazy, &mut *masks))?;
+                continue;
+            }
             let take = (s.tokens.len() - from).min(room);
             for j in from..from + take {
-                tokens.push(s.tokens[j] as i32);
-                pos.push((s.start_pos + j) as i32);
-                slot.push(s.slot as i32);
+                c.tokens.push(s.tokens[j] as i32);
+                c.pos.push((s.start_pos + j) as i32);
+                c.slot.push(s.slot as i32);
             }
             if from + take == s.tokens.len() {
-                sel.push(tokens.len() as i32 - 1);
-                sel_seq.push(i);
+                let last = c.tokens.len() as i32 - 1;
+                for r in (0..=s.drafted as i32).rev() {
+                    c.sel.push(last - r);
+                    c.sel_seq.push(i);
+                }
             } else {
                 pending.push((i, from + take));
             }
-            if tokens.len() == maxt || pending.is_empty() {
-                self.run_chunk(&tokens, &pos, &slot, &sel, decode)?;
-                // the device runs the chunk while the host computes its grammar masks
-                let chunk_masks: Vec<Option<Vec<u32>>> = sel_seq
-                    .iter()
-                    .map(|&i| if is_lazy(i) { masks.mask(i) } else { None })
-                    .collect();
-                self.collect(batch, &sel_seq, &mut outputs, (&chunk_masks, lazy))?;
-                tokens.clear();
-                pos.clear();
-                slot.clear();
-                sel.clear();
-                sel_seq.clear();
+            if c.tokens.len() == maxt || pending.is_empty() {
+                self.run_and_collect(&mut c, batch, decode, &mut outputs, (lazy, &mut *masks))?;
             }
         }
         Ok(outputs

@@ -301,10 +301,10 @@ impl CudaBackend {
         reps: usize,
         rounds: usize,
     ) -> Result<Vec<(&'static str, f64)>, BackendError> {
-        let Some((ntok, attn)) = self.last_key else {
+        let Some((ntok, _, attn)) = self.last_key else {
             return Ok(Vec::new());
         };
-        let nout = ntok.min(self.opts.slots);
+        let nout = ntok.min(self.opts.outputs());
         let mut out = Vec::new();
         let stages = [
             ("embed", Stage::Embed, false),
