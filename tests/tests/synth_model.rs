@@ -2,8 +2,9 @@
 //! (llama-3.1-8b's features at test size: head dim 128, 4 query heads per KV head, untied LM head,
 //! llama3 RoPE scaling, a vocabulary padded past the tokenizer's), `tiny-qwen2.toml` (Qwen2: Q/K/V
 //! biases, tied LM head), `tiny-qwen3.toml` (Qwen3 dense: per-head Q/K RMSNorm before RoPE, heads x
-//! head_dim wider than hidden, tied LM head, rope theta 1e6) and `tiny-qwen3moe.toml` (routed
-//! experts). For each:
+//! head_dim wider than hidden, tied LM head, rope theta 1e6), `tiny-qwen3moe.toml` (routed
+//! experts) and `tiny-gemma3.toml` (Gemma 3: post-norms, 1 + w norms, scaled embedding, GELU MLP,
+//! sliding windows). For each:
 //! - the HF folder is byte for byte the file the golden was made from (same seed, same bytes, on 2
 //!   threads here and on whatever machine made the golden);
 //! - the CPU backend on the HF folder against HF transformers (golden/tiny_*_hf.json, made by
@@ -85,6 +86,20 @@ const QWEN3MOE: Case = Case {
 /// Qwen2 dense: the Q/K/V biases (uniform in +-0.5, larger than the products' own spread of ~1 per
 /// row, so a bias missed or added after RoPE moves every logit by O(1)); LM head tied as
 /// tiny-qwen3's, so logits of that size and its bound.
+/// Gemma 3: norms after the attention and the MLP, stored as w for 1 + w in the HF folder; the
+/// embedding times sqrt(hidden); a GELU MLP; sliding-window layers (16 positions, RoPE base 1e4)
+/// between full ones. Tied head (logits of standard deviation 16), so tiny-qwen3's bound; a
+/// window ignored or a norm without its 1 moves the logits by O(1).
+const GEMMA3: Case = Case {
+    name: "tiny-gemma3",
+    golden: "tiny_gemma3_hf",
+    heads: (4, 1, 64),
+    tied: true,
+    tol: 1.5e-3,
+    slot: 4,
+    chat: Some("gemma3"),
+};
+
 const QWEN2: Case = Case {
     name: "tiny-qwen2",
     golden: "tiny_qwen2_hf",
@@ -103,7 +118,8 @@ struct Files {
 }
 
 fn files(case: &Case) -> Option<&'static Files> {
-    static FILES: [OnceLock<Option<Files>>; 4] = [
+    static FILES: [OnceLock<Option<Files>>; 5] = [
+        OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
@@ -225,6 +241,11 @@ fn qwen2_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
 }
 
 #[test]
+fn gemma3_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
+    hf_folder_matches_hf_transformers(&GEMMA3);
+}
+
+#[test]
 fn qwen3moe_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
     hf_folder_matches_hf_transformers(&QWEN3MOE);
 }
@@ -283,6 +304,21 @@ fn gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
 #[test]
 fn qwen3_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     gguf_is_the_same_model(&QWEN3);
+}
+
+#[test]
+fn gemma3_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
+    gguf_is_the_same_model(&GEMMA3);
+    let Some(f) = files(&GEMMA3) else { return };
+    for p in [&f.hf, &f.bf16] {
+        let m = Model::load(p).unwrap();
+        let sw = m.config.sliding.as_ref().expect("sliding window");
+        assert_eq!(
+            (sw.window, &sw.sliding[..], sw.rope_theta),
+            (16, &[true, false, true, false][..], 10000.0)
+        );
+        assert_eq!(m.config.attn_scale, 0.125);
+    }
 }
 
 #[test]

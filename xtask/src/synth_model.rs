@@ -108,6 +108,9 @@ struct Tensor {
     row0: usize,
     /// GGUF stores it 3-D: `[cols, rows / experts, experts]` (the experts of one layer).
     experts: Option<usize>,
+    /// Added to every value in the HF folder only: -1 for the norms of families whose HF
+    /// checkpoints store w for 1 + w (GGUF stores the 1 + w, as llama.cpp's converter writes it).
+    hf_offset: f32,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -227,12 +230,17 @@ fn tensors(
     let u = |fan_in: usize, k: f32| Init::Uniform(k * (3.0 / fan_in as f32).sqrt());
     // GGUF llama rows of q/k are permuted to adjacent-pair RoPE; qwen3 GGUFs keep HF's order
     let permuted = !family.gguf_rope_halves();
-    let t = |gguf: &str, hf: &str, rows, cols, dtype, init, qk_heads: Option<usize>| Tensor {
+    let feat = family.features();
+    let t = |gguf: &str, hf: &str, rows, cols, dtype, init: Init, qk_heads: Option<usize>| Tensor {
         gguf: gguf.into(),
         hf: Some(hf.into()),
         rows,
         cols,
         dtype,
+        hf_offset: match (&init, feat.norm_plus_one) {
+            (Init::Norm, true) => -1.0,
+            _ => 0.0,
+        },
         init,
         qk_heads: qk_heads.filter(|_| permuted),
         row0: 0,
@@ -328,17 +336,49 @@ fn tensors(
                 ),
             ]);
         }
-        v.extend([
-            t(
-                &g("attn_output"),
-                &f("self_attn.o_proj"),
-                h,
-                qd,
-                wt,
-                u(qd, 1.0),
-                None,
-            ),
-            t(
+        v.extend([t(
+            &g("attn_output"),
+            &f("self_attn.o_proj"),
+            h,
+            qd,
+            wt,
+            u(qd, 1.0),
+            None,
+        )]);
+        // the norm before the MLP: HF's post_attention_layernorm, or Gemma's
+        // pre_feedforward_layernorm beside its norms after the attention and the MLP
+        if feat.post_norms {
+            v.extend([
+                t(
+                    &g("post_attention_norm"),
+                    &f("post_attention_layernorm"),
+                    1,
+                    h,
+                    norm_t,
+                    Init::Norm,
+                    None,
+                ),
+                t(
+                    &g("ffn_norm"),
+                    &f("pre_feedforward_layernorm"),
+                    1,
+                    h,
+                    norm_t,
+                    Init::Norm,
+                    None,
+                ),
+                t(
+                    &g("post_ffw_norm"),
+                    &f("post_feedforward_layernorm"),
+                    1,
+                    h,
+                    norm_t,
+                    Init::Norm,
+                    None,
+                ),
+            ]);
+        } else {
+            v.push(t(
                 &g("ffn_norm"),
                 &f("post_attention_layernorm"),
                 1,
@@ -346,8 +386,8 @@ fn tensors(
                 norm_t,
                 Init::Norm,
                 None,
-            ),
-        ]);
+            ));
+        }
         let Some(x) = &s.experts else {
             v.extend([
                 t(
@@ -447,6 +487,7 @@ fn tensors(
             qk_heads: None,
             row0: 0,
             experts: None,
+            hf_offset: 0.0,
         });
     }
     Ok(v)
@@ -494,6 +535,7 @@ fn chat_format(family: Family) -> Option<&'static str> {
     match family {
         Family::Qwen2 => Some("qwen2"),
         Family::Qwen3 | Family::Qwen3Moe => Some("qwen3"),
+        Family::Gemma3 => Some("gemma3"),
         Family::Llama => None,
     }
 }
@@ -586,6 +628,16 @@ fn gguf_metadata(
             Value::F32(s.norm_eps as f32),
         ),
     ];
+    if let Some(w) = &s.sliding {
+        m.extend([
+            u("attention.sliding_window", w.window),
+            u("attention.sliding_window_pattern", w.pattern),
+            (
+                format!("{arch}.rope.freq_base_swa"),
+                Value::F32(w.rope_theta as f32),
+            ),
+        ]);
+    }
     if let Some(x) = &s.experts {
         m.extend([
             u("expert_count", x.count),
@@ -678,7 +730,6 @@ fn write_hf(
         "num_attention_heads": s.heads,
         "num_key_value_heads": s.kv_heads,
         "head_dim": s.head_dim,
-        "hidden_act": "silu",
         "rms_norm_eps": s.norm_eps,
         "rope_theta": s.rope_theta,
         "max_position_embeddings": s.max_context,
@@ -689,6 +740,36 @@ fn write_hf(
         "bos_token_id": cfg.0,
         "eos_token_id": cfg.1.first(),
     });
+    if family.features().gelu {
+        config["hidden_activation"] = json!("gelu_pytorch_tanh");
+    } else {
+        config["hidden_act"] = json!("silu");
+    }
+    if family.features().post_norms {
+        // Gemma 3's config has no MLP bias key
+        config
+            .as_object_mut()
+            .expect("an object")
+            .remove("mlp_bias");
+    }
+    if let Some(w) = &s.sliding {
+        let types: Vec<&str> = (0..s.layers)
+            .map(|l| match (l + 1) % w.pattern {
+                0 => "full_attention",
+                _ => "sliding_attention",
+            })
+            .collect();
+        config["sliding_window"] = json!(w.window);
+        config["layer_types"] = json!(types);
+        config["rope_local_base_freq"] = json!(w.rope_theta);
+    }
+    if let Some(q) = s.query_pre_attn_scalar {
+        // an integer in Gemma 3's config (transformers checks the type)
+        config["query_pre_attn_scalar"] = match q.fract() == 0.0 {
+            true => json!(q as u64),
+            false => json!(q),
+        };
+    }
     if family.qkv_bias() {
         // Qwen2's modelling code always has its Q/K/V biases; its configs carry the (unused)
         // sliding window instead
@@ -818,6 +899,9 @@ fn fill(
                                 _ => r,
                             };
                             row_values(seed, &t.gguf, t.row0 + src, &t.init, &mut vals);
+                            if !gguf && t.hf_offset != 0.0 {
+                                vals.iter_mut().for_each(|v| *v += t.hf_offset);
+                            }
                             quantize_row(
                                 t.dtype,
                                 &vals,

@@ -214,6 +214,8 @@ mod tests {
             tied_embeddings: true,
             moe: None,
             rope_scaling: None,
+            sliding: None,
+            attn_scale: 1.0,
             bos: Some(128000),
             eos: vec![128001],
             add_bos: true,

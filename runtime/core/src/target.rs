@@ -198,7 +198,7 @@ pub struct RopeScaling {
 
 /// The model families a target may name (`[model] family`): GGUF `general.architecture` / HF
 /// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
-pub const FAMILIES: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen3moe"];
+pub const FAMILIES: [&str; 5] = ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
 
 /// What a family's block does beyond the llama block (RMSNorm, attention with grouped KV heads and
 /// adjacent-pair RoPE, RMSNorm, gated SiLU MLP, residual adds), as data: the runtime's
@@ -223,6 +223,17 @@ pub struct Features {
     /// The fused persistent batch-1 kernel (`decode_1`, template `decode`) computes this block;
     /// a family without it decodes one sequence on the per-stage kernels.
     pub fused_decode: bool,
+    /// HF checkpoints store each RMSNorm weight as w where the norm multiplies by 1 + w (Gemma's
+    /// `Gemma3RMSNorm`); the HF reader adds the 1, as llama.cpp's converter does for its GGUFs.
+    pub norm_plus_one: bool,
+    /// The token embedding is multiplied by sqrt(hidden) before the first layer.
+    pub embed_scale: bool,
+    /// RMSNorms after the attention's O product and after the MLP's down product, before each
+    /// residual add (`blk.N.post_attention_norm`, `post_ffw_norm`; `ffn_norm` is then the norm
+    /// before the MLP).
+    pub post_norms: bool,
+    /// The gated MLP's activation is GELU (tanh approximation) instead of SiLU.
+    pub gelu: bool,
 }
 
 /// The features of `family` (one of [`FAMILIES`]).
@@ -232,8 +243,10 @@ pub fn features(family: &str) -> Option<Features> {
         "qwen2" => (false, true, false, false),
         "qwen3" => (true, false, false, false),
         "qwen3moe" => (true, false, true, false),
+        "gemma3" => (true, false, false, false),
         _ => return None,
     };
+    let gemma = family == "gemma3";
     Some(Features {
         qk_norm,
         qkv_bias,
@@ -242,6 +255,10 @@ pub fn features(family: &str) -> Option<Features> {
         gguf_rope_halves: family != "llama",
         moe,
         fused_decode,
+        norm_plus_one: gemma,
+        embed_scale: gemma,
+        post_norms: gemma,
+        gelu: gemma,
     })
 }
 
@@ -297,6 +314,24 @@ pub struct ModelShape {
     pub rope_scaling: Option<RopeScaling>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts: Option<ExpertShape>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding: Option<SlidingWindow>,
+    /// The attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma's
+    /// `query_pre_attn_scalar`) instead of head_dim^-1/2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f64>,
+}
+
+/// `[model.sliding]`: layers that attend to the last `window` positions only (the token's own
+/// included), with their own RoPE base; every `pattern`-th layer (1-based: layers pattern - 1,
+/// 2 pattern - 1, ...) attends to the whole context with `rope_theta` (Gemma 3: 512 or 1024, 6,
+/// 10000).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlidingWindow {
+    pub window: u32,
+    pub pattern: u32,
+    pub rope_theta: f64,
 }
 
 impl ModelShape {
@@ -821,6 +856,32 @@ impl TargetSpec {
             ));
         }
         let features = m.features();
+        let unkernelled = features.post_norms
+            || features.gelu
+            || features.embed_scale
+            || features.norm_plus_one
+            || m.sliding.is_some()
+            || m.query_pre_attn_scalar.is_some();
+        if unkernelled && !cpu {
+            return Err(inv(
+                model_path,
+                "model.family",
+                "a family with kernels on this backend (the gemma3 block's post-norms, GELU MLP, \
+                 embedding scale and sliding windows run on the cpu backend only: build a cpu target)"
+                    .into(),
+                m.family.clone(),
+            ));
+        }
+        if let Some(w) = &m.sliding {
+            if w.window == 0 || w.pattern == 0 || w.rope_theta <= 0.0 {
+                return Err(inv(
+                    model_path,
+                    "model.sliding",
+                    "window > 0, pattern > 0, rope_theta > 0".into(),
+                    format!("{w:?}"),
+                ));
+            }
+        }
         if features.moe && self.hardware.backend == BackendKind::Metal {
             return Err(inv(
                 model_path,
@@ -1279,6 +1340,27 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("without \"moe\" for the qwen3"), "{err}");
+        // gemma3's block has no GPU kernels: refused on a CUDA target by name
+        let err = load_edited("bf16", |s| {
+            format!("{}\n[model]\nfamily = \"gemma3\"\n", swap(s))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("gemma3") && err.contains("cpu backend only"),
+            "{err}"
+        );
+        let g = TargetSpec::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../../targets"),
+            &TargetId::new("cpu", "gemma3-1b", "bf16"),
+        )
+        .unwrap();
+        let f = g.model.features();
+        assert!(f.post_norms && f.gelu && f.norm_plus_one && f.embed_scale && f.qk_norm);
+        assert_eq!(
+            g.model.sliding.as_ref().map(|w| (w.window, w.pattern)),
+            Some((512, 6))
+        );
         let err = load_edited("bf16", |s| format!("{s}\n[model]\nfamily = \"mistral\"\n"))
             .unwrap_err()
             .to_string();

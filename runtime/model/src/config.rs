@@ -18,7 +18,8 @@ use std::path::Path;
 /// The architectures this runtime runs.
 pub const SUPPORTED_ARCHS: &str =
     "llama (GGUF general.architecture = llama; HF LlamaForCausalLM), \
-     qwen2 (GGUF qwen2; HF Qwen2ForCausalLM), qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
+     qwen2 (GGUF qwen2; HF Qwen2ForCausalLM), qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), \
+     gemma3 (GGUF gemma3; HF gemma3_text, Gemma3ForCausalLM), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
      Qwen3MoeForCausalLM)";
 
 /// A model family: the block's features that differ between the architectures this runtime reads.
@@ -34,6 +35,10 @@ pub enum Family {
     Qwen3,
     /// Qwen3 MoE: Qwen3's attention, and in every layer routed experts in place of the MLP.
     Qwen3Moe,
+    /// Gemma 3 (text): Qwen3's Q/K norms, norms after the attention and the MLP too, norm
+    /// weights stored as w for 1 + w (HF), the embedding scaled by sqrt(hidden), a GELU-gated
+    /// MLP, and sliding-window layers with their own RoPE base between full-context ones.
+    Gemma3,
 }
 
 impl Family {
@@ -45,6 +50,7 @@ impl Family {
             "qwen2" => Some(Family::Qwen2),
             "qwen3" => Some(Family::Qwen3),
             "qwen3moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
+            "gemma3" | "gemma3_text" => Some(Family::Gemma3),
             _ => None,
         }
     }
@@ -56,6 +62,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3moe",
+            Family::Gemma3 => "gemma3",
         }
     }
 
@@ -63,6 +70,7 @@ impl Family {
     pub fn hf_model_type(self) -> &'static str {
         match self {
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Gemma3 => "gemma3_text",
             f => f.name(),
         }
     }
@@ -74,6 +82,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -125,6 +134,30 @@ impl std::fmt::Display for Family {
     }
 }
 
+/// Sliding-window attention (Gemma 3): the layers with `sliding[l]` attend to their last `window`
+/// positions only (the token's own included: positions p - window + 1 ..= p) and rotate with
+/// `rope_theta`; the others attend to the whole context with the model's `rope_theta`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sliding {
+    pub window: usize,
+    pub sliding: Vec<bool>,
+    pub rope_theta: f32,
+}
+
+impl Sliding {
+    /// Gemma 3's layout: every `pattern`-th layer (layers pattern - 1, 2 pattern - 1, ...) full,
+    /// the rest sliding.
+    pub fn pattern(window: usize, pattern: usize, layers: usize, rope_theta: f32) -> Sliding {
+        Sliding {
+            window,
+            sliding: (0..layers)
+                .map(|l| !(l + 1).is_multiple_of(pattern.max(1)))
+                .collect(),
+            rope_theta,
+        }
+    }
+}
+
 /// RoPE frequency scaling.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
@@ -168,6 +201,10 @@ pub struct ModelConfig {
     /// Routed experts in every layer (families with [`Family::moe`]); `ffn` is then one expert's.
     pub moe: Option<Moe>,
     pub rope_scaling: Option<RopeScaling>,
+    /// Sliding-window layers, where the family has them.
+    pub sliding: Option<Sliding>,
+    /// The attention scores' scale: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar).
+    pub attn_scale: f32,
     pub bos: Option<u32>,
     /// End-of-generation ids (eos, then eot/eom when the file names them), deduplicated.
     pub eos: Vec<u32>,
@@ -373,6 +410,43 @@ impl ModelConfig {
                 }
             }
         };
+        // Gemma 3 as llama.cpp reads it: the file's window, every `sliding_window_pattern`-th
+        // layer full (default 6) or a flag a layer, RoPE base `freq_base_swa` for the sliding
+        // ones (default 10000); scores scaled by 1/sqrt(head_dim) (llama.cpp's choice for every
+        // size but 27B, whose query_pre_attn_scalar is hidden / heads)
+        let sliding = match (family, g.opt_u64(&k("attention.sliding_window"))?) {
+            (Family::Gemma3, Some(w)) if w > 0 => {
+                let local = g.opt_f32(&k("rope.freq_base_swa"))?.unwrap_or(10000.0);
+                let key = k("attention.sliding_window_pattern");
+                match g.get(&key) {
+                    // one flag a layer (llama.cpp's array form)
+                    Some(crate::gguf::Value::Array(crate::gguf::Array::Bool(v))) => {
+                        if v.len() != n_layers {
+                            return Err(ModelError::Mismatch {
+                                path: path.to_path_buf(),
+                                field: format!("metadata '{key}'"),
+                                expected: format!("one flag per layer ({n_layers})"),
+                                got: v.len().to_string(),
+                            });
+                        }
+                        Some(Sliding {
+                            window: w as usize,
+                            sliding: v.clone(),
+                            rope_theta: local,
+                        })
+                    }
+                    _ => {
+                        let pattern = g.opt_u64(&key)?.unwrap_or(6) as usize;
+                        Some(Sliding::pattern(w as usize, pattern, n_layers, local))
+                    }
+                }
+            }
+            _ => None,
+        };
+        let attn_scale = match (family, n_layers) {
+            (Family::Gemma3, 62) => 1.0 / ((hidden / n_heads) as f32).sqrt(),
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
         let (bos, eos, add_bos) = Self::special_tokens_from_gguf(g)?;
         // llama.cpp's enum llama_pooling_type
         let pooling = g.opt_u64(&k("pooling_type"))?.map(|v| {
@@ -408,6 +482,8 @@ impl ModelConfig {
             tied_embeddings,
             moe,
             rope_scaling,
+            sliding,
+            attn_scale,
             bos,
             eos,
             add_bos,
@@ -511,14 +587,35 @@ impl ModelConfig {
                 supported: "false (every layer attends to the whole context)".into(),
             });
         }
-        if let Some(act) = cfg.get("hidden_act").and_then(Json::as_str) {
-            if act != "silu" {
+        let (act_key, act_want) = match family.features().gelu {
+            true => ("hidden_activation", "gelu_pytorch_tanh"),
+            false => ("hidden_act", "silu"),
+        };
+        if let Some(act) = cfg.get(act_key).and_then(Json::as_str) {
+            if act != act_want {
                 return Err(ModelError::Unsupported {
                     path: path.to_path_buf(),
-                    field: field("hidden_act"),
+                    field: field(act_key),
                     value: act.into(),
-                    supported: "silu".into(),
+                    supported: act_want.into(),
                 });
+            }
+        }
+        for k in [
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+            "use_bidirectional_attention",
+        ] {
+            match cfg.get(k) {
+                None | Some(Json::Null) | Some(Json::Bool(false)) => {}
+                Some(v) => {
+                    return Err(ModelError::Unsupported {
+                        path: path.to_path_buf(),
+                        field: field(k),
+                        value: v.to_string(),
+                        supported: "null (not used by the families this runtime reads)".into(),
+                    })
+                }
             }
         }
         // Qwen2's config has no key for its Q/K/V biases (its modelling code always has them)
@@ -581,8 +678,22 @@ impl ModelConfig {
             None => req_usize("intermediate_size")?,
         };
         let vocab = req_usize("vocab_size")?;
-        // Defaults are transformers' LlamaConfig defaults.
-        let rope_theta = opt_f32("rope_theta")?.unwrap_or(10000.0);
+        // Defaults are transformers' LlamaConfig defaults; RoPE bases may also come as
+        // transformers 5's rope_parameters (per layer type for Gemma 3)
+        let rope_param = |kind: &str| {
+            cfg.get("rope_parameters")
+                .and_then(|r| r.get(kind).or(Some(r)))
+                .and_then(|r| r.get("rope_theta"))
+                .and_then(Json::as_f64)
+                .map(|v| v as f32)
+        };
+        let rope_theta = match opt_f32("rope_theta")? {
+            Some(t) => t,
+            None => rope_param("full_attention").unwrap_or(match family {
+                Family::Gemma3 => 1_000_000.0,
+                _ => 10000.0,
+            }),
+        };
         let norm_eps = opt_f32("rms_norm_eps")?.unwrap_or(1e-6);
         let max_context = opt_usize("max_position_embeddings")?.unwrap_or(2048);
         let max_context = positive(path, &field("max_position_embeddings"), max_context)?;
@@ -645,6 +756,52 @@ impl ModelConfig {
                     .ok_or_else(|| mm(k, "a token id or a list of them", v)),
             }
         };
+        let sliding = match family {
+            Family::Gemma3 => {
+                let window = req_usize("sliding_window")?;
+                let local = match opt_f32("rope_local_base_freq")? {
+                    Some(t) => t,
+                    None => rope_param("sliding_attention").unwrap_or(10000.0),
+                };
+                match cfg.get("layer_types").and_then(Json::as_array) {
+                    Some(types) => {
+                        let sliding = types
+                            .iter()
+                            .map(|t| match t.as_str() {
+                                Some("sliding_attention") => Ok(true),
+                                Some("full_attention") => Ok(false),
+                                _ => Err(mm(
+                                    "layer_types",
+                                    "\"sliding_attention\" or \"full_attention\" per layer",
+                                    t,
+                                )),
+                            })
+                            .collect::<Result<Vec<bool>>>()?;
+                        if sliding.len() != n_layers {
+                            return Err(mm(
+                                "layer_types",
+                                &format!("one entry per layer ({n_layers})"),
+                                &Json::from(sliding.len()),
+                            ));
+                        }
+                        Some(Sliding {
+                            window,
+                            sliding,
+                            rope_theta: local,
+                        })
+                    }
+                    None => {
+                        let pattern = opt_usize("sliding_window_pattern")?.unwrap_or(6);
+                        Some(Sliding::pattern(window, pattern, n_layers, local))
+                    }
+                }
+            }
+            _ => None,
+        };
+        let attn_scale = match opt_f32("query_pre_attn_scalar")? {
+            Some(q) if family == Family::Gemma3 => 1.0 / q.sqrt(),
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
         let bos = id_list("bos_token_id")?.first().copied();
         let mut eos = Vec::new();
         for id in id_list("eos_token_id")?
@@ -677,6 +834,8 @@ impl ModelConfig {
             tied_embeddings,
             moe,
             rope_scaling,
+            sliding,
+            attn_scale,
             bos,
             eos,
             add_bos: add_bos && bos.is_some(),
@@ -771,6 +930,10 @@ pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
         if c.family.qk_norm() {
             check(&b("attn_q_norm"), &[c.head_dim], true)?;
             check(&b("attn_k_norm"), &[c.head_dim], true)?;
+        }
+        if c.family.features().post_norms {
+            check(&b("post_attention_norm"), &[c.hidden], true)?;
+            check(&b("post_ffw_norm"), &[c.hidden], true)?;
         }
         check(&b("ffn_norm"), &[c.hidden], true)?;
         if let Some(m) = c.moe {

@@ -76,6 +76,9 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         "self_attn.q_norm.weight" => "attn_q_norm",
         "self_attn.k_norm.weight" => "attn_k_norm",
         "post_attention_layernorm.weight" => "ffn_norm",
+        // Gemma's norms before and after the MLP (its post_attention_layernorm: `family_name`)
+        "pre_feedforward_layernorm.weight" => "ffn_norm",
+        "post_feedforward_layernorm.weight" => "post_ffw_norm",
         "mlp.gate_proj.weight" => "ffn_gate",
         "mlp.up_proj.weight" => "ffn_up",
         "mlp.down_proj.weight" => "ffn_down",
@@ -96,6 +99,30 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         }
     };
     Some(Some(format!("blk.{layer}.{short}.weight")))
+}
+
+/// The GGUF name of an HF tensor where a family names it apart from [`gguf_name`]'s (`name`):
+/// Gemma's `post_attention_layernorm` is the norm after the attention (GGUF
+/// `post_attention_norm`), its `pre_feedforward_layernorm` the one before the MLP (`ffn_norm`).
+fn family_name(family: crate::Family, hf: &str, name: String) -> String {
+    if family.features().post_norms && hf.ends_with(".post_attention_layernorm.weight") {
+        return name.replace(".ffn_norm.", ".post_attention_norm.");
+    }
+    name
+}
+
+/// A norm weight stored as w (f32, f16 or bf16) as the f32 bytes of 1 + w.
+fn norm_plus_one(dtype: DType, data: &[u8], path: &Path, shown: &str) -> Result<Vec<u8>> {
+    let n = data.len() / dtype.row_bytes(1).unwrap_or(1).max(1);
+    let mut v = vec![0f32; n];
+    metrale_core::dtype::dequantize_row(dtype, data, &mut v).map_err(|e| {
+        ModelError::Malformed {
+            path: path.to_path_buf(),
+            field: format!("tensor '{shown}'"),
+            msg: e.to_string(),
+        }
+    })?;
+    Ok(v.iter().flat_map(|x| (1.0 + x).to_le_bytes()).collect())
 }
 
 /// Permute the rows of an HF q_proj/k_proj (`rows` rows of `row_bytes` bytes, `n_head` heads) from
@@ -371,8 +398,21 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                 }
             }
             located.insert(hf_name.clone(), f.clone());
+            let name = family_name(config.family, &hf_name, name);
+            // norms stored as w for 1 + w: the 1 added once, in f32 (as llama.cpp's converter
+            // writes them), so every backend multiplies by the weight
+            let plus_one = (config.family.features().norm_plus_one
+                && name.ends_with("norm.weight"))
+            .then(|| norm_plus_one(dtype, data, &p, &hf_name))
+            .transpose()?;
+            let (dtype, data) = match &plus_one {
+                Some(v) => (DType::F32, &v[..]),
+                None => (dtype, data),
+            };
             if let Some(permuted) = rope_pairs(&name, dtype, &shape, data, &config, &p, &hf_name)? {
                 owned.push((name, dtype, shape, permuted));
+            } else if let Some(v) = plus_one {
+                owned.push((name, dtype, shape, v));
             } else {
                 let offset = data.as_ptr() as usize - map.as_ptr() as usize;
                 mapped.push((name, dtype, shape, fi, offset, data.len()));

@@ -164,3 +164,23 @@ fn qwen2_default_system_turn_tools_and_answers() {
         "{got}"
     );
 }
+
+#[test]
+fn gemma3_turns_and_system_text() {
+    let t = template("gemma3");
+    let m = [
+        msg("system", "Be brief."),
+        msg("user", "Hi"),
+        msg("assistant", "Hello."),
+        msg("user", "Bye"),
+    ];
+    assert_eq!(
+        t.render(&m, true).unwrap(),
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n\
+<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    );
+    assert_eq!(
+        t.render(&[msg("user", "Hi")], false).unwrap(),
+        "<start_of_turn>user\nHi<end_of_turn>\n"
+    );
+}

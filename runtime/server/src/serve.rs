@@ -250,7 +250,7 @@ pub async fn run(cli: Cli) -> Result<()> {
     if let Some(t) = &target {
         eprintln!("target: {} (backend {})", t.id, t.hardware.backend);
     } else {
-        eprintln!("target: none compiled in (plain cargo build): cpu backend, any llama checkpoint, generic defaults");
+        eprintln!("target: none compiled in (plain cargo build): cpu backend, a checkpoint of any supported family, generic defaults");
     }
 
     let t0 = Instant::now();

@@ -86,6 +86,11 @@ struct Layer {
     wo: QTensor,
     ffn_norm: Vec<f32>,
     ffn: Ffn,
+    /// The norms after the attention and after the MLP (families with `post_norms`).
+    post_norms: Option<(Vec<f32>, Vec<f32>)>,
+    /// The positions a query attends to: its last `window` (`usize::MAX`: all); sliding-window
+    /// layers rotate with the local RoPE frequencies (`Block::local_inv_freq`).
+    window: usize,
 }
 
 /// A layer's MLP: one gated MLP, or routed experts.
@@ -278,6 +283,21 @@ pub struct CpuBackend {
     /// f32 activations in every matrix product (the reference) instead of 16-bit integer blocks
     /// (the default, see [`qact`]).
     exact: bool,
+    block: Block,
+}
+
+/// What a family's block does beyond the llama block's arithmetic, as the CPU forward pass reads
+/// it (`metrale_core::target::Features`, `ModelConfig`).
+#[derive(Debug, Clone)]
+struct Block {
+    /// The embedding rows times sqrt(hidden) (`embed_scale`).
+    embed_scale: Option<f32>,
+    /// The gated MLP's activation is GELU (tanh) instead of SiLU.
+    gelu: bool,
+    /// The attention scores' scale.
+    attn_scale: f32,
+    /// The RoPE frequencies of sliding-window layers, where they differ.
+    local_inv_freq: Option<Vec<f32>>,
 }
 
 fn model_err(e: impl std::fmt::Display) -> BackendError {
@@ -415,6 +435,17 @@ impl CpuBackend {
                 },
                 wo: load_matrix(model, &n("attn_output"), h, q)?.packed_for_this_cpu(),
                 ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
+                post_norms: match c.family.features().post_norms {
+                    true => Some((
+                        load_vector(model, &n("post_attention_norm"), h)?,
+                        load_vector(model, &n("post_ffw_norm"), h)?,
+                    )),
+                    false => None,
+                },
+                window: match &c.sliding {
+                    Some(sw) if sw.sliding[i] => sw.window,
+                    _ => usize::MAX,
+                },
                 ffn: match c.moe {
                     None => Ffn::Dense {
                         gate: load_matrix(model, &n("ffn_gate"), f, h)?.packed_for_this_cpu(),
@@ -444,9 +475,20 @@ impl CpuBackend {
         let inv_freq = crate::rope::model_inv_freq(c, dims.head_dim, || {
             load_vector(model, "rope_freqs.weight", dims.head_dim / 2)
         })?;
-        Self::from_parts(
+        let f = c.family.features();
+        let mut b = Self::from_parts(
             dims, c.norm_eps, embd, lm_head, out_norm, layers, inv_freq, kvc, threads,
-        )
+        )?;
+        b.block = Block {
+            embed_scale: f.embed_scale.then(|| (dims.hidden as f64).sqrt() as f32),
+            gelu: f.gelu,
+            attn_scale: c.attn_scale,
+            local_inv_freq: c
+                .sliding
+                .as_ref()
+                .map(|sw| crate::rope::rope_inv_freq(dims.head_dim, sw.rope_theta, None, None)),
+        };
+        Ok(b)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -533,6 +575,12 @@ impl CpuBackend {
             threads,
             pool,
             exact: false,
+            block: Block {
+                embed_scale: None,
+                gelu: false,
+                attn_scale: 1.0 / (dims.head_dim as f32).sqrt(),
+                local_inv_freq: None,
+            },
         })
     }
 
@@ -569,6 +617,10 @@ impl CpuBackend {
                 .qkv_bias
                 .as_ref()
                 .map_or(0, |b| b.iter().map(|v| v.len() * 4).sum());
+            n += l
+                .post_norms
+                .as_ref()
+                .map_or(0, |(a, b)| (a.len() + b.len()) * 4);
             for t in [&l.wq, &l.wk, &l.wv, &l.wo]
                 .into_iter()
                 .chain(l.ffn.tensors())
@@ -602,12 +654,17 @@ impl CpuBackend {
     /// entries' K/V into their slots. Walks [`Stage::Embed`] and each layer's [`Stage::LAYER`];
     /// the final norm and the LM head run on the rows that sample (`forward_hidden`, `lm_head`).
     fn forward_layers(&mut self, batch: &[SeqStep<'_>]) -> (Vec<f32>, Vec<usize>) {
-        let mut pass = Pass::new(batch, &self.dims, &self.inv_freq);
+        let mut pass = Pass::new(
+            batch,
+            &self.dims,
+            (&self.inv_freq, self.block.local_inv_freq.as_deref()),
+        );
         let net = Net {
             d: self.dims,
             eps: self.norm_eps,
             mm: self.mm(),
             embd: &self.embd,
+            block: &self.block,
         };
         let (layers, kv) = (&self.layers, &mut self.kv);
         self.pool.install(|| {
@@ -650,6 +707,7 @@ struct Net<'a> {
     eps: f32,
     mm: MatmulMany,
     embd: &'a QTensor,
+    block: &'a Block,
 }
 
 /// A layer's routed experts between [`Stage::GateUp`] and [`Stage::Down`]: each chosen expert, its
@@ -667,8 +725,9 @@ struct Pass<'s, 'b> {
     last_rows: Vec<usize>,
     /// attention blocks: runs of at most `ATT_BLOCK` consecutive tokens of one sequence
     blocks: Vec<(usize, usize)>,
-    /// each token's RoPE factors (every layer's)
+    /// each token's RoPE factors (every layer's; sliding-window layers': `rope_local`)
     rope: Vec<Vec<(f32, f32)>>,
+    rope_local: Option<Vec<Vec<(f32, f32)>>>,
     /// each sequence's K and V of the current layer, widened
     seq_kv: Vec<SeqKv>,
     /// the residual stream
@@ -687,7 +746,11 @@ struct Pass<'s, 'b> {
 }
 
 impl<'s, 'b> Pass<'s, 'b> {
-    fn new(batch: &'s [SeqStep<'b>], d: &Dims, inv_freq: &[f32]) -> Self {
+    fn new(
+        batch: &'s [SeqStep<'b>],
+        d: &Dims,
+        (inv_freq, local): (&[f32], Option<&[f32]>),
+    ) -> Self {
         let mut tok_meta: Vec<(usize, usize)> = Vec::new();
         let mut ids: Vec<u32> = Vec::new();
         let mut last_rows = Vec::with_capacity(batch.len());
@@ -711,10 +774,14 @@ impl<'s, 'b> Pass<'s, 'b> {
             }
             first = end;
         }
-        let rope = tok_meta
-            .iter()
-            .map(|&(_, pos)| crate::rope::rope_factors(d.head_dim, pos, inv_freq))
-            .collect();
+        let factors = |inv: &[f32]| -> Vec<Vec<(f32, f32)>> {
+            tok_meta
+                .iter()
+                .map(|&(_, pos)| crate::rope::rope_factors(d.head_dim, pos, inv))
+                .collect()
+        };
+        let rope = factors(inv_freq);
+        let rope_local = local.map(factors);
         let n = ids.len();
         let z = |w: usize| vec![0f32; n * w];
         Pass {
@@ -724,6 +791,7 @@ impl<'s, 'b> Pass<'s, 'b> {
             last_rows,
             blocks,
             rope,
+            rope_local,
             x: z(d.hidden),
             xn: z(d.hidden),
             q: z(d.qd()),
@@ -747,6 +815,9 @@ impl<'s, 'b> Pass<'s, 'b> {
             let t = t as usize;
             dequantize_row(e.dtype, &e.data[t * erb..(t + 1) * erb], row)
                 .expect("validated at load");
+            if let Some(s) = net.block.embed_scale {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
         }
     }
 
@@ -789,9 +860,13 @@ impl<'s, 'b> Pass<'s, 'b> {
                         }
                     }
                 }
+                let rope = match (&self.rope_local, l.window) {
+                    (Some(local), w) if w != usize::MAX => local,
+                    _ => &self.rope,
+                };
                 for (i, &(e, pos)) in self.tok_meta.iter().enumerate() {
-                    crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &self.rope[i]);
-                    crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &self.rope[i]);
+                    crate::rope::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, &rope[i]);
+                    crate::rope::rope_apply(&mut k[i * kvd..(i + 1) * kvd], hd, &rope[i]);
                     let at = kv.at(self.batch[e].blocks, li, pos);
                     kv.k.write(at, &k[i * kvd..(i + 1) * kvd]);
                     kv.v.write(at, &v[i * kvd..(i + 1) * kvd]);
@@ -813,13 +888,16 @@ impl<'s, 'b> Pass<'s, 'b> {
                     &self.seq_kv,
                     &self.tok_meta,
                     &self.blocks,
-                    1.0 / (hd as f32).sqrt(),
+                    (net.block.attn_scale, l.window),
                     &mut self.att,
                     &mut self.split_parts,
                 );
             }
             Stage::Out => {
                 mm(&[l.wo.mat()], &self.att, n, &mut [&mut self.o]);
+                if let Some((post, _)) = &l.post_norms {
+                    norm_rows(&mut self.o, post, eps);
+                }
                 ops::add_inplace(&mut self.x, &self.o);
             }
             Stage::GateUp => {
@@ -836,7 +914,10 @@ impl<'s, 'b> Pass<'s, 'b> {
                             &mut [&mut g[..], &mut u[..]],
                         );
                         for (ur, gr) in u.chunks_exact_mut(d.ffn).zip(g.chunks_exact(d.ffn)) {
-                            ops::swiglu_inplace(gr, ur);
+                            match net.block.gelu {
+                                true => ops::geglu_tanh_inplace(gr, ur),
+                                false => ops::swiglu_inplace(gr, ur),
+                            }
                         }
                     }
                     Ffn::Moe {
@@ -863,10 +944,22 @@ impl<'s, 'b> Pass<'s, 'b> {
                         }
                     }
                 }
+                if let Some((_, post)) = &l.post_norms {
+                    norm_rows(&mut self.o, post, eps);
+                }
                 ops::add_inplace(&mut self.x, &self.o);
             }
             Stage::Embed | Stage::LmHead => unreachable!("{stage:?} is not a layer stage"),
         }
+    }
+}
+
+/// Each row of `rows` RMS-normalised in place with weights `w` (the post-norms).
+fn norm_rows(rows: &mut [f32], w: &[f32], eps: f32) {
+    let mut tmp = vec![0f32; w.len()];
+    for r in rows.chunks_exact_mut(w.len()) {
+        tmp.copy_from_slice(r);
+        ops::rmsnorm(&tmp, w, eps, r);
     }
 }
 
@@ -923,7 +1016,7 @@ fn attention_layer(
     kv: &[SeqKv],
     tok_meta: &[(usize, usize)],
     blocks: &[(usize, usize)],
-    scale: f32,
+    (scale, window): (f32, usize),
     att: &mut [f32],
     parts: &mut Vec<f32>,
 ) {
@@ -983,6 +1076,7 @@ fn attention_layer(
             kv_dim: kvd,
             g,
             head_dim: hd,
+            window,
         }
     };
     tasks.into_par_iter().for_each_init(
@@ -994,7 +1088,16 @@ fn attention_layer(
                 let n_pos = pos.iter().max().map_or(0, |p| p + 1);
                 let kvh = kv_of(b0, g, n_pos);
                 ops::attention_block(
-                    &qs, &pos, kvh.k, kvh.v, g, d.heads, d.kv_heads, hd, scale, scratch, &mut o,
+                    &qs,
+                    &pos,
+                    kvh.k,
+                    kvh.v,
+                    g,
+                    d.heads,
+                    d.kv_heads,
+                    (hd, scale, window),
+                    scratch,
+                    &mut o,
                 );
             }
             Task::Part(ti, g, c, part) => {

@@ -44,6 +44,15 @@ pub fn swiglu_inplace(gate: &[f32], up: &mut [f32]) {
     }
 }
 
+/// GeGLU with the tanh GELU in place: `up = gelu_tanh(gate) * up`, `gelu_tanh(g) = 0.5 g (1 +
+/// tanh(sqrt(2 / pi) (g + 0.044715 g^3)))` (PyTorch's `gelu(approximate="tanh")`, Gemma's MLP).
+pub fn geglu_tanh_inplace(gate: &[f32], up: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (u, &g) in up.iter_mut().zip(gate) {
+        *u *= 0.5 * g * (1.0 + (C * (g + 0.044715 * g * g * g)).tanh());
+    }
+}
+
 /// In-place softmax over the whole slice (max-subtracted; an empty slice is left alone).
 pub fn softmax_inplace(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -211,7 +220,8 @@ fn exp_shifted(s: &mut [f32]) -> (f32, f32) {
 }
 
 /// One KV head's rows of one layer of one sequence: `k`, `v` are `[n_pos][kv_dim]`, the head's
-/// columns start at `g * head_dim`.
+/// columns start at `g * head_dim`. A query at position p attends to the last `window` positions
+/// up to and including p (`usize::MAX`: all of them; sliding-window layers: their window).
 #[derive(Debug, Clone, Copy)]
 pub struct KvHead<'a> {
     pub k: &'a [f32],
@@ -219,6 +229,7 @@ pub struct KvHead<'a> {
     pub kv_dim: usize,
     pub g: usize,
     pub head_dim: usize,
+    pub window: usize,
 }
 
 /// Floats of one chunk partial: max score, sum of exponentials, unnormalised output.
@@ -381,17 +392,24 @@ fn attention_partials_body(
             if c * ATT_CHUNK >= p1 {
                 continue;
             }
+            // a sliding window's first position; a chunk wholly before it adds nothing
+            let p0 = (c * ATT_CHUNK).max((pos[i] + 1).saturating_sub(kv.window));
             for hh in 0..gs {
                 let h = kv.g * gs + hh;
                 let at = i * per_token + ((c - c0) * gs + hh) * pl;
                 let (qh, part) = (&qi[h * hd..(h + 1) * hd], &mut parts[at..at + pl]);
+                if p0 >= p1 {
+                    part[0] = f32::NEG_INFINITY;
+                    part[1..].fill(0.0);
+                    continue;
+                }
                 #[cfg(target_arch = "x86_64")]
                 if hd == 64 && simd_level() == "avx2" {
                     // SAFETY: the CPU has avx2 and fma (checked); the rows are bounds-checked inside.
-                    unsafe { chunk_partial_64(qh, kv, (c * ATT_CHUNK, p1), scale, scores, part) };
+                    unsafe { chunk_partial_64(qh, kv, (p0, p1), scale, scores, part) };
                     continue;
                 }
-                chunk_partial(qh, kv, (c * ATT_CHUNK, p1), scale, scores, part);
+                chunk_partial(qh, kv, (p0, p1), scale, scores, part);
             }
         }
     }
@@ -424,7 +442,7 @@ pub fn attention_combine(parts: &[f32], stride: usize, n: usize, out: &mut [f32]
 /// KV head `g` (the numbers of [`attention_head`] up to rounding), chunk by chunk ([`ATT_CHUNK`]):
 /// the partials of every chunk, then their combination, as one decode token split over threads gets.
 /// `q[i]`: query token i's full query vector (`[n_heads * head_dim]`); it attends to positions
-/// `0..=pos[i]`. `k`, `v`: `[n_pos][n_kv_heads * head_dim]` with `n_pos > max(pos)`.
+/// `0..=pos[i]`, or with a sliding `window` the last `window` of them. `k`, `v`: `[n_pos][n_kv_heads * head_dim]` with `n_pos > max(pos)`.
 /// `out[i]`: token i's outputs for the group's heads (`[group_size * head_dim]`, group_size =
 /// n_heads / n_kv_heads). `scratch`: reused buffers.
 #[allow(clippy::too_many_arguments)]
@@ -436,8 +454,7 @@ pub fn attention_block(
     g: usize,
     n_heads: usize,
     n_kv_heads: usize,
-    head_dim: usize,
-    scale: f32,
+    (head_dim, scale, window): (usize, f32, usize),
     scratch: &mut (Vec<f32>, Vec<f32>),
     out: &mut [&mut [f32]],
 ) {
@@ -453,6 +470,7 @@ pub fn attention_block(
         kv_dim: n_kv_heads * head_dim,
         g,
         head_dim,
+        window,
     };
     let (scores, parts) = scratch;
     parts.resize(q.len() * nc * gs * pl, 0.0);
@@ -996,8 +1014,7 @@ mod tests {
                     g,
                     n_heads,
                     n_kv,
-                    hd,
-                    0.25,
+                    (hd, 0.25, usize::MAX),
                     &mut scratch,
                     &mut outs,
                 );
@@ -1056,6 +1073,7 @@ mod tests {
             kv_dim: n_kv * hd,
             g: 1,
             head_dim: hd,
+            window: usize::MAX,
         };
         let mut whole = vec![0f32; nc * 3 * pl];
         let mut sc = Vec::new();
@@ -1077,8 +1095,7 @@ mod tests {
             1,
             n_heads,
             n_kv,
-            hd,
-            0.25,
+            (hd, 0.25, usize::MAX),
             &mut scratch,
             &mut outs,
         );
@@ -1086,6 +1103,68 @@ mod tests {
             let mut alone = vec![0f32; hd];
             attention_combine(&pieces[hh * pl..], 3 * pl, nc, &mut alone);
             assert_eq!(alone, bufs[1][hh * hd..(hh + 1) * hd]);
+        }
+    }
+
+    /// A sliding window: each query attends to its last `w` positions only, the same numbers as
+    /// whole-context attention over those positions alone (windows inside one chunk, across
+    /// chunks, and wider than the context).
+    #[test]
+    fn sliding_window_attends_to_the_last_positions_only() {
+        let (n_heads, n_kv, hd, n_pos) = (6, 2, 64, 400);
+        let k = rand_vec(n_pos * n_kv * hd, 41);
+        let v = rand_vec(n_pos * n_kv * hd, 42);
+        let kvd = n_kv * hd;
+        for (w, pos) in [
+            (16usize, vec![399usize, 200, 10]),
+            (300, vec![399, 250]),
+            (1000, vec![399]),
+        ] {
+            let qv: Vec<Vec<f32>> = (0..pos.len())
+                .map(|i| rand_vec(n_heads * hd, 50 + i as u64))
+                .collect();
+            let qs: Vec<&[f32]> = qv.iter().map(|x| x.as_slice()).collect();
+            let mut scratch = (Vec::new(), Vec::new());
+            let mut bufs = vec![vec![0f32; 3 * hd]; pos.len()];
+            let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            attention_block(
+                &qs,
+                &pos,
+                &k,
+                &v,
+                1,
+                n_heads,
+                n_kv,
+                (hd, 0.25, w),
+                &mut scratch,
+                &mut outs,
+            );
+            for (i, &p) in pos.iter().enumerate() {
+                let lo = (p + 1).saturating_sub(w);
+                for hh in 0..3 {
+                    let mut want = vec![0f32; hd];
+                    attention_head(
+                        &qv[i],
+                        &k[lo * kvd..(p + 1) * kvd],
+                        &v[lo * kvd..(p + 1) * kvd],
+                        p + 1 - lo,
+                        3 + hh,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        0.25,
+                        &mut Vec::new(),
+                        &mut want,
+                    );
+                    let got = &bufs[i][hh * hd..(hh + 1) * hd];
+                    let err = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(err < 1e-5, "window {w}, position {p}, head {hh}: {err}");
+                }
+            }
         }
     }
 

@@ -131,6 +131,8 @@ pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: us
                 up: m(96, 64, dtype).packed_for_this_cpu(),
                 down: m(64, 96, dtype).packed_for_this_cpu(),
             },
+            post_norms: None,
+            window: usize::MAX,
         })
         .collect();
     let inv = crate::rope::rope_inv_freq(16, 10000.0, None, None);

@@ -884,6 +884,8 @@ mod tests {
             tied_embeddings: true,
             moe: None,
             rope_scaling: None,
+            sliding: None,
+            attn_scale: 1.0,
             bos: Some(1),
             eos: vec![2],
             add_bos: false,
