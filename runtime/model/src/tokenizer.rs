@@ -171,6 +171,93 @@ fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapp
     Ok((Sequence::new(steps).into(), ignore_merges))
 }
 
+/// A SentencePiece BPE vocabulary (GGUF `tokenizer.ggml.model = "llama"`: pieces, scores, types;
+/// Llama 2, Mistral, Gemma) as a `tokenizers` BPE model, built as HF's converter builds one: a merge
+/// (l, r) for every normal piece whose two halves are pieces, ranked by the merged piece's score
+/// (ties by the halves' ids); unknown characters fall back to the `<0xXX>` byte pieces; spaces are
+/// `▁`, one prefixed to each stretch of text where the vocabulary says
+/// (`tokenizer.ggml.add_space_prefix`, default true; false for Gemma) and stripped again when
+/// decoding.
+fn sentencepiece(
+    tokens: &[&str],
+    scores: &[f32],
+    types: &[i64],
+    space_prefix: bool,
+    path: &std::path::Path,
+) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::decoders::{
+        byte_fallback::ByteFallback, fuse::Fuse, sequence::Sequence as Decoders, strip::Strip,
+    };
+    use tokenizers::normalizers::prepend::Prepend;
+    use tokenizers::normalizers::replace::Replace;
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let mut merges: Vec<(f32, u32, u32, &str, &str)> = Vec::new();
+    for (t, (&score, &ty)) in tokens.iter().zip(scores.iter().zip(types)) {
+        if ty != token_type::NORMAL && ty != token_type::USER_DEFINED {
+            continue;
+        }
+        for (i, _) in t.char_indices().skip(1) {
+            let (l, r) = t.split_at(i);
+            if let (Some(&a), Some(&b)) = (vocab.get(l), vocab.get(r)) {
+                merges.push((score, a, b, l, r));
+            }
+        }
+    }
+    // by score, best first; within a score by the halves' ids (a stable order)
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then((x.1, x.2).cmp(&(y.1, y.2))));
+    let merges = merges
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect();
+    let unk = tokens
+        .iter()
+        .zip(types)
+        .find(|(_, &ty)| ty == token_type::UNKNOWN)
+        .map(|(t, _)| t.to_string());
+    let mut b = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(u) = unk {
+        b = b.unk_token(u);
+    }
+    let bpe = b.build().map_err(|e| {
+        tk_err(format!(
+            "{}: building the SentencePiece model: {e}",
+            path.display()
+        ))
+    })?;
+    let mut t = tokenizers::Tokenizer::new(bpe);
+    // a space prefixed to every stretch of text (after each special token too, as llama.cpp
+    // does), whether or not it starts with one (as sentencepiece does), then spaces as `▁`
+    let mut norm: Vec<tokenizers::NormalizerWrapper> = Vec::new();
+    if space_prefix {
+        norm.push(Prepend::new("\u{2581}".into()).into());
+    }
+    norm.push(
+        Replace::new(" ", "\u{2581}")
+            .map_err(|e| tk_err(format!("normalizer: {e}")))?
+            .into(),
+    );
+    t.with_normalizer(Some(tokenizers::normalizers::Sequence::new(norm)));
+    let mut dec: Vec<tokenizers::DecoderWrapper> = vec![
+        Replace::new("\u{2581}", " ")
+            .map_err(|e| tk_err(format!("decoder: {e}")))?
+            .into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if space_prefix {
+        dec.push(Strip::new(' ', 1, 0).into());
+    }
+    t.with_decoder(Some(Decoders::new(dec)));
+    Ok(t)
+}
+
 impl Tokenizer {
     /// Build from a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE, `model = gpt2`).
     pub fn from_gguf(
@@ -181,34 +268,47 @@ impl Tokenizer {
     ) -> Result<Tokenizer> {
         let path = g.path.as_path();
         let model = g.req_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                field: "metadata 'tokenizer.ggml.model'".into(),
-                value: model.into(),
-                supported: "gpt2 (byte-level BPE)".into(),
-            });
-        }
-        let pre = g.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
+        let spm = match model {
+            "gpt2" => false,
+            "llama" => true,
+            _ => {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    field: "metadata 'tokenizer.ggml.model'".into(),
+                    value: model.into(),
+                    supported: "gpt2 (byte-level BPE), llama (SentencePiece)".into(),
+                })
+            }
+        };
+        let pre = match spm {
+            // a SentencePiece vocabulary splits nothing before its merges
+            true => "default",
+            false => g.opt_str("tokenizer.ggml.pre")?.unwrap_or("default"),
+        };
         let pre_name = if pre == "default" {
             "default (absent)"
         } else {
             pre
         };
-        let (pre_tok, ignore_merges) = pre_tokenizer(pre, path).map_err(|e| match e {
-            ModelError::Unsupported {
-                path,
-                field,
-                supported,
-                ..
-            } => ModelError::Unsupported {
-                path,
-                field,
-                value: pre_name.into(),
-                supported,
-            },
-            e => e,
-        })?;
+        let (pre_tok, ignore_merges) = if spm {
+            (None, false)
+        } else {
+            let (p, i) = pre_tokenizer(pre, path).map_err(|e| match e {
+                ModelError::Unsupported {
+                    path,
+                    field,
+                    supported,
+                    ..
+                } => ModelError::Unsupported {
+                    path,
+                    field,
+                    value: pre_name.into(),
+                    supported,
+                },
+                e => e,
+            })?;
+            (Some(p), i)
+        };
         let tokens =
             g.opt_str_array("tokenizer.ggml.tokens")?
                 .ok_or_else(|| ModelError::Missing {
@@ -254,14 +354,47 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, t)| (t.to_string(), i as u32))
             .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .ignore_merges(ignore_merges)
-            .build()
-            .map_err(|e| tk_err(format!("{}: building the BPE model: {e}", path.display())))?;
-        let mut plain = tokenizers::Tokenizer::new(bpe);
-        plain.with_pre_tokenizer(Some(pre_tok));
-        plain.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+        let space_prefix = g
+            .opt_bool("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(true);
+        let mut plain = match spm {
+            true => {
+                let scores = match g.get("tokenizer.ggml.scores") {
+                    Some(crate::gguf::Value::Array(crate::gguf::Array::F32(v)))
+                        if v.len() == tokens.len() =>
+                    {
+                        v.clone()
+                    }
+                    _ => {
+                        return Err(ModelError::Mismatch {
+                            path: path.to_path_buf(),
+                            field: "metadata 'tokenizer.ggml.scores'".into(),
+                            expected: format!(
+                                "{} f32 scores (one per token of a SentencePiece vocabulary)",
+                                tokens.len()
+                            ),
+                            got: g
+                                .get("tokenizer.ggml.scores")
+                                .map_or("nothing".into(), |v| v.describe()),
+                        })
+                    }
+                };
+                sentencepiece(&tokens, &scores, &types, space_prefix, path)?
+            }
+            false => {
+                let bpe = BPE::builder()
+                    .vocab_and_merges(vocab, merges)
+                    .ignore_merges(ignore_merges)
+                    .build()
+                    .map_err(|e| {
+                        tk_err(format!("{}: building the BPE model: {e}", path.display()))
+                    })?;
+                let mut t = tokenizers::Tokenizer::new(bpe);
+                t.with_pre_tokenizer(pre_tok);
+                t.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+                t
+            }
+        };
         let mut special_tokens = Vec::new();
         let mut user_tokens = Vec::new();
         let mut special = vec![false; tokens.len()];
@@ -289,6 +422,10 @@ impl Tokenizer {
         let mut with_special = plain.clone();
         with_special.add_special_tokens(&special_tokens);
         let bl = byte_level_decoder();
+        let byte_mode = match spm {
+            true => ByteMode::SentencePiece,
+            false => ByteMode::ByteLevel,
+        };
         let bytes = tokens
             .iter()
             .zip(&types)
@@ -296,7 +433,7 @@ impl Tokenizer {
                 token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => {
                     t.as_bytes().to_vec()
                 }
-                _ => token_to_bytes(t, ByteMode::ByteLevel, &bl),
+                _ => token_to_bytes(t, byte_mode, &bl),
             })
             .collect();
         let tk = Tokenizer {
@@ -304,7 +441,7 @@ impl Tokenizer {
             plain,
             bytes,
             special,
-            byte_mode: ByteMode::ByteLevel,
+            byte_mode,
             bos,
             eos,
             add_bos,
