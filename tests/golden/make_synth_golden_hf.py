@@ -12,6 +12,10 @@ written with
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3moe_hf
     python make_synth_golden_hf.py DIR FILE.gguf --out tests/golden/tiny_qwen2_hf
     python make_synth_golden_hf.py DIR FILE.gguf --out tests/golden/tiny_gemma3_hf
+and tiny_mistral_hf from tiny-llama3's HF folder with its config.json made Mistral's (model_type
+mistral, architectures [MistralForCausalLM], no rope_scaling, sliding_window 16; the edit
+tests/tests/synth_model.rs makes):
+    python make_synth_golden_hf.py DIR --out tests/golden/tiny_mistral_hf
 (transformers' GGUF reader takes Gemma 3's defaults for the sliding-window pattern (6) and
 query_pre_attn_scalar (256) rather than the file's 2 and the folder's 64, so its logits of that
 GGUF differ from the folder's: recorded, not asserted; the test checks the GGUF against the folder

@@ -296,6 +296,44 @@ fn hf_folder_matches_hf_transformers(case: &Case) {
     }
 }
 
+/// An HF Mistral folder (`MistralForCausalLM`, model_type mistral) is a llama to the readers, with
+/// Mistral 7B v0.1's sliding window: tiny-llama3's folder with its config made Mistral's (no RoPE
+/// scaling, a window of 16 positions on every layer), against HF transformers' MistralForCausalLM
+/// on that folder (golden/tiny_mistral_hf.json, made with golden/make_synth_golden_hf.py after the
+/// same edit); the bound is tiny-llama3's. Without the window the logits move by O(1).
+#[test]
+fn mistral_hf_folder_with_a_sliding_window_matches_hf_transformers() {
+    let Some(f) = files(&LLAMA3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&f.hf).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = "mistral".into();
+    cfg["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    cfg.as_object_mut().unwrap().remove("rope_scaling");
+    cfg["sliding_window"] = 16.into();
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let m = Model::load(dir.path()).unwrap();
+    assert_eq!(m.config.family, metrale_model::Family::Llama);
+    assert_eq!(m.config.model_type, "mistral");
+    let sw = m.config.sliding.as_ref().expect("the window");
+    assert_eq!((sw.window, &sw.sliding[..]), (16, &[true, true][..]));
+    let g = golden_json("tiny_mistral_hf");
+    let (prompt, decode) = (ids(&g["prompt_tokens"]), ids(&g["decode_tokens"]));
+    let last_ref = golden_last_row("tiny_mistral_hf");
+    let rows = run(&m, true, &prompt, &decode);
+    let worst = worst_vs_golden(&rows, &g, &last_ref, true);
+    eprintln!(
+        "mistral: max |logit - HF| {worst:.2e} (tolerance {:.1e})",
+        LLAMA3.tol
+    );
+    assert!(worst <= LLAMA3.tol, "max diff {worst} > {}", LLAMA3.tol);
+}
+
 #[test]
 fn gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     gguf_is_the_same_model(&LLAMA3);

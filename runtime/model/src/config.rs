@@ -46,7 +46,8 @@ impl Family {
     /// (Or whose HF `model_type` is `arch`.)
     pub fn from_arch(arch: &str) -> Option<Family> {
         match arch {
-            "llama" => Some(Family::Llama),
+            // Mistral's block is Llama's (its GGUFs say llama; HF folders say mistral)
+            "llama" | "mistral" => Some(Family::Llama),
             "qwen2" => Some(Family::Qwen2),
             "qwen3" => Some(Family::Qwen3),
             "qwen3moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
@@ -73,6 +74,12 @@ impl Family {
             Family::Gemma3 => "gemma3_text",
             f => f.name(),
         }
+    }
+
+    /// Whether HF `architectures` entry `arch` is a causal LM of this family (Mistral's
+    /// `MistralForCausalLM` is a llama).
+    pub fn is_hf_architecture(self, arch: &str) -> bool {
+        arch == self.hf_architecture() || (self == Family::Llama && arch == "MistralForCausalLM")
     }
 
     /// HF `architectures` entry of a causal LM of this family.
@@ -573,7 +580,7 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Json::as_str).collect())
             .unwrap_or_default();
         let family = Family::from_arch(model_type)
-            .filter(|f| archs.is_empty() || archs.contains(&f.hf_architecture()))
+            .filter(|f| archs.is_empty() || archs.iter().any(|a| f.is_hf_architecture(a)))
             .ok_or_else(|| ModelError::UnsupportedArch {
                 path: path.to_path_buf(),
                 arch: format!("model_type={model_type:?} architectures={archs:?}"),
@@ -757,6 +764,15 @@ impl ModelConfig {
             }
         };
         let sliding = match family {
+            // Mistral 7B v0.1: every layer in one window (later Mistrals say null)
+            Family::Llama if model_type == "mistral" => match opt_usize("sliding_window")? {
+                Some(w) => Some(Sliding {
+                    window: positive(path, &field("sliding_window"), w)?,
+                    sliding: vec![true; n_layers],
+                    rope_theta,
+                }),
+                None => None,
+            },
             Family::Gemma3 => {
                 let window = req_usize("sliding_window")?;
                 let local = match opt_f32("rope_local_base_freq")? {
@@ -820,7 +836,7 @@ impl ModelConfig {
             name,
             family,
             arch: family.name().into(),
-            model_type: family.hf_model_type().into(),
+            model_type: model_type.into(),
             n_layers,
             hidden,
             n_heads,

@@ -294,14 +294,23 @@ fn config_refusals() {
     let reset = || copy_dir(&fixture("tiny-llama"), d);
     reset();
     edit_json(&cfg, |v| {
-        v["model_type"] = "mistral".into();
-        v["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        v["model_type"] = "phi3".into();
+        v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
     });
     let e = Model::load(d).unwrap_err().to_string();
     assert!(
-        e.contains("mistral") && e.contains("llama") && e.contains("config.json"),
+        e.contains("phi3") && e.contains("llama") && e.contains("config.json"),
         "{e}"
     );
+    // Mistral's folders are llamas (with model_type mistral)
+    reset();
+    edit_json(&cfg, |v| {
+        v["model_type"] = "mistral".into();
+        v["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    });
+    let m = Model::load(d).unwrap();
+    assert_eq!(m.config.family, metrale_model::Family::Llama);
+    assert_eq!(m.config.model_type, "mistral");
     reset();
     edit_json(&cfg, |v| {
         v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
@@ -479,5 +488,10 @@ fn target_families_are_the_readers_families() {
         let f = metrale_model::Family::from_arch(name).expect(name);
         assert_eq!(f.name(), name);
     }
-    assert!(metrale_model::Family::from_arch("mistral").is_none());
+    assert!(metrale_model::Family::from_arch("phi3").is_none());
+    // Mistral is read as a llama
+    assert_eq!(
+        metrale_model::Family::from_arch("mistral"),
+        Some(metrale_model::Family::Llama)
+    );
 }

@@ -399,6 +399,20 @@ pub fn check_config(
             c.name, c.family, c.family
         )));
     }
+    if let Some(sw) = &c.sliding {
+        return Err(BackendError::Model(format!(
+            "model {}: sliding-window attention ({} positions), which this binary's kernels \
+             ({target}) do not compute; serve it with the cpu backend",
+            c.name, sw.window
+        )));
+    }
+    if (c.attn_scale * (c.head_dim as f32).sqrt() - 1.0).abs() > 1e-6 {
+        return Err(BackendError::Model(format!(
+            "model {}: attention scores scaled by {}, not 1/sqrt(head_dim) as this binary's \
+             kernels ({target}) scale them; serve it with the cpu backend",
+            c.name, c.attn_scale
+        )));
+    }
     let got = c.moe.map(|m| (m.experts, m.used, m.ffn, m.norm_topk));
     let want = moe.map(|m| (m.experts, m.used, m.ffn, true));
     if got != want {
@@ -885,7 +899,7 @@ mod tests {
             moe: None,
             rope_scaling: None,
             sliding: None,
-            attn_scale: 1.0,
+            attn_scale: 1.0 / (64f32).sqrt(),
             bos: Some(1),
             eos: vec![2],
             add_bos: false,
@@ -909,6 +923,18 @@ mod tests {
             original_max_position: 8192,
         });
         assert!(check_config(&c, &d, ("llama", None), "h200/llama-3.2-1b/q4_1").is_ok());
+        // sliding windows (Mistral 7B v0.1) have no kernels: refused by name
+        c.sliding = Some(metrale_model::config::Sliding::pattern(
+            4096, 1, c.n_layers, 1e4,
+        ));
+        let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("sliding-window") && e.contains("cpu backend"),
+            "{e}"
+        );
+        c.sliding = None;
         // a family other than the kernels' is refused by name, shape or not
         c.family = metrale_model::Family::Qwen3;
         let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
