@@ -245,6 +245,72 @@ fn gemma3_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
     hf_folder_matches_hf_transformers(&GEMMA3);
 }
 
+/// A multimodal Gemma 3 folder (`Gemma3ForConditionalGeneration`, what gemma-3-4b/12b/27b are on
+/// the hub: a `text_config` and the language model's tensors under `language_model.model.*`, or
+/// `model.language_model.*` as transformers 5 saves them, beside a vision tower) is its language
+/// model: tiny-gemma3's folder rewritten in both layouts, with a vision tensor the reader must
+/// leave alone, gives the text model's logits (tiny-gemma3's golden and bound).
+#[test]
+fn gemma3_multimodal_folder_is_its_language_model() {
+    let Some(f) = files(&GEMMA3) else { return };
+    let g = golden(&GEMMA3);
+    let (prompt, decode) = (ids(&g["prompt_tokens"]), ids(&g["decode_tokens"]));
+    let last_ref = golden_last_row(GEMMA3.golden);
+    let bytes = std::fs::read(f.hf.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let text: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(f.hf.join("config.json")).unwrap()).unwrap();
+    let vision = [0u8; 8];
+    for prefix in ["language_model.model.", "model.language_model."] {
+        let dir = tempfile::tempdir().unwrap();
+        for e in std::fs::read_dir(&f.hf).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+        }
+        let mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (format!("{prefix}{}", n.strip_prefix("model.").unwrap()), v))
+            .collect();
+        tensors.push((
+            "vision_tower.vision_model.embeddings.patch_embedding.weight".into(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2, 2], &vision)
+                .unwrap(),
+        ));
+        safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors"))
+            .unwrap();
+        let mut text_config = text.clone();
+        let obj = text_config.as_object_mut().unwrap();
+        obj.remove("architectures");
+        obj.insert("model_type".into(), "gemma3_text".into());
+        let cfg = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": text_config,
+            "vision_config": {"model_type": "siglip_vision_model"},
+            "bos_token_id": text["bos_token_id"],
+            "eos_token_id": text["eos_token_id"],
+        });
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let m = Model::load(dir.path()).unwrap();
+        assert_eq!(m.config.family, metrale_model::Family::Gemma3);
+        assert!(!m
+            .weights
+            .contains("vision_tower.vision_model.embeddings.patch_embedding.weight"));
+        let rows = run(&m, true, &prompt, &decode);
+        let worst = worst_vs_golden(&rows, &g, &last_ref, true);
+        eprintln!(
+            "{prefix}*: max |logit - HF| {worst:.2e} (tolerance {:.1e})",
+            GEMMA3.tol
+        );
+        assert!(
+            worst <= GEMMA3.tol,
+            "{prefix}: max diff {worst} > {}",
+            GEMMA3.tol
+        );
+    }
+}
+
 #[test]
 fn qwen3moe_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
     hf_folder_matches_hf_transformers(&QWEN3MOE);

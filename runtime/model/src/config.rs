@@ -539,6 +539,32 @@ impl ModelConfig {
         add_bos: bool,
         generation_eos: &[u32],
     ) -> Result<ModelConfig> {
+        // a multimodal Gemma 3 (Gemma3ForConditionalGeneration: gemma-3-4b/12b/27b) is its
+        // `text_config`'s language model; its vision tower is not read (`hf::gguf_name`)
+        let merged;
+        let cfg = match (
+            cfg.get("model_type").and_then(Json::as_str),
+            cfg.get("text_config"),
+        ) {
+            (Some("gemma3"), Some(Json::Object(text))) => {
+                let mut m = text.clone();
+                m.insert("model_type".into(), "gemma3_text".into());
+                m.insert(
+                    "architectures".into(),
+                    serde_json::json!(["Gemma3ForCausalLM"]),
+                );
+                for k in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
+                    if let (false, Some(v)) = (m.contains_key(k), cfg.get(k)) {
+                        m.insert(k.into(), v.clone());
+                    }
+                }
+                // Gemma 3's language models tie their head unless they say otherwise
+                m.entry("tie_word_embeddings").or_insert(true.into());
+                merged = Json::Object(m);
+                &merged
+            }
+            _ => cfg,
+        };
         let field = |k: &str| format!("config.json {k}");
         let mm = |k: &str, expected: &str, got: &Json| ModelError::Mismatch {
             path: path.to_path_buf(),

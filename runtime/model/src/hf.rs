@@ -45,14 +45,33 @@ fn required_json(path: &Path, what: &str) -> Result<Json> {
     })
 }
 
-/// The GGUF name of an HF llama tensor, or `None` for tensors the runtime ignores
-/// (`rotary_emb.inv_freq`, recomputed from the config).
+/// The GGUF name of an HF tensor, or `None` for tensors the runtime ignores (`rotary_emb.inv_freq`,
+/// recomputed from the config; a multimodal checkpoint's vision tower and projector).
 pub fn gguf_name(hf: &str) -> Option<Option<String>> {
     match hf {
         "model.embed_tokens.weight" => return Some(Some("token_embd.weight".into())),
         "model.norm.weight" => return Some(Some("output_norm.weight".into())),
         "lm_head.weight" => return Some(Some("output.weight".into())),
         _ => {}
+    }
+    // a multimodal checkpoint's language model (Gemma 3: `language_model.model.*` as saved by
+    // transformers 4, `model.language_model.*` by transformers 5); its vision tower and
+    // projector are not read
+    if hf.starts_with("vision_tower.")
+        || hf.starts_with("multi_modal_projector.")
+        || hf.starts_with("model.vision_tower.")
+        || hf.starts_with("model.multi_modal_projector.")
+    {
+        return Some(None);
+    }
+    let inner = match hf.strip_prefix("language_model.") {
+        Some(r) => Some(r.to_string()),
+        None => hf
+            .strip_prefix("model.language_model.")
+            .map(|r| format!("model.{r}")),
+    };
+    if let Some(inner) = inner {
+        return gguf_name(&inner);
     }
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
@@ -420,8 +439,10 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
         }
     }
     if let Some(wm) = &weight_map {
+        // every tensor the index names is in its file (those the runtime ignores are skipped
+        // when read: a vision tower, rotary tables)
         for (k, f) in wm {
-            if !located.contains_key(k) {
+            if !located.contains_key(k) && gguf_name(k) != Some(None) {
                 return Err(ModelError::MissingTensor {
                     path: dir.join(f),
                     name: k.clone(),
