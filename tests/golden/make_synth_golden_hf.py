@@ -6,12 +6,13 @@ The model is tests/golden/tiny-llama3.toml (llama-3.1-8b's features at test size
     cargo xtask synth-model tests/golden/tiny-llama3.toml --out FILE.gguf
 or tests/golden/tiny-qwen3.toml (Qwen3 dense's features), tests/golden/tiny-qwen3moe.toml
 (Qwen3 MoE's: one safetensors tensor per expert, the hub's layout), tests/golden/tiny-qwen2.toml
-(Qwen2's: Q/K/V biases) and tests/golden/tiny-gemma3.toml (Gemma 3's) the same way, their goldens
-written with
+(Qwen2's: Q/K/V biases), tests/golden/tiny-gemma3.toml (Gemma 3's) and tests/golden/tiny-phi3.toml
+(Phi-3's fused projections) the same way, their goldens written with
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3_hf
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_qwen3moe_hf
     python make_synth_golden_hf.py DIR FILE.gguf --out tests/golden/tiny_qwen2_hf
     python make_synth_golden_hf.py DIR FILE.gguf --out tests/golden/tiny_gemma3_hf
+    python make_synth_golden_hf.py DIR FILE.gguf --out tests/golden/tiny_phi3_hf
 and tiny_mistral_hf from tiny-llama3's HF folder with its config.json made Mistral's (model_type
 mistral, architectures [MistralForCausalLM], no rope_scaling, sliding_window 16; the edit
 tests/tests/synth_model.rs makes):
@@ -21,7 +22,8 @@ query_pre_attn_scalar (256) rather than the file's 2 and the folder's 64, so its
 GGUF differ from the folder's: recorded, not asserted; the test checks the GGUF against the folder
 on the CPU backend instead)
 Reference: HF transformers' model class of the folder's config (LlamaForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM) in float32, eager attention, on CPU, loading the HF folder
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, and
+MistralForCausalLM below) in float32, eager attention, on CPU, loading the HF folder
 (bf16 safetensors widened to f32). Nobody in this project wrote it. The sequence is a
 >= 100-token prompt followed by 16 teacher-forced tokens; the golden holds the logits of the prompt's
 last position and of each of the 16 decode positions.

@@ -3,8 +3,8 @@
 //! llama3 RoPE scaling, a vocabulary padded past the tokenizer's), `tiny-qwen2.toml` (Qwen2: Q/K/V
 //! biases, tied LM head), `tiny-qwen3.toml` (Qwen3 dense: per-head Q/K RMSNorm before RoPE, heads x
 //! head_dim wider than hidden, tied LM head, rope theta 1e6), `tiny-qwen3moe.toml` (routed
-//! experts) and `tiny-gemma3.toml` (Gemma 3: post-norms, 1 + w norms, scaled embedding, GELU MLP,
-//! sliding windows). For each:
+//! experts), `tiny-gemma3.toml` (Gemma 3: post-norms, 1 + w norms, scaled embedding, GELU MLP,
+//! sliding windows) and `tiny-phi3.toml` (Phi-3: fused Q/K/V and gate/up matrices). For each:
 //! - the HF folder is byte for byte the file the golden was made from (same seed, same bytes, on 2
 //!   threads here and on whatever machine made the golden);
 //! - the CPU backend on the HF folder against HF transformers (golden/tiny_*_hf.json, made by
@@ -100,6 +100,18 @@ const GEMMA3: Case = Case {
     chat: Some("gemma3"),
 };
 
+/// Phi-3: Q/K/V and gate/up each one matrix in both files, split by the readers; untied head
+/// (logits of standard deviation 2), so tiny-llama3's bound.
+const PHI3: Case = Case {
+    name: "tiny-phi3",
+    golden: "tiny_phi3_hf",
+    heads: (4, 2, 64),
+    tied: false,
+    tol: 1e-4,
+    slot: 5,
+    chat: None,
+};
+
 const QWEN2: Case = Case {
     name: "tiny-qwen2",
     golden: "tiny_qwen2_hf",
@@ -118,7 +130,8 @@ struct Files {
 }
 
 fn files(case: &Case) -> Option<&'static Files> {
-    static FILES: [OnceLock<Option<Files>>; 5] = [
+    static FILES: [OnceLock<Option<Files>>; 6] = [
+        OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
@@ -238,6 +251,16 @@ fn qwen3_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
 #[test]
 fn qwen2_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
     hf_folder_matches_hf_transformers(&QWEN2);
+}
+
+#[test]
+fn phi3_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
+    hf_folder_matches_hf_transformers(&PHI3);
+}
+
+#[test]
+fn phi3_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
+    gguf_is_the_same_model(&PHI3);
 }
 
 #[test]

@@ -258,44 +258,57 @@ fn tensors(
     for l in 0..s.layers as usize {
         let g = |n: &str| format!("blk.{l}.{n}.weight");
         let f = |n: &str| format!("model.layers.{l}.{n}.weight");
-        v.extend([
-            t(
-                &g("attn_norm"),
-                &f("input_layernorm"),
-                1,
-                h,
-                norm_t,
-                Init::Norm,
-                None,
-            ),
-            t(
-                &g("attn_q"),
-                &f("self_attn.q_proj"),
-                qd,
-                h,
-                wt,
-                u(h, 1.0),
-                Some(heads),
-            ),
-            t(
-                &g("attn_k"),
-                &f("self_attn.k_proj"),
-                kd,
-                h,
-                wt,
-                u(h, 1.0),
-                Some(kv),
-            ),
-            t(
-                &g("attn_v"),
-                &f("self_attn.v_proj"),
-                kd,
+        v.push(t(
+            &g("attn_norm"),
+            &f("input_layernorm"),
+            1,
+            h,
+            norm_t,
+            Init::Norm,
+            None,
+        ));
+        if feat.fused_projections {
+            // Phi-3: Q, K and V rows in one matrix, in HF's order in both formats
+            v.push(t(
+                &g("attn_qkv"),
+                &f("self_attn.qkv_proj"),
+                qd + 2 * kd,
                 h,
                 wt,
                 u(h, 1.0),
                 None,
-            ),
-        ]);
+            ));
+        } else {
+            v.extend([
+                t(
+                    &g("attn_q"),
+                    &f("self_attn.q_proj"),
+                    qd,
+                    h,
+                    wt,
+                    u(h, 1.0),
+                    Some(heads),
+                ),
+                t(
+                    &g("attn_k"),
+                    &f("self_attn.k_proj"),
+                    kd,
+                    h,
+                    wt,
+                    u(h, 1.0),
+                    Some(kv),
+                ),
+                t(
+                    &g("attn_v"),
+                    &f("self_attn.v_proj"),
+                    kd,
+                    h,
+                    wt,
+                    u(h, 1.0),
+                    None,
+                ),
+            ]);
+        }
         if family.qkv_bias() {
             // one value a row (GGUF f32, HF bf16): the converters keep Q/K biases in HF's row
             // order for the families that have them, as their matrices
@@ -389,27 +402,40 @@ fn tensors(
             ));
         }
         let Some(x) = &s.experts else {
-            v.extend([
-                t(
-                    &g("ffn_gate"),
-                    &f("mlp.gate_proj"),
-                    ffn,
+            if feat.fused_projections {
+                // Phi-3: gate and up rows in one matrix, gate first
+                v.push(t(
+                    &g("ffn_up"),
+                    &f("mlp.gate_up_proj"),
+                    2 * ffn,
                     h,
                     wt,
                     u(h, 1.0),
                     None,
-                ),
-                t(&g("ffn_up"), &f("mlp.up_proj"), ffn, h, wt, u(h, 1.0), None),
-                t(
-                    &g("ffn_down"),
-                    &f("mlp.down_proj"),
-                    h,
-                    ffn,
-                    wt,
-                    u(ffn, 1.0),
-                    None,
-                ),
-            ]);
+                ));
+            } else {
+                v.extend([
+                    t(
+                        &g("ffn_gate"),
+                        &f("mlp.gate_proj"),
+                        ffn,
+                        h,
+                        wt,
+                        u(h, 1.0),
+                        None,
+                    ),
+                    t(&g("ffn_up"), &f("mlp.up_proj"), ffn, h, wt, u(h, 1.0), None),
+                ]);
+            }
+            v.extend([t(
+                &g("ffn_down"),
+                &f("mlp.down_proj"),
+                h,
+                ffn,
+                wt,
+                u(ffn, 1.0),
+                None,
+            )]);
             continue;
         };
         // routed experts: the router in f32 (GGUF; bf16 values) as llama.cpp keeps it, each
@@ -536,7 +562,7 @@ fn chat_format(family: Family) -> Option<&'static str> {
         Family::Qwen2 => Some("qwen2"),
         Family::Qwen3 | Family::Qwen3Moe => Some("qwen3"),
         Family::Gemma3 => Some("gemma3"),
-        Family::Llama => None,
+        Family::Llama | Family::Phi3 => None,
     }
 }
 

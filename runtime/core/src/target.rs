@@ -198,7 +198,7 @@ pub struct RopeScaling {
 
 /// The model families a target may name (`[model] family`): GGUF `general.architecture` / HF
 /// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
-pub const FAMILIES: [&str; 5] = ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
+pub const FAMILIES: [&str; 6] = ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"];
 
 /// What a family's block does beyond the llama block (RMSNorm, attention with grouped KV heads and
 /// adjacent-pair RoPE, RMSNorm, gated SiLU MLP, residual adds), as data: the runtime's
@@ -234,6 +234,10 @@ pub struct Features {
     pub post_norms: bool,
     /// The gated MLP's activation is GELU (tanh approximation) instead of SiLU.
     pub gelu: bool,
+    /// The files store Q, K and V as one matrix (`attn_qkv`, HF `qkv_proj`) and gate and up as
+    /// one (`ffn_up` of 2 x ffn rows, gate first; HF `gate_up_proj`); the readers split them
+    /// (Phi-3), so the block is llama's.
+    pub fused_projections: bool,
 }
 
 /// The features of `family` (one of [`FAMILIES`]).
@@ -244,6 +248,7 @@ pub fn features(family: &str) -> Option<Features> {
         "qwen3" => (true, false, false, false),
         "qwen3moe" => (true, false, true, false),
         "gemma3" => (true, false, false, false),
+        "phi3" => (false, false, false, false),
         _ => return None,
     };
     let gemma = family == "gemma3";
@@ -259,6 +264,7 @@ pub fn features(family: &str) -> Option<Features> {
         embed_scale: gemma,
         post_norms: gemma,
         gelu: gemma,
+        fused_projections: family == "phi3",
     })
 }
 

@@ -19,7 +19,8 @@ use std::path::Path;
 pub const SUPPORTED_ARCHS: &str =
     "llama (GGUF general.architecture = llama; HF LlamaForCausalLM), \
      qwen2 (GGUF qwen2; HF Qwen2ForCausalLM), qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), \
-     gemma3 (GGUF gemma3; HF gemma3_text, Gemma3ForCausalLM), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
+     gemma3 (GGUF gemma3; HF gemma3_text, Gemma3ForCausalLM), phi3 (GGUF phi3; HF Phi3ForCausalLM: \
+     Phi-3, Phi-3.5, Phi-4), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
      Qwen3MoeForCausalLM)";
 
 /// A model family: the block's features that differ between the architectures this runtime reads.
@@ -39,6 +40,9 @@ pub enum Family {
     /// weights stored as w for 1 + w (HF), the embedding scaled by sqrt(hidden), a GELU-gated
     /// MLP, and sliding-window layers with their own RoPE base between full-context ones.
     Gemma3,
+    /// Phi-3, Phi-3.5, Phi-4 (HF Phi3ForCausalLM): llama's block with Q/K/V and gate/up each
+    /// stored as one matrix, which the readers split.
+    Phi3,
 }
 
 impl Family {
@@ -52,6 +56,7 @@ impl Family {
             "qwen3" => Some(Family::Qwen3),
             "qwen3moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
             "gemma3" | "gemma3_text" => Some(Family::Gemma3),
+            "phi3" => Some(Family::Phi3),
             _ => None,
         }
     }
@@ -64,6 +69,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3moe",
             Family::Gemma3 => "gemma3",
+            Family::Phi3 => "phi3",
         }
     }
 
@@ -90,6 +96,7 @@ impl Family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
         }
     }
 
@@ -393,6 +400,22 @@ impl ModelConfig {
             })?;
         let vocab = embd.shape.get(1).copied().unwrap_or(1);
         let tied_embeddings = !g.header.tensors.iter().any(|t| t.name == "output.weight");
+        // Phi-3's 128k variants: LongRoPE factors, not read yet
+        if let Some(t) = g
+            .header
+            .tensors
+            .iter()
+            .find(|t| t.name.starts_with("rope_factors_"))
+        {
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                field: format!("tensor '{}'", t.name),
+                value: "LongRoPE factors".into(),
+                supported:
+                    "RoPE without per-dimension long/short factors (llama3's rope_freqs is read)"
+                        .into(),
+            });
+        }
         let rope_scaling = if g
             .header
             .tensors
@@ -634,6 +657,22 @@ impl ModelConfig {
                 });
             }
         }
+        // Phi-4-mini and Phi-3.5's partial rotary embedding
+        let partial = cfg
+            .get("partial_rotary_factor")
+            .or_else(|| {
+                cfg.get("rope_parameters")
+                    .and_then(|r| r.get("partial_rotary_factor"))
+            })
+            .and_then(Json::as_f64);
+        if let Some(f) = partial.filter(|&f| f != 1.0) {
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                field: field("partial_rotary_factor"),
+                value: f.to_string(),
+                supported: "1 (RoPE over the whole head)".into(),
+            });
+        }
         for k in [
             "final_logit_softcapping",
             "attn_logit_softcapping",
@@ -790,15 +829,17 @@ impl ModelConfig {
             }
         };
         let sliding = match family {
-            // Mistral 7B v0.1: every layer in one window (later Mistrals say null)
-            Family::Llama if model_type == "mistral" => match opt_usize("sliding_window")? {
-                Some(w) => Some(Sliding {
-                    window: positive(path, &field("sliding_window"), w)?,
-                    sliding: vec![true; n_layers],
-                    rope_theta,
-                }),
-                None => None,
-            },
+            // Mistral 7B v0.1 and Phi-3: every layer in one window (later Mistrals say null)
+            Family::Llama | Family::Phi3 if model_type == "mistral" || family == Family::Phi3 => {
+                match opt_usize("sliding_window")? {
+                    Some(w) => Some(Sliding {
+                        window: positive(path, &field("sliding_window"), w)?,
+                        sliding: vec![true; n_layers],
+                        rope_theta,
+                    }),
+                    None => None,
+                }
+            }
             Family::Gemma3 => {
                 let window = req_usize("sliding_window")?;
                 let local = match opt_f32("rope_local_base_freq")? {

@@ -92,6 +92,9 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         "self_attn.k_proj.weight" => "attn_k",
         "self_attn.v_proj.weight" => "attn_v",
         "self_attn.o_proj.weight" => "attn_output",
+        // Phi-3's fused projections (`fused_parts` splits them)
+        "self_attn.qkv_proj.weight" => "attn_qkv",
+        "mlp.gate_up_proj.weight" => "ffn_up",
         "self_attn.q_norm.weight" => "attn_q_norm",
         "self_attn.k_norm.weight" => "attn_k_norm",
         "post_attention_layernorm.weight" => "ffn_norm",
@@ -128,6 +131,63 @@ fn family_name(family: crate::Family, hf: &str, name: String) -> String {
         return name.replace(".ffn_norm.", ".post_attention_norm.");
     }
     name
+}
+
+/// One part of a fused matrix: its name, ggml shape, byte offset into the fused tensor's data and
+/// bytes.
+pub(crate) type FusedPart = (String, Vec<usize>, usize, usize);
+
+/// Where a family's files store several matrices as one (`Features::fused_projections`: Phi-3's
+/// `attn_qkv`, and `ffn_up` of 2 x ffn rows, gate first), the parts as separate tensors: (name,
+/// ggml shape, byte offset into the fused tensor's data, bytes), rows being contiguous in both
+/// GGUF and safetensors. `Ok(None)` for any other tensor.
+pub(crate) fn fused_parts(
+    c: &ModelConfig,
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+    path: &Path,
+) -> Result<Option<Vec<FusedPart>>> {
+    if !c.family.features().fused_projections || shape.len() != 2 {
+        return Ok(None);
+    }
+    let (cols, rows) = (shape[0], shape[1]);
+    let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let parts: Vec<(&str, usize)> = if name.ends_with(".attn_qkv.weight") {
+        if rows != q + 2 * kv {
+            return Err(ModelError::Mismatch {
+                path: path.to_path_buf(),
+                field: format!("tensor '{name}' shape"),
+                expected: format!("{} rows (Q, K and V) of {cols}", q + 2 * kv),
+                got: format!("{shape:?}"),
+            });
+        }
+        vec![("attn_q", q), ("attn_k", kv), ("attn_v", kv)]
+    } else if name.ends_with(".ffn_up.weight") && rows == 2 * c.ffn {
+        vec![("ffn_gate", c.ffn), ("ffn_up", c.ffn)]
+    } else {
+        return Ok(None);
+    };
+    let block = name.rsplit_once('.').map_or(name, |(a, _)| a);
+    let block = block.rsplit_once('.').map_or(block, |(a, _)| a);
+    let rb = dtype.row_bytes(cols).ok_or_else(|| ModelError::Mismatch {
+        path: path.to_path_buf(),
+        field: format!("tensor '{name}' shape"),
+        expected: format!("rows of whole {dtype} blocks"),
+        got: format!("{shape:?}"),
+    })?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (part, n) in parts {
+        out.push((
+            format!("{block}.{part}.weight"),
+            vec![cols, n],
+            at * rb,
+            n * rb,
+        ));
+        at += n;
+    }
+    Ok(Some(out))
 }
 
 /// A norm weight stored as w (f32, f16 or bf16) as the f32 bytes of 1 + w.
@@ -418,6 +478,18 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
             }
             located.insert(hf_name.clone(), f.clone());
             let name = family_name(config.family, &hf_name, name);
+            // fused projections (Phi-3): each part its own tensor, Q and K rows then permuted
+            if let Some(parts) = fused_parts(&config, &name, dtype, &shape, &p)? {
+                let base = data.as_ptr() as usize - map.as_ptr() as usize;
+                for (pname, pshape, off, len) in parts {
+                    let pdata = &data[off..off + len];
+                    match rope_pairs(&pname, dtype, &pshape, pdata, &config, &p, &hf_name)? {
+                        Some(permuted) => owned.push((pname, dtype, pshape, permuted)),
+                        None => mapped.push((pname, dtype, pshape, fi, base + off, len)),
+                    }
+                }
+                continue;
+            }
             // norms stored as w for 1 + w: the 1 added once, in f32 (as llama.cpp's converter
             // writes them), so every backend multiplies by the weight
             let plus_one = (config.family.features().norm_plus_one

@@ -126,6 +126,25 @@ impl Model {
         let gguf::GgufFile { header, map, .. } = g;
         let mut weights = Weights::new(path.to_path_buf(), vec![map]);
         for t in header.tensors {
+            // fused projections (Phi-3): each part its own tensor (mapped), Q and K then permuted
+            if let Some(parts) = hf::fused_parts(&config, &t.name, t.dtype, &t.shape, path)? {
+                for (name, shape, off, len) in parts {
+                    let start = t.file_offset + off;
+                    let data = weights.maps[0].get(start..start + len).unwrap_or(&[]);
+                    let source =
+                        match hf::rope_pairs(&name, t.dtype, &shape, data, &config, path, &t.name)?
+                        {
+                            Some(bytes) => weights::Source::Owned(bytes),
+                            None => weights::Source::Mapped {
+                                map: 0,
+                                offset: start,
+                                len,
+                            },
+                        };
+                    weights.insert(name, t.dtype, shape, source)?;
+                }
+                continue;
+            }
             // families whose GGUF rows keep HF's RoPE layout: Q/K rows to adjacent pairs (copied)
             let pairs = if config.family.gguf_rope_halves() {
                 let end = t.file_offset.saturating_add(t.n_bytes);

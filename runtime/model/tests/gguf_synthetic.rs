@@ -155,10 +155,29 @@ fn unknown_pre_tokenizer_is_refused_by_name() {
 #[test]
 fn other_architectures_are_refused() {
     let mut g = tiny_llama();
-    g.kv("general.architecture", V::Str("phi3".into()));
+    g.kv("general.architecture", V::Str("gemma4".into()));
     let e = load_err(&g, "arch.gguf");
     assert!(
-        e.contains("phi3") && e.contains("llama") && e.contains("gemma3"),
+        e.contains("gemma4") && e.contains("llama") && e.contains("phi3"),
+        "{e}"
+    );
+}
+
+/// Phi-3's 128k variants carry LongRoPE factors, which the runtime does not apply: refused by name
+/// rather than run with the wrong rotation.
+#[test]
+fn longrope_factors_are_refused() {
+    let mut g = tiny_llama();
+    g.tensors.push(common::T {
+        name: "rope_factors_long.weight".into(),
+        dims: vec![4],
+        ggml_type: 0,
+        data: vec![0; 16],
+        offset: None,
+    });
+    let e = load_err(&g, "longrope.gguf");
+    assert!(
+        e.contains("rope_factors_long") && e.contains("LongRoPE"),
         "{e}"
     );
 }

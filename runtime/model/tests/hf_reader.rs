@@ -294,12 +294,12 @@ fn config_refusals() {
     let reset = || copy_dir(&fixture("tiny-llama"), d);
     reset();
     edit_json(&cfg, |v| {
-        v["model_type"] = "phi3".into();
-        v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+        v["model_type"] = "gemma4".into();
+        v["architectures"] = serde_json::json!(["Gemma4ForCausalLM"]);
     });
     let e = Model::load(d).unwrap_err().to_string();
     assert!(
-        e.contains("phi3") && e.contains("llama") && e.contains("config.json"),
+        e.contains("gemma4") && e.contains("llama") && e.contains("config.json"),
         "{e}"
     );
     // Mistral's folders are llamas (with model_type mistral)
@@ -373,6 +373,11 @@ fn config_refusals() {
     edit_json(&cfg, |v| v["mlp_bias"] = true.into());
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("mlp_bias"), "{e}");
+    // a partial rotary embedding (Phi-4-mini, Phi-3.5) is refused by name
+    reset();
+    edit_json(&cfg, |v| v["partial_rotary_factor"] = 0.75.into());
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("partial_rotary_factor"), "{e}");
     // a model_type and an architecture of different families
     reset();
     edit_json(&cfg, |v| v["model_type"] = "qwen3".into());
@@ -488,7 +493,7 @@ fn target_families_are_the_readers_families() {
         let f = metrale_model::Family::from_arch(name).expect(name);
         assert_eq!(f.name(), name);
     }
-    assert!(metrale_model::Family::from_arch("phi3").is_none());
+    assert!(metrale_model::Family::from_arch("gemma4").is_none());
     // Mistral is read as a llama
     assert_eq!(
         metrale_model::Family::from_arch("mistral"),
