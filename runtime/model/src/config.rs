@@ -545,7 +545,19 @@ impl ModelConfig {
         let pre = g.opt_str("tokenizer.ggml.pre")?;
         let default_add_bos = match g.opt_str("tokenizer.ggml.model")? {
             Some("llama") => true,
-            _ => matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe")),
+            _ => matches!(
+                pre,
+                Some(
+                    "llama3"
+                        | "llama-v3"
+                        | "llama-bpe"
+                        | "falcon3"
+                        | "falcon-h1"
+                        | "pixtral"
+                        | "midm-2.0"
+                        | "lfm2"
+                )
+            ),
         };
         let add_bos = g
             .opt_bool("tokenizer.ggml.add_bos_token")?

@@ -42,7 +42,9 @@ pub const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][
 /// `(?i:'s|...)` group it spells out): the llama3 regex with single digits.
 pub const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The `tokenizer.ggml.pre` values this reader supports.
-pub const SUPPORTED_PRE: &str = "smollm, gpt2 (gpt-2), llama-bpe (llama3, llama-v3), qwen2";
+pub const SUPPORTED_PRE: &str = "smollm, gpt2 (gpt-2, phi-2, exaone4), llama-bpe (llama3, \
+     llama-v3, falcon3, falcon-h1, pixtral, midm-2.0, lfm2), qwen2 (deepseek-r1-qwen, kormo, \
+     f2llmv2, megrez)";
 
 /// GGUF token types (llama_token_type).
 mod token_type {
@@ -156,9 +158,14 @@ fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapp
     let bytes: PreTokenizerWrapper = ByteLevel::new(false, false, false).into();
     let (steps, ignore_merges) = match pre {
         "smollm" => (vec![split(r"\p{N}")?, split(GPT2_REGEX)?, bytes], false),
-        "gpt2" | "gpt-2" => (vec![split(GPT2_REGEX)?, bytes], false),
-        "llama-bpe" | "llama3" | "llama-v3" => (vec![split(LLAMA3_REGEX)?, bytes], true),
-        "qwen2" => (vec![split(QWEN2_REGEX)?, bytes], false),
+        // the names llama.cpp gives each of these pre-tokenizers (DeepSeek-R1's Qwen distills are
+        // qwen2's, Falcon 3's and Pixtral's llama3's)
+        "gpt2" | "gpt-2" | "phi-2" | "exaone4" => (vec![split(GPT2_REGEX)?, bytes], false),
+        "llama-bpe" | "llama3" | "llama-v3" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" => (vec![split(LLAMA3_REGEX)?, bytes], true),
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => {
+            (vec![split(QWEN2_REGEX)?, bytes], false)
+        }
         other => {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),

@@ -133,6 +133,21 @@ fn pre_tokenizers_gpt2_llama3_and_qwen2() {
         t.encode("hello", false, false).unwrap(),
         vec![t.token_to_id("hello").unwrap()]
     );
+    // other names llama.cpp gives these pre-tokenizers: the same splits (and llama3's BOS)
+    for (alias, canonical) in [
+        ("deepseek-r1-qwen", "qwen2"),
+        ("falcon3", "llama-bpe"),
+        ("phi-2", "gpt2"),
+    ] {
+        let mut enc = |pre: &str| {
+            g.kv("tokenizer.ggml.pre", V::Str(pre.into()));
+            let m = Model::load(&g.write(dir.path(), &format!("{pre}.gguf"))).unwrap();
+            let ids = m.tokenizer.encode("x 12345 hello", false, false).unwrap();
+            (ids, m.config.add_bos)
+        };
+        let (a, c) = (enc(alias), enc(canonical));
+        assert_eq!(a, c, "{alias} as {canonical}");
+    }
 }
 
 #[test]
