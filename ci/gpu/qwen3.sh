@@ -40,58 +40,8 @@
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
 
-# --- packing (CPU machine); DIR is the carried folder, its files go in DIR/b.tar.xz
-# pack_start DIR MODE MODEL.gguf: the model (the vocabulary's source) checked, DIR emptied
-pack_start() {
-  model=${3:-${METRALE_MODEL:-}}
-  [ -f "$model" ] || { echo "usage: ci/gpu/qwen3.sh $2 MODEL.gguf" >&2; exit 2; }
-  rm -rf "$1" && mkdir -p "$1/b/bin" "$1/b/k" "$1/b/srv"
-}
-# kernels DIR MODEL/QUANT...: each h200 target's kernels in DIR/b/k/h200-MODEL-QUANT
-kernels() {
-  local d=$1 t; shift
-  for t in "$@"; do
-    cargo xtask build-target --hw h200 --model "${t%/*}" --quant "${t#*/}" --kernels-only \
-      --out "$d/b/k/h200-${t%/*}-${t#*/}" 2>&1 | tail -1
-  done
-}
-# servers DIR MODEL/QUANT...: each h200 target's server binary in DIR/b/srv/h200-MODEL-QUANT
-servers() {
-  local d=$1 t o; shift
-  for t in "$@"; do
-    o=$d/b/srv/h200-${t%/*}-${t#*/}
-    cargo xtask build-target --hw h200 --model "${t%/*}" --quant "${t#*/}" --out "$o" 2>&1 | tail -1
-    rm -rf "$o/kernels"
-  done
-}
-# tools DIR EXAMPLE...: cuda_kernels, the examples named and xtask in DIR/b/bin
-tools() {
-  local d=$1 e C="--release -p metrale-backend --features cuda"; shift
-  cp "$(exe test $C --no-run --test cuda_kernels)" "$d/b/bin/cuda_kernels"
-  for e in "$@"; do cp "$(exe build $C --example "$e")" "$d/b/bin/$e"; done
-  cp "$(exe build --release -p xtask)" "$d/b/bin/xtask"
-}
-# vocab DIR MODEL [FILE]: the model's vocabulary-only GGUF in DIR/b/FILE (default vocab.gguf)
-vocab() {
-  cargo xtask synth-model "$2" --tokenizer "$model" --format vocab --out "$1/b/${3:-vocab.gguf}" >/dev/null
-}
-# pack_end DIR [.peer]: binaries stripped, DIR/b packed; what the call carries (with .peer: the
-# peer's source too, packed once)
-pack_end() {
-  local f
-  for f in "$1"/b/bin/* "$1"/b/srv/*/metrale-server; do
-    if [ -f "$f" ]; then strip "$f"; fi
-  done
-  tar cJf "$1/b.tar.xz" -C "$1" b && rm -rf "$1/b"
-  [ -z "${2:-}" ] || [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
-  echo "carry $1${2:+ $2}: $(du -cb "$1" ${2:-} | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
-}
+# pack_start, kernels, servers, tools, vocab, pack_end and unpack: real-size.sh
 # --- calls (GPU machine)
-# unpack DIR: a fresh results folder, DIR's files in ~/b, the GPU's state recorded
-unpack() {
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf "$1/b.tar.xz" -C "$H"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
-}
 # llamacpp_start: llama.cpp's build in the background (it outlives the call)
 llamacpp_start() {
   step "llama.cpp build (background)"

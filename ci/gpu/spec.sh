@@ -3,8 +3,8 @@
 # minutes: what a verification step costs and what each acceptance rate buys at the 8B shape, and
 # that greedy verification reproduces plain greedy decoding.
 #
-#   bash ci/gpu/spec.sh prepare MODEL.gguf   CPU machine: .sp1/ (kernels of llama-3.1-8b/{bf16,q4_1}
-#                                            and smollm2-135m/q4_1, the tools, the 8B vocabulary)
+#   bash ci/gpu/spec.sh prepare MODEL.gguf   CPU machine: .sp1/ (kernels of llama-3.1-8b/{bf16,q4_1},
+#                                            the tools, the 8B vocabulary)
 #   bash ci/gpu/spec.sh call  carry .sp1      the 8B bf16 and q4_1 GGUFs; the kernel tests of both;
 #        spec_bench on each (k = 4: plain batch-1 decode, then proposals replayed from it corrupted
 #        at 0, 10, 25, 50, 75%: tok/s, acceptance, the verification step against a plain step,
@@ -17,25 +17,14 @@ REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 case "${1:-}" in
 prepare)
   set -e
-  model=${2:-${METRALE_MODEL:-}}
-  [ -f "$model" ] || { echo "usage: ci/gpu/spec.sh prepare MODEL.gguf" >&2; exit 2; }
-  rm -rf .sp1 && mkdir -p .sp1/b/bin .sp1/b/k
-  for t in llama-3.1-8b/bf16 llama-3.1-8b/q4_1; do
-    cargo xtask build-target --hw h200 --model "${t%/*}" --quant "${t#*/}" --kernels-only \
-      --out ".sp1/b/k/h200-${t%/*}-${t#*/}" 2>&1 | tail -1
-  done
-  C="--release -p metrale-backend --features cuda"
-  cp "$(exe test $C --no-run --test cuda_kernels)" .sp1/b/bin/cuda_kernels
-  for e in spec_bench cuda_bench; do cp "$(exe build $C --example $e)" .sp1/b/bin/$e; done
-  cp "$(exe build --release -p xtask)" .sp1/b/bin/xtask
-  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .sp1/b/vocab-8b.gguf >/dev/null
-  strip .sp1/b/bin/*
-  tar cJf .sp1/b.tar.xz -C .sp1 b && rm -rf .sp1/b
-  echo "carry .sp1: $(du -cb .sp1 | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  pack_start .sp1 prepare "${2:-}"
+  kernels .sp1 llama-3.1-8b/bf16 llama-3.1-8b/q4_1
+  tools .sp1 spec_bench cuda_bench
+  vocab .sp1 llama-3.1-8b vocab-8b.gguf
+  pack_end .sp1
   ;;
 call)
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .sp1/b.tar.xz -C "$H"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  unpack .sp1
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
   step "synth-model: 8B bf16 and q4_1 GGUFs"
   for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf"; do

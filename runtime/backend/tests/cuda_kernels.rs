@@ -1942,16 +1942,31 @@ fn moe_routing_and_experts_match_cpu() {
     g.read(&ids, 0, &mut got_ids).unwrap();
     let got_w = read_f32(g, &wts, n * m.used);
     let got_x = read_f32(g, &xb, n * h);
-    let mut want_x = x.clone();
-    for t in 0..n {
+    // The CPU reference for one token's row: the experts chosen (ascending, with their weights)
+    // and x + the weighted sum of their outputs.
+    let reference = |x: &[f32]| -> (Vec<(usize, f32)>, Vec<f32>) {
         let mut xn = vec![0f32; h];
-        ops::rmsnorm(&x[t * h..(t + 1) * h], &norm, e.eps, &mut xn);
+        ops::rmsnorm(x, &norm, e.eps, &mut xn);
         let logits: Vec<f32> = router
             .chunks_exact(h)
             .map(|r| r.iter().zip(&xn).map(|(a, b)| a * b).sum())
             .collect();
         let mut chosen = metrale_backend::cpu::route(&logits, m.used, true);
         chosen.sort_by_key(|&(ex, _)| ex);
+        let mut out = x.to_vec();
+        for &(ex, wgt) in &chosen {
+            let (gv, mut uv) = (gate[ex].matvec(&xn), up[ex].matvec(&xn));
+            ops::swiglu_inplace(&gv, &mut uv);
+            for (o, v) in out.iter_mut().zip(down[ex].matvec(&uv)) {
+                *o += wgt * v;
+            }
+        }
+        (chosen, out)
+    };
+    let mut want_x = Vec::with_capacity(n * h);
+    for t in 0..n {
+        let (chosen, row) = reference(&x[t * h..(t + 1) * h]);
+        want_x.extend(row);
         let ids_t: Vec<i32> = chosen.iter().map(|&(ex, _)| ex as i32).collect();
         assert_eq!(
             &got_ids[t * m.used..(t + 1) * m.used],
@@ -1965,21 +1980,12 @@ fn moe_routing_and_experts_match_cpu() {
                 "a full tie takes the lowest"
             );
         }
-        let mut out = vec![0f32; h];
         for (k, &(ex, wgt)) in chosen.iter().enumerate() {
             let gw = got_w[t * m.used + k];
             assert!(
                 (gw - wgt).abs() <= 1e-6,
                 "token {t} expert {ex}: weight {gw} vs {wgt}"
             );
-            let (gv, mut uv) = (gate[ex].matvec(&xn), up[ex].matvec(&xn));
-            ops::swiglu_inplace(&gv, &mut uv);
-            for (o, v) in out.iter_mut().zip(down[ex].matvec(&uv)) {
-                *o += wgt * v;
-            }
-        }
-        for (xo, o) in want_x[t * h..(t + 1) * h].iter_mut().zip(&out) {
-            *xo += o;
         }
     }
     assert!(
@@ -2134,28 +2140,10 @@ fn moe_routing_and_experts_match_cpu() {
         &grouped,
         &per_pair,
     );
-    let mut want2 = x2.clone();
-    for t in 0..n2 {
-        let mut xn = vec![0f32; h];
-        ops::rmsnorm(&x2[t * h..(t + 1) * h], &norm, e.eps, &mut xn);
-        let logits: Vec<f32> = router
-            .chunks_exact(h)
-            .map(|r| r.iter().zip(&xn).map(|(a, b)| a * b).sum())
-            .collect();
-        let mut chosen = metrale_backend::cpu::route(&logits, m.used, true);
-        chosen.sort_by_key(|&(ex, _)| ex);
-        let mut out = vec![0f32; h];
-        for &(ex, wgt) in &chosen {
-            let (gv, mut uv) = (gate[ex].matvec(&xn), up[ex].matvec(&xn));
-            ops::swiglu_inplace(&gv, &mut uv);
-            for (o, v) in out.iter_mut().zip(down[ex].matvec(&uv)) {
-                *o += wgt * v;
-            }
-        }
-        for (xo, o) in want2[t * h..(t + 1) * h].iter_mut().zip(&out) {
-            *xo += o;
-        }
-    }
+    let want2: Vec<f32> = x2
+        .chunks_exact(h)
+        .flat_map(|row| reference(row).1)
+        .collect();
     check(
         "moe grouped: x + sum of the routed experts' outputs",
         &grouped,
