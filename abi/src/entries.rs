@@ -249,6 +249,52 @@ entries! {
         y: ptr<"float">,
         ntok: i32,
     }
+    /// The grouped products on the tensor cores (mma.sync, `gemm_mma.cuh`: activations split
+    /// into f16 hi + lo, f32 accumulation): `xn`'s `ntok` rows (K = hidden) split for
+    /// `moe_gu_mma`. grid = `plan::split_grid(ntok)`.
+    MoeSplitX = "moe" / "moe_split_x", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        hi: ptr<"__half">,
+        lo: ptr<"__half">,
+        asx: ptr<"float">,
+        ntok: i32,
+    }
+    /// The pairs' `h` rows (`ntok * used` of them, K = expert ffn) split for `moe_down_mma`.
+    /// grid = `plan::split_grid(ntok * used)`.
+    MoeSplitH = "moe" / "moe_split_h", threads SPLIT_THREADS, {
+        x: ptr<"const float">,
+        hi: ptr<"__half">,
+        lo: ptr<"__half">,
+        asx: ptr<"float">,
+        ntok: i32,
+    }
+    /// `moe_gu_grouped` as a GEMM: a block per (GEMM_BN gate/up rows, expert) over tiles of
+    /// GEMM_BM of the expert's pairs, A gathered from `moe_split_x`'s rows (the pair's token).
+    /// grid = (2 * expert ffn / GEMM_BN, experts).
+    MoeGuMma = "moe" / "moe_gu_mma", threads GEMM_THREADS, {
+        ahi: ptr<"const __half">,
+        alo: ptr<"const __half">,
+        asx: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        offsets: ptr<"const int">,
+        order: ptr<"const int">,
+        h: ptr<"float">,
+        ntok: i32,
+    }
+    /// `moe_down_grouped` as a GEMM over `moe_split_h`'s pair rows: `y[pair][hidden]`.
+    /// grid = (hidden / GEMM_BN, experts).
+    MoeDownMma = "moe" / "moe_down_mma", threads GEMM_THREADS, {
+        ahi: ptr<"const __half">,
+        alo: ptr<"const __half">,
+        asx: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        offsets: ptr<"const int">,
+        order: ptr<"const int">,
+        y: ptr<"float">,
+        ntok: i32,
+    }
     /// Each token's pairs' outputs `y`, weighted and summed in ascending expert order (as
     /// `moe_down` sums them), added to the residual `x`. grid = (ntok).
     MoeCombine = "moe" / "moe_combine", threads MV_THREADS, {

@@ -2011,16 +2011,24 @@ fn moe_routing_and_experts_match_cpu() {
         "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within 1e-6"
     );
 
-    // Many tokens, grouped by expert (moe_sort, moe_gu_grouped, moe_down_grouped, moe_combine):
-    // the same bits as the per-pair kernels on the same 40 tokens, and the CPU's sums. Tokens
-    // 0..20 share one row, so their experts take 20 tokens each (several tiles of several).
+    // Many tokens, grouped by expert (moe_sort, then moe_gu_grouped and moe_down_grouped on the
+    // CUDA cores or moe_split_x, moe_gu_mma, moe_split_h and moe_down_mma on the tensor cores,
+    // then moe_combine): on the same 40 tokens, the CUDA-core kernels give the per-pair kernels'
+    // bits, both paths the CPU's sums. Tokens 0..37 share one row, so their experts take 37
+    // pairs each: several tiles of the CUDA-core kernels, two (32 + 5) of the GEMMs.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Path {
+        PerPair,
+        Grouped,
+        Mma,
+    }
     let n2 = 40;
     assert!(m.grouped(n2) && !m.grouped(n));
     let mut x2 = rand_vec(&mut e.rng, n2 * h, -1.0, 1.0);
-    for t in 1..20 {
+    for t in 1..37 {
         x2.copy_within(0..h, t * h);
     }
-    let run = |grouped: bool| -> Vec<f32> {
+    let run = |path: Path| -> Vec<f32> {
         let xb = g.upload(&x2).unwrap();
         let (xn, ids, wts) = (
             poisoned(g, n2 * h),
@@ -2039,7 +2047,7 @@ fn moe_routing_and_experts_match_cpu() {
             ntok: n2 as i32,
         })
         .unwrap();
-        if !grouped {
+        if path == Path::PerPair {
             g.moe_gu(abi::MoeGu {
                 xn: xn.ptr,
                 wqs: gub.qs.ptr,
@@ -2071,26 +2079,75 @@ fn moe_routing_and_experts_match_cpu() {
             ntok: n2 as i32,
         })
         .unwrap();
-        g.moe_gu_grouped(abi::MoeGuGrouped {
-            xn: xn.ptr,
-            wqs: gub.qs.ptr,
-            wsc: gub.sc_ptr(),
-            offsets: offsets.ptr,
-            order: order.ptr,
-            h: hb.ptr,
-            ntok: n2 as i32,
-        })
-        .unwrap();
-        g.moe_down_grouped(abi::MoeDownGrouped {
-            h: hb.ptr,
-            wqs: dnb.qs.ptr,
-            wsc: dnb.sc_ptr(),
-            offsets: offsets.ptr,
-            order: order.ptr,
-            y: y.ptr,
-            ntok: n2 as i32,
-        })
-        .unwrap();
+        if path == Path::Grouped {
+            g.moe_gu_grouped(abi::MoeGuGrouped {
+                xn: xn.ptr,
+                wqs: gub.qs.ptr,
+                wsc: gub.sc_ptr(),
+                offsets: offsets.ptr,
+                order: order.ptr,
+                h: hb.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            g.moe_down_grouped(abi::MoeDownGrouped {
+                h: hb.ptr,
+                wqs: dnb.qs.ptr,
+                wsc: dnb.sc_ptr(),
+                offsets: offsets.ptr,
+                order: order.ptr,
+                y: y.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+        } else {
+            let rows = (n2 * h).max(n2 * m.used * m.ffn);
+            let (hi, lo, asx) = (
+                g.upload(&vec![0xffffu16; rows]).unwrap(),
+                g.upload(&vec![0xffffu16; rows]).unwrap(),
+                poisoned(g, rows / 32),
+            );
+            g.moe_split_x(abi::MoeSplitX {
+                x: xn.ptr,
+                hi: hi.ptr,
+                lo: lo.ptr,
+                asx: asx.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            g.moe_gu_mma(abi::MoeGuMma {
+                ahi: hi.ptr,
+                alo: lo.ptr,
+                asx: asx.ptr,
+                wqs: gub.qs.ptr,
+                wsc: gub.sc_ptr(),
+                offsets: offsets.ptr,
+                order: order.ptr,
+                h: hb.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            g.moe_split_h(abi::MoeSplitH {
+                x: hb.ptr,
+                hi: hi.ptr,
+                lo: lo.ptr,
+                asx: asx.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            g.moe_down_mma(abi::MoeDownMma {
+                ahi: hi.ptr,
+                alo: lo.ptr,
+                asx: asx.ptr,
+                wqs: dnb.qs.ptr,
+                wsc: dnb.sc_ptr(),
+                offsets: offsets.ptr,
+                order: order.ptr,
+                y: y.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+        }
         g.moe_combine(abi::MoeCombine {
             y: y.ptr,
             wts: wts.ptr,
@@ -2122,13 +2179,14 @@ fn moe_routing_and_experts_match_cpu() {
             }
         }
         assert!(
-            off[got_ids[0] as usize + 1] - off[got_ids[0] as usize] >= 20,
-            "token 0's experts take its 20 copies"
+            off[got_ids[0] as usize + 1] - off[got_ids[0] as usize] >= 37,
+            "token 0's experts take its 37 copies"
         );
         read_f32(g, &xb, n2 * h)
     };
-    let per_pair = run(false);
-    let grouped = run(true);
+    let per_pair = run(Path::PerPair);
+    let grouped = run(Path::Grouped);
+    let mma = run(Path::Mma);
     // the same per-token sums in the same order: expected bit for bit; held to TOL like the CPU
     let same = per_pair
         .iter()
@@ -2147,6 +2205,11 @@ fn moe_routing_and_experts_match_cpu() {
     check(
         "moe grouped: x + sum of the routed experts' outputs",
         &grouped,
+        &want2,
+    );
+    check(
+        "moe on the tensor cores: x + sum of the routed experts' outputs",
+        &mma,
         &want2,
     );
     eprintln!(

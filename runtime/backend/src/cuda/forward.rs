@@ -18,7 +18,7 @@ use metrale_core::BackendError;
 
 use super::device::DevBuf;
 use super::gemm::{GemmPath, QkvOut};
-use super::launch::Gpu;
+use super::launch::{Gpu, MoeShape};
 use super::plan;
 use super::CudaBackend;
 pub(super) use crate::stage::Stage;
@@ -92,6 +92,10 @@ impl Bufs {
                             offsets: gpu.alloc((m.experts + 1) * 4)?,
                             order: gpu.alloc(maxt * m.used * 4)?,
                             y: gpu.alloc(maxt * m.used * d.hidden * f)?,
+                            split: match gpu.moe_mma {
+                                true => Some(MoeSplit::new(gpu, maxt, m, d.hidden)?),
+                                false => None,
+                            },
                         }),
                         false => None,
                     },
@@ -144,6 +148,33 @@ pub struct MoeGrouped {
     pub offsets: DevBuf,
     pub order: DevBuf,
     pub y: DevBuf,
+    /// The tensor-core products' split activations ([`Gpu::moe_mma`]).
+    pub split: Option<MoeSplit>,
+}
+
+/// The split activations of the grouped experts' tensor-core products, shared by both: f16
+/// `hi` / `lo` and the f32 sums of 32 `asx`, for `maxt` rows of hidden (`moe_split_x`) or
+/// `maxt * used` rows of the expert ffn (`moe_split_h`), whichever is larger.
+pub struct MoeSplit {
+    pub hi: DevBuf,
+    pub lo: DevBuf,
+    pub asx: DevBuf,
+}
+
+impl MoeSplit {
+    pub fn new(
+        gpu: &Gpu,
+        maxt: usize,
+        m: MoeShape,
+        hidden: usize,
+    ) -> Result<MoeSplit, BackendError> {
+        let n = (maxt * hidden).max(maxt * m.used * m.ffn);
+        Ok(MoeSplit {
+            hi: gpu.alloc(n * 2)?,
+            lo: gpu.alloc(n * 2)?,
+            asx: gpu.alloc(n / 32 * 4)?,
+        })
+    }
 }
 
 /// The i32 words of the input buffer for chunks of up to `maxt` tokens and `nout` outputs: tokens,
@@ -291,8 +322,8 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
-            // routed experts: the matrix-vector kernels, whatever the chunk (moe.cu.hbs), grouped by
-            // expert where the chunk has tokens enough
+            // routed experts (moe.cu.hbs): the matrix-vector kernels a pair; grouped by expert where
+            // the chunk has tokens enough, on the tensor cores unless tuned off
             (Stage::GateUp, _) if b.moe.is_some() => {
                 let m = b.moe.as_ref().expect("moe buffers");
                 let grouped = m
@@ -319,6 +350,26 @@ impl CudaBackend {
                         order: gr.order.ptr,
                         ntok: n,
                     })?;
+                    if let Some(sp) = &gr.split {
+                        g.moe_split_x(abi::MoeSplitX {
+                            x: m.xn.ptr,
+                            hi: sp.hi.ptr,
+                            lo: sp.lo.ptr,
+                            asx: sp.asx.ptr,
+                            ntok: n,
+                        })?;
+                        return g.moe_gu_mma(abi::MoeGuMma {
+                            ahi: sp.hi.ptr,
+                            alo: sp.lo.ptr,
+                            asx: sp.asx.ptr,
+                            wqs: w().wgu.qs.ptr,
+                            wsc: w().wgu.sc_ptr(),
+                            offsets: gr.offsets.ptr,
+                            order: gr.order.ptr,
+                            h: m.h.ptr,
+                            ntok: n,
+                        });
+                    }
                     return g.moe_gu_grouped(abi::MoeGuGrouped {
                         xn: m.xn.ptr,
                         wqs: w().wgu.qs.ptr,
@@ -345,15 +396,37 @@ impl CudaBackend {
                     .as_ref()
                     .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
                 if let Some(gr) = grouped {
-                    g.moe_down_grouped(abi::MoeDownGrouped {
-                        h: m.h.ptr,
-                        wqs: w().wdown.qs.ptr,
-                        wsc: w().wdown.sc_ptr(),
-                        offsets: gr.offsets.ptr,
-                        order: gr.order.ptr,
-                        y: gr.y.ptr,
-                        ntok: n,
-                    })?;
+                    match &gr.split {
+                        Some(sp) => {
+                            g.moe_split_h(abi::MoeSplitH {
+                                x: m.h.ptr,
+                                hi: sp.hi.ptr,
+                                lo: sp.lo.ptr,
+                                asx: sp.asx.ptr,
+                                ntok: n,
+                            })?;
+                            g.moe_down_mma(abi::MoeDownMma {
+                                ahi: sp.hi.ptr,
+                                alo: sp.lo.ptr,
+                                asx: sp.asx.ptr,
+                                wqs: w().wdown.qs.ptr,
+                                wsc: w().wdown.sc_ptr(),
+                                offsets: gr.offsets.ptr,
+                                order: gr.order.ptr,
+                                y: gr.y.ptr,
+                                ntok: n,
+                            })?
+                        }
+                        None => g.moe_down_grouped(abi::MoeDownGrouped {
+                            h: m.h.ptr,
+                            wqs: w().wdown.qs.ptr,
+                            wsc: w().wdown.sc_ptr(),
+                            offsets: gr.offsets.ptr,
+                            order: gr.order.ptr,
+                            y: gr.y.ptr,
+                            ntok: n,
+                        })?,
+                    }
                     return g.moe_combine(abi::MoeCombine {
                         y: gr.y.ptr,
                         wts: m.wts.ptr,

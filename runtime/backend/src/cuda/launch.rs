@@ -60,6 +60,9 @@ pub struct Gpu {
     pub att_pack: bool,
     /// Resident blocks of `attention` per SM (the driver's occupancy for its registers).
     pub att_per_sm: usize,
+    /// Steps whose experts run grouped take the tensor-core products (`moe_gu_mma`,
+    /// `moe_down_mma`), else the CUDA-core ones (`moe_gu_grouped`, `moe_down_grouped`).
+    pub moe_mma: bool,
     /// The GEMM path runs the Hopper kernels (`wg_*`): the modules are the sm_90a cubins of a
     /// target with bf16 weights or with `[quant] gemm_activations = "f16"` (q4_1 weights, W4A16),
     /// and the driver gave their blocks the dynamic shared memory they need.
@@ -314,6 +317,7 @@ impl Gpu {
             att_flags: 0,
             att_pack: true,
             att_per_sm,
+            moe_mma: true,
             hopper_gemm,
             tma_gemm,
             wq_gemm,
@@ -457,6 +461,41 @@ impl Gpu {
             .expect("moe_down_grouped on a target with routed experts");
         let gx = self.moe_blocks(self.dims.hidden / 2, m.experts);
         self.launch((gx, m.experts as u32, 1), self.plain(), a)
+    }
+
+    /// `a.ntok` rows of the routed experts' normed input split for `moe_gu_mma` (`moe_split_x`).
+    pub fn moe_split_x(&self, a: abi::MoeSplitX) -> Result<(), BackendError> {
+        self.launch(plan::split_grid(a.ntok.max(0) as usize), self.plain(), a)
+    }
+
+    /// The `a.ntok * used` pairs' SiLU(gate) * up rows split for `moe_down_mma` (`moe_split_h`).
+    pub fn moe_split_h(&self, a: abi::MoeSplitH) -> Result<(), BackendError> {
+        let m = self
+            .moe
+            .expect("moe_split_h on a target with routed experts");
+        self.launch(
+            plan::split_grid(a.ntok.max(0) as usize * m.used),
+            self.plain(),
+            a,
+        )
+    }
+
+    /// Every expert's gate/up and SiLU over its pairs on the tensor cores (`moe_gu_mma`).
+    pub fn moe_gu_mma(&self, a: abi::MoeGuMma) -> Result<(), BackendError> {
+        let m = self
+            .moe
+            .expect("moe_gu_mma on a target with routed experts");
+        let gx = 2 * m.ffn / abi::GEMM_BN as usize;
+        self.launch((gx as u32, m.experts as u32, 1), self.plain(), a)
+    }
+
+    /// Every expert's down products over its pairs on the tensor cores, unweighted (`moe_down_mma`).
+    pub fn moe_down_mma(&self, a: abi::MoeDownMma) -> Result<(), BackendError> {
+        let m = self
+            .moe
+            .expect("moe_down_mma on a target with routed experts");
+        let gx = self.dims.hidden / abi::GEMM_BN as usize;
+        self.launch((gx as u32, m.experts as u32, 1), self.plain(), a)
     }
 
     /// Each token's pairs' down outputs, weighted, into the residual (`moe_combine`).

@@ -136,6 +136,10 @@ pub struct Tuning {
     /// QKV, planned wherever 96 divides the rows and the estimate prefers them), else only the
     /// 128-256-row ones.
     pub tma_96: bool,
+    /// Steps whose routed experts run grouped by expert (`MoeShape::grouped`) take the
+    /// tensor-core products (`moe_gu_mma`, `moe_down_mma`: mma.sync over each expert's gathered
+    /// rows), else the CUDA-core ones (`moe_gu_grouped`, `moe_down_grouped`).
+    pub moe_mma: bool,
 }
 
 impl Default for Tuning {
@@ -158,6 +162,7 @@ impl Default for Tuning {
             flash_decode: false,
             argmax_split: true,
             tma_96: true,
+            moe_mma: true,
         }
     }
 }
@@ -166,7 +171,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 17] = [
+    pub const KEYS: [&'static str; 18] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -184,6 +189,7 @@ impl Tuning {
         "flash_decode",
         "argmax_split",
         "tma_96",
+        "moe_mma",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -222,6 +228,7 @@ impl Tuning {
                 "flash_decode" => self.flash_decode = on,
                 "argmax_split" => self.argmax_split = on,
                 "tma_96" => self.tma_96 = on,
+                "moe_mma" => self.moe_mma = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -392,6 +399,7 @@ impl CudaBackend {
             gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
         }
         gpu.att_pack = opts.tuning.attention_pack;
+        gpu.moe_mma = opts.tuning.moe_mma;
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         gpu.wq_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
