@@ -9,8 +9,11 @@
 //! - `gpt2` / `gpt-2`: the GPT-2 regex `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)`;
 //! - `llama-bpe` / `llama3` / `llama-v3`: the llama3 regex, with whole-word vocabulary hits taking
 //!   precedence over merges (llama.cpp's `ignore_merges`);
+//! - `dbrx` / `smaug-bpe` (Phi-4's GGUFs): the llama3 regex, merges as usual;
 //! - `qwen2` (Qwen2, Qwen2.5, Qwen3 GGUFs): the llama3 regex with every digit alone (`\p{N}` where
-//!   llama3 has `\p{N}{1,3}`), merges as usual.
+//!   llama3 has `\p{N}{1,3}`), merges as usual;
+//! - `tekken` (Mistral-Nemo, Mistral Small 3): Mistral's regex (case runs within words, digits
+//!   alone), whole-word vocabulary hits first as llama3's.
 //!
 //! Each regex splits keeping the unmatched stretches as pieces (llama.cpp's behaviour), then bytes are
 //! mapped to GPT-2's printable alphabet. Any other `pre` value is refused with an error that lists the
@@ -41,10 +44,15 @@ pub const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][
 /// The qwen2 pre-tokenizer regex as llama.cpp adapts it from Qwen's tokenizer.json (whose
 /// `(?i:'s|...)` group it spells out): the llama3 regex with single digits.
 pub const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Mistral's Tekken pre-tokenizer regex (Mistral-Nemo, Mistral Small 3, Pixtral 12B) as its
+/// tokenizer.json writes it (llama.cpp spells its letter classes out for its own regex engine):
+/// a word is an optional non-letter, then capitals and lower case after them (or capitals alone),
+/// so "helloWorld" splits as "hello" "World"; digits alone; `/` kept with a run of punctuation.
+pub const TEKKEN_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The `tokenizer.ggml.pre` values this reader supports.
 pub const SUPPORTED_PRE: &str = "smollm, gpt2 (gpt-2, phi-2, exaone4), llama-bpe (llama3, \
-     llama-v3, falcon3, falcon-h1, pixtral, midm-2.0, lfm2), qwen2 (deepseek-r1-qwen, kormo, \
-     f2llmv2, megrez)";
+     llama-v3, falcon3, falcon-h1, pixtral, midm-2.0, lfm2), dbrx (smaug-bpe; Phi-4), qwen2 \
+     (deepseek-r1-qwen, kormo, f2llmv2, megrez), tekken";
 
 /// GGUF token types (llama_token_type).
 mod token_type {
@@ -163,6 +171,9 @@ fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapp
         "gpt2" | "gpt-2" | "phi-2" | "exaone4" => (vec![split(GPT2_REGEX)?, bytes], false),
         "llama-bpe" | "llama3" | "llama-v3" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
         | "lfm2" => (vec![split(LLAMA3_REGEX)?, bytes], true),
+        // llama3's regex, the merges as usual (Phi-4's GGUFs say dbrx)
+        "dbrx" | "smaug-bpe" => (vec![split(LLAMA3_REGEX)?, bytes], false),
+        "tekken" => (vec![split(TEKKEN_REGEX)?, bytes], true),
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => {
             (vec![split(QWEN2_REGEX)?, bytes], false)
         }
