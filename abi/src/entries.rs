@@ -179,11 +179,13 @@ entries! {
         max_blocks: i32,
         ntok: i32,
     }
-    /// Families with routed experts (`features.moe`), one block per token: RMSNorm(x) with the
-    /// FFN norm into `xn`, the router's logits (`router`: f32 `[experts][hidden]`), softmax, the
-    /// `used` largest (ties to the lower index) renormalised, written as `ids` / `wts`
-    /// `[ntok][used]` in ascending expert order; each choice counted in `counts[experts]` (the
-    /// run's expert histogram; null: not counted). grid = (ntok).
+    /// Families with routed experts (`features.moe`): RMSNorm(x) with the FFN norm into `xn`, the
+    /// router's logits (`router`: f32 `[experts][hidden]`), softmax, the `used` largest (ties to
+    /// the lower index) renormalised, written as `ids` / `wts` `[ntok][used]` in ascending expert
+    /// order; each choice counted in `counts[experts]` (the run's expert histogram; null: not
+    /// counted). grid = (ntok, router blocks): a token's router rows spread over its blocks,
+    /// whose logits meet in `logits[ntok][experts]`; the last to take a ticket of
+    /// `ticket[ntok]` (zeroed; re-armed by it) routes.
     MoeRoute = "moe" / "moe_route", threads MV_THREADS, {
         x: ptr<"const float">,
         norm_w: ptr<"const float">,
@@ -192,6 +194,8 @@ entries! {
         ids: ptr<"int">,
         wts: ptr<"float">,
         counts: ptr<"unsigned int">,
+        logits: ptr<"float">,
+        ticket: ptr<"unsigned int">,
         ntok: i32,
     }
     /// Each routed (token, expert) pair's gate and up products and SiLU: `h[pair][expert_ffn]`.
@@ -219,11 +223,14 @@ entries! {
     }
     /// Many tokens' routed pairs grouped by expert (one block): `offsets[e] .. offsets[e + 1]` of
     /// `order` are the pairs (`t * used + k`) routed to expert e (`offsets`: experts + 1 words),
-    /// in no fixed order within an expert (each pair's products are its own). grid = (1).
+    /// in no fixed order within an expert (each pair's products are its own); unless `tiles` is
+    /// null, the tensor-core products' work list: `tiles[0]` tiles, then (expert, first pair
+    /// of the tile) for each GEMM_BM of an expert's pairs (`moe_tiles` + 1 words at most). grid = (1).
     MoeSort = "moe" / "moe_sort", threads MOE_SORT_THREADS, {
         ids: ptr<"const int">,
         offsets: ptr<"int">,
         order: ptr<"int">,
+        tiles: ptr<"int">,
         ntok: i32,
     }
     /// `moe_gu` by expert: a block group per expert reads its gate/up rows once for tiles of its
@@ -268,9 +275,9 @@ entries! {
         asx: ptr<"float">,
         ntok: i32,
     }
-    /// `moe_gu_grouped` as a GEMM: a block per (GEMM_BN gate/up rows, expert) over tiles of
-    /// GEMM_BM of the expert's pairs, A gathered from `moe_split_x`'s rows (the pair's token).
-    /// grid = (2 * expert ffn / GEMM_BN, experts).
+    /// `moe_gu_grouped` as a GEMM: a block per (GEMM_BN gate/up rows, tile of `moe_sort`'s
+    /// list: GEMM_BM of one expert's pairs), A gathered from `moe_split_x`'s rows (the pair's
+    /// token). grid = (2 * expert ffn / GEMM_BN, `moe_tiles`); blocks past the count do nothing.
     MoeGuMma = "moe" / "moe_gu_mma", threads GEMM_THREADS, {
         ahi: ptr<"const __half">,
         alo: ptr<"const __half">,
@@ -279,11 +286,12 @@ entries! {
         wsc: ptr<"const void">,
         offsets: ptr<"const int">,
         order: ptr<"const int">,
+        tiles: ptr<"const int">,
         h: ptr<"float">,
         ntok: i32,
     }
     /// `moe_down_grouped` as a GEMM over `moe_split_h`'s pair rows: `y[pair][hidden]`.
-    /// grid = (hidden / GEMM_BN, experts).
+    /// grid = (hidden / GEMM_BN, `moe_tiles`).
     MoeDownMma = "moe" / "moe_down_mma", threads GEMM_THREADS, {
         ahi: ptr<"const __half">,
         alo: ptr<"const __half">,
@@ -292,6 +300,7 @@ entries! {
         wsc: ptr<"const void">,
         offsets: ptr<"const int">,
         order: ptr<"const int">,
+        tiles: ptr<"const int">,
         y: ptr<"float">,
         ntok: i32,
     }

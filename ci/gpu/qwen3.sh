@@ -29,6 +29,8 @@
 #        GGUF (61 GB, in /dev/shm when it has the room) and cuda_bench on it (batch-1 decode beside
 #        the active experts' bytes, 16 / 64 / 256 sequences, pp512; 64 / 256 and pp512 again with
 #        the grouped experts on the CUDA cores, moe_mma=off)
+#   bash ci/gpu/qwen3.sh moe-verify  carry .q4   after a change to the experts' kernels: both 30B-A3B
+#        targets' kernel tests, the 48-layer bf16 GGUF and cuda_bench on it (no peer)
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
 #        target); llama-bench and llama-batched-bench on both GGUFs; bench-record with llama.cpp
 #   bash ci/gpu/qwen3.sh prepare-qwen2 MODEL.gguf   CPU machine: .q5/
@@ -164,6 +166,19 @@ moe)
   [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=moe_mma=off CB_TIMEOUT=120 cb_run "$H/s/moe.gguf" \
     "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-cudacore --batch 64,256 --steps 64 --pp 512
   finish moe
+  ;;
+moe-verify)
+  unpack .q4
+  kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
+  F=$H/s/moe-bf16.gguf
+  [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
+  step "synth-model: the 48-layer bf16 GGUF ($F)"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  ln -sf "$F" "$H/s/moe.gguf"
+  export METRALE_TARGETS=$PWD/targets
+  CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
+    --batch 1,16,64,256 --steps 64 --pp 512
+  finish moe-verify
   ;;
 moe2)
   mkdir -p "$R"

@@ -87,6 +87,8 @@ impl Bufs {
                     wts: gpu.alloc(maxt * m.used * 4)?,
                     h: gpu.alloc(maxt * m.used * m.ffn * f)?,
                     counts: gpu.alloc(d.layers * m.experts * 4)?,
+                    logits: gpu.alloc(maxt * m.experts * 4)?,
+                    ticket: gpu.alloc(maxt * 4)?,
                     grouped: match m.grouped(maxt) {
                         true => Some(MoeGrouped {
                             offsets: gpu.alloc((m.experts + 1) * 4)?,
@@ -138,6 +140,10 @@ pub struct MoeBufs {
     /// How often each layer's router chose each expert since the backend started or the counts
     /// were last cleared: u32 `[layers][experts]` (`CudaBackend::expert_counts`).
     pub counts: DevBuf,
+    /// `moe_route`'s router logits `[maxt][experts]` (f32) and tickets `[maxt]` (u32, zero
+    /// between launches) where a token's router rows are spread over several blocks.
+    pub logits: DevBuf,
+    pub ticket: DevBuf,
     /// Where chunks can be large enough to group their pairs by expert (`MoeShape::grouped`).
     pub grouped: Option<MoeGrouped>,
 }
@@ -159,6 +165,8 @@ pub struct MoeSplit {
     pub hi: DevBuf,
     pub lo: DevBuf,
     pub asx: DevBuf,
+    /// `moe_sort`'s list of the products' tiles (`MoeShape::tiles`).
+    pub tiles: DevBuf,
 }
 
 impl MoeSplit {
@@ -173,6 +181,7 @@ impl MoeSplit {
             hi: gpu.alloc(n * 2)?,
             lo: gpu.alloc(n * 2)?,
             asx: gpu.alloc(n / 32 * 4)?,
+            tiles: gpu.alloc((1 + 2 * m.tiles(maxt)) * 4)?,
         })
     }
 }
@@ -341,6 +350,8 @@ impl CudaBackend {
                     ids: m.ids.ptr,
                     wts: m.wts.ptr,
                     counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
+                    logits: m.logits.ptr,
+                    ticket: m.ticket.ptr,
                     ntok: n,
                 })?;
                 if let Some(gr) = grouped {
@@ -348,6 +359,7 @@ impl CudaBackend {
                         ids: m.ids.ptr,
                         offsets: gr.offsets.ptr,
                         order: gr.order.ptr,
+                        tiles: gr.split.as_ref().map_or(0, |sp| sp.tiles.ptr),
                         ntok: n,
                     })?;
                     if let Some(sp) = &gr.split {
@@ -366,6 +378,7 @@ impl CudaBackend {
                             wsc: w().wgu.sc_ptr(),
                             offsets: gr.offsets.ptr,
                             order: gr.order.ptr,
+                            tiles: sp.tiles.ptr,
                             h: m.h.ptr,
                             ntok: n,
                         });
@@ -413,6 +426,7 @@ impl CudaBackend {
                                 wsc: w().wdown.sc_ptr(),
                                 offsets: gr.offsets.ptr,
                                 order: gr.order.ptr,
+                                tiles: sp.tiles.ptr,
                                 y: gr.y.ptr,
                                 ntok: n,
                             })?

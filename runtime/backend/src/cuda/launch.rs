@@ -246,12 +246,20 @@ pub struct MoeShape {
 }
 
 impl MoeShape {
-    /// Whether a step of `ntok` tokens runs its experts grouped (`moe_sort`, `moe_gu_grouped`,
-    /// `moe_down_grouped`, `moe_combine`): from two pairs an expert on average, where reading an
-    /// expert's rows once for its tokens saves more than the sort and the combine cost; fewer
-    /// tokens read each pair's expert rows for it (`moe_gu`, `moe_down`).
+    /// Whether a step of `ntok` tokens runs its experts grouped (`moe_sort`, the grouped
+    /// products, `moe_combine`): from one pair an expert on average (16 tokens at 30B-A3B), where
+    /// reading each expert's rows once for its tokens saves more than the sort, the splits and
+    /// the combine cost (routers seldom spread evenly: most steps send several pairs to some
+    /// experts); fewer tokens read each pair's expert rows for it (`moe_gu`, `moe_down`).
     pub fn grouped(&self, ntok: usize) -> bool {
-        ntok * self.used >= 2 * self.experts
+        ntok * self.used >= self.experts
+    }
+
+    /// The most tiles `moe_sort` lists for `ntok` tokens: each expert's pairs in tiles of
+    /// `GEMM_BM`, at most one partial tile an expert taken.
+    pub fn tiles(&self, ntok: usize) -> usize {
+        let pairs = ntok * self.used;
+        pairs.div_ceil(abi::GEMM_BM as usize) + self.experts.min(pairs)
     }
 
     /// The routed experts of a target's model shape (`[model.experts]`), if it has them.
@@ -411,9 +419,22 @@ impl Gpu {
         self.launch((a.ntok as u32, heads as u32, 1), self.plain(), a)
     }
 
-    /// The routed experts of `a.ntok` tokens: norm, router, top-k (`moe_route`).
+    /// The routed experts of `a.ntok` tokens: norm, router, top-k (`moe_route`), each token's
+    /// router rows over [`Gpu::moe_router_blocks`] blocks.
     pub fn moe_route(&self, a: abi::MoeRoute) -> Result<(), BackendError> {
-        self.launch((a.ntok.max(0) as u32, 1, 1), self.plain(), a)
+        let n = a.ntok.max(0) as usize;
+        let rb = self.moe_router_blocks(n);
+        self.launch((n as u32, rb, 1), self.plain(), a)
+    }
+
+    /// Blocks a token's router rows are spread over in `moe_route`: one while the tokens fill
+    /// the GPU twice, else up to one expert a warp (a power of two), so that a token's 128 rows
+    /// of 2,048 f32 (1 MB at 30B-A3B) are not read by one SM alone.
+    pub fn moe_router_blocks(&self, ntok: usize) -> u32 {
+        let Some(m) = self.moe else { return 1 };
+        let most = (m.experts / (abi::MV_THREADS as usize / 32)).max(1);
+        let want = (2 * self.sm_count / ntok.max(1)).clamp(1, most);
+        1 << want.ilog2()
     }
 
     /// The blocks a routed product gives each of its `items` (pairs or tokens) over `row_pairs` row
@@ -486,7 +507,8 @@ impl Gpu {
             .moe
             .expect("moe_gu_mma on a target with routed experts");
         let gx = 2 * m.ffn / abi::GEMM_BN as usize;
-        self.launch((gx as u32, m.experts as u32, 1), self.plain(), a)
+        let gy = m.tiles(a.ntok.max(0) as usize);
+        self.launch((gx as u32, gy as u32, 1), self.plain(), a)
     }
 
     /// Every expert's down products over its pairs on the tensor cores, unweighted (`moe_down_mma`).
@@ -495,7 +517,8 @@ impl Gpu {
             .moe
             .expect("moe_down_mma on a target with routed experts");
         let gx = self.dims.hidden / abi::GEMM_BN as usize;
-        self.launch((gx as u32, m.experts as u32, 1), self.plain(), a)
+        let gy = m.tiles(a.ntok.max(0) as usize);
+        self.launch((gx as u32, gy as u32, 1), self.plain(), a)
     }
 
     /// Each token's pairs' down outputs, weighted, into the residual (`moe_combine`).
@@ -857,14 +880,17 @@ mod tests {
     use super::MoeShape;
 
     #[test]
-    fn experts_group_from_two_pairs_an_expert() {
-        // Qwen3-30B-A3B: 128 experts, 8 a token; batch 1 and 16 sequences read per pair
+    fn experts_group_from_one_pair_an_expert() {
+        // Qwen3-30B-A3B: 128 experts, 8 a token; up to 15 sequences read per pair
         let m = MoeShape {
             experts: 128,
             used: 8,
             ffn: 768,
         };
-        assert!(!m.grouped(1) && !m.grouped(16) && !m.grouped(31));
-        assert!(m.grouped(32) && m.grouped(256) && m.grouped(512));
+        assert!(!m.grouped(1) && !m.grouped(8) && !m.grouped(15));
+        assert!(m.grouped(16) && m.grouped(256) && m.grouped(512));
+        // the work list: 16 tokens' 128 pairs in at most 4 whole tiles and one partial a taken
+        // expert; 512 tokens' 4,096 pairs: 128 tiles + 128
+        assert_eq!((m.tiles(1), m.tiles(16), m.tiles(512)), (9, 132, 256));
     }
 }
