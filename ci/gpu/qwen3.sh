@@ -169,7 +169,8 @@ moe)
   ;;
 moe-verify)
   unpack .q4
-  kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
+  # MOE_KT: the targets whose kernel tests run (default both)
+  kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1}
   F=$H/s/moe-bf16.gguf
   [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
   step "synth-model: the 48-layer bf16 GGUF ($F)"
