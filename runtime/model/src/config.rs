@@ -540,8 +540,8 @@ impl ModelConfig {
                 push_unique(&mut eos, id);
             }
         }
-        // llama.cpp's default for BPE vocabularies is false (true for the llama3 pre-tokenizer);
-        // the file's explicit flag wins.
+        // llama.cpp's default for BPE vocabularies is false (true for the llama3 and tekken
+        // pre-tokenizers); the file's explicit flag wins.
         let pre = g.opt_str("tokenizer.ggml.pre")?;
         let default_add_bos = match g.opt_str("tokenizer.ggml.model")? {
             Some("llama") => true,
@@ -556,6 +556,7 @@ impl ModelConfig {
                         | "pixtral"
                         | "midm-2.0"
                         | "lfm2"
+                        | "tekken"
                 )
             ),
         };
