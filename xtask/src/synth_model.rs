@@ -53,8 +53,10 @@ pub struct Args {
     /// A shared model file in targets/models/ (e.g. llama-3.1-8b, smollm2-135m), or the path of a
     /// `.toml` file with a `[model]` table laid out the same way.
     pub model: String,
-    /// Weight types: bf16 (every matrix), q4_1 (layer matrices Q4_1, embedding and LM head Q8_0)
-    /// or q4_k_m (llama.cpp's Q4_K_M mix of Q4_K and Q6_K; GGUF only).
+    /// Weight types: bf16 (every matrix), q4_1 (layer matrices Q4_1, embedding and LM head Q8_0),
+    /// q4_k_m (llama.cpp's Q4_K_M mix of Q4_K and Q6_K; GGUF only) or fp8 (layer matrices FP8
+    /// e4m3 with a scale per output channel and dynamic per-token activations, as a
+    /// compressed-tensors checkpoint; HF only).
     #[arg(long, default_value = "bf16")]
     pub quant: String,
     #[arg(long, value_enum, default_value = "gguf")]
@@ -131,10 +133,12 @@ pub fn run(args: Args) -> Result<()> {
         ("bf16", _) => (DType::BF16, DType::BF16),
         ("q4_1", Format::Gguf | Format::Vocab) => (DType::Q4_1, DType::Q8_0),
         ("q4_k_m", Format::Gguf | Format::Vocab) => (DType::Q4_K, DType::Q4_K),
+        ("fp8", Format::Hf) => (DType::F8_E4M3, DType::BF16),
         (q @ ("q4_1" | "q4_k_m"), Format::Hf) => {
-            bail!("--format hf writes bf16 safetensors; {q} is a GGUF type (use --format gguf)")
+            bail!("--format hf writes bf16 or fp8 safetensors; {q} is a GGUF type (use --format gguf)")
         }
-        (q, _) => bail!("unknown --quant '{q}': bf16, q4_1 or q4_k_m"),
+        ("fp8", _) => bail!("GGUF has no FP8 type: write --quant fp8 with --format hf"),
+        (q, _) => bail!("unknown --quant '{q}': bf16, q4_1, q4_k_m (GGUF) or fp8 (HF)"),
     };
     let tok_path = match &args.tokenizer {
         Some(p) => p.clone(),
@@ -704,6 +708,7 @@ fn write_gguf(
         &args.out,
         tensors,
         &layout.offsets,
+        &vec![None; tensors.len()],
         args.seed,
         true,
         threads,
@@ -822,6 +827,22 @@ fn write_hf(
             "original_max_position_embeddings": r.original_max_position_embeddings,
         });
     }
+    if tensors.iter().any(|t| t.dtype == DType::F8_E4M3) {
+        // what llm-compressor writes for its FP8_DYNAMIC scheme (vLLM's FP8 checkpoints)
+        config["quantization_config"] = json!({
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "symmetric": true,
+                            "strategy": "channel", "dynamic": false},
+                "input_activations": {"num_bits": 8, "type": "float", "symmetric": true,
+                                      "strategy": "token", "dynamic": true},
+            }},
+            "ignore": ["lm_head"],
+        });
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
@@ -833,6 +854,7 @@ fn write_hf(
     // model.safetensors: u64 header length, JSON header (padded with spaces to 8 bytes), data
     let mut header = BTreeMap::new();
     let mut rel = Vec::new();
+    let mut scale_rel = Vec::new();
     let mut off = 0usize;
     for t in tensors {
         let n = t
@@ -844,12 +866,29 @@ fn write_hf(
         } else {
             vec![t.rows, t.cols]
         };
+        let hf = t.hf.clone().context("tensor without an HF name")?;
+        let dtype = match t.dtype {
+            DType::F8_E4M3 => "F8_E4M3",
+            _ => "BF16",
+        };
         header.insert(
-            t.hf.clone().context("tensor without an HF name")?,
-            json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}),
+            hf.clone(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}),
         );
         rel.push(off);
         off += n;
+        if t.dtype == DType::F8_E4M3 {
+            // one f32 scale per output channel, [rows, 1] as compressed-tensors stores it
+            let n = 4 * t.rows;
+            header.insert(
+                format!("{hf}_scale"),
+                json!({"dtype": "F32", "shape": [t.rows, 1], "data_offsets": [off, off + n]}),
+            );
+            scale_rel.push(Some(off));
+            off += n;
+        } else {
+            scale_rel.push(None);
+        }
     }
     let mut h = serde_json::to_vec(&json!({"__metadata__": {"format": "pt"}}))?;
     let mut all = serde_json::Map::new();
@@ -865,7 +904,13 @@ fn write_hf(
     file.write_all_at(&(h.len() as u64).to_le_bytes(), 0)?;
     file.write_all_at(&h, 8)?;
     let offsets: Vec<u64> = rel.iter().map(|r| (base + r) as u64).collect();
-    fill(&file, &path, tensors, &offsets, args.seed, false, threads)?;
+    let scales: Vec<Option<u64>> = scale_rel
+        .iter()
+        .map(|r| r.map(|r| (base + r) as u64))
+        .collect();
+    fill(
+        &file, &path, tensors, &offsets, &scales, args.seed, false, threads,
+    )?;
     Ok(len)
 }
 
@@ -882,12 +927,16 @@ fn create(path: &Path, len: u64) -> Result<std::fs::File> {
 }
 
 /// Generate and write every tensor's rows: work items of whole rows (~4 MiB each) taken by
-/// `threads` workers from one counter. `gguf`: permute q/k rows to GGUF's rope order.
+/// `threads` workers from one counter. `gguf`: permute q/k rows to GGUF's rope order. An FP8
+/// tensor's rows are quantized with their own scale (`metrale_core::fp8`), written as f32 at
+/// `scales[i]`.
+#[allow(clippy::too_many_arguments)]
 fn fill(
     file: &std::fs::File,
     path: &Path,
     tensors: &[Tensor],
     offsets: &[u64],
+    scales: &[Option<u64>],
     seed: u64,
     gguf: bool,
     threads: usize,
@@ -927,6 +976,13 @@ fn fill(
                             row_values(seed, &t.gguf, t.row0 + src, &t.init, &mut vals);
                             if !gguf && t.hf_offset != 0.0 {
                                 vals.iter_mut().for_each(|v| *v += t.hf_offset);
+                            }
+                            if let Some(at) = scales[i] {
+                                let q = metrale_core::fp8::quantize_matrix(&vals, 1, t.cols);
+                                buf[(r - r0) * rb..(r - r0 + 1) * rb].copy_from_slice(&q.bytes);
+                                file.write_all_at(&q.scales[0].to_le_bytes(), at + 4 * r as u64)
+                                    .with_context(|| format!("writing {}", path.display()))?;
+                                continue;
                             }
                             quantize_row(
                                 t.dtype,

@@ -7,8 +7,9 @@
 //! every weight byte once per token.
 //!
 //! cargo run --release -p metrale-backend --example bench_cpu -- MODEL.gguf [--prompt 128] [--gen 64]
-//!     [--runs 5] [--threads 2] [--depth 0] [--membw] [--exact]
-//! `--depth D` decodes after D cached positions (llama-bench's `-d D`, reported as `tg64@d1024`).
+//!     [--runs 5] [--threads 2] [--depth 0] [--kv f32|bf16|fp8] [--membw] [--exact]
+//! `--depth D` decodes after D cached positions (llama-bench's `-d D`, reported as `tg64@d1024`);
+//! `--kv` the KV cache's element type (default f32).
 
 use metrale_backend::cpu::CpuBackend;
 use metrale_backend::sampler::SamplingParams;
@@ -31,6 +32,7 @@ fn main() {
     let (mut prompt, mut gen, mut runs, mut threads) = (128usize, 64usize, 5usize, 2usize);
     let mut depth = 0usize;
     let (mut membw, mut exact) = (false, false);
+    let mut kv = metrale_backend::KvDtype::F32;
     let mut i = 1;
     while i < args.len() {
         let val = |i: usize| {
@@ -57,6 +59,13 @@ fn main() {
             }
             "--depth" => {
                 depth = val(i);
+                i += 1;
+            }
+            "--kv" => {
+                kv = args
+                    .get(i + 1)
+                    .and_then(|v| metrale_backend::KvDtype::parse(v))
+                    .expect("--kv f32, bf16 or fp8");
                 i += 1;
             }
             "--membw" => membw = true,
@@ -95,8 +104,11 @@ fn main() {
     let model =
         model.expect("usage: bench_cpu MODEL.gguf [--prompt N] [--gen N] [--runs N] [--threads N]");
     let m = metrale_model::Model::load(std::path::Path::new(&model)).expect("loading the model");
-    let mut b = CpuBackend::load(&m, 1, prompt.max(depth + gen) + 1, threads)
-        .expect("loading the CPU backend");
+    let kvc = metrale_backend::KvConfig {
+        dtype: kv,
+        ..metrale_backend::KvConfig::per_slot(1, prompt.max(depth + gen) + 1)
+    };
+    let mut b = CpuBackend::load_kv(&m, kvc, threads).expect("loading the CPU backend");
     b.set_exact_activations(exact);
     eprintln!("{:?}", b.info());
     println!(

@@ -15,7 +15,11 @@
 //! top-1 token, and the mean KL divergence KL(reference || model) of the next-token distributions.
 //!
 //! Usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact]
-//!                   [--one-token] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]
+//!                   [--one-token] [--kv f32|bf16|fp8] [--quantization fp8]
+//!                   [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]
+//! - `--kv f32|bf16|fp8`: MODEL's KV cache type (default f32; the reference's stays f32);
+//! - `--quantization fp8`: MODEL's layer matrices quantized to FP8 at load, as the server's flag
+//!   does (`metrale_model::fp8::quantize_at_load`); the reference stays as its file is;
 //! - default backend: cpu (f32 KV cache; `--exact`: f32 activations); `--cuda` as golden_check's
 //!   (the reference then runs on the CPU backend);
 //! - `--chunks N`: the first N chunks only (default all);
@@ -112,7 +116,7 @@ fn ppl(nll: &[f64]) -> (f64, f64) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact] [--one-token] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]");
+        eprintln!("usage: perplexity MODEL TEXT [--ctx N] [--chunks N] [--reference MODEL2] [--exact] [--one-token] [--kv f32|bf16|fp8] [--quantization fp8] [--cuda KERNEL_DIR TARGET_ID] [--out FILE.json]");
         std::process::exit(2);
     }
     let ctx: usize = opt(&args, "--ctx").map_or(512, |v| v.parse().expect("--ctx N"));
@@ -122,10 +126,32 @@ fn main() {
     }
     let exact = args.iter().any(|a| a == "--exact");
     let one_token = args.iter().any(|a| a == "--one-token");
-    let m = metrale_model::Model::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| {
+    let mut m = metrale_model::Model::load(std::path::Path::new(&args[1])).unwrap_or_else(|e| {
         eprintln!("{}: {e}", args[1]);
         std::process::exit(1)
     });
+    let kv = opt(&args, "--kv").map_or(KvDtype::F32, |k| {
+        KvDtype::parse(k).unwrap_or_else(|| {
+            eprintln!("--kv {k}: f32, bf16 or fp8");
+            std::process::exit(2)
+        })
+    });
+    let quantization = opt(&args, "--quantization");
+    match quantization {
+        None => {}
+        Some("fp8") => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let q = metrale_model::fp8::quantize_at_load(&mut m, threads).unwrap_or_else(|e| {
+                eprintln!("--quantization fp8: {e}");
+                std::process::exit(1)
+            });
+            eprintln!("quantized {} matrices to fp8 at load", q.matrices);
+        }
+        Some(q) => {
+            eprintln!("--quantization {q}: only fp8");
+            std::process::exit(2)
+        }
+    }
     let text = std::fs::read_to_string(&args[2]).unwrap_or_else(|e| {
         eprintln!("{}: {e}", args[2]);
         std::process::exit(1)
@@ -154,7 +180,7 @@ fn main() {
                 .expect("--cuda KERNEL_DIR TARGET_ID");
             cuda_backend(&m, dir, target, ctx, 0).0
         }
-        None => cpu_backend(&m, KvDtype::F32, exact, ctx),
+        None => cpu_backend(&m, kv, exact, ctx),
     };
     let reference = opt(&args, "--reference").map(|p| {
         let r = metrale_model::Model::load(std::path::Path::new(p)).unwrap_or_else(|e| {
@@ -205,6 +231,8 @@ fn main() {
         "bos": bos,
         "backend": b.info().name,
         "exact_activations": exact,
+        "quantization": quantization,
+        "kv": kv.name(),
         "one_step_a_chunk": b.info().verifies_drafts && !one_token,
         "perplexity": p,
         "perplexity_err": e,

@@ -220,6 +220,7 @@ mod tests {
             eos: vec![128001],
             add_bos: true,
             pooling: None,
+            fp8: None,
         }
     }
 }

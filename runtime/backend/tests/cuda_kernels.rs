@@ -168,6 +168,7 @@ impl Paged {
         match self.kv {
             KvDtype::F32 => x,
             KvDtype::Bf16 => bf16_to_f32(f32_to_bf16(x)),
+            KvDtype::Fp8 => unreachable!("the CUDA kernels read f32 or bf16 KV caches"),
         }
     }
 
@@ -178,6 +179,7 @@ impl Paged {
                 let h: Vec<u16> = vals.iter().map(|&v| f32_to_bf16(v)).collect();
                 g.upload(&h).unwrap()
             }
+            KvDtype::Fp8 => unreachable!("the CUDA kernels read f32 or bf16 KV caches"),
         }
     }
 
@@ -190,6 +192,7 @@ impl Paged {
                 g.read(b, 0, &mut h).unwrap();
                 h.into_iter().map(bf16_to_f32).collect()
             }
+            KvDtype::Fp8 => unreachable!("the CUDA kernels read f32 or bf16 KV caches"),
         }
     }
 }
@@ -268,6 +271,7 @@ impl Mat {
             cols: self.k,
             data: &self.data,
             packed: false,
+            fp8: None,
         }
     }
     fn host(&self, f: DevFormat) -> HostMat {
@@ -371,7 +375,7 @@ fn check_qkv(
             TOL,
             match pg.kv {
                 KvDtype::F32 => TOL,
-                KvDtype::Bf16 => KV_TOL,
+                KvDtype::Bf16 | KvDtype::Fp8 => KV_TOL,
             },
         ),
         |t| (t, t),

@@ -37,6 +37,9 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// FP8 e4m3 (`float8_e4m3fn`), one byte an element, no scale of its own: a matrix of it comes
+    /// with a tensor of per-row scales ([`crate::fp8`]). HF safetensors only (GGUF has no FP8 type).
+    F8_E4M3,
 }
 
 /// Elements per block of the quantized types (ggml's QK4_0 = QK4_1 = QK8_0 = 32).
@@ -63,8 +66,24 @@ pub enum DTypeError {
 }
 
 impl DType {
-    /// Every type, in ggml id order.
-    pub const ALL: [DType; 11] = [
+    /// Every type: those of GGUF ([`DType::GGUF`]), then FP8.
+    pub const ALL: [DType; 12] = [
+        DType::F32,
+        DType::F16,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::BF16,
+        DType::F8_E4M3,
+    ];
+
+    /// The types a GGUF file may hold, in ggml id order.
+    pub const GGUF: [DType; 11] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
@@ -78,9 +97,9 @@ impl DType {
         DType::BF16,
     ];
 
-    /// The ggml / GGUF type id (`enum ggml_type`).
-    pub const fn ggml_id(self) -> u32 {
-        match self {
+    /// The ggml / GGUF type id (`enum ggml_type`); `None` for FP8, which GGUF has not.
+    pub const fn ggml_id(self) -> Option<u32> {
+        Some(match self {
             DType::F32 => 0,
             DType::F16 => 1,
             DType::Q4_0 => 2,
@@ -92,7 +111,8 @@ impl DType {
             DType::Q5_K => 13,
             DType::Q6_K => 14,
             DType::BF16 => 30,
-        }
+            DType::F8_E4M3 => return None,
+        })
     }
 
     /// The type with this ggml id, or `None` for ids this runtime does not support.
@@ -114,7 +134,7 @@ impl DType {
     }
 
     /// Lower-case name as ggml and the target files spell it: f32, f16, bf16, q4_0, q4_1, q5_0,
-    /// q5_1, q8_0, q4_k, q5_k, q6_k.
+    /// q5_1, q8_0, q4_k, q5_k, q6_k, f8_e4m3.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -128,6 +148,7 @@ impl DType {
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
+            DType::F8_E4M3 => "f8_e4m3",
         }
     }
 
@@ -148,11 +169,11 @@ impl DType {
             .find(|d| d.name().eq_ignore_ascii_case(s))
     }
 
-    /// Elements per block: 1 for the float types, 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, 256 for
+    /// Elements per block: 1 for the float types (FP8 among them), 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, 256 for
     /// the K-quants.
     pub const fn block_elems(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::F8_E4M3 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => QK,
             DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
@@ -163,6 +184,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F8_E4M3 => 1,
             DType::Q4_0 => 2 + QK / 2,
             DType::Q4_1 => 2 + 2 + QK / 2,
             DType::Q5_0 => 2 + 4 + QK / 2,
@@ -343,6 +365,12 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
             let k = dtype.kquant().expect("a K-quant type");
             k.dequantize(bytes, out).expect("row size checked above");
         }
+        DType::F8_E4M3 => {
+            // the e4m3 values; the row's scale is a tensor of its own (crate::fp8)
+            for (o, &b) in out.iter_mut().zip(bytes) {
+                *o = crate::fp8::e4m3_to_f32(b);
+            }
+        }
     }
     Ok(())
 }
@@ -474,6 +502,12 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTy
             let k = dtype.kquant().expect("a K-quant type");
             crate::kquant::quantize(k, src, out).expect("row size checked above");
         }
+        DType::F8_E4M3 => {
+            // unit scale: the values themselves, rounded and saturated (crate::fp8 scales rows)
+            for (o, &v) in out.iter_mut().zip(src) {
+                *o = crate::fp8::f32_to_e4m3(v);
+            }
+        }
     }
     Ok(())
 }
@@ -511,10 +545,13 @@ mod tests {
 
     #[test]
     fn ids_round_trip_and_geometry() {
+        for d in DType::GGUF {
+            assert_eq!(DType::from_ggml(d.ggml_id().unwrap()), Some(d));
+        }
         for d in DType::ALL {
-            assert_eq!(DType::from_ggml(d.ggml_id()), Some(d));
             assert_eq!(DType::from_name(d.name()), Some(d));
         }
+        assert_eq!(DType::F8_E4M3.ggml_id(), None);
         assert_eq!(DType::from_ggml(9), None); // Q8_1: not supported
         assert_eq!(
             (DType::Q5_0.block_bytes(), DType::Q5_1.block_bytes()),
@@ -527,7 +564,7 @@ mod tests {
         ] {
             assert_eq!(
                 (d.ggml_id(), d.block_elems(), d.block_bytes()),
-                (id, 256, bytes)
+                (Some(id), 256, bytes)
             );
             assert_eq!(d.row_bytes(4096), Some(16 * bytes));
             assert_eq!(d.row_bytes(4000), None, "{d}: rows are whole super-blocks");
@@ -674,6 +711,9 @@ mod tests {
                         (hi - lo) / 31.0 * (0.5 + 32.0 * 2f32.powi(-11)) + amax * 2f32.powi(-11)
                     }
                     DType::Q4_K | DType::Q5_K | DType::Q6_K => unreachable!("skipped above"),
+                    // 3 mantissa bits: half a step is at most 2^-4 of the value, or half a
+                    // subnormal step (2^-10) below 2^-6
+                    DType::F8_E4M3 => (amax / 16.0).max(2f32.powi(-10)),
                 };
                 for (j, (a, b)) in s.iter().zip(b).enumerate() {
                     assert!(

@@ -42,22 +42,26 @@ impl Dims {
 /// block (vLLM's default block size).
 pub const KV_BLOCK: usize = 16;
 
-/// Element type of the KV cache, a target setting (`[quant] kv`): f32 where exact CPU = GPU
-/// comparisons need it, bf16 for real-size targets (half the bytes; K and V are rounded to nearest
-/// even when written, the same on every backend).
+/// Element type of the KV cache, a target setting (`[quant] kv`) or the server's
+/// `--kv-cache-dtype`: f32 where exact CPU = GPU comparisons need it, bf16 for real-size targets
+/// (half the bytes; K and V are rounded to nearest even when written, the same on every backend),
+/// fp8 (CPU backend): each head's K or V vector of a token stored as e4m3 bytes with one f32 scale
+/// (its largest magnitude to 448, `crate::fp8`), 1 + 4 / head_dim bytes an element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvDtype {
     #[default]
     F32,
     Bf16,
+    Fp8,
 }
 
 impl KvDtype {
-    /// "f32" | "bf16", as MODEL.toml spells it.
+    /// "f32" | "bf16" | "fp8" (or vLLM's "fp8_e4m3"), as MODEL.toml and the server's flag spell it.
     pub fn parse(s: &str) -> Option<KvDtype> {
         match s {
             "f32" => Some(KvDtype::F32),
             "bf16" => Some(KvDtype::Bf16),
+            "fp8" | "fp8_e4m3" => Some(KvDtype::Fp8),
             _ => None,
         }
     }
@@ -66,15 +70,22 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8 => "fp8",
         }
     }
 
-    /// Bytes per element.
+    /// Bytes per element (fp8: without the scales, [`KvDtype::vector_bytes`]).
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 => 2,
+            KvDtype::Fp8 => 1,
         }
+    }
+
+    /// Bytes of one head's K (or V) vector of `head_dim` elements, scales included.
+    pub fn vector_bytes(self, head_dim: usize) -> usize {
+        head_dim * self.bytes() + if self == KvDtype::Fp8 { 4 } else { 0 }
     }
 }
 

@@ -388,7 +388,7 @@ pub struct Quant {
     pub weights: String,
     /// dtype of the token embedding (also the tied LM head): "q8_0" | "bf16" | ...
     pub embedding: String,
-    /// dtype of the KV cache: "f32" (the default) | "bf16" (`shape::KvDtype`).
+    /// dtype of the KV cache: "f32" (the default) | "bf16" | "fp8" (cpu backend; `shape::KvDtype`).
     #[serde(default = "default_kv")]
     pub kv: String,
     /// How the CUDA matrix-vector kernels (small decode steps) take their input rows: "f32" (the
@@ -973,13 +973,28 @@ impl TargetSpec {
                 ));
             }
         }
-        if crate::shape::KvDtype::parse(&self.quant.kv).is_none() {
-            return Err(inv(
-                model_path,
-                "quant.kv",
-                "f32 or bf16".into(),
-                self.quant.kv.clone(),
-            ));
+        match crate::shape::KvDtype::parse(&self.quant.kv) {
+            None => {
+                return Err(inv(
+                    model_path,
+                    "quant.kv",
+                    "f32, bf16 or fp8".into(),
+                    self.quant.kv.clone(),
+                ))
+            }
+            Some(crate::shape::KvDtype::Fp8) if self.hardware.backend != BackendKind::Cpu => {
+                return Err(inv(
+                    model_path,
+                    "quant.kv",
+                    format!(
+                        "f32 or bf16 (an fp8 KV cache runs on the cpu backend only; the {} \
+                         kernels read f32 or bf16)",
+                        self.hardware.backend
+                    ),
+                    self.quant.kv.clone(),
+                ))
+            }
+            Some(_) => {}
         }
         match (self.quant.activations.as_str(), self.quant.weights.as_str()) {
             ("f32", _) | ("i16", "q4_1") => {}
@@ -1277,6 +1292,21 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("f32 or i16") && err.contains("i8"), "{err}");
+    }
+
+    #[test]
+    fn an_fp8_kv_cache_is_a_cpu_target_setting() {
+        let err = load_edited("bf16", |s| s.replace("kv = \"bf16\"", "kv = \"fp8\""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("quant.kv") && err.contains("cpu backend only") && err.contains("fp8"),
+            "{err}"
+        );
+        let err = load_edited("bf16", |s| s.replace("kv = \"bf16\"", "kv = \"e5m2\""))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("f32, bf16 or fp8"), "{err}");
     }
 
     #[test]

@@ -227,6 +227,10 @@ pub struct ModelConfig {
     /// How the file says its hidden states pool into an embedding (GGUF `<arch>.pooling_type`:
     /// "none", "mean", "cls", "last" or "rank"); `None`: it does not say.
     pub pooling: Option<String>,
+    /// How the FP8 matrices' products quantize their input (`crate::fp8`): from an HF config's
+    /// `quantization_config`, or dynamic per token once a checkpoint is quantized at load;
+    /// `None` for a checkpoint without FP8 matrices.
+    pub fp8: Option<metrale_core::fp8::Activations>,
 }
 
 fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
@@ -518,6 +522,7 @@ impl ModelConfig {
             eos,
             add_bos,
             pooling,
+            fp8: None,
         };
         c.check(path)?;
         Ok(c)
@@ -577,6 +582,7 @@ impl ModelConfig {
     ) -> Result<ModelConfig> {
         // a multimodal Gemma 3 (Gemma3ForConditionalGeneration: gemma-3-4b/12b/27b) is its
         // `text_config`'s language model; its vision tower is not read (`hf::gguf_name`)
+        let quantization = cfg;
         let merged;
         let cfg = match (
             cfg.get("model_type").and_then(Json::as_str),
@@ -936,6 +942,7 @@ impl ModelConfig {
             eos,
             add_bos: add_bos && bos.is_some(),
             pooling: None,
+            fp8: crate::fp8::quantization_config(quantization, path)?,
         };
         c.check(path)?;
         Ok(c)

@@ -637,9 +637,9 @@ pub fn parse_header(buf: &[u8], path: &Path) -> Result<GgufHeader> {
             path: path.to_path_buf(),
             field: format!("{field} ggml type"),
             value: format!("{type_id} ({})", ggml_type_name(type_id)),
-            supported: DType::ALL
+            supported: DType::GGUF
                 .iter()
-                .map(|d| format!("{} ({})", d.ggml_id(), d))
+                .map(|d| format!("{} ({})", d.ggml_id().expect("a GGUF type"), d))
                 .collect::<Vec<_>>()
                 .join(", "),
         })?;

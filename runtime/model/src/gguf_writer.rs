@@ -138,7 +138,13 @@ pub fn layout(metadata: &[(String, Value)], tensors: &[TensorSpec]) -> Result<La
         for &d in &t.shape {
             o.extend((d as u64).to_le_bytes());
         }
-        o.extend(t.dtype.ggml_id().to_le_bytes());
+        let id = t.dtype.ggml_id().ok_or_else(|| {
+            format!(
+                "tensor {}: GGUF has no {} type; write FP8 checkpoints as HF safetensors",
+                t.name, t.dtype
+            )
+        })?;
+        o.extend(id.to_le_bytes());
         o.extend(rel.to_le_bytes());
         rels.push(rel);
         sizes.push(n);

@@ -73,6 +73,21 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
     if let Some(inner) = inner {
         return gguf_name(&inner);
     }
+    // FP8 checkpoints (`crate::fp8`): a projection's scales keep its name with their suffix; the
+    // KV cache scales some carry are not read (the cache's scales are the runtime's own)
+    for suffix in ["weight_scale", "input_scale"] {
+        if let Some(base) = hf.strip_suffix(suffix) {
+            let m = gguf_name(&format!("{base}weight"))??;
+            let m = m.strip_suffix("weight")?;
+            return Some(Some(format!("{m}{suffix}")));
+        }
+    }
+    if [".k_scale", ".v_scale", ".kv_scale", ".q_scale"]
+        .iter()
+        .any(|s| hf.ends_with(s) && hf.contains(".self_attn."))
+    {
+        return Some(None);
+    }
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
@@ -338,12 +353,13 @@ pub fn read_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<Vec<Safetens
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::F8_E4M3 => DType::F8_E4M3,
             other => {
                 return Err(ModelError::Unsupported {
                     path: path.to_path_buf(),
                     field: format!("tensor '{hf_name}' dtype"),
                     value: format!("{other:?}"),
-                    supported: "F32, F16, BF16".into(),
+                    supported: "F32, F16, BF16, F8_E4M3 (with its weight_scale)".into(),
                 })
             }
         };
@@ -543,6 +559,11 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                     .into(),
         });
     }
+    // FP8 scales: one f32 a row, permuted with Q and K rows as a bias is
+    crate::fp8::normalize_scales(&mut weights, &config, |matrix, bytes, rows| {
+        let as_bias = format!("{}bias", matrix.strip_suffix("weight").unwrap_or(matrix));
+        rope_pairs(&as_bias, DType::F32, &[rows], bytes, &config, dir, matrix)
+    })?;
     validate_model(&config, &weights)?;
 
     let tokenizer = Tokenizer::from_hf_json(

@@ -24,6 +24,7 @@ pub mod chat;
 pub mod config;
 pub mod error;
 pub mod files;
+pub mod fp8;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod hf;

@@ -192,6 +192,24 @@ impl Weights {
         Ok(())
     }
 
+    /// Insert an entry in place of the one called `name`, if any (the FP8 reader's normalized
+    /// scales and quantized matrices).
+    pub(crate) fn replace(
+        &mut self,
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        source: Source,
+    ) -> Result<()> {
+        self.entries.remove(&name);
+        self.insert(name, dtype, shape, source)
+    }
+
+    /// Drop the tensor called `name` (a GGUF expert tensor split into one tensor per expert).
+    pub(crate) fn remove(&mut self, name: &str) {
+        self.entries.remove(name);
+    }
+
     /// The tensor called `name`, or an error naming it.
     pub fn get(&self, name: &str) -> Result<TensorRef<'_>> {
         let (key, e) =

@@ -45,6 +45,19 @@ pub struct Cli {
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
 
+    /// The KV cache's element type (vLLM's flag): `auto` (the target's: f32 for the plain cpu
+    /// build), `f32`, `bf16`, or `fp8` (`fp8_e4m3`): each head's K or V vector of a token as e4m3
+    /// bytes with its own f32 scale, ~1/4 of f32's bytes (cpu backend; a kernel backend reads the
+    /// type its target was built for).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16", "fp8", "fp8_e4m3"])]
+    pub kv_cache_dtype: String,
+
+    /// Quantize the checkpoint's layer matrices at load (vLLM's flag): `fp8` makes a bf16, f16 or
+    /// f32 checkpoint's projections FP8 e4m3 with one scale per output channel, their inputs
+    /// quantized per token (W8A8). FP8 checkpoints (compressed-tensors, fbgemm_fp8) need no flag.
+    #[arg(short = 'q', long, value_parser = ["fp8"])]
+    pub quantization: Option<String>,
+
     /// CPU threads for the cpu backend (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,

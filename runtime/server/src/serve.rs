@@ -131,7 +131,9 @@ fn check_host_memory(model: &Model, kv: KvConfig) -> Result<()> {
     let Some(avail) = crate::budget::host_available() else {
         return Ok(());
     };
-    let per_token = model.config.kv_elems_per_token() as u64 * kv.dtype.bytes() as u64;
+    let hd = model.config.head_dim.max(1);
+    let per_token =
+        (model.config.kv_elems_per_token() / hd) as u64 * kv.dtype.vector_bytes(hd) as u64;
     let tokens = (kv.pool_blocks() * KV_BLOCK) as u64;
     let need = per_token.saturating_mul(tokens);
     // Leave a tenth of what is free (and the weights' working set) to the rest of the process.
@@ -337,6 +339,53 @@ fn probe_template(t: &ChatTemplate) -> Result<()> {
     }
 }
 
+/// The KV cache's element type: `--kv-cache-dtype`, or the target's (`auto`). A kernel backend
+/// reads the type its target was built for and no other.
+fn kv_dtype(cli: &Cli, target: Option<&TargetSpec>) -> Result<metrale_backend::KvDtype> {
+    let built = target.map(|t| t.quant.kv_dtype()).unwrap_or_default();
+    let asked = match cli.kv_cache_dtype.as_str() {
+        "auto" => return Ok(built),
+        s => metrale_backend::KvDtype::parse(s).expect("clap checked the value"),
+    };
+    match target {
+        Some(t) if t.hardware.backend.to_string() != "cpu" && asked != built => bail!(
+            "--kv-cache-dtype {}: this binary's kernels ({}) read a {built} KV cache; leave the flag \
+             out (auto), or build a target with [quant] kv = \"{asked}\" (an fp8 cache runs on the cpu \
+             backend only)",
+            cli.kv_cache_dtype,
+            t.id,
+        ),
+        _ => Ok(asked),
+    }
+}
+
+/// `--quantization fp8`: the layer matrices quantized at load; or an FP8 checkpoint, said.
+fn quantize(cli: &Cli, model: &mut Model) -> Result<()> {
+    if cli.quantization.as_deref() == Some("fp8") {
+        let t = Instant::now();
+        let threads = cli
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let q =
+            metrale_model::fp8::quantize_at_load(model, threads).context("--quantization fp8")?;
+        if q.matrices > 0 {
+            eprintln!(
+                "  quantized at load: {} matrices to fp8 e4m3, one scale per output channel, \
+                 dynamic per-token activation scales ({} -> {}) [{:.1} s]",
+                q.matrices,
+                human_bytes(q.bytes_before),
+                human_bytes(q.bytes_after),
+                t.elapsed().as_secs_f64()
+            );
+            return Ok(());
+        }
+    }
+    if let Some(a) = model.config.fp8 {
+        eprintln!("  weights: fp8 e4m3 from the checkpoint, one scale per output channel, {a}");
+    }
+    Ok(())
+}
+
 fn load(
     cli: &Cli,
     path: &std::path::Path,
@@ -360,6 +409,8 @@ fn load(
         t.elapsed().as_secs_f64()
     );
     check_target(target.as_ref(), &model)?;
+    quantize(cli, &mut model)?;
+    let c = &model.config;
 
     let behavior = target
         .as_ref()
@@ -390,10 +441,7 @@ fn load(
         slots: parallel,
         slot_capacity: ctx,
         blocks: cli.kv_cache_tokens.map_or(0, metrale_backend::blocks_for),
-        dtype: target
-            .as_ref()
-            .map(|t| t.quant.kv_dtype())
-            .unwrap_or_default(),
+        dtype: kv_dtype(cli, target.as_ref())?,
     };
     let t = Instant::now();
     let backend = load_backend(target.as_ref(), &model, kv, cli)?;

@@ -47,6 +47,8 @@ pub struct QTensor {
     pub data: Vec<u8>,
     /// Q4_1 rows packed for the AVX2 kernels (`qact::pack_q4_1`).
     pub packed: bool,
+    /// An FP8 matrix's scales.
+    pub fp8: Option<mat::Fp8Scales>,
 }
 
 impl QTensor {
@@ -57,6 +59,7 @@ impl QTensor {
             cols: self.cols,
             data: &self.data,
             packed: self.packed,
+            fp8: self.fp8.as_ref().map(mat::Fp8Scales::as_ref),
         }
     }
 
@@ -140,9 +143,16 @@ pub fn route(logits: &[f32], used: usize, norm_topk: bool) -> Vec<(usize, f32)> 
 use crate::Dims;
 
 /// K or V of the whole pool: `[block][layer][KV_BLOCK][kv_dim]`, in the cache's element type.
+/// Fp8: e4m3 bytes in that layout and one f32 scale per head vector (`head_dim` elements of
+/// one token's K or V head: `scales[at / head_dim]`), its largest magnitude to 448.
 enum KvStore {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
+    Fp8 {
+        q: Vec<u8>,
+        scales: Vec<f32>,
+        head_dim: usize,
+    },
 }
 
 /// Write one element of every 4 KiB page of `v`: the pages are committed now (a volatile write,
@@ -159,7 +169,7 @@ impl KvStore {
     /// A zeroed store of `n` elements, its memory committed at once: the pool is the KV cache's
     /// whole budget, taken at start (a pool that does not fit fails here, not mid-request, and the
     /// process's memory stays flat as blocks come into use).
-    fn new(dtype: KvDtype, n: usize) -> KvStore {
+    fn new(dtype: KvDtype, n: usize, head_dim: usize) -> KvStore {
         match dtype {
             KvDtype::F32 => {
                 let mut v = vec![0.0f32; n];
@@ -171,6 +181,16 @@ impl KvStore {
                 commit_pages(&mut v);
                 KvStore::Bf16(v)
             }
+            KvDtype::Fp8 => {
+                let (mut q, mut scales) = (vec![0u8; n], vec![1f32; n / head_dim]);
+                commit_pages(&mut q);
+                commit_pages(&mut scales);
+                KvStore::Fp8 {
+                    q,
+                    scales,
+                    head_dim,
+                }
+            }
         }
     }
 
@@ -178,6 +198,7 @@ impl KvStore {
         match self {
             KvStore::F32(v) => v.len() as u64 * 4,
             KvStore::Bf16(v) => v.len() as u64 * 2,
+            KvStore::Fp8 { q, scales, .. } => q.len() as u64 + scales.len() as u64 * 4,
         }
     }
 
@@ -187,6 +208,22 @@ impl KvStore {
             KvStore::Bf16(v) => {
                 for (d, &x) in v[at..at + src.len()].iter_mut().zip(src) {
                     *d = metrale_core::dtype::f32_to_bf16(x);
+                }
+            }
+            KvStore::Fp8 {
+                q,
+                scales,
+                head_dim,
+            } => {
+                // whole head vectors: `at` and the length are multiples of head_dim
+                for (h, x) in src.chunks_exact(*head_dim).enumerate() {
+                    let s =
+                        metrale_core::fp8::row_scale(x.iter().fold(0f32, |m, v| m.max(v.abs())));
+                    let i = at / *head_dim + h;
+                    scales[i] = s;
+                    for (d, &v) in q[i * *head_dim..(i + 1) * *head_dim].iter_mut().zip(x) {
+                        *d = metrale_core::fp8::f32_to_e4m3(v / s);
+                    }
                 }
             }
         }
@@ -199,6 +236,19 @@ impl KvStore {
                 let n = dst.len();
                 for (d, &x) in dst.iter_mut().zip(&v[at..at + n]) {
                     *d = metrale_core::dtype::bf16_to_f32(x);
+                }
+            }
+            KvStore::Fp8 {
+                q,
+                scales,
+                head_dim,
+            } => {
+                for (h, d) in dst.chunks_exact_mut(*head_dim).enumerate() {
+                    let i = at / *head_dim + h;
+                    let s = scales[i];
+                    for (o, &b) in d.iter_mut().zip(&q[i * *head_dim..(i + 1) * *head_dim]) {
+                        *o = metrale_core::fp8::e4m3_to_f32(b) * s;
+                    }
                 }
             }
         }
@@ -311,7 +361,7 @@ fn load_matrix(
     cols: usize,
 ) -> Result<QTensor, BackendError> {
     let t = model.weights.get(name).map_err(model_err)?;
-    to_qtensor(&t, &format!("tensor '{name}'"), rows, cols)
+    to_qtensor(model, &t, &format!("tensor '{name}'"), rows, cols)
 }
 
 /// Expert `e`'s `rows` x `cols` matrix of the expert tensor `name` (`Weights::expert`).
@@ -323,11 +373,13 @@ fn load_expert(
     cols: usize,
 ) -> Result<QTensor, BackendError> {
     let t = model.weights.expert(name, e).map_err(model_err)?;
-    to_qtensor(&t, &format!("expert {e} of '{name}'"), rows, cols)
+    to_qtensor(model, &t, &format!("expert {e} of '{name}'"), rows, cols)
 }
 
-/// A copy of `t`, checked to be a `rows` x `cols` matrix (`what` names it in the error).
+/// A copy of `t`, checked to be a `rows` x `cols` matrix (`what` names it in the error), with its
+/// scales where it is FP8.
 fn to_qtensor(
+    model: &Model,
     t: &metrale_model::TensorRef<'_>,
     what: &str,
     rows: usize,
@@ -347,12 +399,35 @@ fn to_qtensor(
             t.shape
         )));
     }
+    let fp8 = match t.dtype {
+        DType::F8_E4M3 => {
+            let (scales, input_scale) =
+                metrale_model::fp8::scales(&model.weights, t.name).map_err(model_err)?;
+            let ub = match model.config.fp8 {
+                Some(metrale_core::fp8::Activations::Dynamic { ub }) => ub,
+                _ => None,
+            };
+            if scales.len() != rows {
+                return Err(BackendError::Model(format!(
+                    "{what}: {} scales for {rows} rows",
+                    scales.len()
+                )));
+            }
+            Some(mat::Fp8Scales {
+                scales,
+                input_scale,
+                ub,
+            })
+        }
+        _ => None,
+    };
     Ok(QTensor {
         dtype: t.dtype,
         rows,
         cols,
         data: t.data.to_vec(),
         packed: false,
+        fp8,
     })
 }
 
@@ -530,7 +605,8 @@ impl CpuBackend {
                 BackendError::Invalid(format!("a KV pool of {blocks} blocks overflows"))
             })?;
         // The whole pool must fit in available memory (it is committed at once: `KvStore::new`).
-        let needed = (elems as u64).saturating_mul(2 * kvc.dtype.bytes() as u64);
+        let needed = ((elems / dims.head_dim) as u64)
+            .saturating_mul(2 * kvc.dtype.vector_bytes(dims.head_dim) as u64);
         if let Some(free) = mem_available() {
             if needed > free {
                 return Err(BackendError::OutOfMemory {
@@ -546,8 +622,8 @@ impl CpuBackend {
             }
         }
         let kv = KvPool {
-            k: KvStore::new(kvc.dtype, elems),
-            v: KvStore::new(kvc.dtype, elems),
+            k: KvStore::new(kvc.dtype, elems, dims.head_dim),
+            v: KvStore::new(kvc.dtype, elems, dims.head_dim),
             blocks,
             dtype: kvc.dtype,
             layer_elems,

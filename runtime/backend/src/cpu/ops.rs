@@ -609,15 +609,37 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
         DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             dot_dequant_row(dtype, row, x)
         }
+        DType::F8_E4M3 => dot_fp8_row(row, x),
     }
 }
 
-/// The types without a fused dot of their own: [`dot_dequant_row`] dequantises their blocks
-/// first (Q5_0, Q5_1, the K-quants).
+/// Dot product of a row of e4m3 bytes with `x` (the row's scale is applied by the caller,
+/// [`matmul_rows`]): each byte's value from the table, accumulated as [`dot16`] does, so a row
+/// dequantised once and dotted with many tokens gives the same bits.
+#[inline(always)]
+fn dot_fp8_row(row: &[u8], x: &[f32]) -> f32 {
+    let t = &metrale_core::fp8::E4M3_TABLE;
+    let mut acc = [0f32; 16];
+    for (b, xs) in row.chunks_exact(16).zip(x.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += t[b[l] as usize] * xs[l];
+        }
+    }
+    let done = x.len() / 16 * 16;
+    let tail: f32 = row[done..]
+        .iter()
+        .zip(&x[done..])
+        .map(|(&b, v)| t[b as usize] * v)
+        .sum();
+    hsum16(&acc) + tail
+}
+
+/// The types whose rows [`matmul_rows`] dequantises once for every token of a chunk (one token:
+/// [`dot_dequant_row`] a block at a time, or FP8's table lookups).
 fn dequantising(dtype: DType) -> bool {
     matches!(
         dtype,
-        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3
     )
 }
 
@@ -640,6 +662,16 @@ fn dot_dequant_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
         dot16_acc(&mut acc, &w[..be], xb);
     }
     hsum16(&acc)
+}
+
+/// [`dot16_acc`] over `w` and `x`, summed, plus the products past the last whole 16 elements.
+#[inline(always)]
+fn dot16(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    dot16_acc(&mut acc, w, x);
+    let done = x.len() / 16 * 16;
+    let tail: f32 = w[done..].iter().zip(&x[done..]).map(|(a, b)| a * b).sum();
+    hsum16(&acc) + tail
 }
 
 /// `acc[l] += w[16 i + l] * x[16 i + l]` over whole 16-element chunks, in order: every dequantising
@@ -684,9 +716,8 @@ fn matmul_rows_body(
             for t in 0..n_tok {
                 let xt = &x[t * w.cols..(t + 1) * w.cols];
                 for rr in r..re {
-                    let mut acc = [0f32; 16];
-                    dot16_acc(&mut acc, &deq[(rr - r) * w.cols..(rr - r + 1) * w.cols], xt);
-                    out_t[rr * n_tok + t] = hsum16(&acc);
+                    out_t[rr * n_tok + t] =
+                        dot16(&deq[(rr - r) * w.cols..(rr - r + 1) * w.cols], xt);
                 }
             }
             r = re;
@@ -741,18 +772,41 @@ pub fn matmul_rows(
         "matmul_rows reads GGUF order (unpack packed rows first)"
     );
     #[cfg(target_arch = "x86_64")]
-    {
-        if simd_level() == "avx2" {
-            // SAFETY: the CPU supports avx2 and fma (checked just above).
-            unsafe { matmul_rows_avx2(w, r0, x, xs, n_tok, out_t) };
-            return;
+    let done = if simd_level() == "avx2" {
+        // SAFETY: the CPU supports avx2 and fma (checked just above).
+        unsafe { matmul_rows_avx2(w, r0, x, xs, n_tok, out_t) };
+        true
+    } else {
+        false
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = false;
+    if !done {
+        matmul_rows_body(w, r0, x, xs, n_tok, out_t)
+    }
+    if let Some(f) = w.fp8 {
+        // an FP8 row's scale, once per output (the input's scale is in `x`: fp8_input)
+        for (o, s) in out_t.chunks_exact_mut(n_tok).zip(&f.scales[r0..]) {
+            for v in o {
+                *v *= s;
+            }
         }
     }
-    matmul_rows_body(w, r0, x, xs, n_tok, out_t)
+}
+
+/// The input an FP8 matrix's product reads (`metrale_core::fp8`): each token's row quantized to
+/// e4m3 with the matrix's static scale or the row's own; `None` for other types.
+pub fn fp8_input(w: &MatRef<'_>, x: &[f32]) -> Option<Vec<f32>> {
+    let f = w.fp8?;
+    let mut q = x.to_vec();
+    metrale_core::fp8::quantize_activations(&mut q, w.cols, f.input_scale, f.ub);
+    Some(q)
 }
 
 /// Matrix-vector product `out[r] = dot(W[r], x)` for every row (single-threaded reference).
 pub fn matvec(w: MatRef<'_>, x: &[f32], out: &mut [f32]) {
+    let xq = fp8_input(&w, x);
+    let x = xq.as_deref().unwrap_or(x);
     let xs = if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
         block_sums(x)
     } else {
@@ -866,8 +920,13 @@ pub fn matmul_many(ws: &[MatRef<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut 
         Vec::new()
     };
     let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+    // FP8 matrices read their input quantized (one copy per matrix: static scales differ)
+    let fp8_x: Vec<Option<Vec<f32>>> = ws.iter().map(|w| fp8_input(w, x)).collect();
     par_rows_many(&rows, n_tok, outs, |i, r0, o| {
         let w = ws[i];
+        if let Some(xq) = &fp8_x[i] {
+            return matmul_rows(w, r0, xq, &xs, n_tok, o);
+        }
         if !w.packed {
             return matmul_rows(w, r0, x, &xs, n_tok, o);
         }
@@ -922,6 +981,63 @@ mod tests {
     use crate::cpu::synthetic::{rand_vec, rand_weights};
     use metrale_core::dtype::dequantize_row;
 
+    /// FP8: every token's input quantized per token to e4m3, the row's scale applied after the
+    /// dot; one token alone (the table dot) and three at once (rows dequantised once) give the
+    /// same bits, and both the products of the stated formula (summed in f64: within f32 rounding).
+    /// Column counts past whole 16-element chunks (the tail) and a static input scale included.
+    #[test]
+    fn fp8_products_quantize_inputs_and_scale_rows() {
+        use crate::cpu::mat::Fp8Ref;
+        use metrale_core::fp8::{e4m3_to_f32, quantize_activations};
+        let rows = 21;
+        for (cols, input_scale) in [(96, None), (75, None), (96, Some(0.004f32))] {
+            let w = rand_weights(DType::F8_E4M3, rows, cols, 3);
+            let scales: Vec<f32> = (0..rows).map(|r| 0.01 + r as f32 * 1e-3).collect();
+            let x: Vec<f32> = rand_vec(cols * 3, 9).iter().map(|v| v * 1.7).collect();
+            let m = MatRef {
+                dtype: DType::F8_E4M3,
+                rows,
+                cols,
+                data: &w,
+                packed: false,
+                fp8: Some(Fp8Ref {
+                    scales: &scales,
+                    input_scale,
+                    ub: None,
+                }),
+            };
+            let mut many = vec![0f32; rows * 3];
+            matmul(m, &x, 3, &mut many);
+            let mut xq = x.clone();
+            quantize_activations(&mut xq, cols, input_scale, None);
+            assert_ne!(xq, x, "the inputs are quantized");
+            for t in 0..3 {
+                let mut one = vec![0f32; rows];
+                matvec(m, &x[t * cols..(t + 1) * cols], &mut one);
+                for r in 0..rows {
+                    assert_eq!(
+                        one[r].to_bits(),
+                        many[t * rows + r].to_bits(),
+                        "{cols} {t} {r}"
+                    );
+                    let want: f64 = (0..cols)
+                        .map(|c| e4m3_to_f32(w[r * cols + c]) as f64 * xq[t * cols + c] as f64)
+                        .sum::<f64>()
+                        * scales[r] as f64;
+                    let mag: f64 = (0..cols)
+                        .map(|c| (e4m3_to_f32(w[r * cols + c]) * xq[t * cols + c]).abs() as f64)
+                        .sum::<f64>()
+                        * scales[r] as f64;
+                    assert!(
+                        (one[r] as f64 - want).abs() <= 1e-6 * mag + 1e-30,
+                        "{cols} {t} {r}: {} vs {want}",
+                        one[r]
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn fused_dots_match_dequantize_then_dot() {
         let rows = 37;
@@ -936,6 +1052,7 @@ mod tests {
                 cols,
                 data: &w,
                 packed: false,
+                fp8: None,
             };
             let mut got = vec![0f32; rows * 3];
             let pool = rayon::ThreadPoolBuilder::new()

@@ -678,6 +678,7 @@ mod tests {
                 cols,
                 data: &w,
                 packed: false,
+                fp8: None,
             };
             let mut exact = vec![0f32; rows * n];
             let mut fast = vec![0f32; rows * n];

@@ -66,6 +66,14 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
                 c[208..210].copy_from_slice(&h(0.0001 + (i % 7) as f32 * 0.00002));
             }
         }
+        // finite values only (0x7f and 0xff are NaN), the whole range
+        DType::F8_E4M3 => {
+            for v in b.iter_mut() {
+                if *v & 0x7f == 0x7f {
+                    *v &= 0xfe;
+                }
+            }
+        }
     }
     b
 }
@@ -107,6 +115,14 @@ pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: us
             cols,
             data: rand_weights(dt, rows, cols, s),
             packed: false,
+            fp8: (dt == DType::F8_E4M3).then(|| super::mat::Fp8Scales {
+                scales: rand_vec(rows, s + 7)
+                    .iter()
+                    .map(|v| 0.002 + 0.001 * v)
+                    .collect(),
+                input_scale: None,
+                ub: None,
+            }),
         }
     };
     let embd = m(dims.vocab, dims.hidden, DType::Q8_0);

@@ -399,6 +399,13 @@ pub fn check_config(
             c.name, c.family, c.family
         )));
     }
+    if c.fp8.is_some() {
+        return Err(BackendError::Model(format!(
+            "model {}: FP8 weights, which this binary's kernels ({target}) do not compute yet; \
+             serve it with the cpu backend, or the bf16 checkpoint with a bf16 target",
+            c.name
+        )));
+    }
     if let Some(sw) = &c.sliding {
         return Err(BackendError::Model(format!(
             "model {}: sliding-window attention ({} positions), which this binary's kernels \
@@ -904,6 +911,7 @@ mod tests {
             eos: vec![2],
             add_bos: false,
             pooling: None,
+            fp8: None,
         };
         assert!(check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1").is_ok());
         c.hidden = 2048;
