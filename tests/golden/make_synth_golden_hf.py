@@ -17,6 +17,11 @@ and tiny_mistral_hf from tiny-llama3's HF folder with its config.json made Mistr
 mistral, architectures [MistralForCausalLM], no rope_scaling, sliding_window 16; the edit
 tests/tests/synth_model.rs makes):
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_mistral_hf
+and tiny_phi3_longrope_hf from tiny-phi3's HF folder with Phi-4-mini's kind of RoPE put in its
+config.json (partial_rotary_factor 0.75, original_max_position_embeddings 64, rope_scaling
+{"type": "longrope", "short_factor": [1 + i/8], "long_factor": [1 + i] for i < 24}; the edit
+tests/tests/synth_model.rs makes, `phi3_longrope_config`):
+    python make_synth_golden_hf.py DIR --out tests/golden/tiny_phi3_longrope_hf
 (transformers' GGUF reader takes Gemma 3's defaults for the sliding-window pattern (6) and
 query_pre_attn_scalar (256) rather than the file's 2 and the folder's 64, so its logits of that
 GGUF differ from the folder's: recorded, not asserted; the test checks the GGUF against the folder

@@ -54,9 +54,11 @@ pub fn rope_inplace(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32]
 }
 
 /// The (cos, sin) pairs of position `pos` that [`rope_apply`] rotates by: angle `pos * inv_freq[i]`
-/// in f64, rounded to f32. A forward pass computes them once per token for all layers.
+/// in f64, rounded to f32, for the first `head_dim / 2` pairs or as many as `inv_freq` has (a
+/// partial rotary embedding rotates fewer). A forward pass computes them once per token for all
+/// layers.
 pub fn rope_factors(head_dim: usize, pos: usize, inv_freq: &[f32]) -> Vec<(f32, f32)> {
-    (0..head_dim / 2)
+    (0..(head_dim / 2).min(inv_freq.len()))
         .map(|i| {
             let a = pos as f64 * inv_freq[i] as f64;
             (a.cos() as f32, a.sin() as f32)
@@ -64,7 +66,8 @@ pub fn rope_factors(head_dim: usize, pos: usize, inv_freq: &[f32]) -> Vec<(f32, 
         .collect()
 }
 
-/// Rotate every head of `x` (`[heads * head_dim]`, pairs (2i, 2i + 1)) by the factors `cs`.
+/// Rotate every head of `x` (`[heads * head_dim]`, pairs (2i, 2i + 1)) by the factors `cs` (the
+/// first `cs.len()` pairs of each head; the dimensions past them pass through).
 pub fn rope_apply(x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
     for head in x.chunks_exact_mut(head_dim) {
         for (i, &(c, s)) in cs.iter().enumerate() {
@@ -75,14 +78,19 @@ pub fn rope_apply(x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
     }
 }
 
-/// The RoPE inverse frequencies of a model (the one place every backend takes them from):
-/// [`rope_inv_freq`] with the config's scaling applied (linear: divided by the factor; llama3:
-/// by wavelength; GGUF `rope_freqs.weight`: divided per dimension, loaded by `rope_freqs` only then).
+/// The RoPE inverse frequencies of a model served with a context of `ctx` positions (the one
+/// place every backend takes them from): [`rope_inv_freq`] over the rotated dimensions
+/// (`rotary_dim`: `rotary_dim / 2` frequencies, theta^(-2i / rotary_dim)) with the config's scaling
+/// applied (linear: divided by the factor; llama3: by wavelength; GGUF `rope_freqs.weight`:
+/// divided per dimension, loaded by `rope_freqs` only then; LongRoPE: divided by its short
+/// factors, or by its long ones where `ctx` passes the pretraining context, as llama.cpp picks
+/// them by its context size).
 pub fn model_inv_freq(
     c: &metrale_model::ModelConfig,
-    head_dim: usize,
+    ctx: usize,
     rope_freqs: impl FnOnce() -> Result<Vec<f32>, BackendError>,
 ) -> Result<Vec<f32>, BackendError> {
+    let head_dim = c.rotary_dim;
     Ok(match &c.rope_scaling {
         None => rope_inv_freq(head_dim, c.rope_theta, None, None),
         Some(RopeScaling::Linear { factor }) => rope_inv_freq(head_dim, c.rope_theta, None, None)
@@ -107,7 +115,31 @@ pub fn model_inv_freq(
             let ff = rope_freqs()?;
             rope_inv_freq(head_dim, c.rope_theta, None, Some(&ff))
         }
+        Some(RopeScaling::LongRope {
+            short,
+            long,
+            original_max_position,
+            ..
+        }) => {
+            let ff = if ctx > *original_max_position {
+                long
+            } else {
+                short
+            };
+            rope_inv_freq(head_dim, c.rope_theta, None, Some(ff))
+        }
     })
+}
+
+/// The factor on a model's rotation's cos and sin (so on the rotated dimensions of Q and K):
+/// LongRoPE's attention factor, 1 otherwise. HF scales cos and sin the same way.
+pub fn model_rope_scale(c: &metrale_model::ModelConfig) -> f32 {
+    match &c.rope_scaling {
+        Some(RopeScaling::LongRope {
+            attention_factor, ..
+        }) => *attention_factor,
+        _ => 1.0,
+    }
 }
 
 /// The RoPE table the CUDA kernels read: `(cos, sin)` of `pos * inv_freq[i]` for `pos < n_pos`,
@@ -158,16 +190,20 @@ mod tests {
     fn rope_table_with_llama3_scaling_matches_the_rotation() {
         let mut c = llama_1b_config();
         let hd = c.head_dim;
-        let plain =
-            model_inv_freq(&c, hd, || unreachable!("no rope_freqs without FreqFactors")).unwrap();
+        let plain = model_inv_freq(&c, 4096, || {
+            unreachable!("no rope_freqs without FreqFactors")
+        })
+        .unwrap();
         c.rope_scaling = Some(metrale_model::RopeScaling::Llama3 {
             factor: 32.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
             original_max_position: 8192,
         });
-        let inv =
-            model_inv_freq(&c, hd, || unreachable!("no rope_freqs without FreqFactors")).unwrap();
+        let inv = model_inv_freq(&c, 4096, || {
+            unreachable!("no rope_freqs without FreqFactors")
+        })
+        .unwrap();
         // scaling changed the low frequencies and kept the highest one
         assert_eq!(inv[0], plain[0]);
         assert!(
@@ -221,6 +257,7 @@ mod tests {
             add_bos: true,
             pooling: None,
             fp8: None,
+            rotary_dim: 64,
         }
     }
 }

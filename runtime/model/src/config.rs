@@ -187,6 +187,18 @@ pub enum RopeScaling {
     /// Per-dimension frequency divisors stored in the GGUF tensor `rope_freqs.weight` (head_dim / 2
     /// floats), as llama.cpp's converter writes llama3 scaling.
     FreqFactors,
+    /// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini; HF `rope_type: longrope`): per-dimension
+    /// divisors of the inverse frequencies (rotary_dim / 2 each), `short` for a context within
+    /// the pretraining length `original_max_position` and `long` past it (chosen once by the
+    /// served context, as llama.cpp chooses by its context size), and `attention_factor` on the
+    /// rotation's cos and sin (HF's `attention_scaling`: sqrt(1 + ln(s) / ln(original)) with s
+    /// the extension max_position_embeddings / original, unless the config gives it).
+    LongRope {
+        short: Vec<f32>,
+        long: Vec<f32>,
+        original_max_position: usize,
+        attention_factor: f32,
+    },
 }
 
 /// Everything a backend needs to size and run a model.
@@ -215,6 +227,10 @@ pub struct ModelConfig {
     /// Routed experts in every layer (families with [`Family::moe`]); `ffn` is then one expert's.
     pub moe: Option<Moe>,
     pub rope_scaling: Option<RopeScaling>,
+    /// RoPE rotates the first `rotary_dim` dimensions of each Q and K head (even, at most
+    /// `head_dim`): the whole head, or less with HF's `partial_rotary_factor` (Phi-4-mini: 96 of
+    /// 128); the rest pass through.
+    pub rotary_dim: usize,
     /// Sliding-window layers, where the family has them.
     pub sliding: Option<Sliding>,
     /// The attention scores' scale: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar).
@@ -231,6 +247,80 @@ pub struct ModelConfig {
     /// `quantization_config`, or dynamic per token once a checkpoint is quantized at load;
     /// `None` for a checkpoint without FP8 matrices.
     pub fp8: Option<metrale_core::fp8::Activations>,
+}
+
+/// The rotated dimensions of a head: even, in 2..=head_dim.
+fn rotary_dim(path: &Path, field: &str, rot: usize, head_dim: usize) -> Result<usize> {
+    if rot < 2 || rot > head_dim || !rot.is_multiple_of(2) {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: field.into(),
+            expected: format!("an even number of rotated dimensions in 2..={head_dim}"),
+            got: rot.to_string(),
+        });
+    }
+    Ok(rot)
+}
+
+/// An HF config's LongRoPE scaling (`rope_scaling` of `rope_type: longrope`): its two factor
+/// lists of `half` values each, the pretraining context (`original_max_position_embeddings`, top
+/// level as Phi-3 writes it, or inside `rope_scaling`) and the attention factor, as transformers
+/// computes it (`_compute_longrope_parameters`).
+fn long_rope(
+    path: &Path,
+    cfg: &Json,
+    rs: &Json,
+    max_context: usize,
+    half: usize,
+) -> Result<RopeScaling> {
+    let field = |k: &str| format!("config.json rope_scaling.{k}");
+    let list = |k: &str| -> Result<Vec<f32>> {
+        let v: Option<Vec<f32>> = rs.get(k).and_then(Json::as_array).and_then(|a| {
+            a.iter()
+                .map(|x| x.as_f64().map(|f| f as f32))
+                .collect::<Option<Vec<f32>>>()
+        });
+        match v {
+            Some(v) if v.len() == half && v.iter().all(|f| f.is_finite() && *f > 0.0) => Ok(v),
+            _ => Err(ModelError::Mismatch {
+                path: path.to_path_buf(),
+                field: field(k),
+                expected: format!("{half} positive factors (one per rotated pair)"),
+                got: rs.get(k).map_or("nothing".into(), |v| {
+                    let t = v.to_string();
+                    t.chars().take(80).collect()
+                }),
+            }),
+        }
+    };
+    let (short, long) = (list("short_factor")?, list("long_factor")?);
+    let original = cfg
+        .get("original_max_position_embeddings")
+        .or_else(|| rs.get("original_max_position_embeddings"))
+        .and_then(Json::as_u64)
+        .filter(|&o| o > 1)
+        .ok_or_else(|| ModelError::Missing {
+            path: path.to_path_buf(),
+            field: "config.json original_max_position_embeddings".into(),
+            hint: "LongRoPE scales by the pretraining context length".into(),
+        })? as usize;
+    let attention_factor = match rs.get("attention_factor").and_then(Json::as_f64) {
+        Some(a) => a as f32,
+        None => {
+            let s = max_context as f64 / original as f64;
+            if s <= 1.0 {
+                1.0
+            } else {
+                (1.0 + s.ln() / (original as f64).ln()).sqrt() as f32
+            }
+        }
+    };
+    Ok(RopeScaling::LongRope {
+        short,
+        long,
+        original_max_position: original,
+        attention_factor,
+    })
 }
 
 fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
@@ -353,16 +443,10 @@ impl ModelConfig {
             Some(v) => positive(path, &k("attention.key_length"), v as usize)?,
             None => derived_head_dim(path, &k("attention.head_count"), hidden, n_heads)?,
         };
-        if let Some(rot) = g.opt_u64(&k("rope.dimension_count"))? {
-            if rot != head_dim as u64 {
-                return Err(ModelError::Unsupported {
-                    path: path.to_path_buf(),
-                    field: format!("metadata '{}'", k("rope.dimension_count")),
-                    value: format!("{rot} (partial rotary embedding)"),
-                    supported: format!("the head dimension, {head_dim}"),
-                });
-            }
-        }
+        let rotary_dim = match g.opt_u64(&k("rope.dimension_count"))? {
+            None => head_dim,
+            Some(rot) => rotary_dim(path, &k("rope.dimension_count"), rot as usize, head_dim)?,
+        };
         let ffn = positive(
             path,
             &k("feed_forward_length"),
@@ -404,7 +488,7 @@ impl ModelConfig {
             })?;
         let vocab = embd.shape.get(1).copied().unwrap_or(1);
         let tied_embeddings = !g.header.tensors.iter().any(|t| t.name == "output.weight");
-        // Phi-3's 128k variants: LongRoPE factors, not read yet
+        // Phi-3's 128k variants: LongRoPE factors, read from HF folders only so far
         if let Some(t) = g
             .header
             .tensors
@@ -414,10 +498,10 @@ impl ModelConfig {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),
                 field: format!("tensor '{}'", t.name),
-                value: "LongRoPE factors".into(),
-                supported:
-                    "RoPE without per-dimension long/short factors (llama3's rope_freqs is read)"
-                        .into(),
+                value: "LongRoPE factors in a GGUF".into(),
+                supported: "RoPE without per-dimension long/short factors in GGUF (llama3's \
+                            rope_freqs is read); LongRoPE checkpoints load as HF folders"
+                    .into(),
             });
         }
         let rope_scaling = if g
@@ -516,6 +600,7 @@ impl ModelConfig {
             tied_embeddings,
             moe,
             rope_scaling,
+            rotary_dim,
             sliding,
             attn_scale,
             bos,
@@ -684,14 +769,6 @@ impl ModelConfig {
                     .and_then(|r| r.get("partial_rotary_factor"))
             })
             .and_then(Json::as_f64);
-        if let Some(f) = partial.filter(|&f| f != 1.0) {
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                field: field("partial_rotary_factor"),
-                value: f.to_string(),
-                supported: "1 (RoPE over the whole head)".into(),
-            });
-        }
         for k in [
             "final_logit_softcapping",
             "attn_logit_softcapping",
@@ -734,6 +811,23 @@ impl ModelConfig {
         let head_dim = match opt_usize("head_dim")? {
             Some(v) => positive(path, &field("head_dim"), v)?,
             None => derived_head_dim(path, &field("num_attention_heads"), hidden, n_heads)?,
+        };
+        let rotary_dim = match partial {
+            None => head_dim,
+            Some(f) if f > 0.0 && f <= 1.0 => rotary_dim(
+                path,
+                &field("partial_rotary_factor"),
+                (head_dim as f64 * f) as usize,
+                head_dim,
+            )?,
+            Some(f) => {
+                return Err(ModelError::Mismatch {
+                    path: path.to_path_buf(),
+                    field: field("partial_rotary_factor"),
+                    expected: "a fraction in (0, 1]".into(),
+                    got: f.to_string(),
+                })
+            }
         };
         let moe = if family.moe() {
             if opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1
@@ -818,12 +912,15 @@ impl ModelConfig {
                     "linear" => Some(RopeScaling::Linear {
                         factor: f("factor", 1.0),
                     }),
+                    "longrope" | "su" => {
+                        Some(long_rope(path, cfg, rs, max_context, rotary_dim / 2)?)
+                    }
                     other => {
                         return Err(ModelError::Unsupported {
                             path: path.to_path_buf(),
                             field: field("rope_scaling.rope_type"),
                             value: other.into(),
-                            supported: "default, linear, llama3".into(),
+                            supported: "default, linear, llama3, longrope".into(),
                         })
                     }
                 }
@@ -936,6 +1033,7 @@ impl ModelConfig {
             tied_embeddings,
             moe,
             rope_scaling,
+            rotary_dim,
             sliding,
             attn_scale,
             bos,

@@ -227,6 +227,18 @@ pub fn permute_qk_rows(
     row_bytes: usize,
     n_head: usize,
 ) -> Option<Vec<u8>> {
+    permute_rotary_rows(data, rows, row_bytes, n_head, None)
+}
+
+/// [`permute_qk_rows`] where RoPE rotates only the first `rotary` rows of each head (HF's
+/// `partial_rotary_factor`): those go from half-split to adjacent pairs, the rest stay in place.
+pub fn permute_rotary_rows(
+    data: &[u8],
+    rows: usize,
+    row_bytes: usize,
+    n_head: usize,
+    rotary: Option<usize>,
+) -> Option<Vec<u8>> {
     if n_head == 0
         || !rows.is_multiple_of(n_head.checked_mul(2)?)
         || data.len() != rows.checked_mul(row_bytes)?
@@ -234,7 +246,11 @@ pub fn permute_qk_rows(
         return None;
     }
     let hd = rows / n_head;
-    let half = hd / 2;
+    let rot = rotary.unwrap_or(hd);
+    if rot > hd || !rot.is_multiple_of(2) {
+        return None;
+    }
+    let half = rot / 2;
     let mut out = Vec::with_capacity(data.len());
     for h in 0..n_head {
         for j in 0..half {
@@ -243,6 +259,7 @@ pub fn permute_qk_rows(
                 out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
             }
         }
+        out.extend_from_slice(&data[(h * hd + rot) * row_bytes..(h + 1) * hd * row_bytes]);
     }
     Some(out)
 }
@@ -286,7 +303,8 @@ pub(crate) fn rope_pairs(
         } else {
             return Ok(None);
         };
-    permute_qk_rows(data, rows, row_bytes, n_head)
+    let rotary = (c.rotary_dim < c.head_dim).then_some(c.rotary_dim);
+    permute_rotary_rows(data, rows, row_bytes, n_head, rotary)
         .map(Some)
         .ok_or_else(|| ModelError::Mismatch {
             path: path.to_path_buf(),

@@ -373,11 +373,39 @@ fn config_refusals() {
     edit_json(&cfg, |v| v["mlp_bias"] = true.into());
     let e = Model::load(d).unwrap_err().to_string();
     assert!(e.contains("mlp_bias"), "{e}");
-    // a partial rotary embedding (Phi-4-mini, Phi-3.5) is refused by name
+    // a partial rotary embedding (Phi-4-mini) of 6 of the 8 dimensions loads; a factor past 1,
+    // or one leaving no rotated pair, is refused by name
     reset();
     edit_json(&cfg, |v| v["partial_rotary_factor"] = 0.75.into());
+    assert_eq!(Model::load(d).unwrap().config.rotary_dim, 6);
+    for (f, says) in [(1.5, "(0, 1]"), (0.1, "even number of rotated dimensions")] {
+        edit_json(&cfg, |v| v["partial_rotary_factor"] = f.into());
+        let e = Model::load(d).unwrap_err().to_string();
+        assert!(
+            e.contains("partial_rotary_factor") && e.contains(says),
+            "{e}"
+        );
+    }
+    // LongRoPE needs one factor per rotated pair in each list, and the pretraining context
+    reset();
+    edit_json(&cfg, |v| {
+        v["rope_scaling"] = serde_json::json!({"type": "longrope",
+            "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": [1.0, 2.0, 3.0]});
+        v["original_max_position_embeddings"] = 64.into();
+    });
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("partial_rotary_factor"), "{e}");
+    assert!(
+        e.contains("long_factor") && e.contains("4 positive factors"),
+        "{e}"
+    );
+    edit_json(&cfg, |v| {
+        v["rope_scaling"]["long_factor"] = serde_json::json!([1.0, 2.0, 3.0, 4.0]);
+        v.as_object_mut()
+            .unwrap()
+            .remove("original_max_position_embeddings");
+    });
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(e.contains("original_max_position_embeddings"), "{e}");
     // a model_type and an architecture of different families
     reset();
     edit_json(&cfg, |v| v["model_type"] = "qwen3".into());

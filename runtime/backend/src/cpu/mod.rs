@@ -346,6 +346,8 @@ struct Block {
     gelu: bool,
     /// The attention scores' scale.
     attn_scale: f32,
+    /// The rotation's cos and sin times this (LongRoPE's attention factor; 1 otherwise).
+    rope_scale: f32,
     /// The RoPE frequencies of sliding-window layers, where they differ.
     local_inv_freq: Option<Vec<f32>>,
 }
@@ -547,7 +549,7 @@ impl CpuBackend {
                 },
             });
         }
-        let inv_freq = crate::rope::model_inv_freq(c, dims.head_dim, || {
+        let inv_freq = crate::rope::model_inv_freq(c, kvc.slot_capacity, || {
             load_vector(model, "rope_freqs.weight", dims.head_dim / 2)
         })?;
         let f = c.family.features();
@@ -558,6 +560,7 @@ impl CpuBackend {
             embed_scale: f.embed_scale.then(|| (dims.hidden as f64).sqrt() as f32),
             gelu: f.gelu,
             attn_scale: c.attn_scale,
+            rope_scale: crate::rope::model_rope_scale(c),
             local_inv_freq: c
                 .sliding
                 .as_ref()
@@ -655,6 +658,7 @@ impl CpuBackend {
                 embed_scale: None,
                 gelu: false,
                 attn_scale: 1.0 / (dims.head_dim as f32).sqrt(),
+                rope_scale: 1.0,
                 local_inv_freq: None,
             },
         })
@@ -733,7 +737,11 @@ impl CpuBackend {
         let mut pass = Pass::new(
             batch,
             &self.dims,
-            (&self.inv_freq, self.block.local_inv_freq.as_deref()),
+            (
+                &self.inv_freq,
+                self.block.local_inv_freq.as_deref(),
+                self.block.rope_scale,
+            ),
         );
         let net = Net {
             d: self.dims,
@@ -825,7 +833,7 @@ impl<'s, 'b> Pass<'s, 'b> {
     fn new(
         batch: &'s [SeqStep<'b>],
         d: &Dims,
-        (inv_freq, local): (&[f32], Option<&[f32]>),
+        (inv_freq, local, scale): (&[f32], Option<&[f32]>, f32),
     ) -> Self {
         let mut tok_meta: Vec<(usize, usize)> = Vec::new();
         let mut ids: Vec<u32> = Vec::new();
@@ -853,7 +861,14 @@ impl<'s, 'b> Pass<'s, 'b> {
         let factors = |inv: &[f32]| -> Vec<Vec<(f32, f32)>> {
             tok_meta
                 .iter()
-                .map(|&(_, pos)| crate::rope::rope_factors(d.head_dim, pos, inv))
+                .map(|&(_, pos)| {
+                    let mut f = crate::rope::rope_factors(d.head_dim, pos, inv);
+                    if scale != 1.0 {
+                        f.iter_mut()
+                            .for_each(|(c, s)| (*c, *s) = (*c * scale, *s * scale));
+                    }
+                    f
+                })
                 .collect()
         };
         let rope = factors(inv_freq);

@@ -399,6 +399,18 @@ pub fn check_config(
             c.name, c.family, c.family
         )));
     }
+    if c.rotary_dim != c.head_dim
+        || matches!(
+            c.rope_scaling,
+            Some(metrale_model::RopeScaling::LongRope { .. })
+        )
+    {
+        return Err(BackendError::Model(format!(
+            "model {}: a partial rotary embedding ({} of {} dimensions) or LongRoPE, which this \
+             binary's kernels ({target}) do not compute; serve it with the cpu backend",
+            c.name, c.rotary_dim, c.head_dim
+        )));
+    }
     if c.fp8.is_some() {
         return Err(BackendError::Model(format!(
             "model {}: FP8 weights, which this binary's kernels ({target}) do not compute yet; \
@@ -672,7 +684,7 @@ impl ModelWeights {
         let emb = emb.expect("item 0 is the embedding");
         let out_norm = dev.upload(&host_vec(weights, "output_norm.weight", hd)?)?;
         // RoPE scaling (llama3, linear, GGUF rope_freqs) lives in the table
-        let inv_freq = crate::rope::model_inv_freq(config, d.head_dim, || {
+        let inv_freq = crate::rope::model_inv_freq(config, positions, || {
             host_vec(weights, "rope_freqs.weight", d.head_dim / 2)
         })?;
         let rope = dev.upload(&crate::rope::rope_table(&inv_freq, positions))?;
@@ -912,6 +924,7 @@ mod tests {
             add_bos: false,
             pooling: None,
             fp8: None,
+            rotary_dim: 64,
         };
         assert!(check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1").is_ok());
         c.hidden = 2048;
