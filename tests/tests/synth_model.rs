@@ -112,6 +112,21 @@ const PHI3: Case = Case {
     chat: None,
 };
 
+/// Phi-3.5 / Phi-4-mini's RoPE on tiny-phi3 (`tiny-phi3-longrope.toml`): 48 of each head's 64
+/// dimensions rotate, LongRoPE's long factors and an attention factor of sqrt 2 (the golden's
+/// positions pass its pretraining context of 64). tiny-phi3's bound; HF's own logits of the last
+/// row move by 4.3 with the whole head rotated, 3.6 with the short factors and 2.1 without the
+/// attention factor (measured with golden/make_synth_golden_hf.py's folder edited each way).
+const PHI3_LONGROPE: Case = Case {
+    name: "tiny-phi3-longrope",
+    golden: "tiny_phi3_longrope_hf",
+    heads: (4, 2, 64),
+    tied: false,
+    tol: 1e-4,
+    slot: 6,
+    chat: None,
+};
+
 const QWEN2: Case = Case {
     name: "tiny-qwen2",
     golden: "tiny_qwen2_hf",
@@ -130,7 +145,8 @@ struct Files {
 }
 
 fn files(case: &Case) -> Option<&'static Files> {
-    static FILES: [OnceLock<Option<Files>>; 6] = [
+    static FILES: [OnceLock<Option<Files>>; 7] = [
+        OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
@@ -261,6 +277,42 @@ fn phi3_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
 #[test]
 fn phi3_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     gguf_is_the_same_model(&PHI3);
+}
+
+#[test]
+fn phi3_longrope_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
+    let Some(f) = files(&PHI3_LONGROPE) else {
+        return;
+    };
+    let m = Model::load(&f.hf).unwrap();
+    assert_eq!((m.config.rotary_dim, m.config.head_dim), (48, 64));
+    match &m.config.rope_scaling {
+        Some(metrale_model::RopeScaling::LongRope {
+            short,
+            long,
+            original_max_position,
+            attention_factor,
+        }) => {
+            assert_eq!(
+                (short.len(), long.len(), *original_max_position),
+                (24, 24, 64)
+            );
+            assert!(
+                (attention_factor - 2f32.sqrt()).abs() < 1e-6,
+                "{attention_factor}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    hf_folder_matches_hf_transformers(&PHI3_LONGROPE);
+}
+
+/// The GGUF of tiny-phi3-longrope (llama.cpp's layout: `rope.dimension_count` 48,
+/// `rope_factors_{long,short}.weight`, `rope.scaling.attn_factor` and
+/// `rope.scaling.original_context_length`) is the HF folder's model.
+#[test]
+fn phi3_longrope_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
+    gguf_is_the_same_model(&PHI3_LONGROPE);
 }
 
 #[test]
@@ -421,75 +473,6 @@ fn mistral_hf_folder_with_a_sliding_window_matches_hf_transformers() {
         LLAMA3.tol
     );
     assert!(worst <= LLAMA3.tol, "max diff {worst} > {}", LLAMA3.tol);
-}
-
-/// Phi-3.5 / Phi-4-mini's RoPE: tiny-phi3's HF folder with its config given a partial rotary
-/// embedding (`partial_rotary_factor` 0.75: 48 of each head's 64 dimensions rotate, the rest pass
-/// through) and LongRoPE (`rope_scaling` of type longrope: per-pair divisors, short 1 + i/8 and
-/// long 1 + i; pretraining context 64, so the 133-token sequence takes the long factors and an
-/// attention factor of sqrt(1 + ln 64 / ln 64) = sqrt 2 on cos and sin), against HF transformers'
-/// Phi3ForCausalLM on that folder (golden/tiny_phi3_longrope_hf.json, made with
-/// golden/make_synth_golden_hf.py after the same edit, `phi3_longrope_config`). The bound is
-/// tiny-phi3's (measured 9.0e-6); HF's own logits of the last row move by 4.3 with the whole head
-/// rotated, 3.6 with the short factors and 2.1 without the attention factor.
-#[test]
-fn phi3_longrope_and_partial_rotary_match_hf_transformers() {
-    let Some(f) = files(&PHI3) else { return };
-    let dir = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&f.hf).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
-    }
-    let cfg_path = dir.path().join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
-    phi3_longrope_config(&mut cfg);
-    std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    let m = Model::load(dir.path()).unwrap();
-    assert_eq!((m.config.rotary_dim, m.config.head_dim), (48, 64));
-    match &m.config.rope_scaling {
-        Some(metrale_model::RopeScaling::LongRope {
-            short,
-            long,
-            original_max_position,
-            attention_factor,
-        }) => {
-            assert_eq!(
-                (short.len(), long.len(), *original_max_position),
-                (24, 24, 64)
-            );
-            assert!(
-                (attention_factor - 2f32.sqrt()).abs() < 1e-6,
-                "{attention_factor}"
-            );
-        }
-        other => panic!("{other:?}"),
-    }
-    let g = golden_json("tiny_phi3_longrope_hf");
-    let (prompt, decode) = (ids(&g["prompt_tokens"]), ids(&g["decode_tokens"]));
-    let last_ref = golden_last_row("tiny_phi3_longrope_hf");
-    for exact in [true, false] {
-        let rows = run(&m, exact, &prompt, &decode);
-        let worst = worst_vs_golden(&rows, &g, &last_ref, exact);
-        eprintln!(
-            "phi3 LongRoPE, partial rotary (exact activations: {exact}): max |logit - HF| \
-             {worst:.2e} (tolerance {:.1e})",
-            PHI3.tol
-        );
-        assert!(worst <= PHI3.tol, "max diff {worst} > {}", PHI3.tol);
-    }
-}
-
-/// The edit that makes tiny-phi3's config Phi-4-mini's kind of RoPE (the golden's script
-/// describes the same).
-fn phi3_longrope_config(cfg: &mut serde_json::Value) {
-    let short: Vec<f64> = (0..24).map(|i| 1.0 + i as f64 / 8.0).collect();
-    let long: Vec<f64> = (0..24).map(|i| 1.0 + i as f64).collect();
-    cfg["partial_rotary_factor"] = 0.75.into();
-    cfg["original_max_position_embeddings"] = 64.into();
-    cfg["rope_scaling"] = serde_json::json!({
-        "type": "longrope", "short_factor": short, "long_factor": long,
-    });
 }
 
 #[test]

@@ -503,6 +503,26 @@ fn tensors(
             None,
         ));
     }
+    if let (Some(lr), Format::Gguf) = (&s.longrope, format) {
+        // LongRoPE's two factor lists as llama.cpp's converter writes them (f32, one per pair)
+        for (name, f) in [
+            ("rope_factors_long.weight", &lr.long_factor),
+            ("rope_factors_short.weight", &lr.short_factor),
+        ] {
+            v.push(Tensor {
+                gguf: name.into(),
+                hf: None,
+                rows: 1,
+                cols: f.len(),
+                dtype: DType::F32,
+                init: Init::Values(f.iter().map(|&x| x as f32).collect()),
+                qk_heads: None,
+                row0: 0,
+                experts: None,
+                hf_offset: 0.0,
+            });
+        }
+    }
     if let (Some(r), Format::Gguf) = (&s.rope_scaling, format) {
         if r.rope_type != "llama3" {
             bail!("rope_scaling '{}': only llama3 is supported", r.rope_type);
@@ -540,6 +560,18 @@ fn check_blocks(v: &[Tensor]) -> Result<()> {
 
 /// GGUF `rope_freqs.weight` for llama3 scaling: the divisor of each inverse frequency (1 for high
 /// frequencies, the factor for low ones, interpolated between), as llama.cpp's converter writes it.
+/// LongRoPE's factor on cos and sin as llama.cpp's converter and transformers compute it:
+/// sqrt(1 + ln(s) / ln(original)) for the extension s = max_context / original > 1, else 1.
+fn longrope_attention_factor(s: &ModelShape, lr: &metrale_core::target::LongRope) -> f64 {
+    let orig = lr.original_max_position_embeddings as f64;
+    let scale = s.max_context as f64 / orig;
+    if scale > 1.0 {
+        (1.0 + scale.ln() / orig.ln()).sqrt()
+    } else {
+        1.0
+    }
+}
+
 fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) -> Vec<f32> {
     let hd = s.head_dim as f64;
     (0..s.head_dim as usize / 2)
@@ -647,7 +679,7 @@ fn gguf_metadata(
         u("attention.head_count_kv", s.kv_heads),
         u("attention.key_length", s.head_dim),
         u("attention.value_length", s.head_dim),
-        u("rope.dimension_count", s.head_dim),
+        u("rope.dimension_count", s.rotary_dim.unwrap_or(s.head_dim)),
         u("vocab_size", s.vocab),
         (
             format!("{arch}.rope.freq_base"),
@@ -665,6 +697,18 @@ fn gguf_metadata(
             (
                 format!("{arch}.rope.freq_base_swa"),
                 Value::F32(w.rope_theta as f32),
+            ),
+        ]);
+    }
+    if let Some(lr) = &s.longrope {
+        m.extend([
+            u(
+                "rope.scaling.original_context_length",
+                lr.original_max_position_embeddings,
+            ),
+            (
+                format!("{arch}.rope.scaling.attn_factor"),
+                Value::F32(longrope_attention_factor(s, lr) as f32),
             ),
         ]);
     }
@@ -817,6 +861,17 @@ fn write_hf(
         config["norm_topk_prob"] = json!(true);
         config["decoder_sparse_step"] = json!(1);
         config["mlp_only_layers"] = json!([]);
+    }
+    if let Some(r) = s.rotary_dim {
+        config["partial_rotary_factor"] = json!(r as f64 / s.head_dim as f64);
+    }
+    if let Some(lr) = &s.longrope {
+        config["original_max_position_embeddings"] = json!(lr.original_max_position_embeddings);
+        config["rope_scaling"] = json!({
+            "type": "longrope",
+            "short_factor": lr.short_factor,
+            "long_factor": lr.long_factor,
+        });
     }
     if let Some(r) = &s.rope_scaling {
         config["rope_scaling"] = json!({

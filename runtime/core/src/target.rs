@@ -326,6 +326,23 @@ pub struct ModelShape {
     /// `query_pre_attn_scalar`) instead of head_dim^-1/2.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub query_pre_attn_scalar: Option<f64>,
+    /// RoPE rotates the first `rotary_dim` dimensions of each head (Phi-4-mini: 96 of 128; HF
+    /// `partial_rotary_factor`, GGUF `rope.dimension_count`); default the whole head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotary_dim: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub longrope: Option<LongRope>,
+}
+
+/// `[model.longrope]`: LongRoPE (Phi-3.5, Phi-4-mini, the 128k Phi-3s): per rotated pair, a
+/// divisor of the frequency for contexts within `original_max_position_embeddings` (`short`) and
+/// past it (`long`); the attention factor follows from `max_context` over the original length.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LongRope {
+    pub short_factor: Vec<f64>,
+    pub long_factor: Vec<f64>,
+    pub original_max_position_embeddings: u32,
 }
 
 /// `[model.sliding]`: layers that attend to the last `window` positions only (the token's own
@@ -934,6 +951,44 @@ impl TargetSpec {
                     "0".into(),
                 ));
             }
+        }
+        let rot = m.rotary_dim.unwrap_or(m.head_dim);
+        if rot < 2 || rot > m.head_dim || !rot.is_multiple_of(2) {
+            return Err(inv(
+                model_path,
+                "model.rotary_dim",
+                format!("an even number in 2..={}", m.head_dim),
+                rot.to_string(),
+            ));
+        }
+        if let Some(lr) = &m.longrope {
+            let ok = |v: &[f64]| v.len() == rot as usize / 2 && v.iter().all(|f| *f > 0.0);
+            if !ok(&lr.short_factor) || !ok(&lr.long_factor) || m.rope_scaling.is_some() {
+                return Err(inv(
+                    model_path,
+                    "model.longrope",
+                    format!(
+                        "{} positive factors in each list (one per rotated pair), and no \
+                         [model.rope_scaling] beside it",
+                        rot / 2
+                    ),
+                    format!("{} and {}", lr.short_factor.len(), lr.long_factor.len()),
+                ));
+            }
+        }
+        if (m.rotary_dim.is_some_and(|r| r != m.head_dim) || m.longrope.is_some())
+            && self.hardware.backend != BackendKind::Cpu
+        {
+            return Err(inv(
+                model_path,
+                "model.rotary_dim / model.longrope",
+                format!(
+                    "neither (a partial rotary embedding and LongRoPE run on the cpu backend \
+                     only; the {} kernels rotate whole heads without factors)",
+                    self.hardware.backend
+                ),
+                "one of them".into(),
+            ));
         }
         if let Some(rs) = &m.rope_scaling {
             if rs.rope_type != "llama3" {

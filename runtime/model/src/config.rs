@@ -488,23 +488,59 @@ impl ModelConfig {
             })?;
         let vocab = embd.shape.get(1).copied().unwrap_or(1);
         let tied_embeddings = !g.header.tensors.iter().any(|t| t.name == "output.weight");
-        // Phi-3's 128k variants: LongRoPE factors, read from HF folders only so far
-        if let Some(t) = g
-            .header
-            .tensors
-            .iter()
-            .find(|t| t.name.starts_with("rope_factors_"))
-        {
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                field: format!("tensor '{}'", t.name),
-                value: "LongRoPE factors in a GGUF".into(),
-                supported: "RoPE without per-dimension long/short factors in GGUF (llama3's \
-                            rope_freqs is read); LongRoPE checkpoints load as HF folders"
+        // Phi-3's 128k variants, Phi-3.5, Phi-4-mini: LongRoPE, its factor lists read with the
+        // weights (`Model::from_gguf` fills them in)
+        let has = |n: &str| g.header.tensors.iter().any(|t| t.name == n);
+        let longrope = match (
+            has("rope_factors_long.weight"),
+            has("rope_factors_short.weight"),
+        ) {
+            (false, false) => None,
+            (true, true) => {
+                let key = k("rope.scaling.original_context_length");
+                let original =
+                    g.opt_u64(&key)?
+                        .filter(|&o| o > 1)
+                        .ok_or_else(|| ModelError::Missing {
+                            path: path.to_path_buf(),
+                            field: format!("metadata '{key}'"),
+                            hint: "LongRoPE scales by the pretraining context length".into(),
+                        })? as usize;
+                let attention_factor = match g.opt_f32(&k("rope.scaling.attn_factor"))? {
+                    Some(a) => a,
+                    None => {
+                        let s = max_context as f64 / original as f64;
+                        if s <= 1.0 {
+                            1.0
+                        } else {
+                            (1.0 + s.ln() / (original as f64).ln()).sqrt() as f32
+                        }
+                    }
+                };
+                Some(RopeScaling::LongRope {
+                    short: Vec::new(),
+                    long: Vec::new(),
+                    original_max_position: original,
+                    attention_factor,
+                })
+            }
+            (l, _) => {
+                return Err(ModelError::MissingTensor {
+                    path: path.to_path_buf(),
+                    name: if l {
+                        "rope_factors_short.weight"
+                    } else {
+                        "rope_factors_long.weight"
+                    }
                     .into(),
-            });
-        }
-        let rope_scaling = if g
+                    available: g.header.tensors.len(),
+                    hint: "LongRoPE needs both factor lists".into(),
+                })
+            }
+        };
+        let rope_scaling = if longrope.is_some() {
+            longrope
+        } else if g
             .header
             .tensors
             .iter()
@@ -1077,6 +1113,40 @@ fn file_stem(path: &Path) -> String {
 
 /// Check that every tensor the family's forward pass reads is present with the right shape and a
 /// usable type: norms must be float (f32/f16/bf16), matrices any supported type.
+/// A GGUF's LongRoPE factor lists (`rope_factors_short.weight`, `rope_factors_long.weight`: f32,
+/// one positive factor per rotated pair), into the config `from_gguf` made.
+pub(crate) fn fill_long_rope(c: &mut ModelConfig, w: &Weights) -> Result<()> {
+    let half = c.rotary_dim / 2;
+    let Some(RopeScaling::LongRope { short, long, .. }) = &mut c.rope_scaling else {
+        return Ok(());
+    };
+    for (name, out) in [
+        ("rope_factors_short.weight", short),
+        ("rope_factors_long.weight", long),
+    ] {
+        let t = w.get(name)?;
+        let mut v = vec![0f32; t.n_elems()];
+        if t.n_elems() == half && matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            metrale_core::dtype::dequantize_row(t.dtype, t.data, &mut v).map_err(|source| {
+                ModelError::Numerics {
+                    tensor: name.into(),
+                    source,
+                }
+            })?;
+        }
+        if v.len() != half || !v.iter().all(|f| f.is_finite() && *f > 0.0) {
+            return Err(ModelError::Mismatch {
+                path: w.path.clone(),
+                field: format!("tensor '{name}'"),
+                expected: format!("{half} positive float factors (one per rotated pair)"),
+                got: format!("{} {} values {:?}", t.n_elems(), t.dtype, t.shape),
+            });
+        }
+        *out = v;
+    }
+    Ok(())
+}
+
 pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
     // Checked one by one (no list sized from the config's counts): an absurd n_layers stops at the
     // first missing tensor. Products saturate, so absurd head counts give a shape mismatch, not a panic.

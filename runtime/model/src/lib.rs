@@ -108,7 +108,7 @@ impl Model {
     pub fn from_gguf(g: gguf::GgufFile) -> Result<Model, ModelError> {
         let path = g.path.clone();
         let path = path.as_path();
-        let config = ModelConfig::from_gguf(&g)?;
+        let mut config = ModelConfig::from_gguf(&g)?;
         let tokenizer = Tokenizer::from_gguf(&g, config.bos, config.eos.clone(), config.add_bos)?;
         if tokenizer.vocab_size() > config.vocab {
             return Err(ModelError::Mismatch {
@@ -164,6 +164,7 @@ impl Model {
             };
             weights.insert(t.name, t.dtype, t.shape, source)?;
         }
+        config::fill_long_rope(&mut config, &weights)?;
         config::validate_model(&config, &weights)?;
         Ok(Model {
             config,

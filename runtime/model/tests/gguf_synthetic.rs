@@ -178,21 +178,50 @@ fn other_architectures_are_refused() {
     );
 }
 
-/// Phi-3's 128k variants carry LongRoPE factors, which the runtime does not apply: refused by name
-/// rather than run with the wrong rotation.
+/// LongRoPE (Phi-3's 128k variants, Phi-3.5, Phi-4-mini): both factor lists or neither; the
+/// lists one positive factor per rotated pair; the pretraining context given. Each malformed file
+/// is refused by name rather than run with the wrong rotation (the well-formed case is
+/// tests/tests/synth_model.rs's, against HF transformers).
 #[test]
-fn longrope_factors_are_refused() {
-    let mut g = tiny_llama();
-    g.tensors.push(common::T {
-        name: "rope_factors_long.weight".into(),
-        dims: vec![4],
+fn malformed_longrope_is_refused_by_name() {
+    let half = common::HEAD_DIM / 2;
+    let factors = |name: &str, n: usize, v: f32| common::T {
+        name: name.into(),
+        dims: vec![n as u64],
         ggml_type: 0,
-        data: vec![0; 16],
+        data: (0..n).flat_map(|_| v.to_le_bytes()).collect(),
         offset: None,
-    });
+    };
+    let mut g = tiny_llama();
+    g.tensors
+        .push(factors("rope_factors_long.weight", half, 1.0));
     let e = load_err(&g, "longrope.gguf");
     assert!(
-        e.contains("rope_factors_long") && e.contains("LongRoPE"),
+        e.contains("rope_factors_short") && e.contains("LongRoPE"),
+        "{e}"
+    );
+    g.tensors
+        .push(factors("rope_factors_short.weight", half, 1.0));
+    let e = load_err(&g, "longrope.gguf");
+    assert!(e.contains("original_context_length"), "{e}");
+    g.kv(
+        "llama.rope.scaling.original_context_length",
+        common::V::U32(64),
+    );
+    g.tensors.pop();
+    g.tensors
+        .push(factors("rope_factors_short.weight", half - 1, 1.0));
+    let e = load_err(&g, "longrope.gguf");
+    assert!(
+        e.contains("rope_factors_short") && e.contains("positive float factors"),
+        "{e}"
+    );
+    g.tensors.pop();
+    g.tensors
+        .push(factors("rope_factors_short.weight", half, -1.0));
+    let e = load_err(&g, "longrope.gguf");
+    assert!(
+        e.contains("rope_factors_short") && e.contains("positive float factors"),
         "{e}"
     );
 }
