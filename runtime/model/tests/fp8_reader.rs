@@ -186,6 +186,54 @@ fn quantized_at_load_is_the_per_channel_checkpoint() {
     );
 }
 
+/// Static activation scales (compressed-tensors' `input_activations` of strategy tensor, not
+/// dynamic): every FP8 matrix needs its `input_scale`, which loads as one f32.
+#[test]
+fn static_input_scales_load_and_are_required() {
+    let mut qc = quantization_config();
+    qc["config_groups"]["group_0"]["input_activations"] =
+        serde_json::json!({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": false});
+    let mut t = fp8_tensors(false);
+    let names: Vec<String> = t
+        .iter()
+        .filter(|x| x.1 == safetensors::Dtype::F8_E4M3)
+        .map(|x| x.0.clone())
+        .collect();
+    for (i, n) in names.iter().enumerate() {
+        let scale = 0.01 + i as f32 * 1e-3;
+        t.push((
+            n.replace(".weight", ".input_scale"),
+            safetensors::Dtype::BF16,
+            vec![1],
+            half::bf16::from_f32(scale).to_le_bytes().to_vec(),
+        ));
+    }
+    let d = folder(&t, Some(qc.clone()));
+    let m = Model::load(d.path()).unwrap();
+    assert_eq!(m.config.fp8, Some(Activations::Static));
+    let (_, input) = metrale_model::fp8::scales(&m.weights, "blk.0.attn_q.weight").unwrap();
+    let want = half::bf16::from_f32(
+        0.01 + names
+            .iter()
+            .position(|n| n.contains("layers.0.self_attn.q_proj"))
+            .unwrap() as f32
+            * 1e-3,
+    )
+    .to_f32();
+    assert_eq!(input, Some(want));
+    // one input scale missing
+    let short: Tensors = t
+        .into_iter()
+        .filter(|x| x.0 != "model.layers.1.mlp.up_proj.input_scale")
+        .collect();
+    let d = folder(&short, Some(qc));
+    let e = Model::load(d.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("blk.1.ffn_up.input_scale") && e.contains("static"),
+        "{e}"
+    );
+}
+
 #[test]
 fn malformed_fp8_checkpoints_are_refused_by_name() {
     let q = "model.layers.1.mlp.down_proj.weight";
