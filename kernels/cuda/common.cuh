@@ -14,8 +14,10 @@
 //   q8_0: qs  = int8   [ROWS][NB][32]  (32-byte aligned)
 //         sc  = half   [ROWS][NB]      w = q*d
 //   bf16: qs  = bf16   [ROWS][K]       sc unused (may be null)
-// The template picks the format of the layer matrices (METRALE_W_*) and of the embedding / LM head
-// (METRALE_E_*) with a macro defined before including this header.
+// Each format's device view (fetch a block of a row, dequantise it) is its own header,
+// format_<name>.cuh, included below; the template picks the format of the layer matrices
+// (METRALE_W_*) and of the embedding / LM head (METRALE_E_*) with a macro defined before including
+// this header.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -149,42 +151,7 @@ constexpr float MAGIC_S8 = 8388608.f + 128.f; // for signed bytes stored as byte
 // ---- weight formats: each loads one 32-element block of one row, dequantised to f32 ----
 // `rows`: the matrix's rows (the stride of q4_1's panels; unused by the other formats).
 
-// 32-element blocks per panel of a q4_1 matrix with rows of K elements (the host's
-// layout::q41_panel): abi::Q41_PANEL where it divides the row's blocks, else the whole row.
-template <int K> __host__ __device__ constexpr int q41_panel() {
-    return (K / 32) % abi::Q41_PANEL == 0 ? abi::Q41_PANEL : K / 32;
-}
-
-struct WQ41 {
-    const uint4* qs; const half2* sc; int rows;
-    struct Raw { uint4 q; half2 dm; };
-    // where block b of row `row` sits in qs and sc
-    template <int K> MT_INLINE size_t at(int row, int b) const {
-        constexpr int P = q41_panel<K>();
-        return (size_t)(b / P) * rows * P + (size_t)row * P + b % P;
-    }
-    template <int K> MT_INLINE Raw fetch(int row, int b) const {
-        const size_t i = at<K>(row, b);
-        Raw r;
-        r.q = __ldg(qs + i);
-        r.dm = __ldg(sc + i);
-        return r;
-    }
-    static MT_INLINE void dequant(const Raw& r, float w[32]) {
-        const float2 dm = __half22float2(r.dm);
-        const unsigned int wd[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned int lo = wd[j] & 0x0f0f0f0fu, hi = (wd[j] >> 4) & 0x0f0f0f0fu;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                w[4 * j + i] = (magic_byte(lo, i) - MAGIC) * dm.x + dm.y;
-                w[16 + 4 * j + i] = (magic_byte(hi, i) - MAGIC) * dm.x + dm.y;
-            }
-        }
-    }
-    template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
-};
+#include "format_q4_1.cuh"
 
 // Blocks per panel of W's layout for rows of K elements: q4_1's panels, the whole row for the
 // row-major formats.
@@ -195,96 +162,8 @@ template <int K> struct Panel<WQ41, K> {
     static constexpr int P = q41_panel<K>();
 };
 
-struct WQ80 {
-    const signed char* qs; const half* sc; int rows;
-    struct Raw { uint4 a, c; half d; };
-    template <int K> MT_INLINE Raw fetch(int row, int b) const {
-        constexpr int NB = K / 32;
-        const uint4* p = reinterpret_cast<const uint4*>(qs + ((size_t)row * NB + b) * 32);
-        Raw r;
-        r.a = __ldg(p);
-        r.c = __ldg(p + 1);
-        r.d = __ldg(sc + (size_t)row * NB + b);
-        return r;
-    }
-    static MT_INLINE void dequant(const Raw& r, float w[32]) {
-        const float d = __half2float(r.d);
-        const unsigned int wd[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.c.x, r.c.y, r.c.z, r.c.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const unsigned int u = wd[j] ^ 0x80808080u;  // signed -> unsigned + 128
-#pragma unroll
-            for (int i = 0; i < 4; ++i) w[4 * j + i] = (magic_byte(u, i) - MAGIC_S8) * d;
-        }
-    }
-    template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
-    // Streaming view (whole rows, see lm_head_1): qs as consecutive 16-byte chunks of CHUNK
-    // elements; chunk u of a K-column matrix is chunk u % (K / CHUNK) of row u / (K / CHUNK).
-    static constexpr int CHUNK = 16;
-    struct CRaw { uint4 q; half d; };
-    template <int K> MT_INLINE CRaw cfetch(unsigned int u) const {
-        constexpr unsigned int C = K / CHUNK;
-        CRaw r;
-        r.q = __ldg(reinterpret_cast<const uint4*>(qs) + u);
-        r.d = __ldg(sc + (size_t)(u / C) * (K / 32) + (u % C) / 2);
-        return r;
-    }
-    // sum over the chunk of w * x, x = CHUNK f32 at a 16-byte aligned address: d * sum(q * x)
-    static MT_INLINE float cdot(const CRaw& r, const float* x) {
-        const float4* xv = reinterpret_cast<const float4*>(x);
-        const unsigned int wd[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
-        float s = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float4 v = xv[j];
-            const unsigned int u = wd[j] ^ 0x80808080u;  // signed -> unsigned + 128
-            s += (magic_byte(u, 0) - MAGIC_S8) * v.x + (magic_byte(u, 1) - MAGIC_S8) * v.y +
-                 (magic_byte(u, 2) - MAGIC_S8) * v.z + (magic_byte(u, 3) - MAGIC_S8) * v.w;
-        }
-        return s * __half2float(r.d);
-    }
-};
-
-struct WBF16 {
-    const __nv_bfloat16* qs; const void* sc; int rows;
-    struct Raw { uint4 u[4]; };
-    template <int K> MT_INLINE Raw fetch(int row, int b) const {
-        const uint4* p = reinterpret_cast<const uint4*>(qs + (size_t)row * K + (size_t)b * 32);
-        Raw r;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) r.u[j] = __ldg(p + j);
-        return r;
-    }
-    static MT_INLINE void dequant(const Raw& r, float w[32]) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned int wd[4] = {r.u[j].x, r.u[j].y, r.u[j].z, r.u[j].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                // bf16 -> f32 is a 16-bit shift: exact.
-                w[8 * j + 2 * i] = __uint_as_float(wd[i] << 16);
-                w[8 * j + 2 * i + 1] = __uint_as_float(wd[i] & 0xffff0000u);
-            }
-        }
-    }
-    template <int K> MT_INLINE void load(int row, int b, float w[32]) const { dequant(fetch<K>(row, b), w); }
-    // Streaming view (see WQ80): 16-byte chunks of 8 elements.
-    static constexpr int CHUNK = 8;
-    struct CRaw { uint4 q; };
-    template <int K> MT_INLINE CRaw cfetch(unsigned int u) const {
-        CRaw r;
-        r.q = __ldg(reinterpret_cast<const uint4*>(qs) + u);
-        return r;
-    }
-    static MT_INLINE float cdot(const CRaw& r, const float* x) {
-        const float4* xv = reinterpret_cast<const float4*>(x);
-        const float4 a = xv[0], b = xv[1];
-        return __uint_as_float(r.q.x << 16) * a.x + __uint_as_float(r.q.x & 0xffff0000u) * a.y +
-               __uint_as_float(r.q.y << 16) * a.z + __uint_as_float(r.q.y & 0xffff0000u) * a.w +
-               __uint_as_float(r.q.z << 16) * b.x + __uint_as_float(r.q.z & 0xffff0000u) * b.y +
-               __uint_as_float(r.q.w << 16) * b.z + __uint_as_float(r.q.w & 0xffff0000u) * b.w;
-    }
-};
+#include "format_q8_0.cuh"
+#include "format_bf16.cuh"
 
 #if defined(METRALE_W_q4_1)
 typedef WQ41 WLayer;

@@ -1,25 +1,22 @@
 //! Element types of model tensors and their host (reference) numerics.
 //!
 //! Owns: the closed set of weight element types the runtime accepts ([`DType`]), their GGUF/ggml type
-//! ids, their block geometry (how many elements a block holds and how many bytes it takes), checked
-//! row sizes, and the reference dequantisation of one row to f32 ([`dequantize_row`]). Every backend's
-//! dequantisation is tested against this one.
+//! ids and names, their block geometry (how many elements a block holds and how many bytes it
+//! takes), checked row sizes, and one row's reference dequantisation to f32 ([`dequantize_row`])
+//! and quantization ([`quantize_row`]), dispatched to the format's own file in [`crate::format`]
+//! (its layout, dequantisation and quantizer). Every backend's dequantisation is tested against
+//! these.
 //!
 //! Invariants:
 //! - A row of `n` elements of a block type is `n / block_elems()` whole blocks; a row length that is not
 //!   a multiple of the block length has no byte size ([`DType::row_bytes`] returns `None`).
 //! - Size arithmetic is checked: `row_bytes` never overflows, it returns `None`.
-//! - Block layouts are ggml's (ggml-common.h), little-endian, blocks of 32 elements:
-//!   `Q4_0` = f16 d, 16 bytes of nibbles, w = (q - 8) * d;
-//!   `Q4_1` = f16 d, f16 m, 16 bytes of nibbles, w = q * d + m;
-//!   `Q5_0` = f16 d, u32 qh, 16 bytes of nibbles, w = (q - 16) * d;
-//!   `Q5_1` = f16 d, f16 m, u32 qh, 16 bytes of nibbles, w = q * d + m;
-//!   `Q8_0` = f16 d, 32 i8, w = q * d.
-//!   In the 4- and 5-bit types the low nibble of byte j is element j and the high nibble is element
-//!   j + 16; a 5-bit element i takes bit i of qh above its nibble.
-//!   The K-quants (`Q4_K`, `Q5_K`, `Q6_K`) take super-blocks of 256 elements; their layouts and
-//!   dequantisation and quantizers are [`crate::kquant`]'s.
+//! - Block layouts are ggml's (ggml-common.h), little-endian: 32-element blocks for Q4_0, Q4_1,
+//!   Q5_0, Q5_1 and Q8_0, 256-element super-blocks for the K-quants; FP8 is one byte an element
+//!   with its scales in a tensor of their own.
 
+pub use crate::format::float::{bf16_to_f32, f16_to_f32, f32_to_bf16};
+pub use crate::format::QK;
 use crate::kquant::{KQuant, QK_K};
 
 /// Element type of a tensor, as stored in a GGUF or safetensors file.
@@ -41,9 +38,6 @@ pub enum DType {
     /// with a tensor of per-row scales ([`crate::fp8`]). HF safetensors only (GGUF has no FP8 type).
     F8_E4M3,
 }
-
-/// Elements per block of the quantized types (ggml's QK4_0 = QK4_1 = QK8_0 = 32).
-pub const QK: usize = 32;
 
 /// Error of the host numerics: a buffer whose size does not match the row it should hold.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -185,11 +179,11 @@ impl DType {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::F8_E4M3 => 1,
-            DType::Q4_0 => 2 + QK / 2,
-            DType::Q4_1 => 2 + 2 + QK / 2,
-            DType::Q5_0 => 2 + 4 + QK / 2,
-            DType::Q5_1 => 2 + 2 + 4 + QK / 2,
-            DType::Q8_0 => 2 + QK,
+            DType::Q4_0 => crate::format::q4_0::BLOCK_BYTES,
+            DType::Q4_1 => crate::format::q4_1::BLOCK_BYTES,
+            DType::Q5_0 => crate::format::q5::block_bytes(false),
+            DType::Q5_1 => crate::format::q5::block_bytes(true),
+            DType::Q8_0 => crate::format::q8_0::BLOCK_BYTES,
             DType::Q4_K => KQuant::Q4_K.block_bytes(),
             DType::Q5_K => KQuant::Q5_K.block_bytes(),
             DType::Q6_K => KQuant::Q6_K.block_bytes(),
@@ -244,123 +238,20 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// f16 bits -> f32 (exact for every value, subnormals, infinities and NaN included): the one
-/// conversion every host path uses (the `half` crate's is checked against it in the tests).
-#[inline(always)]
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let man = (h & 0x3ff) as u32;
-    let bits = if exp == 0 {
-        if man == 0 {
-            0
-        } else {
-            // subnormal: man * 2^-24
-            let mag = man as f32 * (1.0 / 16_777_216.0);
-            return if sign != 0 { -mag } else { mag };
-        }
-    } else if exp == 0x1f {
-        0x7f80_0000 | (man << 13)
-    } else {
-        ((exp + 112) << 23) | (man << 13)
-    };
-    f32::from_bits(sign | bits)
-}
-
-/// bf16 bits -> f32 (exact: the upper half of an f32).
-#[inline(always)]
-pub fn bf16_to_f32(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
-
-#[inline]
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
-}
-
 /// Dequantize (or widen) one row: `bytes` must hold exactly `out.len()` elements of `dtype`
 /// (`dtype.row_bytes(out.len())` bytes). This is the reference every backend is checked against.
 pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), DTypeError> {
+    use crate::format::{float, q4_0, q4_1, q5, q8_0};
     dtype.check_row(out.len(), bytes.len())?;
     match dtype {
-        DType::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        DType::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        DType::Q4_0 => {
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(bytes.chunks_exact(dtype.block_bytes()))
-            {
-                let d = f16_at(b, 0);
-                let qs = &b[2..];
-                for j in 0..QK / 2 {
-                    o[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
-                    o[j + QK / 2] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
-                }
-            }
-        }
-        DType::Q4_1 => {
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(bytes.chunks_exact(dtype.block_bytes()))
-            {
-                let d = f16_at(b, 0);
-                let m = f16_at(b, 2);
-                let qs = &b[4..];
-                for j in 0..QK / 2 {
-                    o[j] = (qs[j] & 0x0f) as f32 * d + m;
-                    o[j + QK / 2] = (qs[j] >> 4) as f32 * d + m;
-                }
-            }
-        }
-        DType::Q5_0 | DType::Q5_1 => {
-            let one = dtype == DType::Q5_1;
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(bytes.chunks_exact(dtype.block_bytes()))
-            {
-                // Q5_0: w = (q - 16) * d; Q5_1: w = q * d + m (ggml's order of operations)
-                let d = f16_at(b, 0);
-                let at = if one { 4 } else { 2 };
-                let m = if one { f16_at(b, 2) } else { 0.0 };
-                let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-                let qs = &b[at + 4..];
-                let w = |q: u32| {
-                    if one {
-                        q as f32 * d + m
-                    } else {
-                        (q as i32 - 16) as f32 * d
-                    }
-                };
-                for j in 0..QK / 2 {
-                    o[j] = w((qs[j] & 0x0f) as u32 | ((qh >> j) & 1) << 4);
-                    o[j + QK / 2] = w((qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4);
-                }
-            }
-        }
-        DType::Q8_0 => {
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(bytes.chunks_exact(dtype.block_bytes()))
-            {
-                let d = f16_at(b, 0);
-                for j in 0..QK {
-                    o[j] = (b[2 + j] as i8) as f32 * d;
-                }
-            }
-        }
+        DType::F32 => float::dequantize(float::Bits::F32, bytes, out),
+        DType::F16 => float::dequantize(float::Bits::F16, bytes, out),
+        DType::BF16 => float::dequantize(float::Bits::BF16, bytes, out),
+        DType::Q4_0 => q4_0::dequantize(bytes, out),
+        DType::Q4_1 => q4_1::dequantize(bytes, out),
+        DType::Q5_0 => q5::dequantize(false, bytes, out),
+        DType::Q5_1 => q5::dequantize(true, bytes, out),
+        DType::Q8_0 => q8_0::dequantize(bytes, out),
         DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             let k = dtype.kquant().expect("a K-quant type");
             k.dequantize(bytes, out).expect("row size checked above");
@@ -375,17 +266,6 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
     Ok(())
 }
 
-/// f32 -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN), as torch and ggml convert.
-#[inline(always)]
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) as u16) | 0x0040;
-    }
-    let round = 0x7fff + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
-}
-
 /// Quantize (or narrow) one row of f32 into `dtype`: `out` must be `dtype.row_bytes(src.len())`
 /// bytes. The block types follow ggml's reference quantizers (`quantize_row_*_ref`): Q4_0 scales by
 /// the largest-magnitude element (d = max / -8), Q4_1 spans [min, max] in 15 steps (d = (max - min)
@@ -393,111 +273,17 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 /// each element takes the nearest level; the K-quants take `kquant::quantize` (the project's own,
 /// simpler than ggml's). [`dequantize_row`] is its inverse up to that rounding.
 pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTypeError> {
+    use crate::format::{float, q4_0, q4_1, q5, q8_0};
     dtype.check_row(src.len(), out.len())?;
-    let f16b = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
     match dtype {
-        DType::F32 => {
-            for (o, v) in out.chunks_exact_mut(4).zip(src) {
-                o.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for (o, v) in out.chunks_exact_mut(2).zip(src) {
-                o.copy_from_slice(&f16b(*v));
-            }
-        }
-        DType::BF16 => {
-            for (o, v) in out.chunks_exact_mut(2).zip(src) {
-                o.copy_from_slice(&f32_to_bf16(*v).to_le_bytes());
-            }
-        }
-        DType::Q4_0 => {
-            for (b, x) in out
-                .chunks_exact_mut(dtype.block_bytes())
-                .zip(src.chunks_exact(QK))
-            {
-                // the element of largest magnitude, with its sign, maps to level 0 (-8)
-                let max = x
-                    .iter()
-                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                b[..2].copy_from_slice(&f16b(d));
-                let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
-                for j in 0..QK / 2 {
-                    b[2 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
-                }
-            }
-        }
-        DType::Q4_1 => {
-            for (b, x) in out
-                .chunks_exact_mut(dtype.block_bytes())
-                .zip(src.chunks_exact(QK))
-            {
-                let min = x.iter().copied().fold(f32::INFINITY, f32::min);
-                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let d = (max - min) / 15.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                b[..2].copy_from_slice(&f16b(d));
-                b[2..4].copy_from_slice(&f16b(min));
-                let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-                for j in 0..QK / 2 {
-                    b[4 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
-                }
-            }
-        }
-        DType::Q5_0 | DType::Q5_1 => {
-            let one = dtype == DType::Q5_1;
-            for (b, x) in out
-                .chunks_exact_mut(dtype.block_bytes())
-                .zip(src.chunks_exact(QK))
-            {
-                // Q5_0 as Q4_0 with 32 levels (d = max / -16), Q5_1 as Q4_1 (d = (max - min) / 31)
-                let (d, min, at) = if one {
-                    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
-                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    ((max - min) / 31.0, min, 4)
-                } else {
-                    let max = x
-                        .iter()
-                        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-                    (max / -16.0, 0.0, 2)
-                };
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                b[..2].copy_from_slice(&f16b(d));
-                if one {
-                    b[2..4].copy_from_slice(&f16b(min));
-                }
-                let q = |v: f32| -> u32 {
-                    if one {
-                        (((v - min) * id + 0.5) as i32).clamp(0, 31) as u32
-                    } else {
-                        ((v * id + 16.5) as i32).clamp(0, 31) as u32
-                    }
-                };
-                let mut qh = 0u32;
-                for j in 0..QK / 2 {
-                    let (lo, hi) = (q(x[j]), q(x[j + QK / 2]));
-                    b[at + 4 + j] = (lo & 0xf) as u8 | (((hi & 0xf) as u8) << 4);
-                    qh |= ((lo >> 4) << j) | ((hi >> 4) << (j + 16));
-                }
-                b[at..at + 4].copy_from_slice(&qh.to_le_bytes());
-            }
-        }
-        DType::Q8_0 => {
-            for (b, x) in out
-                .chunks_exact_mut(dtype.block_bytes())
-                .zip(src.chunks_exact(QK))
-            {
-                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                b[..2].copy_from_slice(&f16b(d));
-                for j in 0..QK {
-                    b[2 + j] = ((x[j] * id).round() as i32).clamp(-127, 127) as i8 as u8;
-                }
-            }
-        }
+        DType::F32 => float::quantize(float::Bits::F32, src, out),
+        DType::F16 => float::quantize(float::Bits::F16, src, out),
+        DType::BF16 => float::quantize(float::Bits::BF16, src, out),
+        DType::Q4_0 => q4_0::quantize(src, out),
+        DType::Q4_1 => q4_1::quantize(src, out),
+        DType::Q5_0 => q5::quantize(false, src, out),
+        DType::Q5_1 => q5::quantize(true, src, out),
+        DType::Q8_0 => q8_0::quantize(src, out),
         DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             let k = dtype.kquant().expect("a K-quant type");
             crate::kquant::quantize(k, src, out).expect("row size checked above");

@@ -3,8 +3,8 @@
 //! structs), the model shape (`shape::Dims`), and the error types crossing crate seams. No I/O beyond reading a target's TOML, no GPU.
 
 pub mod dtype;
-pub mod fp8;
-pub mod kquant;
+pub mod format;
+pub use format::{fp8, kquant};
 pub mod shape;
 pub mod target;
 

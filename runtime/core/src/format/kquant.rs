@@ -19,7 +19,7 @@
 //! (min); sub-blocks 4-7 take the nibbles of bytes 8-11 (scale low, min high) with the top 2 bits of
 //! bytes 0-3 (scale) and 4-7 (min) above them.
 
-use crate::dtype::f16_to_f32;
+use super::float::f16_to_f32;
 
 /// Elements of a K-quant super-block.
 pub const QK_K: usize = 256;
