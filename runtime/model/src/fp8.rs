@@ -190,8 +190,8 @@ fn scalar_f32(w: &Weights, name: &str) -> Result<Vec<f32>> {
 
 /// Bring every FP8 matrix's scales to one f32 a row (a per-tensor scale repeated; Q and K rows
 /// permuted with their matrix's rows, `rope_pairs` per head: `permute` gives the row order), and
-/// check every FP8 matrix has them and every scale its matrix. `acts`: the config's activation
-/// scheme (static needs each matrix's `input_scale`).
+/// check every FP8 matrix has them and every scale its matrix; where the config's activation
+/// scheme is static, every FP8 matrix's `input_scale` too (one positive value, made f32).
 pub(crate) fn normalize_scales(
     w: &mut Weights,
     c: &ModelConfig,
@@ -441,12 +441,13 @@ pub fn quantize_at_load(model: &mut Model, threads: usize) -> Result<Quantized> 
 }
 
 /// A matrix's FP8 scales as the backends take them: one f32 per row, and the static input scale
-/// where the checkpoint has one.
-pub fn scales(w: &Weights, matrix: &str) -> Result<(Vec<f32>, Option<f32>)> {
+/// where the checkpoint's activation scheme is static (`c.fp8`; a dynamic checkpoint's stray
+/// `input_scale` is not used, as vLLM does not).
+pub fn scales(w: &Weights, c: &ModelConfig, matrix: &str) -> Result<(Vec<f32>, Option<f32>)> {
     let s = scalar_f32(w, &scale_name(matrix))?;
-    let input = match w.contains(&input_scale_name(matrix)) {
-        true => scalar_f32(w, &input_scale_name(matrix))?.first().copied(),
-        false => None,
+    let input = match c.fp8 {
+        Some(Activations::Static) => scalar_f32(w, &input_scale_name(matrix))?.first().copied(),
+        _ => None,
     };
     Ok((s, input))
 }

@@ -127,7 +127,7 @@ fn per_channel_and_per_tensor_checkpoints_load_with_scales_by_row() {
                 let name = format!("blk.{l}.{p}.weight");
                 let w = m.weights.get(&name).unwrap();
                 assert_eq!(w.dtype, DType::F8_E4M3, "{name}");
-                let (s, input) = metrale_model::fp8::scales(&m.weights, &name).unwrap();
+                let (s, input) = metrale_model::fp8::scales(&m.weights, &m.config, &name).unwrap();
                 assert_eq!((s.len(), input), (w.n_rows(), None), "{name}");
                 // each row, its scale applied, is the bf16 row (as the reader orders it: Q and
                 // K permuted to adjacent pairs) within e4m3's rounding: a scale left in HF's row
@@ -211,7 +211,8 @@ fn static_input_scales_load_and_are_required() {
     let d = folder(&t, Some(qc.clone()));
     let m = Model::load(d.path()).unwrap();
     assert_eq!(m.config.fp8, Some(Activations::Static));
-    let (_, input) = metrale_model::fp8::scales(&m.weights, "blk.0.attn_q.weight").unwrap();
+    let (_, input) =
+        metrale_model::fp8::scales(&m.weights, &m.config, "blk.0.attn_q.weight").unwrap();
     let want = half::bf16::from_f32(
         0.01 + names
             .iter()

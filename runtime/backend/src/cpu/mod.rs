@@ -404,7 +404,8 @@ fn to_qtensor(
     let fp8 = match t.dtype {
         DType::F8_E4M3 => {
             let (scales, input_scale) =
-                metrale_model::fp8::scales(&model.weights, t.name).map_err(model_err)?;
+                metrale_model::fp8::scales(&model.weights, &model.config, t.name)
+                    .map_err(model_err)?;
             let ub = match model.config.fp8 {
                 Some(metrale_core::fp8::Activations::Dynamic { ub }) => ub,
                 _ => None,
@@ -564,7 +565,7 @@ impl CpuBackend {
             local_inv_freq: c
                 .sliding
                 .as_ref()
-                .map(|sw| crate::rope::rope_inv_freq(dims.head_dim, sw.rope_theta, None, None)),
+                .map(|sw| crate::rope::rope_inv_freq(c.rotary_dim, sw.rope_theta, None, None)),
         };
         Ok(b)
     }
