@@ -28,6 +28,7 @@ pub mod fp8;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod hf;
+pub mod shard;
 pub mod tokenizer;
 pub mod weights;
 
