@@ -1,8 +1,9 @@
 //! Rendering a kernel template for a target, and resolving its include closure.
 //!
 //! Templates are handlebars in strict mode with HTML escaping off. The context is exactly
-//! `{ target: "hw/model/quant", hw: {HARDWARE.toml fields}, model: {[model] fields}, quant: {[quant]
-//! fields}, features: {the family's metrale_core::target::Features}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
+//! `{ target: "hw/model/quant", hw: {HARDWARE.toml fields}, model: {[model] fields: one rank's
+//! shape where `[parallel] tensor` splits the model, `TargetSpec::rank_shape`}, parallel:
+//! {tensor}, quant: {[quant] fields}, features: {the family's metrale_core::target::Features}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
 //! parameter a template uses but the target lacks is an error naming the target, the template and
 //! the parameter. The partial `{{> abi}}` renders the ABI's `abi` namespace (constants, device
 //! structs); a CUDA template's rendered source ends with the ABI's layout `static_assert`s for the
@@ -51,7 +52,9 @@ pub fn context(spec: &TargetSpec, kernel: &str) -> serde_json::Value {
     let mut c = serde_json::json!({
         "target": spec.id.to_string(),
         "hw": serde_json::to_value(&spec.hardware).expect("hardware serializes"),
-        "model": serde_json::to_value(&spec.model).expect("model serializes"),
+        // one rank's shape where the target splits the model over several GPUs
+        "model": serde_json::to_value(spec.rank_shape()).expect("model serializes"),
+        "parallel": serde_json::to_value(spec.parallel).expect("parallel serializes"),
         "quant": serde_json::to_value(&spec.quant).expect("quant serializes"),
         "features": serde_json::to_value(spec.model.features()).expect("features serialize"),
         "kernel": {"name": kernel},
@@ -75,7 +78,7 @@ fn layout_asserts(spec: &TargetSpec, kernel: &str) -> String {
     if spec.hardware.backend != BackendKind::Cuda {
         return String::new();
     }
-    let d = metrale_core::shape::Dims::from_shape(&spec.model);
+    let d = metrale_core::shape::Dims::from_shape(&spec.rank_shape());
     let formats: Vec<_> = [&spec.quant.weights, &spec.quant.embedding]
         .iter()
         .filter_map(|t| metrale_abi::layout::WgFormat::of(t))

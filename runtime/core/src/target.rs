@@ -379,6 +379,22 @@ impl ModelShape {
     pub fn features(&self) -> Features {
         features(&self.family).unwrap_or_else(|| features("llama").expect("llama"))
     }
+
+    /// One rank's shape of the model split over `tp` ranks Megatron-style (checked to divide when
+    /// the target loads): its query heads, KV heads (one where the model has fewer than `tp`)
+    /// and FFN rows (each expert's, for a mixture); the rest, hidden size and vocabulary
+    /// included, whole.
+    pub fn per_rank(&self, tp: u32) -> ModelShape {
+        let tp = tp.max(1);
+        let mut r = self.clone();
+        r.heads /= tp;
+        r.kv_heads = (self.kv_heads / tp).max(1);
+        r.ffn /= tp;
+        if let Some(x) = &mut r.experts {
+            x.ffn /= tp;
+        }
+        r
+    }
 }
 
 impl crate::shape::Dims {
@@ -492,6 +508,27 @@ pub struct Behavior {
     pub tool_call_format: Option<String>,
 }
 
+/// `[parallel]`: how one model spreads over the GPUs of a host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Parallel {
+    /// The tensor-parallel degree: ranks (one GPU each) a model's layers are split over,
+    /// Megatron-style (query heads, KV heads, FFN rows: `metrale_model::shard`); the target's
+    /// kernels are one rank's ([`ModelShape::per_rank`]). 1: one GPU.
+    #[serde(default = "one")]
+    pub tensor: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Parallel { tensor: 1 }
+    }
+}
+
 /// The resolved MODEL.toml (after `extends`), as parsed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -505,6 +542,8 @@ struct ModelFile {
     behavior: Behavior,
     #[serde(default)]
     kernels: Vec<String>,
+    #[serde(default)]
+    parallel: Parallel,
 }
 
 /// A shared model file, `targets/models/<name>.toml`: the `[model]` shape (what `synth-model` makes a
@@ -561,6 +600,8 @@ pub struct TargetSpec {
     pub behavior: Behavior,
     /// Kernel template names (`kernels/<backend>/<name>.<ext>.hbs`), in declaration order.
     pub kernels: Vec<String>,
+    /// `[parallel]`: the tensor-parallel degree (1 unless the MODEL.toml says).
+    pub parallel: Parallel,
     /// HARDWARE.toml text as read.
     pub hardware_toml: String,
     /// The resolved MODEL.toml text (no `extends`): the text embedded in binaries.
@@ -750,11 +791,17 @@ impl TargetSpec {
             sampling: m.sampling,
             behavior: m.behavior,
             kernels: m.kernels,
+            parallel: m.parallel,
             hardware_toml: hw_text.to_string(),
             model_toml: model_text.to_string(),
         };
         spec.check(hw_path, model_path)?;
         Ok(spec)
+    }
+
+    /// The shape the target's kernels are rendered for: one rank's ([`ModelShape::per_rank`]).
+    pub fn rank_shape(&self) -> ModelShape {
+        self.model.per_rank(self.parallel.tensor)
     }
 
     fn check(&self, hw_path: &str, model_path: &str) -> Result<(), TargetError> {
@@ -764,6 +811,51 @@ impl TargetSpec {
             expected,
             got,
         };
+        let tp = self.parallel.tensor;
+        if tp == 0 {
+            return Err(inv(
+                model_path,
+                "parallel.tensor",
+                "at least 1".into(),
+                "0".into(),
+            ));
+        }
+        if tp > 1 {
+            let m = &self.model;
+            let xffn = m.experts.as_ref().map_or(m.ffn, |x| x.ffn);
+            let why = if self.hardware.backend != BackendKind::Cuda {
+                Some(format!(
+                    "a cuda target (this one's backend is {})",
+                    self.hardware.backend
+                ))
+            } else if self.kernels.iter().any(|k| k == "decode") {
+                Some("no \"decode\" kernel (the fused batch-1 kernel computes whole layers on one GPU)".into())
+            } else if !m.heads.is_multiple_of(tp) {
+                Some(format!("query heads ({}) a multiple of {tp}", m.heads))
+            } else if !(m.kv_heads.is_multiple_of(tp) || tp.is_multiple_of(m.kv_heads)) {
+                Some(format!(
+                    "KV heads ({}) a multiple or divisor of {tp}",
+                    m.kv_heads
+                ))
+            } else if !xffn.is_multiple_of(tp * 32)
+                || !(m.heads / tp * m.head_dim).is_multiple_of(32)
+            {
+                Some(format!(
+                    "each rank's FFN rows ({xffn} / {tp}) and query width a multiple of 32 (the \
+                     row-parallel products' rows are whole 32-element blocks)"
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(inv(
+                    model_path,
+                    "parallel.tensor",
+                    format!("a degree that splits the model: {why}"),
+                    tp.to_string(),
+                ));
+            }
+        }
         if self.hardware.name != self.id.hw {
             return Err(inv(
                 hw_path,
@@ -1157,6 +1249,13 @@ impl TargetSpec {
             m.name, m.family, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab, m.rope_theta, m.norm_eps, m.max_context,
             if m.tied_embeddings { ", tied embeddings" } else { "" }
         ));
+        if self.parallel.tensor > 1 {
+            let r = self.rank_shape();
+            s.push_str(&format!(
+                "tensor parallel: {} ranks; the kernels are one rank's: {} heads / {} kv heads, ffn {}\n",
+                self.parallel.tensor, r.heads, r.kv_heads, r.ffn
+            ));
+        }
         if let Some(r) = &m.rope_scaling {
             s.push_str(&format!(
                 "rope scaling: {} factor {}, low {}, high {}, original context {}\n",
@@ -1347,6 +1446,38 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("f32 or i16") && err.contains("i8"), "{err}");
+    }
+
+    #[test]
+    fn a_tensor_parallel_target_renders_one_ranks_shape() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../targets");
+        let t = TargetSpec::load(&src, &TargetId::new("h200", "llama-3.1-70b", "bf16")).unwrap();
+        assert_eq!(t.parallel.tensor, 8);
+        let r = t.rank_shape();
+        assert_eq!((r.heads, r.kv_heads, r.ffn, r.hidden), (8, 1, 3584, 8192));
+        assert!(t.describe().contains("tensor parallel: 8 ranks"));
+        // a degree that does not split the model, or with the fused batch-1 kernel, is refused
+        for (tp, says) in [(3, "multiple of 3"), (64, "query heads (32)")] {
+            let err = load_edited("bf16", |s| {
+                let s = s.replace(", \"decode\"]", "]");
+                format!("{s}\n[parallel]\ntensor = {tp}\n")
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("parallel.tensor") && err.contains(says),
+                "{err}"
+            );
+        }
+        let err = load_edited("bf16", |s| format!("{s}\n[parallel]\ntensor = 2\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no \"decode\" kernel"), "{err}");
+        let one = load_edited("bf16", |s| s.to_string()).unwrap();
+        assert_eq!(
+            (one.parallel.tensor, one.rank_shape()),
+            (1, one.model.clone())
+        );
     }
 
     #[test]

@@ -351,6 +351,13 @@ impl CudaBackend {
         opts: CudaOptions,
     ) -> Result<CudaBackend, BackendError> {
         let spec = &set.spec;
+        if spec.parallel.tensor > 1 {
+            return Err(BackendError::Model(format!(
+                "target {}: its kernels are one rank of {} (tensor parallelism); serving over \
+                 several GPUs is not written yet: build the model's one-GPU target",
+                set.target, spec.parallel.tensor
+            )));
+        }
         let d = metrale_core::shape::Dims::from_shape(&spec.model);
         let moe = launch::MoeShape::of(&spec.model);
         weights::check_config(config, &d, (&spec.model.family, moe), &set.target)?;
