@@ -754,23 +754,11 @@ fn fp8_hf_folder_matches_hf_transformers_with_fp8_activations() {
     let Some(f) = files(&LLAMA3) else { return };
     let dir = tempfile::tempdir().unwrap();
     let fp8 = dir.path().join("fp8");
-    let toml = repo().join("tests/golden/tiny-llama3.toml");
-    let tok = std::env::var("METRALE_MODEL").unwrap();
-    let args = [
-        "synth-model",
-        toml.to_str().unwrap(),
-        "--tokenizer",
-        &tok,
-        "--seed",
-        "0",
-        "--quant",
-        "fp8",
-        "--format",
-        "hf",
-        "--out",
-        fp8.to_str().unwrap(),
-    ];
-    assert!(run_xtask(&args).status.success(), "synth-model failed");
+    assert!(synth_golden_model(
+        "tiny-llama3",
+        &fp8,
+        &["--quant", "fp8", "--format", "hf"]
+    ));
     let g = golden_json("tiny_llama3_fp8_hf");
     let sha = {
         use sha2::Digest;

@@ -26,22 +26,8 @@ use metrale_model::{Model, ModelConfig, Weights};
 use toolchain_support::*;
 
 fn synth(dir: &std::path::Path, toml: &str, extra: &[&str]) -> Option<Model> {
-    let tok = std::env::var("METRALE_MODEL").ok()?;
     let out = dir.join(format!("{toml}{}.gguf", extra.join("")));
-    let toml = repo().join(format!("tests/golden/{toml}.toml"));
-    let mut args = vec![
-        "synth-model",
-        toml.to_str().unwrap(),
-        "--tokenizer",
-        &tok,
-        "--seed",
-        "0",
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    args.extend(extra);
-    assert!(run_xtask(&args).status.success(), "synth-model failed");
-    Some(Model::load(&out).unwrap())
+    synth_golden_model(toml, &out, extra).then(|| Model::load(&out).unwrap())
 }
 
 /// `w`'s matrix `name` (expert `e` of it where given) as the CPU ops read it, FP8 scales included.
@@ -90,6 +76,19 @@ fn prod(
     out
 }
 
+/// Matrix `m`'s rows widened to f32 (`[rows][cols]`) and each row's scale (FP8's, else 1).
+fn widened(m: &MatRef<'_>) -> (Vec<f32>, Vec<f32>) {
+    let rb = m.row_bytes();
+    let mut rows = vec![0f32; m.rows * m.cols];
+    for (r, row) in rows.chunks_exact_mut(m.cols).enumerate() {
+        metrale_core::dtype::dequantize_row(m.dtype, &m.data[r * rb..(r + 1) * rb], row).unwrap();
+    }
+    let scales = (0..m.rows)
+        .map(|r| m.fp8.map_or(1.0, |f| f.scales[r]))
+        .collect();
+    (rows, scales)
+}
+
 /// sum_k |w[r][k]| |x[t][k]| for every output: bounds the rounding of any order of the sum.
 fn abs_bound(
     w: &Weights,
@@ -101,13 +100,10 @@ fn abs_bound(
 ) -> Vec<f32> {
     let mut s = Vec::new();
     let m = mat(w, c, name, e, &mut s);
-    let rb = m.row_bytes();
+    let (rows, scales) = widened(&m);
     let mut out = vec![0f32; n * m.rows];
-    let mut row = vec![0f32; m.cols];
-    for r in 0..m.rows {
-        metrale_core::dtype::dequantize_row(m.dtype, &m.data[r * rb..(r + 1) * rb], &mut row)
-            .unwrap();
-        let sc = m.fp8.map_or(1.0, |f| f.scales[r]).abs();
+    for (r, row) in rows.chunks_exact(m.cols).enumerate() {
+        let sc = scales[r].abs();
         for t in 0..n {
             out[t * m.rows + r] = row
                 .iter()
@@ -134,18 +130,15 @@ fn row_parallel(
 ) -> Vec<f32> {
     let mut s = Vec::new();
     let m = mat(w, c, name, e, &mut s);
-    let rb = m.row_bytes();
+    let (rows, scales) = widened(&m);
     let mut out = vec![0f64; n * m.rows];
-    let mut row = vec![0f32; m.cols];
     for rg in ranges {
         let mut xr = cols(x, m.cols, rg.clone());
         if m.fp8.is_some() {
             metrale_core::fp8::quantize_activations(&mut xr, rg.len(), None, None);
         }
-        for r in 0..m.rows {
-            metrale_core::dtype::dequantize_row(m.dtype, &m.data[r * rb..(r + 1) * rb], &mut row)
-                .unwrap();
-            let sc = m.fp8.map_or(1.0, |f| f.scales[r]) as f64;
+        for (r, row) in rows.chunks_exact(m.cols).enumerate() {
+            let sc = scales[r] as f64;
             for t in 0..n {
                 out[t * m.rows + r] += row[rg.clone()]
                     .iter()

@@ -560,18 +560,6 @@ fn check_blocks(v: &[Tensor]) -> Result<()> {
 
 /// GGUF `rope_freqs.weight` for llama3 scaling: the divisor of each inverse frequency (1 for high
 /// frequencies, the factor for low ones, interpolated between), as llama.cpp's converter writes it.
-/// LongRoPE's factor on cos and sin as llama.cpp's converter and transformers compute it:
-/// sqrt(1 + ln(s) / ln(original)) for the extension s = max_context / original > 1, else 1.
-fn longrope_attention_factor(s: &ModelShape, lr: &metrale_core::target::LongRope) -> f64 {
-    let orig = lr.original_max_position_embeddings as f64;
-    let scale = s.max_context as f64 / orig;
-    if scale > 1.0 {
-        (1.0 + scale.ln() / orig.ln()).sqrt()
-    } else {
-        1.0
-    }
-}
-
 fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) -> Vec<f32> {
     let hd = s.head_dim as f64;
     (0..s.head_dim as usize / 2)
@@ -708,7 +696,10 @@ fn gguf_metadata(
             ),
             (
                 format!("{arch}.rope.scaling.attn_factor"),
-                Value::F32(longrope_attention_factor(s, lr) as f32),
+                Value::F32(metrale_core::shape::longrope_attention_factor(
+                    s.max_context as f64,
+                    lr.original_max_position_embeddings as f64,
+                ) as f32),
             ),
         ]);
     }

@@ -60,22 +60,6 @@ pub enum DTypeError {
 }
 
 impl DType {
-    /// Every type: those of GGUF ([`DType::GGUF`]), then FP8.
-    pub const ALL: [DType; 12] = [
-        DType::F32,
-        DType::F16,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q8_0,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-        DType::BF16,
-        DType::F8_E4M3,
-    ];
-
     /// The types a GGUF file may hold, in ggml id order.
     pub const GGUF: [DType; 11] = [
         DType::F32,
@@ -90,6 +74,17 @@ impl DType {
         DType::Q6_K,
         DType::BF16,
     ];
+
+    /// Every type: those of GGUF ([`DType::GGUF`]), then FP8.
+    pub const ALL: [DType; 12] = {
+        let mut all = [DType::F8_E4M3; 12];
+        let mut i = 0;
+        while i < DType::GGUF.len() {
+            all[i] = DType::GGUF[i];
+            i += 1;
+        }
+        all
+    };
 
     /// The ggml / GGUF type id (`enum ggml_type`); `None` for FP8, which GGUF has not.
     pub const fn ggml_id(self) -> Option<u32> {

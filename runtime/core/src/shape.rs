@@ -111,3 +111,15 @@ pub fn llama3_scaled_freq(f: f64, factor: f64, low: f64, high: f64, old: f64) ->
         (1.0 - smooth) * f / factor + smooth * f
     }
 }
+
+/// LongRoPE's factor on cos and sin (transformers' `_compute_longrope_parameters`, llama.cpp's
+/// converter): sqrt(1 + ln(s) / ln(original)) for the extension s = max_context / original > 1,
+/// else 1. The one formula both readers and `synth-model` use where a file does not give it.
+pub fn longrope_attention_factor(max_context: f64, original: f64) -> f64 {
+    let s = max_context / original;
+    if s > 1.0 {
+        (1.0 + s.ln() / original.ln()).sqrt()
+    } else {
+        1.0
+    }
+}

@@ -306,14 +306,8 @@ fn long_rope(
         })? as usize;
     let attention_factor = match rs.get("attention_factor").and_then(Json::as_f64) {
         Some(a) => a as f32,
-        None => {
-            let s = max_context as f64 / original as f64;
-            if s <= 1.0 {
-                1.0
-            } else {
-                (1.0 + s.ln() / (original as f64).ln()).sqrt() as f32
-            }
-        }
+        None => metrale_core::shape::longrope_attention_factor(max_context as f64, original as f64)
+            as f32,
     };
     Ok(RopeScaling::LongRope {
         short,
@@ -508,14 +502,10 @@ impl ModelConfig {
                         })? as usize;
                 let attention_factor = match g.opt_f32(&k("rope.scaling.attn_factor"))? {
                     Some(a) => a,
-                    None => {
-                        let s = max_context as f64 / original as f64;
-                        if s <= 1.0 {
-                            1.0
-                        } else {
-                            (1.0 + s.ln() / (original as f64).ln()).sqrt() as f32
-                        }
-                    }
+                    None => metrale_core::shape::longrope_attention_factor(
+                        max_context as f64,
+                        original as f64,
+                    ) as f32,
                 };
                 Some(RopeScaling::LongRope {
                     short: Vec::new(),

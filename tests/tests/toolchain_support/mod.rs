@@ -149,3 +149,27 @@ pub fn assert_tensor_types(
         assert_eq!(got, t, "{what}: {n}");
     }
 }
+
+/// `cargo xtask synth-model tests/golden/<toml>.toml --seed 0 --out out [extra...]` with the default
+/// model (`METRALE_MODEL`) as the tokenizer; `false` where METRALE_MODEL is not set (the caller
+/// skips, saying so). Panics when synth-model fails.
+#[allow(dead_code)]
+pub fn synth_golden_model(toml: &str, out: &std::path::Path, extra: &[&str]) -> bool {
+    let Ok(tok) = std::env::var("METRALE_MODEL") else {
+        return false;
+    };
+    let toml = repo().join(format!("tests/golden/{toml}.toml"));
+    let mut args = vec![
+        "synth-model",
+        toml.to_str().unwrap(),
+        "--tokenizer",
+        &tok,
+        "--seed",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    assert!(run_xtask(&args).status.success(), "synth-model failed");
+    true
+}

@@ -213,6 +213,25 @@ fn paged_tables_scattered_and_shared_give_the_same_bits() {
 /// once, when written, so only the grouping of the sums differs).
 #[test]
 fn bf16_kv_cache_is_f32_up_to_rounding() {
+    let r = against_f32_cache(KvDtype::Bf16);
+    assert_eq!(r.bytes * 2, r.f32_bytes);
+    assert_ne!(r.f32, r.whole, "bf16 rounding changes something");
+    close(&r.f32, &r.whole, 2e-2);
+    close(&r.whole, &r.token_by_token, 1e-4);
+}
+
+/// What the KV cache tests compare: the tiny model with an f32 cache and with one of `dtype`, a
+/// 30-token prompt's logits with the f32 cache, with `dtype`'s prefilled at once, and with
+/// `dtype`'s fed a token at a time (the last token's), and both caches' bytes.
+struct KvRun {
+    f32: Vec<f32>,
+    whole: Vec<f32>,
+    token_by_token: Vec<f32>,
+    bytes: u64,
+    f32_bytes: u64,
+}
+
+fn against_f32_cache(dtype: KvDtype) -> KvRun {
     let kv = |dtype| crate::KvConfig {
         slots: 2,
         slot_capacity: 64,
@@ -220,18 +239,21 @@ fn bf16_kv_cache_is_f32_up_to_rounding() {
         dtype,
     };
     let mut f = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(KvDtype::F32), 2);
-    let mut h = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(KvDtype::Bf16), 2);
-    assert_eq!(h.info().kv_bytes * 2, f.info().kv_bytes);
+    let mut h = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(dtype), 2);
     let prompt: Vec<u32> = (0..30).map(|i| (i * 11 + 1) % 50).collect();
-    let a = run_table(&mut f, &[0, 1], 0, &prompt, &prompt);
-    let c = run_table(&mut h, &[0, 1], 0, &prompt, &prompt);
-    assert_ne!(a, c, "bf16 rounding changes something");
-    close(&a, &c, 2e-2);
-    let mut last = Vec::new();
+    let f32 = run_table(&mut f, &[0, 1], 0, &prompt, &prompt);
+    let whole = run_table(&mut h, &[0, 1], 0, &prompt, &prompt);
+    let mut token_by_token = Vec::new();
     for i in 0..prompt.len() {
-        last = run_table(&mut h, &[2, 3], i, &prompt[i..=i], &prompt[..=i]);
+        token_by_token = run_table(&mut h, &[2, 3], i, &prompt[i..=i], &prompt[..=i]);
     }
-    close(&c, &last, 1e-4);
+    KvRun {
+        f32,
+        whole,
+        token_by_token,
+        bytes: h.info().kv_bytes,
+        f32_bytes: f.info().kv_bytes,
+    }
 }
 
 /// An fp8 KV cache (each head vector of a token e4m3 with its own scale): a quarter of f32's bytes
@@ -241,35 +263,18 @@ fn bf16_kv_cache_is_f32_up_to_rounding() {
 /// within the f32 cache's bound (a row is quantized once, when written, from its own values only).
 #[test]
 fn fp8_kv_cache_is_f32_up_to_rounding() {
-    let kv = |dtype| crate::KvConfig {
-        slots: 2,
-        slot_capacity: 64,
-        blocks: 0,
-        dtype,
-    };
-    let mut f = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(KvDtype::F32), 2);
-    let mut e = super::synthetic::tiny_backend_kv(DType::Q4_1, 0, kv(KvDtype::Fp8), 2);
-    assert_eq!(
-        e.info().kv_bytes * 16,
-        f.info().kv_bytes * 5,
-        "1 + 4/16 bytes an element"
-    );
-    let prompt: Vec<u32> = (0..30).map(|i| (i * 11 + 1) % 50).collect();
-    let a = run_table(&mut f, &[0, 1], 0, &prompt, &prompt);
-    let c = run_table(&mut e, &[0, 1], 0, &prompt, &prompt);
-    let worst = a
+    let r = against_f32_cache(KvDtype::Fp8);
+    assert_eq!(r.bytes * 16, r.f32_bytes * 5, "1 + 4/16 bytes an element");
+    let worst = r
+        .f32
         .iter()
-        .zip(&c)
+        .zip(&r.whole)
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
     eprintln!("fp8 KV cache: max |logit - f32 cache's| {worst:.3e}");
-    assert_ne!(a, c, "e4m3 rounding changes something");
-    close(&a, &c, 0.15);
-    let mut last = Vec::new();
-    for i in 0..prompt.len() {
-        last = run_table(&mut e, &[2, 3], i, &prompt[i..=i], &prompt[..=i]);
-    }
-    close(&c, &last, 1e-4);
+    assert_ne!(r.f32, r.whole, "e4m3 rounding changes something");
+    close(&r.f32, &r.whole, 0.15);
+    close(&r.whole, &r.token_by_token, 1e-4);
 }
 
 /// `step_masked` (the default, as the CPU backend runs it): the lazy entries' masks are asked once
