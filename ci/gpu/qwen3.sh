@@ -34,11 +34,12 @@
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
 #        target); llama-bench and llama-batched-bench on both GGUFs; bench-record with llama.cpp
 #   bash ci/gpu/qwen3.sh prepare-qwen2 MODEL.gguf   CPU machine: .q5/
-#   bash ci/gpu/qwen3.sh qwen2  carry .q5       h200/qwen2.5-7b/{bf16,q4_1} (the qwen2 family: Q/K/V
+#   bash ci/gpu/qwen3.sh qwen2  carry .q5 [.peer]  h200/qwen2.5-7b/{bf16,q4_1} (the qwen2 family: Q/K/V
 #        biases, added by qkv_rope): cuda_kernels on both and on h200/qwen3-8b/bf16 (qkv_rope's
 #        other feature); the 2-layer HF folder and GGUF against HF transformers and the CPU
-#        backend; the 28-layer bf16 GGUF against HF transformers; cuda_bench on both GGUFs; where
-#        an earlier call of the session built llama.cpp, llama-bench and llama-batched-bench on them
+#        backend; the 28-layer bf16 GGUF against HF transformers; cuda_bench on both GGUFs; with
+#        .peer, llama.cpp's build in the background from the start (timings wait for it), and
+#        llama-bench and llama-batched-bench on both GGUFs (moe-verify and moe2 reuse that build)
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
@@ -49,6 +50,12 @@ TQ=h200/qwen3-8b
 llamacpp_start() {
   step "llama.cpp build (background)"
   bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+}
+# peer_wait: until the build started by llamacpp_start is done (at most 300 s), so that no timing
+# shares the CPUs with it
+peer_wait() {
+  for _ in $(seq 60); do [ -f "$H/llamacpp/build.done" ] && return 0; sleep 5; done
+  echo "llama.cpp's build not done after 300 s"
 }
 # peer_bench NAME GGUF: llama-bench (pp512, tg128) and llama-batched-bench (1, 16, 64, 256), once
 # the build started by an earlier call is done; tables in $R/llamacpp-NAME/
@@ -160,6 +167,7 @@ moe)
   step "synth-model: the 48-layer bf16 GGUF ($F)"
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   ln -sf "$F" "$H/s/moe.gguf"
+  peer_wait
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
   # the grouped experts on the CUDA cores instead of the tensor cores, same file
@@ -204,7 +212,10 @@ prepare-qwen2)
   ;;
 qwen2)
   unpack .q5
-  kernel_tests qwen2.5-7b/bf16 qwen2.5-7b/q4_1 qwen3-8b/bf16
+  # llama.cpp's build in the background when its source is carried (moe2 later uses it too)
+  [ -f .peer/llamacpp-src.tgz ] && llamacpp_start
+  # Q2_KT: the targets whose kernel tests run (default the three)
+  kernel_tests ${Q2_KT:-qwen2.5-7b/bf16 qwen2.5-7b/q4_1 qwen3-8b/bf16}
   X="$H/b/bin/xtask synth-model qwen2.5-7b --tokenizer $H/b/vocab.gguf --seed 0"
   G=tests/golden/make_synth_golden_hf.py
   C="$H/b/bin/golden_check"
@@ -228,6 +239,7 @@ qwen2)
     --tol 0.1 | tee "$R/check-28l.json"
   $C "$H/s/q25-q4_1.gguf" "$R/q25_golden.json" --cuda "$H/b/k/h200-qwen2.5-7b-q4_1/kernels" h200/qwen2.5-7b/q4_1 \
     --tol 100 --vs-cpu --cpu-tol 0.1 | tee "$R/check-28l-q4_1.json"
+  [ -f .peer/llamacpp-src.tgz ] && peer_wait
   for q in bf16 q4_1; do
     CB_TIMEOUT=120 cb_run "$H/s/q25-$q.gguf" "$H/b/k/h200-qwen2.5-7b-$q/kernels" h200/qwen2.5-7b/$q bench-$q \
       --batch 1,16,64,256 --steps 64 --pp 512

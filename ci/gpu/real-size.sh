@@ -50,8 +50,9 @@ record() {
 }
 
 T0=$(date +%s)
-# seconds left before this call should stop (a call may run 600 s; 40 s kept for packing)
-left() { echo $((560 - $(date +%s) + T0)); }
+# seconds left before this call should stop (a call may run 600 s, CALL_LIMIT where the session's
+# device time left is less; 40 s kept for packing)
+left() { echo $((${CALL_LIMIT:-600} - 40 - $(date +%s) + T0)); }
 # the executable a cargo command builds (the last one it names)
 exe() { cargo "$@" --message-format=json 2>/dev/null \
   | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
@@ -187,9 +188,10 @@ pack_end() {
   [ -z "${2:-}" ] || [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
   echo "carry $1${2:+ $2}: $(du -cb "$1" ${2:-} | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
 }
-# the GPU machine's side: unpack DIR: a fresh results folder, DIR's files in ~/b, the GPU's state recorded
+# the GPU machine's side: unpack DIR: a fresh results folder and checkpoints folder (an earlier call's
+# checkpoint in /dev/shm, which holds RAM, goes too), DIR's files in ~/b, the GPU's state recorded
 unpack() {
-  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf "$1/b.tar.xz" -C "$H"
+  rm -rf "$R" "$H/b" "$H/s" /dev/shm/*.gguf && mkdir -p "$R" "$H/s" && tar xJf "$1/b.tar.xz" -C "$H"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
 }
 
