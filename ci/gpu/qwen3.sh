@@ -27,8 +27,8 @@
 #        reference, a full tie among them); the 2-layer checkpoints (HF folder, one tensor per
 #        expert; GGUF, 3-D experts) against HF transformers and the CPU backend; the full bf16
 #        GGUF (61 GB, in /dev/shm when it has the room) and cuda_bench on it (batch-1 decode beside
-#        the active experts' bytes, 16 / 64 / 256 sequences, pp512; 64 / 256 and pp512 again with
-#        the grouped experts on the CUDA cores, moe_mma=off)
+#        the active experts' bytes, 16 / 64 / 256 sequences, pp512; batch 1 again with
+#        attention_short_splits=on); timings once llama.cpp's build is done
 #   bash ci/gpu/qwen3.sh moe-verify  carry .q4   after a change to the experts' kernels: both 30B-A3B
 #        targets' kernel tests, the 48-layer bf16 GGUF and cuda_bench on it (no peer)
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
@@ -170,9 +170,9 @@ moe)
   peer_wait
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  # the grouped experts on the CUDA cores instead of the tensor cores, same file
-  [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=moe_mma=off CB_TIMEOUT=120 cb_run "$H/s/moe.gguf" \
-    "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-cudacore --batch 64,256 --steps 64 --pp 512
+  # batch 1 with attention splits down to 8 positions (4 KV heads: 4-8 blocks a launch otherwise)
+  [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=attention_short_splits=on CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
+    "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-short-splits --batch 1 --steps 64
   finish moe
   ;;
 moe-verify)

@@ -662,7 +662,7 @@ fn attention_splits_combine_and_out_projection() {
     let ml = g.alloc(n * d.heads * plan::MAX_SPLITS * 8).unwrap();
     let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
     let counter = g.alloc(n * d.kv_heads * 4).unwrap();
-    let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
+    let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count, plan::MIN_SPLIT_LEN);
     // on sm_90, 2..=attention_cluster splits (the target's HARDWARE.toml) run as one thread-block
     // cluster combined through distributed shared memory; more use the ticket combine. Each with
     // the scores summed by warp sums and by the transpose-reduce (flags).

@@ -140,6 +140,9 @@ pub struct Tuning {
     /// tensor-core products (`moe_gu_mma`, `moe_down_mma`: mma.sync over each expert's gathered
     /// rows), else the CUDA-core ones (`moe_gu_grouped`, `moe_down_grouped`).
     pub moe_mma: bool,
+    /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
+    /// `plan::MIN_SPLIT_LEN`. Off until measured.
+    pub attention_short_splits: bool,
 }
 
 impl Default for Tuning {
@@ -163,6 +166,7 @@ impl Default for Tuning {
             argmax_split: true,
             tma_96: true,
             moe_mma: true,
+            attention_short_splits: false,
         }
     }
 }
@@ -171,7 +175,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 18] = [
+    pub const KEYS: [&'static str; 19] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -190,6 +194,7 @@ impl Tuning {
         "argmax_split",
         "tma_96",
         "moe_mma",
+        "attention_short_splits",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -229,6 +234,7 @@ impl Tuning {
                 "argmax_split" => self.argmax_split = on,
                 "tma_96" => self.tma_96 = on,
                 "moe_mma" => self.moe_mma = on,
+                "attention_short_splits" => self.attention_short_splits = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -596,8 +602,18 @@ impl CudaBackend {
         }
         self.last_decode1 = None;
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
-        let nsplit =
-            plan::attention_splits(max_len, self.gpu.dims.kv_heads, ntok, self.gpu.sm_count);
+        let min_len = if self.opts.tuning.attention_short_splits {
+            plan::SHORT_SPLIT_LEN
+        } else {
+            plan::MIN_SPLIT_LEN
+        };
+        let nsplit = plan::attention_splits(
+            max_len,
+            self.gpu.dims.kv_heads,
+            ntok,
+            self.gpu.sm_count,
+            min_len,
+        );
         // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
         let t = self.opts.max_step_tokens;
         let slots = self.opts.outputs();
