@@ -28,7 +28,8 @@
 #        expert; GGUF, 3-D experts) against HF transformers and the CPU backend; the full bf16
 #        GGUF (61 GB, in /dev/shm when it has the room) and cuda_bench on it (batch-1 decode beside
 #        the active experts' bytes, 16 / 64 / 256 sequences, pp512; batch 1 again with
-#        attention_short_splits=on); timings once llama.cpp's build is done
+#        attention_short_splits=on); timings once llama.cpp's build is done; llama-bench and
+#        llama-batched-bench on the file when the call has the time
 #   bash ci/gpu/qwen3.sh moe-verify  carry .q4   after a change to the experts' kernels: both 30B-A3B
 #        targets' kernel tests, the 48-layer bf16 GGUF and cuda_bench on it (no peer)
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
@@ -170,6 +171,8 @@ moe)
   peer_wait
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
+  # llama.cpp on the same file while the machine has it (moe2 skips it when done here)
+  [ "$(left)" -gt 150 ] && peer_bench bf16 "$H/s/moe.gguf"
   # batch 1 with attention splits down to 8 positions (4 KV heads: 4-8 blocks a launch otherwise)
   [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=attention_short_splits=on CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
     "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-short-splits --batch 1 --steps 64
@@ -190,13 +193,14 @@ moe-verify)
   finish moe-verify
   ;;
 moe2)
+  # results go on in moe's folder (its llama.cpp table among them)
   mkdir -p "$R"
   step "synth-model: the 48-layer q4_1 GGUF; cuda_bench on it"
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  peer_bench bf16 "$H/s/moe.gguf"
+  [ -f "$R/llamacpp-bf16/llamacpp-batched.txt" ] || peer_bench bf16 "$H/s/moe.gguf"
   peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   [ "$(left)" -gt 150 ] && RECORD_CONCURRENCY=1,16,64 record h200-qwen3-30b-a3b-bf16 "$H/s/moe.gguf" 4096
   finish moe2
