@@ -81,8 +81,7 @@ call2)
       | python3 -c 'import sys,json; d=json.load(sys.stdin); print(d["tuning"] or "default", "pass", d["pass"], "top20", round(d["max_abs_diff_top20"], 4), "rerun", d["repeat"]["max_abs_diff"])'
   done
   step "llama.cpp build: waiting for it"
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done"
+  peer_wait
   RECORD_CONCURRENCY=1,16,64,256 record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
   finish call2
   ;;

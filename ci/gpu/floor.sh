@@ -109,8 +109,7 @@ call1)
 call2)
   mkdir -p "$R"
   step "llama.cpp build: waiting for it"
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done"
+  peer_wait
   B=$H/llamacpp/build/bin
   for q in $Q; do
     step "llama-bench tg128 at depths 0, 8192, 32768: $q"

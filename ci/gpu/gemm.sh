@@ -231,8 +231,7 @@ peer)
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --out "$H/s/l8b-bf16.gguf" 2>&1 | grep synth-model
   step "llama.cpp build: waiting for it"
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done"
+  peer_wait
   bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16 --batch 16,64,256 --steps 32 --pp 512 --long 8192
   # AB_OFF=KEYS: the same run with those tuning keys off, beside it
   [ -n "${AB_OFF:-}" ] && METRALE_CUDA_TUNING=$AB_OFF bench "$H/b/k/h200-llama-3.1-8b-bf16/kernels" bench-bf16-off \
@@ -304,8 +303,7 @@ w4a16-peer)
   # after w4a16 on the same machine: its q4_1 GGUF and llama.cpp's build are in $H
   rm -rf "$R" && mkdir -p "$R" && tar xJf .gm1/b.tar.xz -C "$H" && tar xJf .gm2/b.tar.xz -C "$H"
   step "llama.cpp build: waiting for it"
-  for _ in $(seq 150); do [ -f "$H/llamacpp/build.done" ] && break; sleep 3; done
-  cat "$H/llamacpp/build.done"
+  peer_wait 450
   step "llama.cpp on the same q4_1 GGUF"
   OUT=$R bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$H/s/l8b-q4_1.gguf" 16,64,256 2>&1 | tail -12
   step "cuda_kernels h200/llama-3.1-8b/bf16: the GEMM and attention tests"

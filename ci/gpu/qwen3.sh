@@ -52,16 +52,10 @@ llamacpp_start() {
   step "llama.cpp build (background)"
   bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
 }
-# peer_wait: until the build started by llamacpp_start is done (at most 300 s), so that no timing
-# shares the CPUs with it
-peer_wait() {
-  for _ in $(seq 60); do [ -f "$H/llamacpp/build.done" ] && return 0; sleep 5; done
-  echo "llama.cpp's build not done after 300 s"
-}
 # peer_bench NAME GGUF: llama-bench (pp512, tg128) and llama-batched-bench (1, 16, 64, 256), once
 # the build started by an earlier call is done; tables in $R/llamacpp-NAME/
 peer_bench() {
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  peer_wait > /dev/null
   step "llama-bench pp512 / tg128 and llama-batched-bench 1, 16, 64, 256: $1 ($(cat "$H/llamacpp/build.done"))"
   mkdir -p "$R/llamacpp-$1"
   OUT=$R/llamacpp-$1 timeout 200 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz "$2" 1,16,64,256 \
@@ -168,7 +162,7 @@ moe)
   step "synth-model: the 48-layer bf16 GGUF ($F)"
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   ln -sf "$F" "$H/s/moe.gguf"
-  peer_wait
+  peer_wait 300
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
   # llama.cpp on the same file while the machine has it (moe2 skips it when done here)
@@ -243,7 +237,7 @@ qwen2)
     --tol 0.1 | tee "$R/check-28l.json"
   $C "$H/s/q25-q4_1.gguf" "$R/q25_golden.json" --cuda "$H/b/k/h200-qwen2.5-7b-q4_1/kernels" h200/qwen2.5-7b/q4_1 \
     --tol 100 --vs-cpu --cpu-tol 0.1 | tee "$R/check-28l-q4_1.json"
-  [ -f .peer/llamacpp-src.tgz ] && peer_wait
+  [ -f .peer/llamacpp-src.tgz ] && peer_wait 300
   for q in bf16 q4_1; do
     CB_TIMEOUT=120 cb_run "$H/s/q25-$q.gguf" "$H/b/k/h200-qwen2.5-7b-$q/kernels" h200/qwen2.5-7b/$q bench-$q \
       --batch 1,16,64,256 --steps 64 --pp 512

@@ -53,6 +53,17 @@ T0=$(date +%s)
 # seconds left before this call should stop (a call may run 600 s, CALL_LIMIT where the session's
 # device time left is less; 40 s kept for packing)
 left() { echo $((${CALL_LIMIT:-600} - 40 - $(date +%s) + T0)); }
+# peer_wait [SECONDS]: until llama.cpp's build (started in the background by `llamacpp.sh bench`)
+# is done, at most SECONDS (default 600), so that no timing shares the CPUs with it; prints its
+# exit status, or that it is not done
+peer_wait() {
+  local _
+  for _ in $(seq $((${1:-600} / 5))); do
+    [ -f "$H/llamacpp/build.done" ] && { cat "$H/llamacpp/build.done"; return 0; }
+    sleep 5
+  done
+  echo "llama.cpp's build not done after ${1:-600} s"
+}
 # the executable a cargo command builds (the last one it names)
 exe() { cargo "$@" --message-format=json 2>/dev/null \
   | python3 -c 'import sys,json; [print(j["executable"]) for j in map(json.loads, sys.stdin) if j.get("executable")]' | tail -1; }
@@ -248,7 +259,7 @@ verify1)
       --vs-cpu --tol 0.05 | tee -a "$R/check-2l.json"
   done
   serve8b
-  for _ in $(seq 60); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
+  peer_wait 300
   if [ "$(left)" -gt 170 ]; then record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096; fi
   finish verify1
   ;;
@@ -379,8 +390,7 @@ call3)
   echo "$(cat .carry2/model.sha256)  $H/s/smollm2.gguf" | sha256sum -c | tee "$R/model-sha256.txt" || exit 1
   smollm2_regression
   step "llama.cpp build (started by call1) done?"
-  for _ in $(seq 120); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-  cat "$H/llamacpp/build.done"
+  peer_wait
   record h200-llama-3.1-8b-bf16 "$H/s/l8b-bf16.gguf" 4096
   finish call3
   ;;

@@ -156,8 +156,7 @@ call1)
   # the servers measured once the build no longer takes the CPU
   if [ "${ST_PEER:-1}" = 1 ]; then
     step "llama.cpp build: waiting"
-    for _ in $(seq 70); do [ -f "$H/llamacpp/build.done" ] && break; sleep 5; done
-    cat "$H/llamacpp/build.done" 2>/dev/null | tee -a "$R/steps.txt"
+    peer_wait 350 | tee -a "$R/steps.txt"
   fi
   runs l8b-q4_1 "$H/b/srv/h200-llama-3.1-8b-q4_1/metrale-server" "$H/s/l8b-q4_1.gguf"
   with_peer llamacpp-l8b-q4_1 "$H/s/l8b-q4_1.gguf"
