@@ -376,13 +376,14 @@ impl Check<'_> {
         }
         // 16-bit activations exist for q4_1 weights only, as rows (`activations = "i16"`) and as
         // the GEMMs' f16 inputs (`gemm_activations = "f16"`)
-        for (field, got, plain, sixteen) in [
-            ("quant.activations", &q.activations, "f32", "i16"),
+        for (field, got, plain, sixteen, what) in [
+            ("quant.activations", &q.activations, "f32", "i16", "16-bit"),
             (
                 "quant.gemm_activations",
                 &q.gemm_activations,
                 "split",
                 "f16",
+                "f16 GEMM",
             ),
         ] {
             if got == plain || (got == sixteen && q.weights == "q4_1") {
@@ -390,12 +391,7 @@ impl Check<'_> {
             }
             let expected = if got == sixteen {
                 format!(
-                    "{plain} ({} activations need q4_1 weights, these are {})",
-                    if sixteen == "i16" {
-                        "16-bit"
-                    } else {
-                        "f16 GEMM"
-                    },
+                    "{plain} ({what} activations need q4_1 weights, these are {})",
                     q.weights
                 )
             } else {
