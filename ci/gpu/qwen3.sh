@@ -40,7 +40,9 @@
 #        other feature); the 2-layer HF folder and GGUF against HF transformers and the CPU
 #        backend; the 28-layer bf16 GGUF against HF transformers; cuda_bench on both GGUFs; with
 #        .peer, llama.cpp's build in the background from the start (timings wait for it), and
-#        llama-bench and llama-batched-bench on both GGUFs (moe-verify and moe2 reuse that build)
+#        llama-bench and llama-batched-bench on both GGUFs (moe-verify and moe2 reuse that build);
+#        without it (and without an earlier call's build on the machine) HF transformers has no
+#        gguf-py to read the 2-layer GGUF with: the 2-layer golden fails to build (golden2.txt)
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 TQ=h200/qwen3-8b
