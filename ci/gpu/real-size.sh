@@ -130,14 +130,14 @@ in_rev() {
 # the 2-layer variant's kernels (the KV layout and decode_1 depend on the layer count): the same
 # target built from a copy of the targets with layers = 2, into $1/k/h200-MODEL-2l-bf16, and that
 # copy's targets/ in $1/t2 (golden_check reads it through METRALE_TARGETS)
-kernels2l() {  # DIR [NAME] [MODEL]: DIR/k/NAME (default h200-MODEL-2l-bf16; MODEL llama-3.1-8b)
-  local t2=$1/t2 m=${3:-llama-3.1-8b}
+kernels2l() {  # DIR [NAME] [MODEL] [QUANT]: DIR/k/NAME (default h200-MODEL-2l-QUANT; MODEL llama-3.1-8b, QUANT bf16)
+  local t2=$1/t2 m=${3:-llama-3.1-8b} q=${4:-bf16}
   mkdir -p "$t2" "$1/k" && [ -d "$t2/targets" ] || cp -r targets "$t2/"
   rm -rf "$t2/kernels" && cp -r kernels "$t2/"
   sed -i 's/^layers = [0-9]*$/layers = 2/' "$t2/targets/models/$m.toml"
   grep -q '^layers = 2$' "$t2/targets/models/$m.toml"
-  cargo xtask build-target --hw h200 --model "$m" --quant bf16 --kernels-only --repo "$t2" \
-    --out "$1/k/${2:-h200-$m-2l-bf16}" 2>&1 | tail -1
+  cargo xtask build-target --hw h200 --model "$m" --quant "$q" --kernels-only --repo "$t2" \
+    --out "$1/k/${2:-h200-$m-2l-$q}" 2>&1 | tail -1
   rm -rf "$t2/kernels"
 }
 

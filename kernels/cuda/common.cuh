@@ -125,6 +125,17 @@ MT_INLINE float block_sum(float v, float* red) {
     return warp_sum(r);
 }
 
+// Largest v over the whole block (as block_sum).
+MT_INLINE float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : 0.f;
+    return warp_max(r);
+}
+
 // Norm weights of one row, held in registers by the abi::MV_THREADS threads of a block: loaded before
 // the dependency wait (they are weights), consumed by stage_row.
 template <int K> struct NormW {
@@ -164,14 +175,26 @@ template <int K> struct Panel<WQ41, K> {
 
 #include "format_q8_0.cuh"
 #include "format_bf16.cuh"
+#include "format_fp8.cuh"
 
 #if defined(METRALE_W_q4_1)
 typedef WQ41 WLayer;
 #elif defined(METRALE_W_bf16)
 typedef WBF16 WLayer;
+#elif defined(METRALE_W_fp8)
+typedef WF8 WLayer;
 #else
-#error "define METRALE_W_<quant> (q4_1 or bf16) before including common.cuh"
+#error "define METRALE_W_<quant> (q4_1, bf16 or fp8) before including common.cuh"
 #endif
+
+// Formats whose rows carry one scale applied to each row's finished sum (fp8), and whose products
+// quantize their input rows to e4m3 per token (fp8_act) where they are staged.
+template <class W> struct RowScaled {
+    static constexpr bool ON = false;
+};
+template <> struct RowScaled<WF8> {
+    static constexpr bool ON = true;
+};
 
 #if defined(METRALE_E_q8_0)
 typedef WQ80 WEmbed;
@@ -229,7 +252,9 @@ template <int K> struct XRow<WQ41, K> {
 // Stage row x[K] into shared memory xs in W's form (XRow), optionally RMS-normalised and scaled by
 // the norm weights nw. Every load of x is issued before the first use (one memory round trip).
 // Needs blockDim.x == abi::MV_THREADS.
-//   - f32 rows: element e is thread e % MV_THREADS's.
+//   - f32 rows: element e is thread e % MV_THREADS's; for fp8 weights (RowScaled) each value
+//     quantized as the product's input, e4m3(x / a) * a with a = max|x| / 448 over the row (red:
+//     32 floats of shared memory, also without NORM).
 //   - 16-bit rows: 32-element block b is thread b % MV_THREADS's, whole: its largest value, scale,
 //     rounding and sum need no other thread (a warp per block spent 11 dependent shuffles per block
 //     and serialised K / 32 / MV_WARPS of them per warp: ~8 us per 14336-wide row).
@@ -313,11 +338,26 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
             const float tot = block_sum(ss, red);
             scale = rsqrtf(tot / (float)K + eps);
         }
+        if constexpr (RowScaled<W>::ON) {  // fp8: the row quantized per token (fp8_act)
+            float amax = 0.f;
 #pragma unroll
-        for (int i = 0; i < IT; ++i) {
-            const int e = threadIdx.x + i * abi::MV_THREADS;
-            if (e >= K) continue;
-            xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
+            for (int i = 0; i < IT; ++i) {
+                if (NORM) v[i] *= scale * nw.v[i];
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
+            const float a = fp8_row_scale(block_max(amax, red));
+#pragma unroll
+            for (int i = 0; i < IT; ++i) {
+                const int e = threadIdx.x + i * abi::MV_THREADS;
+                if (e < K) xs[pad_idx(e)] = fp8_act(v[i], a);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < IT; ++i) {
+                const int e = threadIdx.x + i * abi::MV_THREADS;
+                if (e >= K) continue;
+                xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
+            }
         }
     }
 }
@@ -398,6 +438,14 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
     for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
+    if constexpr (RowScaled<W>::ON) {
+        const float s0 = w.row_scale(r0), s1 = w.row_scale(r0 + 1);
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            acc[0][t] *= s0;
+            acc[1][t] *= s1;
+        }
+    }
 }
 
 // rows2_dot for q4_1 weights against Q16 rows (XRow<WQ41, K>): integer block sums by dp2a (two

@@ -24,7 +24,7 @@ template <int S> struct Smem {
     __align__(16) __half alo[BM][AS];
     __align__(16) __half b[BN][AS];
     float sx[S][BM];             // per quant block: sum of its 32 activations per token (exact f32)
-    float wd[S][BN], wm[S][BN];  // per quant block and output column: scale d and offset m (q4_1), or 1 and 0
+    float wd[S][BN], wm[S][BN];  // per quant block and output column: scale d and offset m (q4_1), the row's scale and 0 (fp8), or 1 and 0
 };
 
 MT_INLINE void mma16816(float c[4], const unsigned a[4], const unsigned b[2]) {
@@ -137,6 +137,35 @@ template <int K> struct BTile<mt::WBF16, K> {
             *reinterpret_cast<uint4*>(&s.b[r][j * BK + 8 * c]) = make_uint4(o[0], o[1], o[2], o[3]);
             if (c == 0) {
                 s.wd[j][r] = 1.f;
+                s.wm[j][r] = 0.f;
+            }
+        }
+    }
+};
+
+// fp8 rows: the e4m3 bytes widened to f16 (exact), the row's scale as every block's d (m = 0).
+template <int K> struct BTile<mt::WF8, K> {
+    static constexpr int S = Steps<K>::S;
+    uint2 u[S];  // bytes 8c .. 8c+7 of each block of the row
+    float sc;    // the row's scale
+    MT_INLINE void fetch(const mt::WF8& w, int n, int ks) {
+        const int c = threadIdx.x & 3;
+#pragma unroll
+        for (int j = 0; j < S; ++j)
+            u[j] = __ldg(reinterpret_cast<const uint2*>(w.qs + (size_t)n * K + (size_t)(ks * S + j) * BK + 8 * c));
+        if (c == 0) sc = w.row_scale(n);
+    }
+    MT_INLINE void store(Smem<S>& s, int ro) const {
+        const int r = ro + (threadIdx.x >> 2), c = threadIdx.x & 3;
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            const uint4 o = make_uint4(mt::e4m3x2_to_h2((unsigned short)(u[j].x & 0xffffu)),
+                                       mt::e4m3x2_to_h2((unsigned short)(u[j].x >> 16)),
+                                       mt::e4m3x2_to_h2((unsigned short)(u[j].y & 0xffffu)),
+                                       mt::e4m3x2_to_h2((unsigned short)(u[j].y >> 16)));
+            *reinterpret_cast<uint4*>(&s.b[r][j * BK + 8 * c]) = o;
+            if (c == 0) {
+                s.wd[j][r] = sc;
                 s.wm[j][r] = 0.f;
             }
         }
@@ -258,9 +287,9 @@ MT_INLINE void for_each_pair(const float acc[2][2][4], int m0, int n0, int ntok,
 }
 
 
-// One warp per token: a = x (NORM: x * rsqrt(mean(x^2) + eps) * norm_w, as the CPU's rmsnorm), split
-// into hi = f16(a), lo = f16(a - hi) and the f32 sum of each 32-element block; lane L owns blocks
-// L, L + 32, ... of the row.
+// One warp per token: a = x (NORM: x * rsqrt(mean(x^2) + eps) * norm_w, as the CPU's rmsnorm; fp8
+// weights: then quantized per token, mt::fp8_act), split into hi = f16(a), lo = f16(a - hi) and the
+// f32 sum of each 32-element block; lane L owns blocks L, L + 32, ... of the row.
 template <int K, bool NORM>
 MT_INLINE void split_row(const float* x, const float* __restrict__ norm_w, __half* __restrict__ hi,
                          __half* __restrict__ lo, float* __restrict__ asx, int ntok) {
@@ -280,6 +309,23 @@ MT_INLINE void split_row(const float* x, const float* __restrict__ norm_w, __hal
             ss = mt::warp_sum(ss);
             sc = rsqrtf(ss / (float)K + NORM_EPS);
         }
+        // fp8 weights (mt::RowScaled): the row quantized as their products' input, per token
+        // (mt::fp8_act, with the largest magnitude of the row as it enters the product)
+        float a8 = 1.f;
+        if constexpr (mt::RowScaled<mt::WLayer>::ON) {
+            const float4* p = reinterpret_cast<const float4*>(xr);
+            const float4* pw = reinterpret_cast<const float4*>(norm_w);
+            float amax = 0.f;
+            for (int i = lane; i < K / 4; i += 32) {
+                float4 v = p[i];
+                if (NORM) {
+                    const float4 nw = pw[i];
+                    v = make_float4(v.x * sc * nw.x, v.y * sc * nw.y, v.z * sc * nw.z, v.w * sc * nw.w);
+                }
+                amax = fmaxf(fmaxf(fmaxf(amax, fabsf(v.x)), fmaxf(fabsf(v.y), fabsf(v.z))), fabsf(v.w));
+            }
+            a8 = mt::fp8_row_scale(mt::warp_max(amax));
+        }
         for (int b = lane; b < NB; b += 32) {
             const float4* p = reinterpret_cast<const float4*>(xr + b * BK);
             const float4* pw = reinterpret_cast<const float4*>(norm_w + b * BK);
@@ -292,6 +338,8 @@ MT_INLINE void split_row(const float* x, const float* __restrict__ norm_w, __hal
                     const float4 nw = pw[i];
                     v = make_float4(v.x * sc * nw.x, v.y * sc * nw.y, v.z * sc * nw.z, v.w * sc * nw.w);
                 }
+                if constexpr (mt::RowScaled<mt::WLayer>::ON)
+                    v = make_float4(mt::fp8_act(v.x, a8), mt::fp8_act(v.y, a8), mt::fp8_act(v.z, a8), mt::fp8_act(v.w, a8));
                 const float f[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int k = 0; k < 2; ++k) {

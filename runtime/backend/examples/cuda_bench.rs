@@ -73,7 +73,14 @@ fn main() {
             std::process::exit(2)
         });
     let t0 = Instant::now();
-    let model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
+    let mut model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
+    // an fp8 target reads FP8 layer matrices: a checkpoint without them is quantized at load, as
+    // the server does
+    if spec.quant.weights == "fp8" && model.config.fp8.is_none() {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let q = metrale_model::fp8::quantize_at_load(&mut model, threads).expect("quantize to fp8");
+        eprintln!("quantized at load: {} matrices to fp8 e4m3", q.matrices);
+    }
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
     // slots 0..=maxb: 2048 positions each; slot maxb + 1: the depth runs; maxb + 2: long prompts
     let depth_cap = depths.iter().max().map_or(0, |d| d + depth_steps + 1);

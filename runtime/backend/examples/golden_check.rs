@@ -18,7 +18,9 @@
 //!   fails); the CUDA backend takes `METRALE_CUDA_TUNING` (ARCHITECTURE.md, "Configuration");
 //! - default backend: cpu (`--kv`: its KV cache type, default f32; `--exact`: f32 activations);
 //! - `--cuda`: the CUDA backend with a target's kernels (its KV type is the target's); reads
-//!   METRALE_TARGETS (the targets/ folder, default `targets`); needs the `cuda` feature;
+//!   METRALE_TARGETS (the targets/ folder, default `targets`); needs the `cuda` feature; an fp8
+//!   target's checkpoint without FP8 matrices is quantized at load first (so `--vs-cpu` compares
+//!   the two backends on the same FP8 weights);
 //! - `--vs-cpu`: also run the CPU backend (with the same KV type, f32 activations) and report the
 //!   largest difference between the two backends' logit rows and whether their greedy tokens agree
 //!   (bounded by `--cpu-tol`, default `--tol`).
@@ -73,12 +75,12 @@ fn main() {
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     let t0 = std::time::Instant::now();
-    let m = metrale_model::Model::load(&model_path).expect("model");
+    let mut m = metrale_model::Model::load(&model_path).expect("model");
+    let idx = args.iter().position(|a| a == "--cuda");
     let load_s = t0.elapsed().as_secs_f64();
     let cap = (prompt.len() + decode.len() + 16).next_multiple_of(16);
-    let idx = args.iter().position(|a| a == "--cuda");
     let (mut b, kv) = match idx {
-        Some(i) => cuda_backend(&m, &args[i + 1], &args[i + 2], cap, 0),
+        Some(i) => cuda_backend(&mut m, &args[i + 1], &args[i + 2], cap, 0),
         None => {
             let kv = match opt(&args, "--kv") {
                 Some(k) => KvDtype::parse(k).expect("--kv f32 or bf16"),

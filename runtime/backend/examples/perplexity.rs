@@ -178,7 +178,7 @@ fn main() {
                 .position(|a| a == "--cuda")
                 .and_then(|i| args.get(i + 2))
                 .expect("--cuda KERNEL_DIR TARGET_ID");
-            cuda_backend(&m, dir, target, ctx, 0).0
+            cuda_backend(&mut m, dir, target, ctx, 0).0
         }
         None => cpu_backend(&m, kv, exact, ctx),
     };

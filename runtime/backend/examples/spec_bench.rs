@@ -133,11 +133,11 @@ fn main() {
         .split(',')
         .map(|r| r.parse::<f64>().expect("--rates: percentages") / 100.0)
         .collect();
-    let m = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
+    let mut m = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     let cap = (plen + n + k + 16).next_multiple_of(16);
     let (mut b, backend) = match args.iter().position(|a| a == "--cuda") {
         Some(i) => (
-            cuda_backend(&m, &args[i + 1], &args[i + 2], cap, k).0,
+            cuda_backend(&mut m, &args[i + 1], &args[i + 2], cap, k).0,
             args[i + 2].clone(),
         ),
         None => (cpu_backend(&m, KvDtype::F32, false, cap), "cpu".into()),

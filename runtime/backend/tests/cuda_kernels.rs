@@ -30,6 +30,16 @@ use rand::{Rng, SeedableRng};
 /// matrix-vector kernels' input rows to 16-bit blocks: half a step of 1/32767 of a block's largest
 /// value per element, ~1.5e-5 relative on these uniform inputs; 1e-4 bounds both.
 const TOL: f64 = 1e-4;
+/// Targets with fp8 layer weights (`[quant] weights = "fp8"`) quantize each product's input row to
+/// e4m3 per token, as the CPU reference does. Where the GPU's input differs from the CPU's by f32
+/// summation order (~1e-7 relative), a value within that distance of a rounding midpoint rounds
+/// the other way, by one e4m3 step (2^-3 relative): ~1.6e-6 of the values, so a few flips per
+/// test at most, each moving its token's outputs by ~2^-3 / sqrt(K) relative (~2e-3 at K = 4096,
+/// less over all tokens). Every check of such a target is held to at least 5e-3; a missing input
+/// quantization (e4m3's ~3% relative error on every value) or a missing row scale lands far above.
+const FP8_TOL: f64 = 5e-3;
+/// Whether this process tests an fp8 target (set by [`env`]; one target a process).
+static FP8: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// K and V written to a bf16 cache, against the reference rounded the same way: an f32 difference
 /// of ~1e-6 relative flips the rounding of the few values within it of a rounding boundary (each by
 /// one bf16 step, 2^-8 relative), ~0.05% of them: ~1e-4 relative L2; bounded at 1e-3.
@@ -95,11 +105,13 @@ fn env(test: &str) -> Option<Env> {
         (w, b)
     };
     let qkn = f.qk_norm.then(|| on_both(2 * d.head_dim, 0.5, 1.5));
+    let wf = DevFormat::from_quant_name(&spec.quant.weights).unwrap();
+    FP8.store(wf == DevFormat::Fp8, std::sync::atomic::Ordering::Relaxed);
     let bias = f.qkv_bias.then(|| on_both(d.qd() + 2 * d.kd(), -0.5, 0.5));
     Some(Env {
         gpu,
         d,
-        wf: DevFormat::from_quant_name(&spec.quant.weights).unwrap(),
+        wf,
         ef: DevFormat::from_quant_name(&spec.quant.embedding).unwrap(),
         eps: spec.model.norm_eps as f32,
         theta: spec.model.rope_theta as f32,
@@ -202,11 +214,18 @@ fn dtype_of(f: DevFormat) -> DType {
         DevFormat::Q4_1 => DType::Q4_1,
         DevFormat::Q8_0 => DType::Q8_0,
         DevFormat::Bf16 => DType::BF16,
+        DevFormat::Fp8 => DType::F8_E4M3,
     }
 }
 
-/// Random GGUF-format bytes of `rows` x `k` in the dtype of `f`, with weights of order 0.05.
-fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Vec<u8> {
+/// Random GGUF-format bytes of `rows` x `k` in the dtype of `f`, with weights of order 0.05, and
+/// for fp8 the rows' scales (`metrale_core::fp8::quantize_matrix` of uniform values; else empty).
+fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    if f == DevFormat::Fp8 {
+        let v = rand_vec(rng, rows * k, -0.08, 0.08);
+        let m = metrale_core::fp8::quantize_matrix(&v, rows, k);
+        return (m.bytes, m.scales);
+    }
     let mut out = Vec::new();
     let nb = k / 32;
     match f {
@@ -240,8 +259,9 @@ fn rand_weights(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Vec<u8
                 );
             }
         }
+        DevFormat::Fp8 => unreachable!("returned above"),
     }
-    out
+    (out, Vec::new())
 }
 
 fn rand_vec(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
@@ -253,17 +273,23 @@ struct Mat {
     rows: usize,
     k: usize,
     data: Vec<u8>,
+    /// An fp8 matrix's row scales (empty for the other types).
+    scales: Vec<f32>,
 }
 
 impl Mat {
     fn new(rng: &mut StdRng, f: DevFormat, rows: usize, k: usize) -> Mat {
+        let (data, scales) = rand_weights(rng, f, rows, k);
         Mat {
             dtype: dtype_of(f),
             rows,
             k,
-            data: rand_weights(rng, f, rows, k),
+            data,
+            scales,
         }
     }
+    /// The CPU reference's view: an fp8 matrix's products quantize their input per token
+    /// (dynamic scales, as the fp8 kernels do).
     fn cpu(&self) -> ops::MatRef<'_> {
         ops::MatRef {
             dtype: self.dtype,
@@ -271,10 +297,17 @@ impl Mat {
             cols: self.k,
             data: &self.data,
             packed: false,
-            fp8: None,
+            fp8: (self.dtype == DType::F8_E4M3).then_some(metrale_backend::cpu::mat::Fp8Ref {
+                scales: &self.scales,
+                input_scale: None,
+                ub: None,
+            }),
         }
     }
     fn host(&self, f: DevFormat) -> HostMat {
+        if f == DevFormat::Fp8 {
+            return HostMat::fp8("test", self.rows, self.k, &self.data, &self.scales).unwrap();
+        }
         HostMat::repack("test", f, self.dtype, self.rows, self.k, &self.data).unwrap()
     }
     fn matvec(&self, x: &[f32]) -> Vec<f32> {
@@ -304,6 +337,11 @@ fn check(what: &str, got: &[f32], want: &[f32]) {
 }
 
 fn check_tol(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let tol = if FP8.load(std::sync::atomic::Ordering::Relaxed) {
+        tol.max(FP8_TOL)
+    } else {
+        tol
+    };
     let e = rel_err(got, want);
     eprintln!("  {what}: rel err {e:.2e} over {} values", got.len());
     assert!(e < tol, "{what}: relative error {e:.3e} >= {tol:e}");

@@ -359,15 +359,22 @@ fn kv_dtype(cli: &Cli, target: Option<&TargetSpec>) -> Result<metrale_backend::K
     }
 }
 
-/// `--quantization fp8`: the layer matrices quantized at load; or an FP8 checkpoint, said.
-fn quantize(cli: &Cli, model: &mut Model) -> Result<()> {
-    if cli.quantization.as_deref() == Some("fp8") {
+/// `--quantization fp8`, or a target whose kernels read fp8 layer matrices given a checkpoint
+/// without them: the layer matrices quantized at load; or an FP8 checkpoint, said.
+fn quantize(cli: &Cli, target: Option<&TargetSpec>, model: &mut Model) -> Result<()> {
+    let fp8_kernels = target.is_some_and(|t| t.quant.weights == "fp8");
+    let asked = cli.quantization.as_deref() == Some("fp8");
+    if asked || (fp8_kernels && model.config.fp8.is_none()) {
+        let why = if asked {
+            "--quantization fp8"
+        } else {
+            "this binary's kernels read fp8 layer matrices (quantized at load)"
+        };
         let t = Instant::now();
         let threads = cli
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let q =
-            metrale_model::fp8::quantize_at_load(model, threads).context("--quantization fp8")?;
+        let q = metrale_model::fp8::quantize_at_load(model, threads).context(why)?;
         if q.matrices > 0 {
             eprintln!(
                 "  quantized at load: {} matrices to fp8 e4m3, one scale per output channel, \
@@ -409,7 +416,7 @@ fn load(
         t.elapsed().as_secs_f64()
     );
     check_target(target.as_ref(), &model)?;
-    quantize(cli, &mut model)?;
+    quantize(cli, target.as_ref(), &mut model)?;
     let c = &model.config;
 
     let behavior = target

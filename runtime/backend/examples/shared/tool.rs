@@ -33,10 +33,13 @@ pub fn cpu_backend(
 }
 
 /// The CUDA backend of `target` on the kernels in `dir`, one slot of `cap` positions, verifying up
-/// to `max_drafts` proposed tokens a step.
+/// to `max_drafts` proposed tokens a step. A target whose kernels read fp8 layer matrices
+/// (`[quant] weights = "fp8"`) given a checkpoint without them has its layer matrices quantized at
+/// load first, as the server does (`metrale_model::fp8::quantize_at_load`: a backend made from
+/// `m` afterwards reads the same FP8 weights).
 #[cfg(feature = "cuda")]
 pub fn cuda_backend(
-    m: &metrale_model::Model,
+    m: &mut metrale_model::Model,
     dir: &str,
     target: &str,
     cap: usize,
@@ -49,6 +52,11 @@ pub fn cuda_backend(
     let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
     let spec = TargetSpec::load(Path::new(&root), &id).expect("target");
     let kv = spec.quant.kv_dtype();
+    if spec.quant.weights == "fp8" && m.config.fp8.is_none() {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let q = metrale_model::fp8::quantize_at_load(m, threads).expect("quantize at load to fp8");
+        eprintln!("quantized at load: {} matrices to fp8 e4m3", q.matrices);
+    }
     let set = KernelSet::from_dir(Path::new(dir), &spec).expect("kernels");
     let tuning = metrale_backend::cuda::Tuning::default()
         .parse(&std::env::var(metrale_backend::cuda::Tuning::ENV).unwrap_or_default())
@@ -75,7 +83,7 @@ pub fn cuda_backend(
 
 #[cfg(not(feature = "cuda"))]
 pub fn cuda_backend(
-    _: &metrale_model::Model,
+    _: &mut metrale_model::Model,
     _: &str,
     _: &str,
     _: usize,

@@ -366,7 +366,6 @@ impl CudaBackend {
         }
         let d = metrale_core::shape::Dims::from_shape(&spec.model);
         let moe = launch::MoeShape::of(&spec.model);
-        weights::check_config(config, &d, (&spec.model.family, moe), &set.target)?;
         let fmt = |s: &str, what: &str| {
             DevFormat::from_quant_name(s)
                 .ok_or_else(|| BackendError::Model(format!("unknown {what} format {s:?}")))
@@ -375,6 +374,12 @@ impl CudaBackend {
             fmt(&spec.quant.weights, "weights")?,
             fmt(&spec.quant.embedding, "embedding")?,
         );
+        weights::check_config(
+            config,
+            &d,
+            (&spec.model.family, moe),
+            (&set.target, formats.0),
+        )?;
         if opts.slots == 0 || opts.slot_capacity == 0 || opts.max_step_tokens == 0 {
             return Err(BackendError::Invalid(
                 "slots, slot capacity and max step tokens must be positive".into(),

@@ -9,6 +9,7 @@
 
 use half::bf16;
 use metrale_core::dtype::{bf16_to_f32, dequantize_row, f16_to_f32, DType, QK};
+use metrale_core::fp8::Activations;
 use metrale_core::shape::Dims;
 use metrale_core::target::Features;
 use metrale_core::BackendError;
@@ -33,12 +34,15 @@ pub struct HostMat {
     pub sc: Vec<u8>,
 }
 
-/// Device weight formats (common.cuh: WQ41, WQ80, WBF16).
+/// Device weight formats (common.cuh: WQ41, WQ80, WBF16, WF8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DevFormat {
     Q4_1,
     Q8_0,
     Bf16,
+    /// FP8 e4m3 rows (`qs`: the bytes as the checkpoint stores them) and one f32 scale per row
+    /// (`sc`), `metrale_core::fp8`'s format.
+    Fp8,
 }
 
 impl DevFormat {
@@ -48,6 +52,7 @@ impl DevFormat {
             "q4_1" => Some(DevFormat::Q4_1),
             "q8_0" => Some(DevFormat::Q8_0),
             "bf16" => Some(DevFormat::Bf16),
+            "fp8" => Some(DevFormat::Fp8),
             _ => None,
         }
     }
@@ -56,6 +61,7 @@ impl DevFormat {
             DevFormat::Q4_1 => k / 2,
             DevFormat::Q8_0 => k,
             DevFormat::Bf16 => 2 * k,
+            DevFormat::Fp8 => k,
         }
     }
     fn sc_row(self, k: usize) -> usize {
@@ -63,6 +69,7 @@ impl DevFormat {
             DevFormat::Q4_1 => (k / QK) * 4,
             DevFormat::Q8_0 => (k / QK) * 2,
             DevFormat::Bf16 => 0,
+            DevFormat::Fp8 => 4,
         }
     }
 }
@@ -155,6 +162,14 @@ impl HostMat {
                     qs.extend_from_slice(&b[2..34]);
                 }
             }
+            DevFormat::Fp8 => {
+                return Err(RepackError::WrongDtype {
+                    tensor: tensor.into(),
+                    format,
+                    expected: "f8_e4m3 with its scales (HostMat::fp8)",
+                    got: dtype,
+                })
+            }
             DevFormat::Bf16 => {
                 if dtype == DType::BF16 {
                     qs.extend_from_slice(data);
@@ -183,6 +198,38 @@ impl HostMat {
             k,
             qs,
             sc,
+        })
+    }
+
+    /// An FP8 matrix: `rows` rows of `k` e4m3 bytes (`data`, row-major) and one f32 scale per row,
+    /// as they are (no rounding).
+    pub fn fp8(
+        tensor: &str,
+        rows: usize,
+        k: usize,
+        data: &[u8],
+        scales: &[f32],
+    ) -> Result<HostMat, RepackError> {
+        for (what, expected, got) in [
+            ("row length (multiple of 32)", k.next_multiple_of(QK), k),
+            ("bytes", rows * k, data.len()),
+            ("scales (one a row)", rows, scales.len()),
+        ] {
+            if expected != got {
+                return Err(RepackError::Shape {
+                    tensor: tensor.into(),
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        Ok(HostMat {
+            format: DevFormat::Fp8,
+            rows,
+            k,
+            qs: data.to_vec(),
+            sc: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
         })
     }
 
@@ -298,6 +345,12 @@ impl HostMat {
                     *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
                 }
             }
+            DevFormat::Fp8 => {
+                let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                for (o, &b) in out.iter_mut().zip(q) {
+                    *o = metrale_core::fp8::e4m3_to_f32(b) * scale;
+                }
+            }
         }
         out
     }
@@ -390,7 +443,7 @@ pub fn check_config(
     c: &ModelConfig,
     d: &Dims,
     (family, moe): (&str, Option<MoeShape>),
-    target: &str,
+    (target, wf): (&str, DevFormat),
 ) -> Result<(), BackendError> {
     if c.family.name() != family {
         return Err(BackendError::Model(format!(
@@ -411,12 +464,24 @@ pub fn check_config(
             c.name, c.rotary_dim, c.head_dim
         )));
     }
-    if c.fp8.is_some() {
-        return Err(BackendError::Model(format!(
-            "model {}: FP8 weights, which this binary's kernels ({target}) do not compute yet; \
-             serve it with the cpu backend, or the bf16 checkpoint with a bf16 target",
-            c.name
-        )));
+    match c.fp8 {
+        Some(_) if wf != DevFormat::Fp8 => {
+            return Err(BackendError::Model(format!(
+                "model {}: FP8 weights, but this binary's kernels ({target}) read {wf:?} layer \
+                 matrices; build the model's fp8 target (--quant fp8), or serve it with the cpu \
+                 backend",
+                c.name
+            )))
+        }
+        Some(a @ (Activations::Static | Activations::Dynamic { ub: Some(_) })) => {
+            return Err(BackendError::Model(format!(
+                "model {}: FP8 products with {a}, but this binary's kernels ({target}) quantize \
+                 each token's row by its own largest magnitude, uncapped; serve it with the cpu \
+                 backend, or quantize the bf16 checkpoint at load (--quantization fp8)",
+                c.name
+            )))
+        }
+        _ => {}
     }
     if let Some(sw) = &c.sliding {
         return Err(BackendError::Model(format!(
@@ -484,6 +549,12 @@ fn expert_mat(
             t.row_len()
         )));
     }
+    if fmt == DevFormat::Fp8 {
+        return Err(BackendError::Model(format!(
+            "tensor {name}: routed experts in fp8, which this binary's kernels do not compute; \
+             serve the mixture with the cpu backend, or its bf16 checkpoint with a bf16 target"
+        )));
+    }
     HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
 }
 
@@ -502,6 +573,17 @@ fn host_mat(
             t.n_rows(),
             t.row_len()
         )));
+    }
+    if fmt == DevFormat::Fp8 {
+        if t.dtype != DType::F8_E4M3 {
+            return Err(BackendError::Model(format!(
+                "tensor {name}: {}, but this binary's kernels read fp8 (e4m3) layer matrices: \
+                 serve an FP8 checkpoint, or quantize this one at load with --quantization fp8",
+                t.dtype
+            )));
+        }
+        let scales = host_vec(w, &metrale_model::fp8::scale_name(name), rows)?;
+        return HostMat::fp8(name, rows, k, t.data, &scales).map_err(model_err);
     }
     HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
 }
@@ -806,6 +888,38 @@ mod tests {
     }
 
     #[test]
+    fn fp8_matrices_keep_their_bytes_and_row_scales() {
+        let v: Vec<f32> = (0..3 * 64)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 700.0)
+            .collect();
+        let q = metrale_core::fp8::quantize_matrix(&v, 3, 64);
+        let m = HostMat::fp8("x", 3, 64, &q.bytes, &q.scales).unwrap();
+        assert_eq!((m.qs_row(), m.sc_row()), (64, 4));
+        for r in 0..3 {
+            let want: Vec<f32> = q.bytes[r * 64..(r + 1) * 64]
+                .iter()
+                .map(|&b| metrale_core::fp8::e4m3_to_f32(b) * q.scales[r])
+                .collect();
+            assert_eq!(m.dequant_row(r), want);
+        }
+        // gate/up interleaving carries each row's scale with its row
+        let g = HostMat::interleave_rows("gu", &m, &m).unwrap();
+        assert_eq!(g.dequant_row(3), m.dequant_row(1));
+        // wrong sizes are refused by what is wrong; repack never takes fp8 (its scales are apart)
+        assert!(matches!(
+            HostMat::fp8("x", 3, 64, &q.bytes, &q.scales[..2]),
+            Err(RepackError::Shape {
+                what: "scales (one a row)",
+                ..
+            })
+        ));
+        assert!(matches!(
+            HostMat::repack("x", DevFormat::Fp8, DType::F8_E4M3, 3, 64, &q.bytes),
+            Err(RepackError::WrongDtype { .. })
+        ));
+    }
+
+    #[test]
     fn repack_refuses_wrong_dtype_and_sizes() {
         let data = random_blocks(DType::Q8_0, 2, 64, 1);
         assert!(matches!(
@@ -926,11 +1040,22 @@ mod tests {
             fp8: None,
             rotary_dim: 64,
         };
-        assert!(check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1").is_ok());
+        assert!(check_config(
+            &c,
+            &d,
+            ("llama", None),
+            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1)
+        )
+        .is_ok());
         c.hidden = 2048;
-        let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
-            .unwrap_err()
-            .to_string();
+        let e = check_config(
+            &c,
+            &d,
+            ("llama", None),
+            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("hidden is 2048") && e.contains("compiled for 576"),
             "{e}"
@@ -943,14 +1068,25 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position: 8192,
         });
-        assert!(check_config(&c, &d, ("llama", None), "h200/llama-3.2-1b/q4_1").is_ok());
+        assert!(check_config(
+            &c,
+            &d,
+            ("llama", None),
+            ("h200/llama-3.2-1b/q4_1", DevFormat::Q4_1)
+        )
+        .is_ok());
         // sliding windows (Mistral 7B v0.1) have no kernels: refused by name
         c.sliding = Some(metrale_model::config::Sliding::pattern(
             4096, 1, c.n_layers, 1e4,
         ));
-        let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
-            .unwrap_err()
-            .to_string();
+        let e = check_config(
+            &c,
+            &d,
+            ("llama", None),
+            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("sliding-window") && e.contains("cpu backend"),
             "{e}"
@@ -958,14 +1094,53 @@ mod tests {
         c.sliding = None;
         // a family other than the kernels' is refused by name, shape or not
         c.family = metrale_model::Family::Qwen3;
-        let e = check_config(&c, &d, ("llama", None), "h200/smollm2-135m/q4_1")
-            .unwrap_err()
-            .to_string();
+        let e = check_config(
+            &c,
+            &d,
+            ("llama", None),
+            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("qwen3") && e.contains("compute the llama block"),
             "{e}"
         );
-        assert!(check_config(&c, &d, ("qwen3", None), "h200/qwen3-tiny/bf16").is_ok());
+        assert!(check_config(
+            &c,
+            &d,
+            ("qwen3", None),
+            ("h200/qwen3-tiny/bf16", DevFormat::Bf16)
+        )
+        .is_ok());
+        // FP8 checkpoints: on the fp8 kernels only, and with the activation scales they compute
+        use metrale_core::fp8::Activations;
+        c.fp8 = Some(Activations::Dynamic { ub: None });
+        let t = "h200/qwen3-tiny/fp8";
+        assert!(check_config(&c, &d, ("qwen3", None), (t, DevFormat::Fp8)).is_ok());
+        let e = check_config(
+            &c,
+            &d,
+            ("qwen3", None),
+            ("h200/qwen3-tiny/bf16", DevFormat::Bf16),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("FP8 weights") && e.contains("--quant fp8"),
+            "{e}"
+        );
+        for a in [
+            Activations::Static,
+            Activations::Dynamic { ub: Some(1200.0) },
+        ] {
+            c.fp8 = Some(a);
+            let e = check_config(&c, &d, ("qwen3", None), (t, DevFormat::Fp8))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&a.to_string()) && e.contains("cpu"), "{e}");
+        }
+        c.fp8 = None;
         // routed experts: the compiled ones
         c.family = metrale_model::Family::Qwen3Moe;
         c.moe = Some(metrale_model::config::Moe {
@@ -980,9 +1155,15 @@ mod tests {
             ffn: 768,
         };
         c.ffn = 768; // the experts' width, as the readers give it; the target's is the dense one
-        assert!(check_config(&c, &d, ("qwen3moe", Some(x)), "h200/x/bf16").is_ok());
+        assert!(check_config(
+            &c,
+            &d,
+            ("qwen3moe", Some(x)),
+            ("h200/x/bf16", DevFormat::Bf16)
+        )
+        .is_ok());
         let four = Some(MoeShape { used: 4, ..x });
-        let e = check_config(&c, &d, ("qwen3moe", four), "h200/x/bf16")
+        let e = check_config(&c, &d, ("qwen3moe", four), ("h200/x/bf16", DevFormat::Bf16))
             .unwrap_err()
             .to_string();
         assert!(

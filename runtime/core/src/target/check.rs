@@ -340,13 +340,18 @@ impl Check<'_> {
             ));
         }
         for f in [&q.weights, &q.embedding] {
-            if !["q4_0", "q4_1", "q8_0", "bf16", "f16", "f32"].contains(&f.as_str()) {
+            let fp8 = f == "fp8" && std::ptr::eq(f, &q.weights);
+            if !fp8 && !["q4_0", "q4_1", "q8_0", "bf16", "f16", "f32"].contains(&f.as_str()) {
                 return Err(self.model_err(
                     "quant.weights/embedding",
-                    "one of q4_0, q4_1, q8_0, bf16, f16, f32".into(),
+                    "one of q4_0, q4_1, q8_0, bf16, f16, f32 (and fp8 for the layer weights)"
+                        .into(),
                     f.clone(),
                 ));
             }
+        }
+        if q.weights == "fp8" {
+            self.fp8()?;
         }
         if let Some(f) = &s.behavior.tool_call_format {
             if !["hermes", "llama3_json"].contains(&f.as_str()) {
@@ -400,6 +405,43 @@ impl Check<'_> {
             return Err(self.model_err(field, expected, got.clone()));
         }
         Ok(())
+    }
+
+    /// FP8 layer weights (`quant.weights = "fp8"`): CUDA kernels for sm_89 and later (e4m3
+    /// conversions), per-stage only (the fused batch-1 kernel scales its products after the
+    /// RMSNorm, and an fp8 product quantizes the normalised row first), dense families (the
+    /// routed experts' kernels have no fp8 form).
+    fn fp8(&self) -> Checked {
+        let s = self.spec;
+        let arch = s.hardware.cubin_arch.as_deref().unwrap_or("");
+        let sm = arch
+            .strip_prefix("sm_")
+            .map(|a| a.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
+            .and_then(|a| a.parse::<u32>().ok());
+        let why = if s.hardware.backend != BackendKind::Cuda {
+            Some(format!(
+                "a cuda target (this one's backend is {}; the cpu backend reads FP8 checkpoints \
+                 with its bf16 or q4_1 targets)",
+                s.hardware.backend
+            ))
+        } else if sm.is_none_or(|n| n < 89) {
+            Some(format!(
+                "a GPU of sm_89 or later (cubin_arch {arch:?}): the e4m3 conversions"
+            ))
+        } else if s.kernels.iter().any(|k| k == "decode") {
+            Some(
+                "a kernel list without \"decode\" (the fused batch-1 kernel has no fp8 form)"
+                    .into(),
+            )
+        } else if s.model.features().moe {
+            Some("a dense family (the routed experts' kernels have no fp8 form)".into())
+        } else {
+            None
+        };
+        match why {
+            Some(w) => Err(self.model_err("quant.weights", w, "fp8".into())),
+            None => Ok(()),
+        }
     }
 
     /// The kernel template list: names of word characters, each once, none for the cpu backend.

@@ -1088,6 +1088,34 @@ mod tests {
     }
 
     #[test]
+    fn fp8_weights_are_a_per_stage_cuda_setting_for_dense_families() {
+        let t = load_edited("fp8", |s| s.to_string()).unwrap();
+        assert_eq!(
+            (t.quant.weights.as_str(), t.quant.embedding.as_str()),
+            ("fp8", "bf16")
+        );
+        assert!(!t.kernels.iter().any(|k| k == "decode"));
+        for (edit, says) in [
+            (
+                &(|s: &str| s.replace("\"gemm_tma\"]", "\"gemm_tma\", \"decode\"]"))
+                    as &dyn Fn(&str) -> String,
+                "without \"decode\"",
+            ),
+            (
+                &|s: &str| s.replace("embedding = \"bf16\"", "embedding = \"fp8\""),
+                "fp8 for the layer weights",
+            ),
+            (
+                &|s: &str| s.replace("[quant]\n", "[quant]\nactivations = \"i16\"\n"),
+                "quant.activations",
+            ),
+        ] {
+            let err = load_edited("fp8", edit).unwrap_err().to_string();
+            assert!(err.contains(says), "{says}: {err}");
+        }
+    }
+
+    #[test]
     fn f16_gemm_activations_need_q4_1_weights_and_a_known_name() {
         let q = load_edited("q4_1", |s| s.to_string()).unwrap();
         assert_eq!(q.quant.gemm_activations, "f16");
