@@ -82,7 +82,17 @@ fn main() {
         eprintln!("quantized at load: {} matrices to fp8 e4m3", q.matrices);
     }
     let maxb = batches.iter().copied().max().unwrap_or(1).max(1);
-    // slots 0..=maxb: 2048 positions each; slot maxb + 1: the depth runs; maxb + 2: long prompts
+    let chat = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n";
+    let prompt = model.tokenizer.encode(chat, false, true).unwrap();
+    // slots 0..=maxb: `cap` positions each, what the longest of their runs needs (slot 0: the
+    // prompt and the batch-1 steps; slot 1: the pp prefill; the batched runs: the prompt and 64
+    // steps; slot maxb: tg128), so that the pool of 256 sequences fits beside a big model's
+    // weights; slot maxb + 1: the depth runs; maxb + 2: long prompts
+    let cap = pp
+        .max(prompt.len() + steps + 1)
+        .max(prompt.len() + 65)
+        .max(129)
+        .next_multiple_of(metrale_backend::KV_BLOCK);
     let depth_cap = depths.iter().max().map_or(0, |d| d + depth_steps + 1);
     let mut b = CudaBackend::new(
         &set,
@@ -90,9 +100,9 @@ fn main() {
         &model.weights,
         CudaOptions {
             slots: maxb + 3,
-            slot_capacity: depth_cap.max(long_cap).max(2048),
+            slot_capacity: depth_cap.max(long_cap).max(cap),
             // each slot its own run of blocks (metrale_backend::slot_blocks)
-            kv_blocks: (maxb + 1) * metrale_backend::blocks_for(2048)
+            kv_blocks: (maxb + 1) * metrale_backend::blocks_for(cap)
                 + metrale_backend::blocks_for(depth_cap)
                 + metrale_backend::blocks_for(long_cap),
             max_step_tokens: pp.max(512),
@@ -103,7 +113,7 @@ fn main() {
     .expect("backend");
     let load_s = t0.elapsed().as_secs_f64();
     let tables: Vec<Vec<u32>> = (0..maxb + 1)
-        .map(|s| metrale_backend::slot_blocks(s, 2048))
+        .map(|s| metrale_backend::slot_blocks(s, cap))
         .collect();
     let info = b.info();
     eprintln!("{info:?} (model load + upload {load_s:.2} s)");
@@ -118,8 +128,6 @@ fn main() {
         floor_us(wbytes)
     );
     let greedy = SamplingParams::default();
-    let chat = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n";
-    let prompt = model.tokenizer.encode(chat, false, true).unwrap();
 
     // one sequence's greedy step (device pick, no logits): the token it picks
     let step1 = |b: &mut CudaBackend,
@@ -336,7 +344,7 @@ fn main() {
 
     // batch-1 decode after `depth` cached positions (zeros, see the module docs)
     let depth_slot = maxb + 1;
-    let first = (maxb + 1) * metrale_backend::blocks_for(2048);
+    let first = (maxb + 1) * metrale_backend::blocks_for(cap);
     let depth_table: Vec<u32> = (first..first + metrale_backend::blocks_for(depth_cap))
         .map(|x| x as u32)
         .collect();
