@@ -40,12 +40,22 @@ SRC="llama.cpp vendored in llama-cpp-python 0.3.36 (ggml 0.25.3), CUDA sm_90 bui
 T8=h200/llama-3.1-8b
 step() { echo "== $(date +%T) $*" | tee -a "$R/steps.txt"; }
 finish() { tar czf "$OUT/$1.tgz" -C "$H" results; }
+# the copy rate (GB/s) of the GPU this call got, for bench-record's floors: cuda_bench's
+# device-to-device copy as measured there (H200 4,242-4,250; H100 80GB HBM3 3,013-3,018 on
+# 2026-12-05); another GPU has none, and the record refuses to be made
+copy_rate() {
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+    *H200*) echo 4250 ;;
+    *H100*) echo 3015 ;;
+    *) echo "no measured copy rate for this GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))" >&2; echo 0 ;;
+  esac
+}
 # bench-record with llama.cpp in the same run: record TARGET_DIR_NAME MODEL CTX
 record() {
   step "bench-record $1 with llama.cpp"
   "$H/b/bin/xtask" bench-record "$H/b/srv/$1/metrale-server" --model "$2" \
     --gen-tokens 128 --concurrency "${RECORD_CONCURRENCY:-1,16,64,256}" --server-args "--parallel 256 --ctx-size $3" \
-    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs 4250 --out "$R/records" \
+    --peer "$H/llamacpp/build/bin" --peer-source "$SRC" --memory-bandwidth-gbs "$(copy_rate)" --out "$R/records" \
     > "$R/record-$1.log" 2>&1; tail -3 "$R/record-$1.log"
 }
 

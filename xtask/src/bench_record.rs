@@ -86,7 +86,7 @@ pub struct Args {
     #[arg(long)]
     pub peer_source: Option<String>,
     /// Measured memory bandwidth in GB/s: adds the batch-1 decode floor (weight bytes / bandwidth).
-    #[arg(long)]
+    #[arg(long, value_parser = positive_rate)]
     pub memory_bandwidth_gbs: Option<f64>,
     /// Folder for the record.
     #[arg(long, default_value = "bench/records")]
@@ -168,6 +168,17 @@ fn parse_concurrency(text: &str) -> Result<Vec<usize>> {
             _ => bail!("--concurrency: `{s}` is not a positive integer (give e.g. 1,16,64,256, or \"\" for none)"),
         })
         .collect()
+}
+
+/// `--memory-bandwidth-gbs`: a positive, finite rate.
+fn positive_rate(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!(
+            "`{s}`: give the GPU's measured copy rate in GB/s, a positive number (a decode \
+             step's floor is its bytes over it)"
+        )),
+    }
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -889,6 +900,15 @@ mod tests {
         assert!((f - 6.0833e9).abs() < 1e6, "{f}");
         // no kernels (a CPU target): none
         assert!(super::matmul_flops_per_token(&serde_json::json!({"subject": []})).is_none());
+    }
+
+    #[test]
+    fn bandwidth_must_be_a_positive_rate() {
+        assert_eq!(super::positive_rate("3015").unwrap(), 3015.0);
+        for bad in ["0", "-1", "inf", "NaN", "fast"] {
+            let e = super::positive_rate(bad).unwrap_err();
+            assert!(e.contains(bad) && e.contains("GB/s"), "{e}");
+        }
     }
 
     #[test]
