@@ -585,6 +585,14 @@ fn host_mat(
         let scales = host_vec(w, &metrale_model::fp8::scale_name(name), rows)?;
         return HostMat::fp8(name, rows, k, t.data, &scales).map_err(model_err);
     }
+    if t.dtype == DType::F8_E4M3 {
+        // its scales are a tensor of their own, which only the fp8 layout carries
+        return Err(BackendError::Model(format!(
+            "tensor {name}: FP8, but this binary's kernels read it as {fmt:?} (the fp8 targets \
+             keep the embedding and the LM head in bf16); serve this checkpoint with the cpu \
+             backend"
+        )));
+    }
     HostMat::repack(name, fmt, t.dtype, rows, k, t.data).map_err(model_err)
 }
 
