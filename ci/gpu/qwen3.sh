@@ -31,7 +31,7 @@
 #        attention_short_splits=on); timings once llama.cpp's build is done; llama-bench and
 #        llama-batched-bench on the file when the call has the time
 #   bash ci/gpu/qwen3.sh moe-verify  carry .q4   after a change to the experts' kernels: both 30B-A3B
-#        targets' kernel tests, the 48-layer bf16 GGUF and cuda_bench on it (no peer)
+#        targets' kernel tests, the 48-layer q4_1 and bf16 GGUFs and cuda_bench on each (no peer)
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
 #        target); llama-bench and llama-batched-bench on both GGUFs; bench-record with llama.cpp
 #   bash ci/gpu/qwen3.sh prepare-qwen2 MODEL.gguf   CPU machine: .q5/
@@ -178,12 +178,18 @@ moe-verify)
   unpack .q4
   # MOE_KT: the targets whose kernel tests run (default both)
   kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1}
+  export METRALE_TARGETS=$PWD/targets
+  step "synth-model: the 48-layer q4_1 GGUF; cuda_bench on it"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
+    --batch 1,16,64,256 --steps 64 --pp 512
+  rm -f "$H/s/moe-q4_1.gguf"
   F=$H/s/moe-bf16.gguf
   [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
   step "synth-model: the 48-layer bf16 GGUF ($F)"
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   ln -sf "$F" "$H/s/moe.gguf"
-  export METRALE_TARGETS=$PWD/targets
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
   finish moe-verify

@@ -454,10 +454,14 @@ impl Gpu {
         self.launch((pairs as u32, gx, 1), self.plain(), a)
     }
 
-    /// Every token's experts' down products, weighted, into the residual (`moe_down`).
+    /// Every token's experts' down products, weighted, into the residual (`moe_down`). A block
+    /// takes its share of the row pairs four at a time (the kernel's `DOWN_PAIRS`), each pair's
+    /// experts on different warps, so the grid is a block per four row pairs while it stays within
+    /// a few waves (the kernel is correct for any count; this one is what it was made for).
     pub fn moe_down(&self, a: abi::MoeDown) -> Result<(), BackendError> {
         let n = a.ntok.max(0) as usize;
-        let gx = self.moe_blocks(self.dims.hidden / 2, n);
+        let wave = 4 * self.sm_count / n.max(1);
+        let gx = (self.dims.hidden / 2).div_ceil(4).min(wave).max(1) as u32;
         self.launch((n as u32, gx, 1), self.plain(), a)
     }
 
