@@ -23,7 +23,8 @@
 //!   the two backends on the same FP8 weights);
 //! - `--vs-cpu`: also run the CPU backend (with the same KV type, f32 activations) and report the
 //!   largest difference between the two backends' logit rows and whether their greedy tokens agree
-//!   (bounded by `--cpu-tol`, default `--tol`).
+//!   (bounded by `--cpu-tol`, default `--tol`); where they do not, the position, both picks and
+//!   the CPU row's margin between them (`vs_cpu.disagree`).
 
 #[path = "shared/tool.rs"]
 mod tool;
@@ -188,7 +189,19 @@ fn main() {
             .zip(&crows)
             .filter(|(a, b)| argmax(a) == argmax(b))
             .count();
-        out["vs_cpu"] = json!({"max_abs_diff": diff, "max_abs_diff_per_position": per, "top1_agree": same, "positions": rows.len()});
+        // where the greedy picks differ: how far the CUDA pick sits below the CPU's in the CPU's
+        // own row (a near-tie shows as a margin within the backends' difference)
+        let disagree: Vec<Value> = rows
+            .iter()
+            .zip(&crows)
+            .enumerate()
+            .filter(|(_, (a, b))| argmax(a) != argmax(b))
+            .map(|(i, (a, b))| {
+                let (ga, gb) = (argmax(a), argmax(b));
+                json!({"position": i, "cuda_top": ga, "cpu_top": gb, "cpu_margin": b[gb] - b[ga]})
+            })
+            .collect();
+        out["vs_cpu"] = json!({"max_abs_diff": diff, "max_abs_diff_per_position": per, "top1_agree": same, "positions": rows.len(), "disagree": disagree});
         let cpu_tol: f32 =
             opt(&args, "--cpu-tol").map_or(tol, |t| t.parse().expect("--cpu-tol number"));
         out["vs_cpu"]["tolerance"] = json!(cpu_tol);
