@@ -12,15 +12,21 @@
 #        bf16 GGUF and cuda_bench on it as h200/llama-3.1-8b/fp8 (quantized at load) and as
 #        h200/llama-3.1-8b/bf16: batch-1 decode beside the copy-rate floor, 16 / 64 / 256
 #        sequences, pp512
-# The call leaves $OUT/fp8.tgz (its results folder).
+#   bash ci/gpu/fp8.sh kv8   carry .f1      the fp8 KV cache (h200/llama-3.1-8b/bf16-fp8kv): its
+#        kernel tests (qkv_rope writing each head vector with its scale, attention reading it);
+#        the 2-layer 8B HF folder and GGUF against the CPU backend with the same fp8 cache and
+#        against HF transformers; the 32-layer bf16 GGUF under cuda_bench with the fp8 cache and
+#        with bf16's, batch-1 decode at 0, 8,192 and 32,768 cached positions and pp512
+# Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 
 case "${1:-}" in
 prepare)
   set -e
   pack_start .f1 prepare "${2:-}"
-  kernels .f1 smollm2-135m/fp8 llama-3.1-8b/fp8 llama-3.1-8b/bf16
+  kernels .f1 smollm2-135m/fp8 llama-3.1-8b/fp8 llama-3.1-8b/bf16 llama-3.1-8b/bf16-fp8kv
   kernels2l .f1/b h200-llama-3.1-8b-2l-fp8 llama-3.1-8b fp8
+  kernels2l .f1/b h200-llama-3.1-8b-2l-bf16-fp8kv llama-3.1-8b bf16-fp8kv
   tools .f1 cuda_bench golden_check
   vocab .f1 llama-3.1-8b vocab-8b.gguf
   pack_end .f1
@@ -50,6 +56,32 @@ call)
       --batch 1,16,64,256 --steps 128 --pp 512
   done
   finish fp8
+  ;;
+kv8)
+  unpack .f1
+  kernel_tests llama-3.1-8b/bf16-fp8kv
+  export METRALE_TARGETS=$PWD/targets
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 2-layer HF folder and bf16 GGUF; HF golden (f32 on the GPU)"
+  $X --layers 2 --format hf --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --layers 2 --out "$H/s/l8b2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden.txt" 2>&1
+  tail -1 "$R/golden.txt"
+  step "CUDA vs CPU (both with the fp8 KV cache) and vs HF (f32): 2 layers, prompt in one GEMM step and in 8-token steps"
+  K2=$H/b/k/h200-llama-3.1-8b-2l-bf16-fp8kv/kernels
+  for a in "l8b2-hf" "l8b2-bf16.gguf" "l8b2-bf16.gguf 8"; do
+    set -- $a
+    METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/$1" "$R/l8b2_golden.json" --cuda "$K2" \
+      h200/llama-3.1-8b/bf16-fp8kv --vs-cpu --tol 0.2 --cpu-tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
+  done
+  step "synth-model: the 32-layer bf16 GGUF"
+  B=/dev/shm; [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 20000000 ] || B=$H/s
+  $X --out "$B/l8b-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  for q in bf16-fp8kv bf16; do
+    CB_TIMEOUT=200 cb_run "$B/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-$q/kernels" h200/llama-3.1-8b/$q bench-$q \
+      --batch 1 --steps 64 --pp 512 --depth 8192,32768
+  done
+  finish kv8
   ;;
 *)
   sed -n '2,15p' "$0"

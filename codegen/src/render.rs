@@ -3,7 +3,7 @@
 //! Templates are handlebars in strict mode with HTML escaping off. The context is exactly
 //! `{ target: "hw/model/quant", hw: {HARDWARE.toml fields}, model: {[model] fields: one rank's
 //! shape where `[parallel] tensor` splits the model, `TargetSpec::rank_shape`}, parallel:
-//! {tensor}, quant: {[quant] fields}, features: {the family's metrale_core::target::Features}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
+//! {tensor}, quant: {[quant] fields}, features: {the target's metrale_core::target::Features: the family's, qkv_rope for an fp8 KV cache}, kernel: {name} }`, plus for CUDA targets `abi: {consts, params}` from `metrale_abi`; a
 //! parameter a template uses but the target lacks is an error naming the target, the template and
 //! the parameter. The partial `{{> abi}}` renders the ABI's `abi` namespace (constants, device
 //! structs); a CUDA template's rendered source ends with the ABI's layout `static_assert`s for the
@@ -56,7 +56,7 @@ pub fn context(spec: &TargetSpec, kernel: &str) -> serde_json::Value {
         "model": serde_json::to_value(spec.rank_shape()).expect("model serializes"),
         "parallel": serde_json::to_value(spec.parallel).expect("parallel serializes"),
         "quant": serde_json::to_value(&spec.quant).expect("quant serializes"),
-        "features": serde_json::to_value(spec.model.features()).expect("features serialize"),
+        "features": serde_json::to_value(spec.features()).expect("features serialize"),
         "kernel": {"name": kernel},
     });
     if spec.hardware.backend == BackendKind::Cuda {

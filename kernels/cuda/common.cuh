@@ -661,11 +661,17 @@ constexpr int MV_WARPS = MV_THREADS / 32;
 // ---- The paged KV cache ----
 // K and V of position p of the sequence in slot s live in pool block
 // tables[s * max_blocks + p / KV_BLOCK], laid out [block][layer][kv_head][KV_BLOCK][head_dim], with
-// elements of type kv_t: the target's `[quant] kv` (a template defines METRALE_KV_bf16 for bf16; f32
-// otherwise). A bf16 cache rounds each value to nearest even when it is written (as the CPU backend
-// does), and readers widen it to f32.
+// elements of type kv_t: the target's `[quant] kv` (a template defines METRALE_KV_bf16 for bf16,
+// METRALE_KV_fp8 for fp8; f32 otherwise). A bf16 cache rounds each value to nearest even when it is
+// written (as the CPU backend does), and readers widen it to f32. An fp8 cache holds each head
+// vector (one position's K or V of one KV head) as e4m3 bytes with its own f32 scale, max|x| / 448
+// (the CPU backend's KvStore::Fp8): a (block, layer, KV head) segment is its KV_BLOCK x head_dim
+// bytes followed by the KV_BLOCK positions' scales (kv_seg, kv_scale_off); qkv_rope writes it
+// (the whole head in one warp), attention reads it.
 #if defined(METRALE_KV_bf16)
 using kv_t = __nv_bfloat16;
+#elif defined(METRALE_KV_fp8)
+using kv_t = unsigned char;
 #else
 using kv_t = float;
 #endif
@@ -700,9 +706,22 @@ namespace mt {
 template <int E> struct KvRaw {
     static constexpr int WORDS = E * (int)sizeof(kv_t) / 4;
     static_assert(WORDS * 4 == E * (int)sizeof(kv_t) && (WORDS == 1 || WORDS == 2 || WORDS == 4),
-                  "a lane's cache elements must be 4, 8 or 16 bytes");
+                  "a lane's cache elements must be 4, 8 or 16 bytes (fp8: head_dim 128 or more)");
     unsigned int w[WORDS];
+#if defined(METRALE_KV_fp8)
+    float s;  // the head vector's scale (kv_fetch_scaled)
+#endif
 };
+#if defined(METRALE_KV_fp8)
+// An fp8 cache's E elements and the scale of their head vector (at `scale`).
+template <int E> MT_INLINE KvRaw<E> kv_fetch_scaled(const kv_t* p, const kv_t* scale) {
+    KvRaw<E> r;
+#pragma unroll
+    for (int i = 0; i < KvRaw<E>::WORDS; ++i) r.w[i] = reinterpret_cast<const unsigned int*>(p)[i];
+    r.s = *reinterpret_cast<const float*>(scale);
+    return r;
+}
+#endif
 template <int E> MT_INLINE KvRaw<E> kv_fetch(const kv_t* p) {
     KvRaw<E> r;
     if constexpr (KvRaw<E>::WORDS == 4) {
@@ -720,6 +739,9 @@ template <int E> MT_INLINE KvRaw<E> kv_zero() {
     KvRaw<E> r;
 #pragma unroll
     for (int i = 0; i < KvRaw<E>::WORDS; ++i) r.w[i] = 0u;
+#if defined(METRALE_KV_fp8)
+    r.s = 0.f;
+#endif
     return r;
 }
 template <int E> MT_INLINE void kv_widen(const KvRaw<E>& r, float out[E]) {
@@ -729,6 +751,15 @@ template <int E> MT_INLINE void kv_widen(const KvRaw<E>& r, float out[E]) {
         // bf16 -> f32 is a 16-bit shift: exact (element 2i in the low half of word i)
         out[2 * i] = __uint_as_float(r.w[i] << 16);
         out[2 * i + 1] = __uint_as_float(r.w[i] & 0xffff0000u);
+#elif defined(METRALE_KV_fp8)
+        // e4m3 bytes 4i .. 4i+3 (element 4i in the low byte), each times the vector's scale, as the
+        // CPU's KvStore::Fp8 reads them
+        const unsigned int lo = e4m3x2_to_h2((unsigned short)(r.w[i] & 0xffffu));
+        const unsigned int hi = e4m3x2_to_h2((unsigned short)(r.w[i] >> 16));
+        const float2 a = __half22float2(*reinterpret_cast<const half2*>(&lo));
+        const float2 b = __half22float2(*reinterpret_cast<const half2*>(&hi));
+        out[4 * i] = a.x * r.s; out[4 * i + 1] = a.y * r.s;
+        out[4 * i + 2] = b.x * r.s; out[4 * i + 3] = b.y * r.s;
 #else
         out[i] = __uint_as_float(r.w[i]);
 #endif
@@ -743,8 +774,12 @@ MT_INLINE void kv_st2(float* p, float a, float b) {
 MT_INLINE void kv_st2(__nv_bfloat16* p, float a, float b) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
+// An fp8 cache is written a whole head vector at a time, with its scale (qkv_rope: targets with
+// an fp8 cache leave their QKV products' rows raw); a pair alone has no scale to be written with.
+MT_INLINE void kv_st2(unsigned char*, float, float) { __trap(); }
 
-// What a store of x and a load give back: the value later steps read from the cache.
+// What a store of x and a load give back: the value later steps read from the cache (f32 and bf16
+// caches; an fp8 value depends on its whole head vector).
 MT_INLINE float kv_round(float x) {
 #if defined(METRALE_KV_bf16)
     return __bfloat162float(__float2bfloat16_rn(x));
@@ -753,10 +788,20 @@ MT_INLINE float kv_round(float x) {
 #endif
 }
 
+// kv_t elements of one (block, layer, KV head) segment: its KV_BLOCK head vectors, and for an fp8
+// cache their KV_BLOCK f32 scales after them.
+template <int HEAD_DIM> MT_INLINE constexpr size_t kv_seg() {
+#if defined(METRALE_KV_fp8)
+    return (size_t)abi::KV_BLOCK * HEAD_DIM + abi::KV_BLOCK * sizeof(float);
+#else
+    return (size_t)abi::KV_BLOCK * HEAD_DIM;
+#endif
+}
+
 // Element offset of (layer, KV head h, position p) in pool block b (the block holding p).
 template <int LAYERS, int KV_HEADS, int HEAD_DIM>
 MT_INLINE size_t kv_off_in(size_t b, int layer, int h, int p) {
-    return (((b * LAYERS + layer) * KV_HEADS + h) * abi::KV_BLOCK + p % abi::KV_BLOCK) * HEAD_DIM;
+    return ((b * LAYERS + layer) * KV_HEADS + h) * kv_seg<HEAD_DIM>() + (size_t)(p % abi::KV_BLOCK) * HEAD_DIM;
 }
 
 // Element offset of (layer, KV head h, position p) for the sequence whose table row is `row`.
@@ -764,5 +809,21 @@ template <int LAYERS, int KV_HEADS, int HEAD_DIM>
 MT_INLINE size_t kv_off(const unsigned int* row, int layer, int h, int p) {
     return kv_off_in<LAYERS, KV_HEADS, HEAD_DIM>(row[p / abi::KV_BLOCK], layer, h, p);
 }
+
+#if defined(METRALE_KV_fp8)
+// Offset (in kv_t, bytes) of the f32 scale of (layer, KV head h, position p)'s head vector.
+template <int LAYERS, int KV_HEADS, int HEAD_DIM>
+MT_INLINE size_t kv_scale_off(const unsigned int* row, int layer, int h, int p) {
+    return ((row[p / abi::KV_BLOCK] * (size_t)LAYERS + layer) * KV_HEADS + h) * kv_seg<HEAD_DIM>() +
+           (size_t)abi::KV_BLOCK * HEAD_DIM + (p % abi::KV_BLOCK) * sizeof(float);
+}
+
+// The e4m3 byte nearest x (ties to even, saturating at +-448): the CPU's fp8::f32_to_e4m3.
+MT_INLINE unsigned int e4m3_byte(float x) {
+    unsigned short b;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(x));
+    return b & 0xffu;
+}
+#endif
 
 }  // namespace mt

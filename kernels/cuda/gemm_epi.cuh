@@ -19,6 +19,9 @@
 // columns into ss. Those kernels scale each token's outputs by norm_scale before the epilogue;
 // the O and down products' Residual epilogue writes a and the squares of the product after it.
 #pragma once
+#if defined(METRALE_KV_fp8)
+static_assert(RAW_QKV, "an fp8 KV cache is written by qkv_rope, a head vector at a time");
+#endif
 
 namespace epi {
 

@@ -31,8 +31,9 @@ fn the_matrix_is_listed_and_every_target_loads() {
     // every CUDA target compiles exactly the templates the ABI declares entry points for, the
     // feature templates where its family's features ask (the target validator's rule, seen from
     // the ABI; a tensor-parallel target without the fused batch-1 kernel, which computes whole
-    // layers on one GPU, and an fp8 one, whose products quantize the normalised row first), and
-    // every feature template is one of the ABI's
+    // layers on one GPU, an fp8 one, whose products quantize the normalised row first, and one
+    // with an fp8 KV cache, which that kernel does not read), and every feature template is one
+    // of the ABI's
     use metrale_core::target::FEATURE_TEMPLATES;
     for t in FEATURE_TEMPLATES {
         assert!(
@@ -43,12 +44,15 @@ fn the_matrix_is_listed_and_every_target_loads() {
     for id in &ids {
         let s = TargetSpec::load(&root, id).unwrap();
         if s.hardware.backend == BackendKind::Cuda {
-            let f = s.model.features();
+            let f = s.features();
             let mut want: Vec<&str> = metrale_abi::templates()
                 .into_iter()
                 .filter(|t| !FEATURE_TEMPLATES.contains(t) || f.wants(t))
                 .filter(|t| {
-                    !(*t == "decode" && (s.parallel.tensor > 1 || s.quant.weights == "fp8"))
+                    !(*t == "decode"
+                        && (s.parallel.tensor > 1
+                            || s.quant.weights == "fp8"
+                            || s.quant.kv == "fp8"))
                 })
                 .collect();
             want.sort();
@@ -112,7 +116,7 @@ fn list_targets_command_prints_the_matrix() {
     ] {
         assert!(rows.iter().any(|r| r == row), "no row '{row}' in:\n{s}");
     }
-    assert!(s.contains("47 targets"), "{s}");
+    assert!(s.contains("48 targets"), "{s}");
 }
 
 fn temp_targets() -> tempfile::TempDir {

@@ -31,14 +31,16 @@ use rand::{Rng, SeedableRng};
 /// value per element, ~1.5e-5 relative on these uniform inputs; 1e-4 bounds both.
 const TOL: f64 = 1e-4;
 /// Targets with fp8 layer weights (`[quant] weights = "fp8"`) quantize each product's input row to
-/// e4m3 per token, as the CPU reference does. Where the GPU's input differs from the CPU's by f32
+/// e4m3 per token, as the CPU reference does; targets with an fp8 KV cache quantize each head
+/// vector they write with its own scale, the same way (the flips below, in the K and V written). Where the GPU's input differs from the CPU's by f32
 /// summation order (~1e-7 relative), a value within that distance of a rounding midpoint rounds
 /// the other way, by one e4m3 step (2^-3 relative): ~1.6e-6 of the values, so a few flips per
 /// test at most, each moving its token's outputs by ~2^-3 / sqrt(K) relative (~2e-3 at K = 4096,
 /// less over all tokens). Every check of such a target is held to at least 5e-3; a missing input
 /// quantization (e4m3's ~3% relative error on every value) or a missing row scale lands far above.
 const FP8_TOL: f64 = 5e-3;
-/// Whether this process tests an fp8 target (set by [`env`]; one target a process).
+/// Whether this process tests a target with fp8 weights or an fp8 KV cache (set by [`env`]; one
+/// target a process).
 static FP8: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// K and V written to a bf16 cache, against the reference rounded the same way: an f32 difference
 /// of ~1e-6 relative flips the rounding of the few values within it of a rounding boundary (each by
@@ -93,7 +95,7 @@ fn env(test: &str) -> Option<Env> {
         });
     eprintln!("{test}: target {target}, seed {seed} (set METRALE_TEST_SEED to replay)");
     let mut rng = StdRng::seed_from_u64(seed);
-    let f = spec.model.features();
+    let f = spec.features();
     assert_eq!(
         gpu.raw_qkv(),
         f.qkv_rope,
@@ -106,7 +108,10 @@ fn env(test: &str) -> Option<Env> {
     };
     let qkn = f.qk_norm.then(|| on_both(2 * d.head_dim, 0.5, 1.5));
     let wf = DevFormat::from_quant_name(&spec.quant.weights).unwrap();
-    FP8.store(wf == DevFormat::Fp8, std::sync::atomic::Ordering::Relaxed);
+    FP8.store(
+        wf == DevFormat::Fp8 || spec.quant.kv_dtype() == KvDtype::Fp8,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let bias = f.qkv_bias.then(|| on_both(d.qd() + 2 * d.kd(), -0.5, 0.5));
     Some(Env {
         gpu,
@@ -166,22 +171,71 @@ impl Paged {
             * self.d.head_dim
     }
 
-    /// A whole K (or V) pool of random values in [-1, 1) the cache holds exactly (bf16 caches:
-    /// rounded), so that a reference reading them reads what the kernels read.
+    /// A whole K (or V) pool of random values the cache holds exactly, so that a reference
+    /// reading them reads what the kernels read: uniform in [-1, 1) (bf16 caches: rounded); for
+    /// an fp8 cache, head vectors of random e4m3 bytes with one at +-448 and a power-of-two scale
+    /// (2^-9), so that quantizing a vector again gives back its bytes and scale exactly.
     fn rand_cache(&self, rng: &mut StdRng) -> Vec<f32> {
+        if self.kv == KvDtype::Fp8 {
+            let hd = self.d.head_dim;
+            let scale = 2f32.powi(-9);
+            let mut v = vec![0f32; self.elems()];
+            for vec in v.chunks_exact_mut(hd) {
+                let top = rng.random_range(0..hd);
+                for (i, x) in vec.iter_mut().enumerate() {
+                    let b: u8 = if i == top {
+                        if rng.random() {
+                            0x7e
+                        } else {
+                            0xfe
+                        }
+                    } else {
+                        // any finite code (0x7f and 0xff are NaN)
+                        let b: u8 = rng.random();
+                        if b & 0x7f == 0x7f {
+                            b ^ 1
+                        } else {
+                            b
+                        }
+                    };
+                    *x = metrale_core::fp8::e4m3_to_f32(b) * scale;
+                }
+            }
+            return v;
+        }
         rand_vec(rng, self.elems(), -1.0, 1.0)
             .into_iter()
             .map(|v| self.round(v))
             .collect()
     }
 
-    /// `x` as the cache holds it.
+    /// `x` as an f32 or bf16 cache holds it (an fp8 one holds whole head vectors: `round_heads`).
     fn round(&self, x: f32) -> f32 {
         match self.kv {
             KvDtype::F32 => x,
             KvDtype::Bf16 => bf16_to_f32(f32_to_bf16(x)),
-            KvDtype::Fp8 => unreachable!("the CUDA kernels read f32 or bf16 KV caches"),
+            KvDtype::Fp8 => unreachable!("an fp8 cache rounds whole head vectors (round_heads)"),
         }
+    }
+
+    /// `row` (head vectors of head_dim values one after another) as the cache holds it: an fp8
+    /// cache each vector with its own scale, max|x| / 448, as the CPU's KvStore::Fp8 writes it.
+    fn round_heads(&self, row: &[f32]) -> Vec<f32> {
+        if self.kv != KvDtype::Fp8 {
+            return row.iter().map(|&v| self.round(v)).collect();
+        }
+        let mut out = Vec::with_capacity(row.len());
+        for vec in row.chunks_exact(self.d.head_dim) {
+            let (bytes, s) = fp8_vector(vec);
+            out.extend(bytes.iter().map(|&b| metrale_core::fp8::e4m3_to_f32(b) * s));
+        }
+        out
+    }
+
+    /// Bytes of one (block, layer, KV head) segment of an fp8 pool: its KV_BLOCK vectors, then
+    /// their f32 scales (`mt::kv_seg`).
+    fn fp8_seg(&self) -> usize {
+        KV_BLOCK * (self.d.head_dim + 4)
     }
 
     fn upload(&self, g: &Gpu, vals: &[f32]) -> DevBuf {
@@ -191,7 +245,20 @@ impl Paged {
                 let h: Vec<u16> = vals.iter().map(|&v| f32_to_bf16(v)).collect();
                 g.upload(&h).unwrap()
             }
-            KvDtype::Fp8 => unreachable!("the CUDA kernels read f32 or bf16 KV caches"),
+            KvDtype::Fp8 => {
+                let hd = self.d.head_dim;
+                let mut dev = Vec::with_capacity(vals.len() / (KV_BLOCK * hd) * self.fp8_seg());
+                for seg in vals.chunks_exact(KV_BLOCK * hd) {
+                    let mut scales = Vec::with_capacity(4 * KV_BLOCK);
+                    for vec in seg.chunks_exact(hd) {
+                        let (bytes, s) = fp8_vector(vec);
+                        dev.extend_from_slice(&bytes);
+                        scales.extend_from_slice(&s.to_le_bytes());
+                    }
+                    dev.extend_from_slice(&scales);
+                }
+                g.upload(&dev).unwrap()
+            }
         }
     }
 
@@ -204,9 +271,30 @@ impl Paged {
                 g.read(b, 0, &mut h).unwrap();
                 h.into_iter().map(bf16_to_f32).collect()
             }
-            KvDtype::Fp8 => unreachable!("the CUDA kernels read f32 or bf16 KV caches"),
+            KvDtype::Fp8 => {
+                let hd = self.d.head_dim;
+                let mut dev = vec![0u8; n / (KV_BLOCK * hd) * self.fp8_seg()];
+                g.read(b, 0, &mut dev).unwrap();
+                let mut out = Vec::with_capacity(n);
+                for seg in dev.chunks_exact(self.fp8_seg()) {
+                    let (bytes, scales) = seg.split_at(KV_BLOCK * hd);
+                    for (vec, s) in bytes.chunks_exact(hd).zip(scales.chunks_exact(4)) {
+                        let s = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                        out.extend(vec.iter().map(|&b| metrale_core::fp8::e4m3_to_f32(b) * s));
+                    }
+                }
+                out
+            }
         }
     }
+}
+
+/// One head vector as an fp8 cache writes it: e4m3 bytes of x / s and s = max|x| / 448 (1 for a
+/// zero vector; `metrale_core::fp8`, as the CPU backend's KvStore::Fp8 and the kernels' qkv_rope).
+fn fp8_vector(x: &[f32]) -> (Vec<u8>, f32) {
+    use metrale_core::fp8::{f32_to_e4m3, row_scale};
+    let s = row_scale(x.iter().fold(0f32, |m, v| m.max(v.abs())));
+    (x.iter().map(|&v| f32_to_e4m3(v / s)).collect(), s)
 }
 
 fn dtype_of(f: DevFormat) -> DType {
@@ -443,8 +531,8 @@ fn check_qkv(
         rope_inplace(&mut qr, hd, pos[t] as usize, r.inv);
         rope_inplace(&mut kr, hd, pos[t] as usize, r.inv);
         wq_all.extend(qr);
-        wk_all.extend(kr.iter().map(|&v| pg.round(v)));
-        wv_all.extend(vr.iter().map(|&v| pg.round(v)));
+        wk_all.extend(pg.round_heads(&kr));
+        wv_all.extend(pg.round_heads(&vr));
         for h in 0..d.kv_heads {
             let off = pg.off(slot[t] as usize, layer, h, pos[t] as usize);
             gk.extend_from_slice(&kcache[off..off + hd]);
@@ -455,7 +543,7 @@ fn check_qkv(
     let kv_check = |what: &str, got: &[f32], want: &[f32]| check_tol(what, got, want, kv_tol);
     kv_check(&format!("{what}k cache (norm+proj+rope)"), &gk, &wk_all);
     kv_check(&format!("{what}v cache (norm+proj)"), &gv, &wv_all);
-    let sentinel = pg.round(1e30);
+    let sentinel = pg.round_heads(&vec![1e30; d.head_dim])[0];
     assert_eq!(
         kcache.iter().filter(|v| **v != sentinel).count(),
         pos.len() * d.kd(),

@@ -1,5 +1,6 @@
 //! The paged KV cache on the device: one pool for K and one for V, laid out
-//! `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`[quant] kv`: f32 or bf16),
+//! `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`[quant] kv`: f32, bf16,
+//! or fp8 with each (block, layer, KV head)'s KV_BLOCK f32 scales after its vectors),
 //! and the block tables `[slots][max_blocks]` (u32) through which every kernel finds a position
 //! (`mt::kv_off` in kernels/cuda/common.cuh). A host mirror of the tables lets a step upload only
 //! the entries that changed (a decode step adds at most one block per sequence).
@@ -26,9 +27,11 @@ pub struct KvCache {
     host: Vec<u32>,
 }
 
-/// Device bytes of one block (K and V, every layer).
+/// Device bytes of one block (K and V, every layer): an fp8 cache's scales included, one f32 a
+/// head vector (`mt::kv_seg`: a (block, layer, KV head) segment is its KV_BLOCK vectors, then
+/// their scales).
 pub fn block_bytes(d: &Dims, dtype: KvDtype) -> usize {
-    2 * d.layers * d.kd() * KV_BLOCK * dtype.bytes()
+    2 * d.layers * d.kv_heads * KV_BLOCK * dtype.vector_bytes(d.head_dim)
 }
 
 /// The pool's size: `requested` blocks if nonzero; else every slot at full context
@@ -112,5 +115,35 @@ impl KvCache {
             (slot * self.max_blocks + first) * 4,
             &blocks[first..n],
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_fp8_block_holds_its_vectors_and_their_scales() {
+        // the 8B shape: 32 layers, 8 KV heads of 128
+        let d = Dims {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 14336,
+            vocab: 128256,
+        };
+        assert_eq!(block_bytes(&d, KvDtype::Bf16), 2 * 32 * 8 * 16 * 128 * 2);
+        // each (block, layer, KV head) segment: 16 vectors of 128 bytes, then 16 f32 scales
+        // (kernels/cuda/common.cuh, mt::kv_seg)
+        assert_eq!(
+            block_bytes(&d, KvDtype::Fp8),
+            2 * 32 * 8 * (16 * 128 + 16 * 4)
+        );
+        assert_eq!(
+            block_bytes(&d, KvDtype::F32),
+            2 * block_bytes(&d, KvDtype::Bf16)
+        );
     }
 }

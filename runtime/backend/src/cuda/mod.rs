@@ -393,16 +393,18 @@ impl CudaBackend {
             )));
         }
         let mut gpu = Gpu::open(opts.device, set)?;
-        let f = config.family.features();
+        // the family's features, and qkv_rope for an fp8 KV cache (TargetSpec::features)
+        let f = spec.features();
         for (name, needed, there) in [
             ("qkv_rope", f.qkv_rope, gpu.raw_qkv()),
             ("moe", f.moe, gpu.moe.is_some()),
         ] {
             if needed && !there {
                 return Err(BackendError::Model(format!(
-                    "target {}: the {} family needs the kernel template {name}, which the \
-                     target's kernels list lacks; add it to its MODEL.toml and rebuild",
-                    set.target, config.family
+                    "target {}: the {} family (with a {} KV cache) needs the kernel template \
+                     {name}, which the target's kernels list lacks; add it to its MODEL.toml and \
+                     rebuild",
+                    set.target, config.family, spec.quant.kv
                 )));
             }
         }

@@ -287,10 +287,10 @@ impl CudaBackend {
     }
 
     /// KV bytes one single-sequence decode step reads at `positions` cached positions (every layer's
-    /// K and V rows of each KV head).
+    /// K and V rows of each KV head, an fp8 cache's scales included).
     pub fn kv_bytes_read(&self, positions: usize) -> u64 {
         let d = &self.gpu.dims;
-        (positions * 2 * d.layers * d.kd() * self.kv.dtype.bytes()) as u64
+        (positions * 2 * d.layers * d.kv_heads * self.kv.dtype.vector_bytes(d.head_dim)) as u64
     }
 
     /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`

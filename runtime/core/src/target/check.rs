@@ -210,7 +210,8 @@ impl Check<'_> {
                 format!("family {}", m.family),
             ));
         }
-        let features = m.features();
+        // the family's, and qkv_rope where the KV cache is fp8 (TargetSpec::features)
+        let features = s.features();
         let unkernelled = features.post_norms
             || features.gelu
             || features.embed_scale
@@ -367,15 +368,32 @@ impl Check<'_> {
                 return Err(self.model_err("quant.kv", "f32, bf16 or fp8".into(), q.kv.clone()))
             }
             Some(crate::shape::KvDtype::Fp8) if s.hardware.backend != BackendKind::Cpu => {
-                return Err(self.model_err(
-                    "quant.kv",
-                    format!(
-                        "f32 or bf16 (an fp8 KV cache runs on the cpu backend only; the {} \
+                // on CUDA: written by qkv_rope, a head vector per warp, read by `attention` four
+                // bytes a lane (head_dim 128 or more); decode_1 reads f32 or bf16 caches only
+                let why = if s.hardware.backend != BackendKind::Cuda {
+                    Some(format!(
+                        "f32 or bf16 (an fp8 KV cache runs on the cpu and cuda backends; the {} \
                          kernels read f32 or bf16)",
                         s.hardware.backend
-                    ),
-                    q.kv.clone(),
-                ))
+                    ))
+                } else if !s.model.head_dim.is_multiple_of(128) {
+                    Some(format!(
+                        "f32 or bf16 (an fp8 cache's kernels read 4 bytes a lane: head_dim a \
+                         multiple of 128, this model's is {})",
+                        s.model.head_dim
+                    ))
+                } else if s.kernels.iter().any(|k| k == "decode") {
+                    Some(
+                        "f32 or bf16, or fp8 with a kernel list without \"decode\" (the fused \
+                         batch-1 kernel reads f32 or bf16 caches)"
+                            .into(),
+                    )
+                } else {
+                    None
+                };
+                if let Some(w) = why {
+                    return Err(self.model_err("quant.kv", w, q.kv.clone()));
+                }
             }
             Some(_) => {}
         }

@@ -801,6 +801,16 @@ impl TargetSpec {
         Ok(spec)
     }
 
+    /// The features its kernels are built with: the family's, and `qkv_rope` wherever the KV
+    /// cache is fp8 (the cache is written a whole head vector at a time, with its scale, which
+    /// only that kernel holds; the QKV products then leave their rows raw, as for the families
+    /// that norm or bias their heads).
+    pub fn features(&self) -> Features {
+        let mut f = self.model.features();
+        f.qkv_rope |= self.quant.kv_dtype() == crate::shape::KvDtype::Fp8;
+        f
+    }
+
     /// The shape the target's kernels are rendered for: one rank's ([`ModelShape::per_rank`]).
     pub fn rank_shape(&self) -> ModelShape {
         self.model.per_rank(self.parallel.tensor)
@@ -1073,12 +1083,17 @@ mod tests {
     }
 
     #[test]
-    fn an_fp8_kv_cache_is_a_cpu_target_setting() {
+    fn an_fp8_kv_cache_on_cuda_takes_qkv_rope_and_no_decode() {
+        let t = load_edited("bf16-fp8kv", |s| s.to_string()).unwrap();
+        assert_eq!(t.quant.kv_dtype(), crate::shape::KvDtype::Fp8);
+        // qkv_rope is the target's feature, not the llama family's
+        assert!(t.features().qkv_rope && !t.model.features().qkv_rope);
+        // the fused batch-1 kernel reads f32 or bf16 caches
         let err = load_edited("bf16", |s| s.replace("kv = \"bf16\"", "kv = \"fp8\""))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("quant.kv") && err.contains("cpu backend only") && err.contains("fp8"),
+            err.contains("quant.kv") && err.contains("without \"decode\"") && err.contains("fp8"),
             "{err}"
         );
         let err = load_edited("bf16", |s| s.replace("kv = \"bf16\"", "kv = \"e5m2\""))
