@@ -350,8 +350,8 @@ fn kv_dtype(cli: &Cli, target: Option<&TargetSpec>) -> Result<metrale_backend::K
     match target {
         Some(t) if t.hardware.backend.to_string() != "cpu" && asked != built => bail!(
             "--kv-cache-dtype {}: this binary's kernels ({}) read a {built} KV cache; leave the flag \
-             out (auto), or build a target with [quant] kv = \"{asked}\" (an fp8 cache runs on the cpu \
-             backend only)",
+             out (auto), or build a target with [quant] kv = \"{asked}\" (an fp8 cache: the cpu \
+             backend, or a cuda target such as h200/llama-3.1-8b/bf16-fp8kv)",
             cli.kv_cache_dtype,
             t.id,
         ),
