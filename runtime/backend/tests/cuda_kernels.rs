@@ -32,12 +32,13 @@ use rand::{Rng, SeedableRng};
 const TOL: f64 = 1e-4;
 /// Targets with fp8 layer weights (`[quant] weights = "fp8"`) quantize each product's input row to
 /// e4m3 per token, as the CPU reference does; targets with an fp8 KV cache quantize each head
-/// vector they write with its own scale, the same way (the flips below, in the K and V written). Where the GPU's input differs from the CPU's by f32
-/// summation order (~1e-7 relative), a value within that distance of a rounding midpoint rounds
-/// the other way, by one e4m3 step (2^-3 relative): ~1.6e-6 of the values, so a few flips per
-/// test at most, each moving its token's outputs by ~2^-3 / sqrt(K) relative (~2e-3 at K = 4096,
-/// less over all tokens). Every check of such a target is held to at least 5e-3; a missing input
-/// quantization (e4m3's ~3% relative error on every value) or a missing row scale lands far above.
+/// vector they write with its own scale, the same way. Where the GPU's value differs from the
+/// CPU's by f32 summation order (~1e-7 relative), a value within that distance of a rounding
+/// midpoint rounds the other way, by one e4m3 step (2^-3 relative): ~1.6e-6 of the values, so a
+/// few flips per test at most, each moving its token's outputs (or its head vector) by ~2^-3 /
+/// sqrt(K) relative (~2e-3 at K = 4096, less over all tokens). Every check of such a target is
+/// held to at least 5e-3; a missing input quantization (e4m3's ~3% relative error on every
+/// value) or a missing row scale lands far above.
 const FP8_TOL: f64 = 5e-3;
 /// Whether this process tests a target with fp8 weights or an fp8 KV cache (set by [`env`]; one
 /// target a process).
