@@ -6,13 +6,20 @@
 //! one target, `static_assert(<kernel expression> == <host number>)` lines that codegen appends to
 //! the rendered source, so a formula changed on one side only is a compile error naming both.
 
-use metrale_core::shape::Dims;
+use metrale_core::shape::{Dims, KvDtype};
 
 use crate::{
     DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, FLASH_BN, FLASH_THREADS, PADDED_BLOCK,
     Q41_PANEL, TMA_BK, TMA_MAX_STAGES, TMA_SMEM, TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM,
     WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL, WQ_KS, WQ_MAX_STAGES, WQ_ROWS, WQ_SMEM,
 };
+
+/// Elements (`kv_t`) of one (block, layer, KV head) segment of the paged KV pool
+/// (`mt::kv_seg<HEAD_DIM>()`): its KV_BLOCK head vectors and, for an fp8 cache, their KV_BLOCK f32
+/// scales after them (one byte an element, so 4 elements a scale).
+pub fn kv_seg(d: &Dims, kv: KvDtype) -> usize {
+    crate::KV_BLOCK as usize * kv.vector_bytes(d.head_dim) / kv.bytes()
+}
 
 /// Floats of an activation row of `k` elements staged in shared memory (`mt::Padded<K>::FLOATS`).
 pub fn padded(k: usize) -> usize {
@@ -271,11 +278,26 @@ pub fn flash_smem_bytes(head_dim: usize) -> usize {
 /// compares an expression the kernel computes with the number the host computes for it. Empty for
 /// templates whose launches depend on no host formula.
 /// `formats`: the Hopper GEMMs' weight formats of the target (its layers' and LM head's).
-pub fn asserts(template: &str, d: &Dims, sm_count: usize, formats: &[WgFormat]) -> String {
+pub fn asserts(
+    template: &str,
+    d: &Dims,
+    sm_count: usize,
+    formats: &[WgFormat],
+    kv: KvDtype,
+) -> String {
     let check = |expr: &str, host: usize, what: &str| {
         format!("static_assert({expr} == {host}, \"{what}: the kernel's formula and the host's (metrale-abi layout.rs) disagree\");\n")
     };
     let mut s = String::new();
+    // the templates that find a position's K and V through `mt::kv_off` and size nothing
+    // themselves: the pool's segment against the host's (`kv::block_bytes`)
+    if matches!(template, "attention" | "qkv_rope" | "attn_in") {
+        s += &check(
+            "mt::kv_seg<HEAD_DIM>()",
+            kv_seg(d, kv),
+            "elements of a (block, layer, KV head) segment of the KV pool",
+        );
+    }
     match template {
         "attn_in" | "ffn_in" | "lm_head" => {
             s += &check("TB", tok_tile(d.hidden), "tokens per block")
@@ -409,14 +431,32 @@ mod tests {
     #[test]
     fn asserts_name_the_kernel_expressions() {
         let d = smollm();
-        let a = asserts("decode", &d, 132, &[]);
+        let a = asserts("decode", &d, 132, &[], KvDtype::Bf16);
         assert!(a.contains("static_assert(S_PART == 12912,"), "{a}");
         assert!(a.contains("static_assert(part_floats(132) == 432,"), "{a}");
-        assert!(asserts("ffn_out", &d, 132, &[]).contains("static_assert(TB == 5,"));
-        assert!(asserts("embed", &d, 132, &[]).is_empty());
+        assert!(asserts("ffn_out", &d, 132, &[], KvDtype::Bf16).contains("static_assert(TB == 5,"));
+        assert!(asserts("embed", &d, 132, &[], KvDtype::Bf16).is_empty());
+        // the KV pool's segment: 16 vectors of 64, and for fp8 their 16 scales (4 bytes each)
+        let k = asserts("attention", &d, 132, &[], KvDtype::Bf16);
+        assert!(
+            k.contains("static_assert(mt::kv_seg<HEAD_DIM>() == 1024,"),
+            "{k}"
+        );
+        let k8 = asserts("qkv_rope", &d, 132, &[], KvDtype::Fp8);
+        assert!(
+            k8.contains("static_assert(mt::kv_seg<HEAD_DIM>() == 1088,"),
+            "{k8}"
+        );
+        assert_eq!(kv_seg(&d, KvDtype::F32), 1024);
         // one per token tile and weight format, (quantized formats) one per warp-specialised tile,
         // and (q4_1) one per row length: the panel
-        let g = asserts("gemm_hopper", &d, 132, &[WgFormat::Q4_1, WgFormat::Q8_0]);
+        let g = asserts(
+            "gemm_hopper",
+            &d,
+            132,
+            &[WgFormat::Q4_1, WgFormat::Q8_0],
+            KvDtype::Bf16,
+        );
         assert_eq!(
             g.matches("static_assert").count(),
             8 + 2 * WQ_TILES.len() + 3
@@ -427,7 +467,7 @@ mod tests {
         assert!(g.contains("mt::q41_panel<1536>() == 4,"), "{g}");
         assert!(g.contains("wq::smem_bytes(128, 136) =="), "{g}");
         assert_eq!(
-            asserts("gemm_hopper", &d, 132, &[WgFormat::Bf16])
+            asserts("gemm_hopper", &d, 132, &[WgFormat::Bf16], KvDtype::Bf16)
                 .matches("static_assert")
                 .count(),
             4

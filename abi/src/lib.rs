@@ -248,7 +248,9 @@ pub const TMA_SMEM: u32 = 229376;
 pub const TMA_MAX_STAGES: u32 = 8;
 /// Tokens per block of the paged KV cache (`metrale_core::shape::KV_BLOCK`): K and V of a
 /// sequence's position p live in pool block `tables[slot * max_blocks + p / KV_BLOCK]`, laid out
-/// `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`kv_t`: f32 or bf16).
+/// `[block][layer][kv_head][KV_BLOCK][head_dim]` in the target's KV type (`kv_t`: f32, bf16, or fp8
+/// with each (block, layer, KV head) segment's KV_BLOCK f32 scales after its vectors:
+/// `layout::kv_seg`).
 pub const KV_BLOCK: u32 = metrale_core::shape::KV_BLOCK as u32;
 /// Threads per block of the GEMM path's split kernels (`norm_split`, `split_qd`, `split_ffn`): a
 /// warp per token, so `SPLIT_THREADS / 32` tokens per block.

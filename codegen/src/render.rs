@@ -88,6 +88,7 @@ fn layout_asserts(spec: &TargetSpec, kernel: &str) -> String {
         &d,
         spec.hardware.sm_count.unwrap_or(0) as usize,
         &formats,
+        spec.quant.kv_dtype(),
     )
 }
 

@@ -31,7 +31,7 @@ pub struct KvCache {
 /// head vector (`mt::kv_seg`: a (block, layer, KV head) segment is its KV_BLOCK vectors, then
 /// their scales).
 pub fn block_bytes(d: &Dims, dtype: KvDtype) -> usize {
-    2 * d.layers * d.kv_heads * KV_BLOCK * dtype.vector_bytes(d.head_dim)
+    2 * d.layers * d.kv_heads * metrale_abi::layout::kv_seg(d, dtype) * dtype.bytes()
 }
 
 /// The pool's size: `requested` blocks if nonzero; else every slot at full context
