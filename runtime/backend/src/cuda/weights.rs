@@ -1048,22 +1048,16 @@ mod tests {
             fp8: None,
             rotary_dim: 64,
         };
-        assert!(check_config(
-            &c,
-            &d,
-            ("llama", None),
-            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1)
-        )
-        .is_ok());
+        // check_config of `c` against kernels of `family` (routed experts `moe`) built as
+        // `target` with `wf` layer matrices, its error as text
+        let check =
+            |c: &ModelConfig, family: &str, moe: Option<MoeShape>, target: &str, wf: DevFormat| {
+                check_config(c, &d, (family, moe), (target, wf)).map_err(|e| e.to_string())
+            };
+        let smol = "h200/smollm2-135m/q4_1";
+        assert!(check(&c, "llama", None, smol, DevFormat::Q4_1).is_ok());
         c.hidden = 2048;
-        let e = check_config(
-            &c,
-            &d,
-            ("llama", None),
-            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = check(&c, "llama", None, smol, DevFormat::Q4_1).unwrap_err();
         assert!(
             e.contains("hidden is 2048") && e.contains("compiled for 576"),
             "{e}"
@@ -1076,25 +1070,12 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position: 8192,
         });
-        assert!(check_config(
-            &c,
-            &d,
-            ("llama", None),
-            ("h200/llama-3.2-1b/q4_1", DevFormat::Q4_1)
-        )
-        .is_ok());
+        assert!(check(&c, "llama", None, "h200/llama-3.2-1b/q4_1", DevFormat::Q4_1).is_ok());
         // sliding windows (Mistral 7B v0.1) have no kernels: refused by name
         c.sliding = Some(metrale_model::config::Sliding::pattern(
             4096, 1, c.n_layers, 1e4,
         ));
-        let e = check_config(
-            &c,
-            &d,
-            ("llama", None),
-            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = check(&c, "llama", None, smol, DevFormat::Q4_1).unwrap_err();
         assert!(
             e.contains("sliding-window") && e.contains("cpu backend"),
             "{e}"
@@ -1102,38 +1083,19 @@ mod tests {
         c.sliding = None;
         // a family other than the kernels' is refused by name, shape or not
         c.family = metrale_model::Family::Qwen3;
-        let e = check_config(
-            &c,
-            &d,
-            ("llama", None),
-            ("h200/smollm2-135m/q4_1", DevFormat::Q4_1),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = check(&c, "llama", None, smol, DevFormat::Q4_1).unwrap_err();
         assert!(
             e.contains("qwen3") && e.contains("compute the llama block"),
             "{e}"
         );
-        assert!(check_config(
-            &c,
-            &d,
-            ("qwen3", None),
-            ("h200/qwen3-tiny/bf16", DevFormat::Bf16)
-        )
-        .is_ok());
+        let qwen = "h200/qwen3-tiny/bf16";
+        assert!(check(&c, "qwen3", None, qwen, DevFormat::Bf16).is_ok());
         // FP8 checkpoints: on the fp8 kernels only, and with the activation scales they compute
         use metrale_core::fp8::Activations;
         c.fp8 = Some(Activations::Dynamic { ub: None });
         let t = "h200/qwen3-tiny/fp8";
-        assert!(check_config(&c, &d, ("qwen3", None), (t, DevFormat::Fp8)).is_ok());
-        let e = check_config(
-            &c,
-            &d,
-            ("qwen3", None),
-            ("h200/qwen3-tiny/bf16", DevFormat::Bf16),
-        )
-        .unwrap_err()
-        .to_string();
+        assert!(check(&c, "qwen3", None, t, DevFormat::Fp8).is_ok());
+        let e = check(&c, "qwen3", None, qwen, DevFormat::Bf16).unwrap_err();
         assert!(
             e.contains("FP8 weights") && e.contains("--quant fp8"),
             "{e}"
@@ -1143,9 +1105,7 @@ mod tests {
             Activations::Dynamic { ub: Some(1200.0) },
         ] {
             c.fp8 = Some(a);
-            let e = check_config(&c, &d, ("qwen3", None), (t, DevFormat::Fp8))
-                .unwrap_err()
-                .to_string();
+            let e = check(&c, "qwen3", None, t, DevFormat::Fp8).unwrap_err();
             assert!(e.contains(&a.to_string()) && e.contains("cpu"), "{e}");
         }
         c.fp8 = None;
@@ -1163,17 +1123,9 @@ mod tests {
             ffn: 768,
         };
         c.ffn = 768; // the experts' width, as the readers give it; the target's is the dense one
-        assert!(check_config(
-            &c,
-            &d,
-            ("qwen3moe", Some(x)),
-            ("h200/x/bf16", DevFormat::Bf16)
-        )
-        .is_ok());
+        assert!(check(&c, "qwen3moe", Some(x), "h200/x/bf16", DevFormat::Bf16).is_ok());
         let four = Some(MoeShape { used: 4, ..x });
-        let e = check_config(&c, &d, ("qwen3moe", four), ("h200/x/bf16", DevFormat::Bf16))
-            .unwrap_err()
-            .to_string();
+        let e = check(&c, "qwen3moe", four, "h200/x/bf16", DevFormat::Bf16).unwrap_err();
         assert!(
             e.contains("routed experts") && e.contains("compiled for"),
             "{e}"
