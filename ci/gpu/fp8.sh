@@ -19,6 +19,36 @@
 #        with bf16's, batch-1 decode at 0, 8,192 and 32,768 cached positions and pp512
 # Each call leaves $OUT/<call>.tgz (its results folder).
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
+X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+
+# check2l QUANT HF_TOL WHAT: the 2-layer HF folder and bf16 GGUF and HF's golden (f32 on the
+# GPU); golden_check on h200/llama-3.1-8b/QUANT's 2-layer kernels against HF (within HF_TOL) and
+# the CPU backend with the same weights and cache (0.05), prompt in one GEMM step and in 8-token steps
+check2l() {
+  step "synth-model: 2-layer HF folder and bf16 GGUF; HF golden (f32 on the GPU)"
+  $X --layers 2 --format hf --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --layers 2 --out "$H/s/l8b2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden.txt" 2>&1
+  tail -1 "$R/golden.txt"
+  step "$3: 2 layers, prompt in one GEMM step and in 8-token steps"
+  local a file chunk k2=$H/b/k/h200-llama-3.1-8b-2l-$1/kernels
+  for a in "l8b2-hf" "l8b2-bf16.gguf" "l8b2-bf16.gguf 8"; do
+    read -r file chunk <<< "$a"
+    METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/$file" "$R/l8b2_golden.json" --cuda "$k2" \
+      "h200/llama-3.1-8b/$1" --vs-cpu --tol "$2" --cpu-tol 0.05 ${chunk:+--prefill-chunk $chunk} | tee -a "$R/check-2l.json"
+  done
+}
+# bench8b "QUANT..." CUDA_BENCH_ARGS...: the 32-layer bf16 GGUF (in /dev/shm when it has the
+# room), then cuda_bench on it as h200/llama-3.1-8b/QUANT for each QUANT, in that order
+bench8b() {
+  local q qs=$1 b=/dev/shm; shift
+  step "synth-model: the 32-layer bf16 GGUF"
+  [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 20000000 ] || b=$H/s
+  $X --out "$b/l8b-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  for q in $qs; do
+    CB_TIMEOUT=200 cb_run "$b/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-$q/kernels" h200/llama-3.1-8b/$q bench-$q "$@"
+  done
+}
 
 case "${1:-}" in
 prepare)
@@ -35,52 +65,16 @@ call)
   unpack .f1
   kernel_tests smollm2-135m/fp8 llama-3.1-8b/fp8
   export METRALE_TARGETS=$PWD/targets
-  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  step "synth-model: 2-layer HF folder and bf16 GGUF; HF golden (f32 on the GPU)"
-  $X --layers 2 --format hf --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  $X --layers 2 --out "$H/s/l8b2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden.txt" 2>&1
-  tail -1 "$R/golden.txt"
-  step "CUDA fp8 vs CPU fp8 (same weights) and vs HF (bf16 weights): 2 layers, prompt in one GEMM step and in 8-token steps"
-  K2=$H/b/k/h200-llama-3.1-8b-2l-fp8/kernels
-  for a in "l8b2-hf" "l8b2-bf16.gguf" "l8b2-bf16.gguf 8"; do
-    set -- $a
-    METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/$1" "$R/l8b2_golden.json" --cuda "$K2" \
-      h200/llama-3.1-8b/fp8 --vs-cpu --tol 0.5 --cpu-tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
-  done
-  step "synth-model: the 32-layer bf16 GGUF"
-  B=/dev/shm; [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 20000000 ] || B=$H/s
-  $X --out "$B/l8b-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  for q in fp8 bf16; do
-    CB_TIMEOUT=200 cb_run "$B/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-$q/kernels" h200/llama-3.1-8b/$q bench-$q \
-      --batch 1,16,64,256 --steps 128 --pp 512
-  done
+  check2l fp8 0.5 "CUDA fp8 vs CPU fp8 (same weights) and vs HF (bf16 weights)"
+  bench8b "fp8 bf16" --batch 1,16,64,256 --steps 128 --pp 512
   finish fp8
   ;;
 kv8)
   unpack .f1
   kernel_tests llama-3.1-8b/bf16-fp8kv
   export METRALE_TARGETS=$PWD/targets
-  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
-  step "synth-model: 2-layer HF folder and bf16 GGUF; HF golden (f32 on the GPU)"
-  $X --layers 2 --format hf --out "$H/s/l8b2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  $X --layers 2 --out "$H/s/l8b2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  python3 tests/golden/make_synth_golden_hf.py "$H/s/l8b2-hf" --device cuda --out "$R/l8b2_golden" > "$R/golden.txt" 2>&1
-  tail -1 "$R/golden.txt"
-  step "CUDA vs CPU (both with the fp8 KV cache) and vs HF (f32): 2 layers, prompt in one GEMM step and in 8-token steps"
-  K2=$H/b/k/h200-llama-3.1-8b-2l-bf16-fp8kv/kernels
-  for a in "l8b2-hf" "l8b2-bf16.gguf" "l8b2-bf16.gguf 8"; do
-    set -- $a
-    METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/$1" "$R/l8b2_golden.json" --cuda "$K2" \
-      h200/llama-3.1-8b/bf16-fp8kv --vs-cpu --tol 0.2 --cpu-tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
-  done
-  step "synth-model: the 32-layer bf16 GGUF"
-  B=/dev/shm; [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 20000000 ] || B=$H/s
-  $X --out "$B/l8b-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  for q in bf16-fp8kv bf16; do
-    CB_TIMEOUT=200 cb_run "$B/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-$q/kernels" h200/llama-3.1-8b/$q bench-$q \
-      --batch 1 --steps 64 --pp 512 --depth 8192,32768
-  done
+  check2l bf16-fp8kv 0.2 "CUDA vs CPU (both with the fp8 KV cache) and vs HF (f32)"
+  bench8b "bf16-fp8kv bf16" --batch 1 --steps 64 --pp 512 --depth 8192,32768
   finish kv8
   ;;
 *)
