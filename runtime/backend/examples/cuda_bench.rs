@@ -76,7 +76,7 @@ fn main() {
     let mut model = metrale_model::Model::load(std::path::Path::new(&args[1])).expect("model");
     // an fp8 target reads FP8 layer matrices: a checkpoint without them is quantized at load, as
     // the server does
-    if spec.quant.weights == "fp8" && model.config.fp8.is_none() {
+    if metrale_model::fp8::needs_quantizing(&model.config, &spec.quant.weights) {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let q = metrale_model::fp8::quantize_at_load(&mut model, threads).expect("quantize to fp8");
         eprintln!("quantized at load: {} matrices to fp8 e4m3", q.matrices);

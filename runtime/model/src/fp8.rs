@@ -328,6 +328,13 @@ pub struct Quantized {
     pub bytes_after: u64,
 }
 
+/// Whether kernels whose layer matrices are `weights` (a target's `[quant] weights`) need this
+/// checkpoint's quantized at load ([`quantize_at_load`]): they read fp8, and it has no FP8
+/// matrices.
+pub fn needs_quantizing(config: &ModelConfig, weights: &str) -> bool {
+    weights == "fp8" && config.fp8.is_none()
+}
+
 /// Quantize every layer matrix of a bf16, f16 or f32 checkpoint to FP8 e4m3 with one scale per
 /// output channel (the row's largest magnitude to 448), activations dynamic per token: what
 /// vLLM's `--quantization fp8` does to an unquantized checkpoint, with per-channel instead of

@@ -362,9 +362,10 @@ fn kv_dtype(cli: &Cli, target: Option<&TargetSpec>) -> Result<metrale_backend::K
 /// `--quantization fp8`, or a target whose kernels read fp8 layer matrices given a checkpoint
 /// without them: the layer matrices quantized at load; or an FP8 checkpoint, said.
 fn quantize(cli: &Cli, target: Option<&TargetSpec>, model: &mut Model) -> Result<()> {
-    let fp8_kernels = target.is_some_and(|t| t.quant.weights == "fp8");
     let asked = cli.quantization.as_deref() == Some("fp8");
-    if asked || (fp8_kernels && model.config.fp8.is_none()) {
+    let for_kernels = target
+        .is_some_and(|t| metrale_model::fp8::needs_quantizing(&model.config, &t.quant.weights));
+    if asked || for_kernels {
         let why = if asked {
             "--quantization fp8"
         } else {

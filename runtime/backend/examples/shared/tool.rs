@@ -52,7 +52,7 @@ pub fn cuda_backend(
     let root = std::env::var("METRALE_TARGETS").unwrap_or_else(|_| "targets".into());
     let spec = TargetSpec::load(Path::new(&root), &id).expect("target");
     let kv = spec.quant.kv_dtype();
-    if spec.quant.weights == "fp8" && m.config.fp8.is_none() {
+    if metrale_model::fp8::needs_quantizing(&m.config, &spec.quant.weights) {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let q = metrale_model::fp8::quantize_at_load(m, threads).expect("quantize at load to fp8");
         eprintln!("quantized at load: {} matrices to fp8 e4m3", q.matrices);
