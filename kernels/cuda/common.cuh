@@ -114,27 +114,20 @@ template <int K> struct Padded {
     static constexpr int FLOATS = (K / 32) * abi::PADDED_BLOCK;
 };
 
-// Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024). `red` holds 32 floats.
-MT_INLINE float block_sum(float v, float* red) {
+// v reduced over the whole block (blockDim.x a multiple of 32, at most 1024): summed, or with MAX
+// its largest (for v >= 0: lanes past the block's warps count as 0). `red` holds 32 floats.
+template <bool MAX> MT_INLINE float block_reduce(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) red[warp] = v;
     __syncthreads();
     float r = lane < nw ? red[lane] : 0.f;
-    return warp_sum(r);
+    return MAX ? warp_max(r) : warp_sum(r);
 }
-
-// Largest v over the whole block (as block_sum).
-MT_INLINE float block_max(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = lane < nw ? red[lane] : 0.f;
-    return warp_max(r);
-}
+MT_INLINE float block_sum(float v, float* red) { return block_reduce<false>(v, red); }
+// Largest of v >= 0 over the whole block.
+MT_INLINE float block_max(float v, float* red) { return block_reduce<true>(v, red); }
 
 // Norm weights of one row, held in registers by the abi::MV_THREADS threads of a block: loaded before
 // the dependency wait (they are weights), consumed by stage_row.
@@ -814,16 +807,11 @@ MT_INLINE size_t kv_off(const unsigned int* row, int layer, int h, int p) {
 // Offset (in kv_t, bytes) of the f32 scale of (layer, KV head h, position p)'s head vector.
 template <int LAYERS, int KV_HEADS, int HEAD_DIM>
 MT_INLINE size_t kv_scale_off(const unsigned int* row, int layer, int h, int p) {
-    return ((row[p / abi::KV_BLOCK] * (size_t)LAYERS + layer) * KV_HEADS + h) * kv_seg<HEAD_DIM>() +
+    // the segment's start (its position 0), past its vectors, to the position's scale
+    return kv_off_in<LAYERS, KV_HEADS, HEAD_DIM>(row[p / abi::KV_BLOCK], layer, h, 0) +
            (size_t)abi::KV_BLOCK * HEAD_DIM + (p % abi::KV_BLOCK) * sizeof(float);
 }
 
-// The e4m3 byte nearest x (ties to even, saturating at +-448): the CPU's fp8::f32_to_e4m3.
-MT_INLINE unsigned int e4m3_byte(float x) {
-    unsigned short b;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(x));
-    return b & 0xffu;
-}
 #endif
 
 }  // namespace mt

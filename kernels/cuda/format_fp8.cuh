@@ -15,12 +15,16 @@ MT_INLINE unsigned int e4m3x2_to_h2(unsigned short v) {
     return r;
 }
 
-// The e4m3 value nearest x (ties to even, saturating at +-448), as f32: what the CPU's
-// fp8::f32_to_e4m3 then e4m3_to_f32 give.
-MT_INLINE float e4m3_round(float x) {
+// The e4m3 byte nearest x (ties to even, saturating at +-448): the CPU's fp8::f32_to_e4m3.
+MT_INLINE unsigned int e4m3_byte(float x) {
     unsigned short b;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(x));
-    return __half2float(__ushort_as_half((unsigned short)(e4m3x2_to_h2(b) & 0xffffu)));
+    return b & 0xffu;
+}
+
+// The e4m3 value nearest x, as f32: what the CPU's fp8::f32_to_e4m3 then e4m3_to_f32 give.
+MT_INLINE float e4m3_round(float x) {
+    return __half2float(__ushort_as_half((unsigned short)(e4m3x2_to_h2((unsigned short)e4m3_byte(x)) & 0xffffu)));
 }
 
 // The scale of a row of activations whose largest magnitude is amax (fp8::row_scale): amax / 448,
