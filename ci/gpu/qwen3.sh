@@ -30,8 +30,18 @@
 #        the active experts' bytes, 16 / 64 / 256 sequences, pp512; batch 1 again with
 #        attention_short_splits=on); timings once llama.cpp's build is done; llama-bench and
 #        llama-batched-bench on the file when the call has the time
-#   bash ci/gpu/qwen3.sh moe-verify  carry .q4   after a change to the experts' kernels: both 30B-A3B
-#        targets' kernel tests, the 48-layer q4_1 and bf16 GGUFs and cuda_bench on each (no peer)
+#   bash ci/gpu/qwen3.sh moe-verify  carry .q4 [.peer]   after a change to the experts' or the
+#        attention kernels: llama.cpp's build in the background (with .peer); the kernel tests of
+#        both 30B-A3B targets and of h200/llama-3.1-8b/q4_1 (attention with 4 query heads a KV head,
+#        where 30B-A3B has 8); both 48-layer GGUFs (bf16 in /dev/shm where it fits); once the build
+#        is done, cuda_bench on the q4_1 file (batch 1, 16, 64, 256, pp512) and llama.cpp on it;
+#        batch 1 again under MOE_VERIFY_TUNING (default attention_short_splits=on)
+#   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
+#        cuda_bench on the bf16 file and llama.cpp on it
+#   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
+#        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
+#        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
+#        Nsight Compute on one decode step's layer kernels (attention and the routed experts)
 #   bash ci/gpu/qwen3.sh moe2   carry nothing    the 48-layer q4_1 GGUF and cuda_bench on it (the q4_1
 #        target); llama-bench and llama-batched-bench on both GGUFs; bench-record with llama.cpp
 #   bash ci/gpu/qwen3.sh prepare-qwen2 MODEL.gguf   CPU machine: .q5/
@@ -133,7 +143,7 @@ small)
 prepare-moe)
   set -e
   pack_start .q4 prepare-moe "${2:-}"
-  kernels .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
+  kernels .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1
   servers .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   kernels2l .q4/b h200-qwen3-30b-a3b-2l-bf16 qwen3-30b-a3b
   tools .q4 cuda_bench golden_check
@@ -174,25 +184,65 @@ moe)
     "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-short-splits --batch 1 --steps 64
   finish moe
   ;;
-moe-verify)
+moe-probe)
   unpack .q4
-  # MOE_KT: the targets whose kernel tests run (default both)
   kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1}
   export METRALE_TARGETS=$PWD/targets
   step "synth-model: the 48-layer q4_1 GGUF; cuda_bench on it"
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
+  K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
+  CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  rm -f "$H/s/moe-q4_1.gguf"
+  for tu in ${MOE_PROBE_TUNINGS:-attention_cluster=off attention_short_splits=on pdl=off}; do
+    [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=$tu CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${tu//=/-}" --batch 1 --steps 64 --pp 64
+  done
+  # one decode step's kernels of one layer (past the prefill and the first steps), each replayed
+  # by ncu for its sections
+  if command -v ncu > /dev/null && [ "$(left)" -gt 90 ]; then
+    step "ncu: a batch-1 step's layer kernels, q4_1"
+    timeout $(($(left) - 20)) ncu --clock-control none --graph-profiling node \
+      --kernel-name 'regex:^(attn_in|attention|attn_out|moe_route|moe_gu|moe_down)$' --launch-skip 900 --launch-count 6 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats \
+      "$H/b/bin/cuda_bench" "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 --batch 1 --steps 25 --pp 64 \
+      2>&1 | sed "s|$H/|~/|g" > "$R/ncu-q4_1.txt"
+    echo "rc=${PIPESTATUS[0]}"; grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No Eligible|Cluster" "$R/ncu-q4_1.txt" | head -80
+  fi
+  finish moe-probe
+  ;;
+moe-verify)
+  unpack .q4
+  [ -f .peer/llamacpp-src.tgz ] && llamacpp_start
+  kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1}
+  export METRALE_TARGETS=$PWD/targets
+  step "synth-model: the 48-layer q4_1 GGUF and the bf16 one"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   F=$H/s/moe-bf16.gguf
   [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
-  step "synth-model: the 48-layer bf16 GGUF ($F)"
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   ln -sf "$F" "$H/s/moe.gguf"
-  CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
+  # no timing shares the CPUs with llama.cpp's build
+  [ -f .peer/llamacpp-src.tgz ] && peer_wait 300
+  K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
+  CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
+  [ -f .peer/llamacpp-src.tgz ] && [ "$(left)" -gt 60 ] && peer_bench q4_1 "$H/s/moe-q4_1.gguf"
+  tu=${MOE_VERIFY_TUNING:-attention_short_splits=on}
+  [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$tu CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+    h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${tu//=/-}" --batch 1 --steps 64 --pp 64
   finish moe-verify
+  ;;
+moe-verify2)
+  # results go on in moe-verify's folder
+  mkdir -p "$R"
+  export METRALE_TARGETS=$PWD/targets
+  CB_TIMEOUT=240 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
+    --batch 1,16,64,256 --steps 64 --pp 512
+  [ -x "$H/llamacpp/build/bin/llama-bench" ] && [ "$(left)" -gt 90 ] && peer_bench bf16 "$H/s/moe.gguf"
+  finish moe-verify2
   ;;
 moe2)
   # results go on in moe's folder (its llama.cpp table among them)
