@@ -1997,9 +1997,16 @@ fn grammar_masks_on_the_device_match_the_host() {
 /// blocks a token). Token 2's input is zero, so every router logit is exactly 0 and all experts
 /// tie: the kernel must take experts 0..used, each weighted 1/used (ties go to the lower index),
 /// and leave that residual row unchanged. The chosen experts must be the reference's exactly;
-/// their weights within 1e-6; the residual within [`TOL`] (f32 sums in another order;
+/// their weights within [`MOE_WEIGHT_TOL`]; the residual within [`TOL`] (f32 sums in another order;
 /// [`MOE_A16_TOL`] for the matrix-vector kernels on q4_1); the expert histogram (`counts`) every
 /// choice once; the router's tickets re-armed.
+/// How far a routed expert's weight may lie from the CPU's: each router logit sums 2,048 products
+/// (at 30B-A3B) four to a lane and then across the warp, the CPU one after another, so the logits
+/// differ by ~1e-6 of their size, and a renormalised top-k weight (below 1) moves by about as much
+/// as the logits' difference (1.05e-6 seen once in 48 weights at random inputs: 1e-6 was too
+/// tight). A wrong expert or a missing renormalisation is off by 1e-2 or more.
+const MOE_WEIGHT_TOL: f32 = 1e-5;
+
 #[test]
 fn moe_routing_and_experts_match_cpu() {
     let Some(mut e) = env("moe") else { return };
@@ -2132,7 +2139,7 @@ fn moe_routing_and_experts_match_cpu() {
         for (k, &(ex, wgt)) in chosen.iter().enumerate() {
             let gw = got_w[t * m.used + k];
             assert!(
-                (gw - wgt).abs() <= 1e-6,
+                (gw - wgt).abs() <= MOE_WEIGHT_TOL,
                 "token {t} expert {ex}: weight {gw} vs {wgt}"
             );
         }
@@ -2162,7 +2169,7 @@ fn moe_routing_and_experts_match_cpu() {
         mv_tol,
     );
     eprintln!(
-        "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within 1e-6"
+        "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within {MOE_WEIGHT_TOL:e}"
     );
 
     // Many tokens, grouped by expert (moe_sort, then moe_gu_grouped and moe_down_grouped on the
