@@ -102,6 +102,9 @@ pub struct Device {
     pub name: String,
     /// Compute capability (major, minor).
     pub cc: (i32, i32),
+    /// Kernels launched on the stream so far (captured ones included): a graph's node count is
+    /// the difference over its capture.
+    pub launches: std::cell::Cell<u64>,
 }
 
 impl Device {
@@ -131,6 +134,7 @@ impl Device {
             sm_count,
             name,
             cc,
+            launches: std::cell::Cell::new(0),
         })
     }
 
@@ -407,7 +411,9 @@ impl Device {
             )
         }
         .result()
-        .map_err(dev_err(format!("launch {what}")))
+        .map_err(dev_err(format!("launch {what}")))?;
+        self.launches.set(self.launches.get() + 1);
+        Ok(())
     }
 
     /// The TMA tensor map of a row-major bf16 matrix `[rows][k]` at device address `ptr`, read in

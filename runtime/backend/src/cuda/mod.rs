@@ -339,6 +339,8 @@ pub struct Stats {
     /// asked for (the rest were spare work).
     pub run_ahead_launches: u64,
     pub run_ahead_hits: u64,
+    /// Kernels in the decode graph captured last (its nodes; 0 before the first capture).
+    pub last_graph_kernels: u64,
 }
 
 // SAFETY: the backend is used by one thread at a time (`&mut self`); cudarc binds the context to the
@@ -649,12 +651,14 @@ impl CudaBackend {
         if decode && self.opts.tuning.graphs {
             let key = (ntok, nout, attn);
             if !self.graphs.contains_key(&key) {
+                let before = self.gpu.launches.get();
                 self.gpu.begin_capture()?;
                 let r = self.enqueue(ntok, nout, attn, gemm);
                 let graph = self.gpu.end_capture();
                 r?;
                 self.graphs.insert(key, graph?);
                 self.stats.graph_captures += 1;
+                self.stats.last_graph_kernels = self.gpu.launches.get() - before;
             }
             self.gpu.replay(&self.graphs[&key])?;
             self.stats.graph_launches += 1;
