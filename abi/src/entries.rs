@@ -183,9 +183,10 @@ entries! {
     /// router's logits (`router`: f32 `[experts][hidden]`), softmax, the `used` largest (ties to
     /// the lower index) renormalised, written as `ids` / `wts` `[ntok][used]` in ascending expert
     /// order; each choice counted in `counts[experts]` (the run's expert histogram; null: not
-    /// counted). grid = (ntok, router blocks): a token's router rows spread over its blocks,
-    /// whose logits meet in `logits[ntok][experts]`; the last to take a ticket of
-    /// `ticket[ntok]` (zeroed; re-armed by it) routes.
+    /// counted). grid = (ceil(ntok / MOE_ROUTE_TOKENS), router blocks): a tile of tokens' router
+    /// rows spread over its blocks, whose logits meet in `logits[ntok][experts]`; the last to
+    /// take the ticket of the tile's first token in `ticket[ntok]` (zeroed; re-armed by it)
+    /// routes.
     MoeRoute = "moe" / "moe_route", threads MV_THREADS, {
         x: ptr<"const float">,
         norm_w: ptr<"const float">,

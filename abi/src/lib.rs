@@ -150,6 +150,10 @@ pub const MV_THREADS: u32 = 256;
 pub const QKV_ROPE_THREADS: u32 = 256;
 /// Threads of `moe_sort`'s one block.
 pub const MOE_SORT_THREADS: u32 = 1024;
+/// Tokens one `moe_route` block routes (grid.x = ceil(ntok / this)): each router row it reads
+/// serves them all, where a block a token read the whole router (1 MB at 30B-A3B) for each token
+/// of a prompt chunk.
+pub const MOE_ROUTE_TOKENS: u32 = 4;
 /// Threads per block of `embed`.
 pub const EMBED_THREADS: u32 = 256;
 /// Threads per block of `attention`.
@@ -268,6 +272,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("EMBED_THREADS", EMBED_THREADS as i64),
     ("QKV_ROPE_THREADS", QKV_ROPE_THREADS as i64),
     ("MOE_SORT_THREADS", MOE_SORT_THREADS as i64),
+    ("MOE_ROUTE_TOKENS", MOE_ROUTE_TOKENS as i64),
     ("ATT_THREADS", ATT_THREADS as i64),
     ("ATT_MAX_CLUSTER", ATT_MAX_CLUSTER as i64),
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),

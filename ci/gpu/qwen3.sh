@@ -38,6 +38,9 @@
 #        batch 1 again under MOE_VERIFY_TUNING (default attention_short_splits=on)
 #   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
 #        cuda_bench on the bf16 file and llama.cpp on it
+#   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a change to the routed experts: the
+#        routing test of both 30B-A3B targets; the 48-layer q4_1 GGUF under cuda_bench at batch 1
+#        and pp512
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -183,6 +186,17 @@ moe)
   [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=attention_short_splits=on CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
     "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-short-splits --batch 1 --steps 64
   finish moe
+  ;;
+moe-b1)
+  unpack .q4
+  KT_FILTER=moe kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
+  export METRALE_TARGETS=$PWD/targets
+  step "synth-model: the 48-layer q4_1 GGUF; cuda_bench at batch 1"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" \
+    h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch 1 --steps 64 --pp 512
+  finish moe-b1
   ;;
 moe-probe)
   unpack .q4

@@ -89,6 +89,7 @@ cb_run() {
 }
 # kernel_tests MODEL/QUANT...: cuda_kernels (each kernel against the CPU reference ops) for each
 # h200 target whose kernels are in $H/b/k/h200-MODEL-QUANT; its output in $R/kernel-tests-MODEL-QUANT.txt
+# (KT_FILTER: only the tests whose names hold it)
 kernel_tests() {
   local t n f
   for t in "$@"; do
@@ -96,7 +97,7 @@ kernel_tests() {
     [ -d "$H/b/k/h200-$n" ] || { echo "cuda_kernels h200/$t: no kernels in $H/b/k/h200-$n" | tee "$f"; continue; }
     step "cuda_kernels h200/$t"
     METRALE_CUDA_TARGET=h200/$t METRALE_CUDA_KERNELS=$H/b/k/h200-$n/kernels METRALE_TARGETS=$PWD/targets \
-      timeout 240 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 > "$f" 2>&1
+      timeout 240 "$H/b/bin/cuda_kernels" --nocapture --test-threads=1 ${KT_FILTER:-} > "$f" 2>&1
     echo "cuda_kernels h200/$t rc=$?" >> "$f"; grep -E "rel err|mask|test result|panicked|rc=" "$f" | tail -12
   done
 }

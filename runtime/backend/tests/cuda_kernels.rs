@@ -1999,7 +1999,8 @@ fn grammar_masks_on_the_device_match_the_host() {
 /// and leave that residual row unchanged. The chosen experts must be the reference's exactly;
 /// their weights within [`MOE_WEIGHT_TOL`]; the residual within [`TOL`] (f32 sums in another order;
 /// [`MOE_A16_TOL`] for the matrix-vector kernels on q4_1); the expert histogram (`counts`) every
-/// choice once; the router's tickets re-armed.
+/// choice once; the router's tickets re-armed. A prompt chunk's routing (1,030 tokens, a block a
+/// tile of tokens) bit-identical to the same tokens routed five at a time.
 /// How far a routed expert's weight may lie from the CPU's: each router logit sums 2,048 products
 /// (at 30B-A3B) four to a lane and then across the warp, the CPU one after another, so the logits
 /// differ by ~1e-6 of their size, and a renormalised top-k weight (below 1) moves by about as much
@@ -2410,4 +2411,71 @@ fn moe_routing_and_experts_match_cpu() {
         "  moe grouped: {n2} tokens, {same} of {} values bit-identical to the per-pair kernels",
         n2 * h
     );
+
+    // A prompt chunk's routing: 1,030 tokens in one launch (tiles of abi::MOE_ROUTE_TOKENS, one
+    // block each, the last tile part-full) against the same tokens five at a time (their router
+    // rows spread over blocks that meet through the tickets, the path checked against the CPU
+    // above). Each logit sums the same products in the same order whatever the tile and the
+    // split, so xn, the experts and their weights must agree bit for bit.
+    let nm = 1030;
+    assert_eq!(
+        g.moe_router_blocks(nm),
+        1,
+        "a 1,030-token chunk takes a block a tile"
+    );
+    assert!(
+        g.moe_router_blocks(5) > 1,
+        "5 tokens spread their router rows"
+    );
+    let xm = rand_vec(&mut e.rng, nm * h, -1.0, 1.0);
+    let xmb = g.upload(&xm).unwrap();
+    let route_into = |off: usize, count: usize, out: (&DevBuf, &DevBuf, &DevBuf)| {
+        let (lg, tk) = (
+            poisoned(g, count * m.experts),
+            g.upload(&vec![0u32; count]).unwrap(),
+        );
+        g.moe_route(abi::MoeRoute {
+            x: xmb.ptr + (off * h * 4) as u64,
+            norm_w: nb.ptr,
+            router: rb.ptr,
+            xn: out.0.ptr + (off * h * 4) as u64,
+            ids: out.1.ptr + (off * m.used * 4) as u64,
+            wts: out.2.ptr + (off * m.used * 4) as u64,
+            counts: 0,
+            logits: lg.ptr,
+            ticket: tk.ptr,
+            ntok: count as i32,
+        })
+        .unwrap();
+    };
+    let outs = || {
+        (
+            poisoned(g, nm * h),
+            g.upload(&vec![-1i32; nm * m.used]).unwrap(),
+            poisoned(g, nm * m.used),
+        )
+    };
+    let (one, fives) = (outs(), outs());
+    route_into(0, nm, (&one.0, &one.1, &one.2));
+    for off in (0..nm).step_by(5) {
+        route_into(off, 5.min(nm - off), (&fives.0, &fives.1, &fives.2));
+    }
+    let bits = |b: &DevBuf, n: usize| -> Vec<u32> {
+        let mut v = vec![0u32; n];
+        g.read(b, 0, &mut v).unwrap();
+        v
+    };
+    assert!(
+        bits(&one.0, nm * h) == bits(&fives.0, nm * h),
+        "xn of a 1,030-token launch differs from 5-token launches"
+    );
+    assert!(
+        bits(&one.1, nm * m.used) == bits(&fives.1, nm * m.used),
+        "the experts of a 1,030-token launch differ from 5-token launches"
+    );
+    assert!(
+        bits(&one.2, nm * m.used) == bits(&fives.2, nm * m.used),
+        "the weights of a 1,030-token launch differ from 5-token launches"
+    );
+    eprintln!("  moe_route: {nm} tokens in one launch bit-identical to 5-token launches (xn, experts, weights)");
 }
