@@ -77,6 +77,21 @@ peer_bench() {
     > "$R/llamacpp-$1.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-$1/llamacpp-bench.md" "$R/llamacpp-$1/llamacpp-batched.txt"
 }
 
+# synth_moe_q4_1: the 48-layer q4_1 30B-A3B GGUF at $H/s/moe-q4_1.gguf
+synth_moe_q4_1() {
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+}
+# synth_moe_bf16: the 48-layer bf16 one (61 GB) in /dev/shm (RAM) where it holds 64 GB, else on the
+# disk, linked from $H/s/moe.gguf
+synth_moe_bf16() {
+  local F=$H/s/moe-bf16.gguf
+  [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
+  echo "moe.gguf -> $F" >> "$R/synth.txt"
+  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  ln -sf "$F" "$H/s/moe.gguf"
+}
+
 case "${1:-}" in
 prepare)
   set -e
@@ -171,12 +186,8 @@ moe)
   done
   rm -rf "$H/s/moe2-hf" "$H/s/moe2-bf16.gguf"
   export METRALE_TARGETS=$PWD/targets
-  # the full file where it fits: /dev/shm (RAM) if it holds 64 GB, else the disk
-  F=$H/s/moe-bf16.gguf
-  [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
-  step "synth-model: the 48-layer bf16 GGUF ($F)"
-  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  ln -sf "$F" "$H/s/moe.gguf"
+  step "synth-model: the 48-layer bf16 GGUF"
+  synth_moe_bf16
   peer_wait 300
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
     --batch 1,16,64,256 --steps 64 --pp 512
@@ -192,8 +203,7 @@ moe-b1)
   KT_FILTER=moe kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   export METRALE_TARGETS=$PWD/targets
   step "synth-model: the 48-layer q4_1 GGUF; cuda_bench at batch 1"
-  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
-    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  synth_moe_q4_1
   CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" \
     h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch 1 --steps 64 --pp 512
   finish moe-b1
@@ -203,8 +213,7 @@ moe-probe)
   kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1}
   export METRALE_TARGETS=$PWD/targets
   step "synth-model: the 48-layer q4_1 GGUF; cuda_bench on it"
-  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
-    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  synth_moe_q4_1
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
@@ -232,12 +241,8 @@ moe-verify)
   kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1}
   export METRALE_TARGETS=$PWD/targets
   step "synth-model: the 48-layer q4_1 GGUF and the bf16 one"
-  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
-    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  F=$H/s/moe-bf16.gguf
-  [ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 64 ] && F=/dev/shm/moe-bf16.gguf
-  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --out "$F" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  ln -sf "$F" "$H/s/moe.gguf"
+  synth_moe_q4_1
+  synth_moe_bf16
   # no timing shares the CPUs with llama.cpp's build
   [ -f .peer/llamacpp-src.tgz ] && peer_wait 300
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
@@ -262,8 +267,7 @@ moe2)
   # results go on in moe's folder (its llama.cpp table among them)
   mkdir -p "$R"
   step "synth-model: the 48-layer q4_1 GGUF; cuda_bench on it"
-  "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
-    --out "$H/s/moe-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  synth_moe_q4_1
   CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
   [ -f "$R/llamacpp-bf16/llamacpp-batched.txt" ] || peer_bench bf16 "$H/s/moe.gguf"
