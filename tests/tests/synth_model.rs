@@ -127,6 +127,21 @@ const PHI3_LONGROPE: Case = Case {
     chat: None,
 };
 
+/// gpt-oss: biases on Q, K, V and O, a sink logit per head (uniform in +-2), sliding windows of 8
+/// positions on layers 0 and 2, ..., YaRN (factor 32), and 8 experts (4 a token) with biases on
+/// the router and every product and the clamped SwiGLU (gate and up drawn 3x wider, so the clamp
+/// at 7 is met). Untied head (logits of standard deviation 2), so tiny-llama3's bound; a sink, a
+/// bias or the clamp left out, or the window ignored, each moves the logits by O(1).
+const GPT_OSS: Case = Case {
+    name: "tiny-gpt-oss",
+    golden: "tiny_gpt_oss_hf",
+    heads: (8, 2, 64),
+    tied: false,
+    tol: 1e-4,
+    slot: 7,
+    chat: None,
+};
+
 const QWEN2: Case = Case {
     name: "tiny-qwen2",
     golden: "tiny_qwen2_hf",
@@ -145,7 +160,8 @@ struct Files {
 }
 
 fn files(case: &Case) -> Option<&'static Files> {
-    static FILES: [OnceLock<Option<Files>>; 7] = [
+    static FILES: [OnceLock<Option<Files>>; 8] = [
+        OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
@@ -389,6 +405,38 @@ fn gemma3_multimodal_folder_is_its_language_model() {
 #[test]
 fn qwen3moe_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
     hf_folder_matches_hf_transformers(&QWEN3MOE);
+}
+
+#[test]
+fn gpt_oss_hf_folder_is_the_goldens_file_and_matches_hf_transformers() {
+    hf_folder_matches_hf_transformers(&GPT_OSS);
+}
+
+/// gpt-oss's GGUF (llama.cpp's names: `post_attention_norm` before the MLP, 3-D experts with
+/// their biases `[ffn or hidden][experts]`) and its HF folder (transformers' experts: gate and up
+/// interleaved in one `[experts][hidden][2 ffn]` tensor, down `[experts][ffn][hidden]`) are one
+/// model.
+#[test]
+fn gpt_oss_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
+    gguf_is_the_same_model(&GPT_OSS);
+    let Some(f) = files(&GPT_OSS) else { return };
+    for p in [&f.hf, &f.bf16] {
+        let m = Model::load(p).unwrap();
+        let c = &m.config;
+        let moe = c.moe.expect("experts");
+        assert_eq!((moe.experts, moe.used, moe.ffn), (8, 4, 128));
+        let sw = c.sliding.as_ref().expect("sliding windows");
+        assert_eq!((sw.window, &sw.sliding[..]), (8, &[true, false][..]));
+        assert!(
+            matches!(
+                c.rope_scaling,
+                Some(metrale_model::RopeScaling::Yarn { factor, original_max_position: 4096, truncate: true, .. })
+                    if factor == 32.0
+            ),
+            "{:?}",
+            c.rope_scaling
+        );
+    }
 }
 
 /// `--quantization fp8` on a mixture of experts: the HF folder (one tensor per expert) and the

@@ -362,6 +362,25 @@ fn tensors(
             u(qd, 1.0),
             None,
         )]);
+        if feat.out_bias {
+            v.push(Tensor {
+                gguf: format!("blk.{l}.attn_output.bias"),
+                hf: Some(format!("model.layers.{l}.self_attn.o_proj.bias")),
+                ..t("", "", 1, h, norm_t, Init::Uniform(0.5), None)
+            });
+        }
+        if feat.attn_sinks {
+            // one logit a head (gpt-oss's are O(1))
+            v.push(t(
+                &g("attn_sinks"),
+                &format!("model.layers.{l}.self_attn.sinks"),
+                1,
+                heads,
+                norm_t,
+                Init::Uniform(2.0),
+                None,
+            ));
+        }
         // the norm before the MLP: HF's post_attention_layernorm, or Gemma's
         // pre_feedforward_layernorm beside its norms after the attention and the MLP
         if feat.post_norms {
@@ -395,8 +414,13 @@ fn tensors(
                 ),
             ]);
         } else {
+            // (gpt-oss's GGUFs name it post_attention_norm)
+            let norm = match feat.oai_moe {
+                true => "post_attention_norm",
+                false => "ffn_norm",
+            };
             v.push(t(
-                &g("ffn_norm"),
+                &g(norm),
                 &f("post_attention_layernorm"),
                 1,
                 h,
@@ -445,22 +469,59 @@ fn tensors(
         // routed experts: the router in f32 (GGUF; bf16 values) as llama.cpp keeps it, each
         // expert's gated MLP as one 3-D GGUF tensor per projection or one HF tensor per expert
         let (n, xf) = (x.count as usize, x.ffn as usize);
+        let router = match feat.oai_moe {
+            true => "mlp.router",
+            false => "mlp.gate",
+        };
         v.push(t(
             &g("ffn_gate_inp"),
-            &f("mlp.gate"),
+            &f(router),
             n,
             h,
             norm_t,
             u(h, 1.0),
             None,
         ));
+        // gpt-oss: biases on the router and every expert product, gate and up drawn wider so
+        // that its clamp at 7 is met; HF keeps its experts as one tensor per projection
+        // ([`write_gpt_oss_experts`])
+        let gu = if feat.oai_moe { 3.0 } else { 1.0 };
+        if feat.oai_moe {
+            let bias = |n: &str, hf: Option<String>, rows, cols| Tensor {
+                gguf: format!("blk.{l}.{n}.bias"),
+                hf,
+                ..t("", "", rows, cols, norm_t, Init::Uniform(0.5), None)
+            };
+            v.extend([
+                bias(
+                    "ffn_gate_inp",
+                    Some(format!("model.layers.{l}.mlp.router.bias")),
+                    1,
+                    n,
+                ),
+                bias("ffn_gate_exps", None, n, xf),
+                bias("ffn_up_exps", None, n, xf),
+                bias(
+                    "ffn_down_exps",
+                    Some(format!("model.layers.{l}.mlp.experts.down_proj_bias")),
+                    n,
+                    h,
+                ),
+            ]);
+        }
         for (kind, rows, cols, scale) in [
-            ("gate", xf, h, u(h, 1.0)),
-            ("up", xf, h, u(h, 1.0)),
+            ("gate", xf, h, u(h, gu)),
+            ("up", xf, h, u(h, gu)),
             ("down", h, xf, u(xf, 1.0)),
         ] {
             let name = g(&format!("ffn_{kind}_exps"));
-            if format == Format::Hf {
+            if feat.oai_moe {
+                v.push(Tensor {
+                    experts: Some(n),
+                    hf: None,
+                    ..t(&name, &name, n * rows, cols, wt, scale, None)
+                });
+            } else if format == Format::Hf {
                 for e in 0..n {
                     v.push(Tensor {
                         row0: e * rows,
@@ -586,7 +647,7 @@ fn chat_format(family: Family) -> Option<&'static str> {
         Family::Qwen2 => Some("qwen2"),
         Family::Qwen3 | Family::Qwen3Moe => Some("qwen3"),
         Family::Gemma3 => Some("gemma3"),
-        Family::Llama | Family::Phi3 => None,
+        Family::Llama | Family::Phi3 | Family::GptOss => None,
     }
 }
 
@@ -701,6 +762,22 @@ fn gguf_metadata(
                     lr.original_max_position_embeddings as f64,
                 ) as f32),
             ),
+        ]);
+    }
+    if let Some(y) = &s.yarn {
+        let f = |k: &str, v: f64| (format!("{arch}.{k}"), Value::F32(v as f32));
+        m.extend([
+            (
+                format!("{arch}.rope.scaling.type"),
+                Value::String("yarn".into()),
+            ),
+            f("rope.scaling.factor", y.factor),
+            u(
+                "rope.scaling.original_context_length",
+                y.original_max_position_embeddings,
+            ),
+            f("rope.scaling.yarn_beta_fast", y.beta_fast),
+            f("rope.scaling.yarn_beta_slow", y.beta_slow),
         ]);
     }
     if let Some(x) = &s.experts {
@@ -836,7 +913,7 @@ fn write_hf(
             false => json!(q),
         };
     }
-    if family.qkv_bias() {
+    if family.qkv_bias() && !family.features().oai_moe {
         // Qwen2's modelling code always has its Q/K/V biases; its configs carry the (unused)
         // sliding window instead
         config["use_sliding_window"] = json!(false);
@@ -852,6 +929,40 @@ fn write_hf(
         config["norm_topk_prob"] = json!(true);
         config["decoder_sparse_step"] = json!(1);
         config["mlp_only_layers"] = json!([]);
+    }
+    if family.features().oai_moe {
+        // transformers' GptOssConfig: the experts' width is intermediate_size, biases on the
+        // attention's projections, one RoPE (YaRN) for every layer
+        let c = config.as_object_mut().expect("an object");
+        for k in [
+            "mlp_bias",
+            "num_experts",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "rope_local_base_freq",
+            "use_sliding_window",
+            "max_window_layers",
+        ] {
+            c.remove(k);
+        }
+        if let Some(x) = &s.experts {
+            c.insert("num_local_experts".into(), json!(x.count));
+            c.insert("intermediate_size".into(), json!(x.ffn));
+        }
+        c.insert("attention_bias".into(), json!(true));
+        c.insert("swiglu_limit".into(), json!(7.0));
+    }
+    if let Some(y) = &s.yarn {
+        config["rope_scaling"] = json!({
+            "rope_type": "yarn",
+            "factor": y.factor,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "truncate": y.truncate,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+        });
     }
     if let Some(r) = s.rotary_dim {
         config["partial_rotary_factor"] = json!(r as f64 / s.head_dim as f64);
@@ -902,6 +1013,19 @@ fn write_hf(
     let mut rel = Vec::new();
     let mut scale_rel = Vec::new();
     let mut off = 0usize;
+    // tensors without an HF name of their own: gpt-oss's experts, written as its HF tensors below
+    let (tensors, fused): (Vec<Tensor>, Vec<Tensor>) =
+        tensors.iter().cloned().partition(|t| t.hf.is_some());
+    let mut fused_at = Vec::new();
+    for (name, shape, bytes) in gpt_oss_expert_layout(s, &fused)? {
+        header.insert(
+            name.clone(),
+            json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + bytes]}),
+        );
+        fused_at.push((name, off));
+        off += bytes;
+    }
+    let tensors = &tensors[..];
     for t in tensors {
         let n = t
             .dtype
@@ -957,7 +1081,103 @@ fn write_hf(
     fill(
         &file, &path, tensors, &offsets, &scales, args.seed, false, threads,
     )?;
+    for (name, at) in fused_at {
+        let bytes = gpt_oss_expert_bytes(&name, &fused, args.seed)?;
+        file.write_all_at(&bytes, (base + at) as u64)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(len)
+}
+
+/// gpt-oss's HF expert tensors of each layer whose GGUF-named expert tensors are in `fused`:
+/// (HF name, shape, bytes) of `mlp.experts.gate_up_proj` `[experts, hidden, 2 ffn]` (gate and
+/// up columns interleaved) and its bias `[experts, 2 ffn]`, and `mlp.experts.down_proj`
+/// `[experts, ffn, hidden]` (transformers' `GptOssExperts`), all bf16.
+fn gpt_oss_expert_layout(
+    s: &ModelShape,
+    fused: &[Tensor],
+) -> Result<Vec<(String, Vec<usize>, usize)>> {
+    let mut out = Vec::new();
+    let Some(x) = &s.experts else {
+        return Ok(out);
+    };
+    let (n, f, h) = (x.count as usize, x.ffn as usize, s.hidden as usize);
+    for l in 0..s.layers as usize {
+        if !fused
+            .iter()
+            .any(|t| t.gguf == format!("blk.{l}.ffn_gate_exps.weight"))
+        {
+            continue;
+        }
+        let p = |w: &str| format!("model.layers.{l}.mlp.experts.{w}");
+        out.extend([
+            (p("gate_up_proj"), vec![n, h, 2 * f], 2 * n * h * 2 * f),
+            (p("gate_up_proj_bias"), vec![n, 2 * f], 2 * n * 2 * f),
+            (p("down_proj"), vec![n, f, h], 2 * n * f * h),
+        ]);
+    }
+    Ok(out)
+}
+
+/// The bf16 bytes of one of [`gpt_oss_expert_layout`]'s tensors, from the values of the GGUF
+/// tensors it is made of (the same rows `fill` would write for a GGUF).
+fn gpt_oss_expert_bytes(hf: &str, fused: &[Tensor], seed: u64) -> Result<Vec<u8>> {
+    let (layer, what) = hf
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split_once(".mlp.experts."))
+        .context("a gpt-oss expert tensor name")?;
+    let find = |n: &str| {
+        let name = format!("blk.{layer}.{n}");
+        fused
+            .iter()
+            .find(|t| t.gguf == name)
+            .with_context(|| format!("no tensor {name}"))
+    };
+    let rows = |t: &Tensor| -> Vec<Vec<f32>> {
+        (0..t.rows)
+            .map(|r| {
+                let mut v = vec![0f32; t.cols];
+                row_values(seed, &t.gguf, t.row0 + r, &t.init, &mut v);
+                v
+            })
+            .collect()
+    };
+    // out[e][c][i][k] = srcs[k][e * per + i][c]: each expert's `per` rows of the sources as
+    // columns, the sources' values interleaved (a bias is one row an expert)
+    let columns = |srcs: &[Vec<Vec<f32>>], n: usize| {
+        let (per, cols) = (srcs[0].len() / n, srcs[0][0].len());
+        let mut out = Vec::with_capacity(2 * srcs.len() * per * n * cols);
+        for e in 0..n {
+            for c in 0..cols {
+                for i in 0..per {
+                    for src in srcs {
+                        out.extend(f32_to_bf16(src[e * per + i][c]).to_le_bytes());
+                    }
+                }
+            }
+        }
+        out
+    };
+    let n = find("ffn_gate_exps.weight")?
+        .experts
+        .context("an expert tensor")?;
+    let out = match what {
+        // [e][c][2i + k] = (gate, up)[k][e][i][c]; the bias [e][2i + k] = (gate, up)[k][e][i]
+        "gate_up_proj" | "gate_up_proj_bias" => {
+            let suffix = if what.ends_with("_bias") {
+                "bias"
+            } else {
+                "weight"
+            };
+            let gate = rows(find(&format!("ffn_gate_exps.{suffix}"))?);
+            let up = rows(find(&format!("ffn_up_exps.{suffix}"))?);
+            columns(&[gate, up], n)
+        }
+        // [e][f][h] = down[e][h][f]
+        "down_proj" => columns(&[rows(find("ffn_down_exps.weight")?)], n),
+        other => bail!("no gpt-oss expert tensor '{other}'"),
+    };
+    Ok(out)
 }
 
 fn create(path: &Path, len: u64) -> Result<std::fs::File> {

@@ -1,5 +1,5 @@
 //! Rotary position embeddings, the one definition both backends rotate by: the inverse frequencies
-//! of a model (RoPE scaling applied: llama3, linear, GGUF `rope_freqs`), the (cos, sin) factors of a
+//! of a model (RoPE scaling applied: llama3, linear, GGUF `rope_freqs`, LongRoPE, YaRN), the (cos, sin) factors of a
 //! position, their application to adjacent pairs, and the position-major table the CUDA kernels read.
 //!
 //! Conventions: heads rotate *adjacent* pairs `(x[2i], x[2i+1])` by `pos * inv_freq[i]` (the GGUF /
@@ -128,14 +128,64 @@ pub fn model_inv_freq(
             };
             rope_inv_freq(head_dim, c.rope_theta, None, Some(ff))
         }
+        Some(RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        }) => yarn_inv_freq(
+            head_dim,
+            c.rope_theta as f64,
+            *factor as f64,
+            *original_max_position as f64,
+            (*beta_fast as f64, *beta_slow as f64),
+            *truncate,
+        ),
     })
 }
 
+/// YaRN's inverse frequencies over `dim` rotated dimensions (HF `_compute_yarn_parameters`; with
+/// `truncate`, llama.cpp's `ggml_rope_yarn_corr_dims` too): pair i's frequency is
+/// `theta^(-2i/dim)` blended toward that divided by `factor` by a ramp that is 0 up to the pair
+/// turning `beta_fast` times in `original` positions and 1 from the one turning `beta_slow` times.
+fn yarn_inv_freq(
+    dim: usize,
+    theta: f64,
+    factor: f64,
+    original: f64,
+    (beta_fast, beta_slow): (f64, f64),
+    truncate: bool,
+) -> Vec<f32> {
+    let corr = |rot: f64| {
+        dim as f64 * (original / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    (0..dim / 2)
+        .map(|i| {
+            let extrapolated = theta.powf(-2.0 * i as f64 / dim as f64);
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            (extrapolated / factor * ramp + extrapolated * (1.0 - ramp)) as f32
+        })
+        .collect()
+}
+
 /// The factor on a model's rotation's cos and sin (so on the rotated dimensions of Q and K):
-/// LongRoPE's attention factor, 1 otherwise. HF scales cos and sin the same way.
+/// LongRoPE's or YaRN's attention factor, 1 otherwise. HF scales cos and sin the same way.
 pub fn model_rope_scale(c: &metrale_model::ModelConfig) -> f32 {
     match &c.rope_scaling {
         Some(RopeScaling::LongRope {
+            attention_factor, ..
+        })
+        | Some(RopeScaling::Yarn {
             attention_factor, ..
         }) => *attention_factor,
         _ => 1.0,
@@ -155,6 +205,56 @@ pub fn rope_table(inv_freq: &[f32], n_pos: usize) -> Vec<[f32; 2]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// gpt-oss's RoPE (head dim 64, theta 150,000, YaRN factor 32 over 4,096 positions, beta 32
+    /// and 1) against transformers 5.25's `_compute_yarn_parameters` (f32 there, so within 1e-6
+    /// relative), with its `truncate: false` and with the rounded ramp (the default, and
+    /// llama.cpp's): the two differ only on the ramp (pairs 9 to 17).
+    #[test]
+    fn yarn_frequencies_are_transformers() {
+        let hf: [(bool, [(usize, f64); 9]); 2] = [
+            (
+                false,
+                [
+                    (0, 1.0),
+                    (7, 0.07374456524848938),
+                    (8, 0.05081327259540558),
+                    (9, 0.031705696135759354),
+                    (12, 0.006794959306716919),
+                    (16, 0.0004564839182421565),
+                    (17, 0.00012931869423482567),
+                    (18, 3.830881178146228e-05),
+                    (31, 3.023511396804679e-07),
+                ],
+            ),
+            (
+                true,
+                [
+                    (0, 1.0),
+                    (7, 0.07374456524848938),
+                    (8, 0.05081327259540558),
+                    (9, 0.031620752066373825),
+                    (12, 0.007015713956207037),
+                    (16, 0.0005809474969282746),
+                    (17, 0.0002279478358104825),
+                    (18, 3.830881178146228e-05),
+                    (31, 3.023511396804679e-07),
+                ],
+            ),
+        ];
+        for (truncate, want) in hf {
+            let got = yarn_inv_freq(64, 150000.0, 32.0, 4096.0, (32.0, 1.0), truncate);
+            for (i, w) in want {
+                let rel = ((got[i] as f64 - w) / w).abs();
+                assert!(
+                    rel < 1e-6,
+                    "truncate {truncate}, pair {i}: {} vs {w}",
+                    got[i]
+                );
+            }
+        }
+        assert!((metrale_model::config::yarn_mscale(32.0) - 1.346_573_6).abs() < 1e-6);
+    }
 
     #[test]
     fn rope_rotates_adjacent_pairs() {

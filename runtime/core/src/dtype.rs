@@ -34,6 +34,9 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// MXFP4 (ggml type 39): 32-element blocks of FP4 (E2M1) codes with a power-of-two scale
+    /// ([`crate::format::mxfp4`]).
+    MXFP4,
     /// FP8 e4m3 (`float8_e4m3fn`), one byte an element, no scale of its own: a matrix of it comes
     /// with a tensor of per-row scales ([`crate::fp8`]). HF safetensors only (GGUF has no FP8 type).
     F8_E4M3,
@@ -61,7 +64,7 @@ pub enum DTypeError {
 
 impl DType {
     /// The types a GGUF file may hold, in ggml id order.
-    pub const GGUF: [DType; 11] = [
+    pub const GGUF: [DType; 12] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
@@ -73,11 +76,12 @@ impl DType {
         DType::Q5_K,
         DType::Q6_K,
         DType::BF16,
+        DType::MXFP4,
     ];
 
     /// Every type: those of GGUF ([`DType::GGUF`]), then FP8.
-    pub const ALL: [DType; 12] = {
-        let mut all = [DType::F8_E4M3; 12];
+    pub const ALL: [DType; 13] = {
+        let mut all = [DType::F8_E4M3; 13];
         let mut i = 0;
         while i < DType::GGUF.len() {
             all[i] = DType::GGUF[i];
@@ -100,6 +104,7 @@ impl DType {
             DType::Q5_K => 13,
             DType::Q6_K => 14,
             DType::BF16 => 30,
+            DType::MXFP4 => 39,
             DType::F8_E4M3 => return None,
         })
     }
@@ -118,6 +123,7 @@ impl DType {
             13 => Some(DType::Q5_K),
             14 => Some(DType::Q6_K),
             30 => Some(DType::BF16),
+            39 => Some(DType::MXFP4),
             _ => None,
         }
     }
@@ -137,6 +143,7 @@ impl DType {
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
+            DType::MXFP4 => "mxfp4",
             DType::F8_E4M3 => "f8_e4m3",
         }
     }
@@ -163,7 +170,9 @@ impl DType {
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::F8_E4M3 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => QK,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 => {
+                QK
+            }
             DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
     }
@@ -179,6 +188,7 @@ impl DType {
             DType::Q5_0 => crate::format::q5::block_bytes(false),
             DType::Q5_1 => crate::format::q5::block_bytes(true),
             DType::Q8_0 => crate::format::q8_0::BLOCK_BYTES,
+            DType::MXFP4 => crate::format::mxfp4::BLOCK_BYTES,
             DType::Q4_K => KQuant::Q4_K.block_bytes(),
             DType::Q5_K => KQuant::Q5_K.block_bytes(),
             DType::Q6_K => KQuant::Q6_K.block_bytes(),
@@ -236,7 +246,7 @@ impl std::fmt::Display for DType {
 /// Dequantize (or widen) one row: `bytes` must hold exactly `out.len()` elements of `dtype`
 /// (`dtype.row_bytes(out.len())` bytes). This is the reference every backend is checked against.
 pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), DTypeError> {
-    use crate::format::{float, q4_0, q4_1, q5, q8_0};
+    use crate::format::{float, mxfp4, q4_0, q4_1, q5, q8_0};
     dtype.check_row(out.len(), bytes.len())?;
     match dtype {
         DType::F32 => float::dequantize(float::Bits::F32, bytes, out),
@@ -247,6 +257,7 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
         DType::Q5_0 => q5::dequantize(false, bytes, out),
         DType::Q5_1 => q5::dequantize(true, bytes, out),
         DType::Q8_0 => q8_0::dequantize(bytes, out),
+        DType::MXFP4 => mxfp4::dequantize(bytes, out),
         DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             let k = dtype.kquant().expect("a K-quant type");
             k.dequantize(bytes, out).expect("row size checked above");
@@ -268,7 +279,7 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
 /// each element takes the nearest level; the K-quants take `kquant::quantize` (the project's own,
 /// simpler than ggml's). [`dequantize_row`] is its inverse up to that rounding.
 pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTypeError> {
-    use crate::format::{float, q4_0, q4_1, q5, q8_0};
+    use crate::format::{float, mxfp4, q4_0, q4_1, q5, q8_0};
     dtype.check_row(src.len(), out.len())?;
     match dtype {
         DType::F32 => float::quantize(float::Bits::F32, src, out),
@@ -279,6 +290,7 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTy
         DType::Q5_0 => q5::quantize(false, src, out),
         DType::Q5_1 => q5::quantize(true, src, out),
         DType::Q8_0 => q8_0::quantize(src, out),
+        DType::MXFP4 => mxfp4::quantize(src, out),
         DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             let k = dtype.kquant().expect("a K-quant type");
             crate::kquant::quantize(k, src, out).expect("row size checked above");
@@ -491,6 +503,10 @@ mod tests {
                     DType::Q5_1 => {
                         (hi - lo) / 31.0 * (0.5 + 32.0 * 2f32.powi(-11)) + amax * 2f32.powi(-11)
                     }
+                    // the largest magnitude in [2^k, 2^(k+1)) and the scale 2^(k-2): levels up
+                    // to 6 x 2^(k-2), so an element past it clamps by up to 2^(k-1) <= amax / 2,
+                    // and below it half the widest step (2 x 2^(k-2)) is 2^(k-2) <= amax / 4
+                    DType::MXFP4 => amax / 2.0,
                     DType::Q4_K | DType::Q5_K | DType::Q6_K => unreachable!("skipped above"),
                     // 3 mantissa bits: half a step is at most 2^-4 of the value, or half a
                     // subnormal step (2^-10) below 2^-6

@@ -21,7 +21,7 @@ pub const SUPPORTED_ARCHS: &str =
      qwen2 (GGUF qwen2; HF Qwen2ForCausalLM), qwen3 (GGUF qwen3; HF Qwen3ForCausalLM), \
      gemma3 (GGUF gemma3; HF gemma3_text, Gemma3ForCausalLM), phi3 (GGUF phi3; HF Phi3ForCausalLM: \
      Phi-3, Phi-3.5, Phi-4), qwen3moe (GGUF qwen3moe; HF qwen3_moe, \
-     Qwen3MoeForCausalLM)";
+     Qwen3MoeForCausalLM), gpt-oss (GGUF gpt-oss; HF gpt_oss, GptOssForCausalLM)";
 
 /// A model family: the block's features that differ between the architectures this runtime reads.
 /// Every family is a pre-norm decoder (RMSNorm, attention with grouped KV heads and RoPE, RMSNorm,
@@ -43,6 +43,10 @@ pub enum Family {
     /// Phi-3, Phi-3.5, Phi-4 (HF Phi3ForCausalLM): llama's block with Q/K/V and gate/up each
     /// stored as one matrix, which the readers split.
     Phi3,
+    /// gpt-oss (HF GptOssForCausalLM): routed experts with biases and a clamped SwiGLU, biases
+    /// on Q, K, V and O, a learned sink logit per head in the attention's softmax, sliding
+    /// windows on every other layer, YaRN RoPE.
+    GptOss,
 }
 
 impl Family {
@@ -57,6 +61,7 @@ impl Family {
             "qwen3moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
             "gemma3" | "gemma3_text" => Some(Family::Gemma3),
             "phi3" => Some(Family::Phi3),
+            "gpt-oss" | "gpt_oss" => Some(Family::GptOss),
             _ => None,
         }
     }
@@ -70,6 +75,7 @@ impl Family {
             Family::Qwen3Moe => "qwen3moe",
             Family::Gemma3 => "gemma3",
             Family::Phi3 => "phi3",
+            Family::GptOss => "gpt-oss",
         }
     }
 
@@ -78,6 +84,7 @@ impl Family {
         match self {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Gemma3 => "gemma3_text",
+            Family::GptOss => "gpt_oss",
             f => f.name(),
         }
     }
@@ -97,6 +104,7 @@ impl Family {
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
             Family::Phi3 => "Phi3ForCausalLM",
+            Family::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -199,6 +207,29 @@ pub enum RopeScaling {
         original_max_position: usize,
         attention_factor: f32,
     },
+    /// YaRN (gpt-oss; HF `rope_type: yarn`): each pair's inverse frequency blends the original
+    /// and the one divided by `factor` over a ramp between the pairs that turn `beta_fast` and
+    /// `beta_slow` times in `original_max_position` positions (the ramp's ends rounded out where
+    /// `truncate`: HF's default, and always in GGUF as llama.cpp computes it), and
+    /// `attention_factor` scales cos and sin (HF's `yarn_get_mscale`: 0.1 ln(factor) + 1 unless
+    /// the config gives it).
+    Yarn {
+        factor: f32,
+        original_max_position: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        truncate: bool,
+        attention_factor: f32,
+    },
+}
+
+/// YaRN's default attention factor: 0.1 ln(factor) + 1 (1 for factor <= 1), HF's and llama.cpp's.
+pub fn yarn_mscale(factor: f32) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * factor.ln() + 1.0
+    }
 }
 
 /// Everything a backend needs to size and run a model.
@@ -314,6 +345,59 @@ fn long_rope(
         long,
         original_max_position: original,
         attention_factor,
+    })
+}
+
+/// An HF config's YaRN scaling (`rope_type: yarn`), as transformers computes it
+/// (`_compute_yarn_parameters`): `factor` (or max_position_embeddings over the original), the
+/// pretraining context (`original_max_position_embeddings`, in the scaling table or top level),
+/// `beta_fast` / `beta_slow` (32 / 1), `truncate` (true), and the attention factor: the config's,
+/// else from `mscale` / `mscale_all_dim` where both are given, else 0.1 ln(factor) + 1.
+fn yarn(path: &Path, cfg: &Json, rs: &Json, max_context: usize) -> Result<RopeScaling> {
+    let num = |k: &str| rs.get(k).and_then(Json::as_f64);
+    let original = rs
+        .get("original_max_position_embeddings")
+        .or_else(|| cfg.get("original_max_position_embeddings"))
+        .and_then(Json::as_u64)
+        .filter(|&o| o > 1)
+        .ok_or_else(|| ModelError::Missing {
+            path: path.to_path_buf(),
+            field: "config.json rope_scaling.original_max_position_embeddings".into(),
+            hint: "YaRN scales by the pretraining context length".into(),
+        })? as usize;
+    let factor = num("factor").unwrap_or(max_context as f64 / original as f64);
+    let (fast, slow) = (
+        num("beta_fast").unwrap_or(32.0),
+        num("beta_slow").unwrap_or(1.0),
+    );
+    if !(factor.is_finite() && factor > 0.0 && fast > slow && slow > 0.0) {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: "config.json rope_scaling".into(),
+            expected: "YaRN with factor > 0 and beta_fast > beta_slow > 0".into(),
+            got: rs.to_string().chars().take(120).collect(),
+        });
+    }
+    let mscale = |m: f64| match factor <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * factor.ln() + 1.0,
+    };
+    let attention_factor = match (
+        num("attention_factor"),
+        num("mscale"),
+        num("mscale_all_dim"),
+    ) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(a)) if m != 0.0 && a != 0.0 => mscale(m) / mscale(a),
+        _ => mscale(1.0),
+    };
+    Ok(RopeScaling::Yarn {
+        factor: factor as f32,
+        original_max_position: original,
+        beta_fast: fast as f32,
+        beta_slow: slow as f32,
+        truncate: rs.get("truncate").and_then(Json::as_bool).unwrap_or(true),
+        attention_factor: attention_factor as f32,
     })
 }
 
@@ -544,12 +628,37 @@ impl ModelConfig {
                     let factor = g.opt_f32(&k("rope.scaling.factor"))?.unwrap_or(1.0);
                     (factor != 1.0).then_some(RopeScaling::Linear { factor })
                 }
+                // as llama.cpp computes it: the ramp's ends always rounded out
+                Some("yarn") => {
+                    let factor = g.opt_f32(&k("rope.scaling.factor"))?.unwrap_or(1.0);
+                    let key = k("rope.scaling.original_context_length");
+                    let original =
+                        g.opt_u64(&key)?
+                            .filter(|&o| o > 1)
+                            .ok_or_else(|| ModelError::Missing {
+                                path: path.to_path_buf(),
+                                field: format!("metadata '{key}'"),
+                                hint: "YaRN scales by the pretraining context length".into(),
+                            })? as usize;
+                    (factor > 1.0).then_some(RopeScaling::Yarn {
+                        factor,
+                        original_max_position: original,
+                        beta_fast: g
+                            .opt_f32(&k("rope.scaling.yarn_beta_fast"))?
+                            .unwrap_or(32.0),
+                        beta_slow: g.opt_f32(&k("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
+                        truncate: true,
+                        attention_factor: g
+                            .opt_f32(&k("rope.scaling.yarn_attn_factor"))?
+                            .unwrap_or_else(|| yarn_mscale(factor)),
+                    })
+                }
                 Some(other) => {
                     return Err(ModelError::Unsupported {
                         path: path.to_path_buf(),
                         field: format!("metadata '{}'", k("rope.scaling.type")),
                         value: other.into(),
-                        supported: "none, linear (llama3 via rope_freqs.weight)".into(),
+                        supported: "none, linear, yarn (llama3 via rope_freqs.weight)".into(),
                     })
                 }
             }
@@ -584,6 +693,12 @@ impl ModelConfig {
                         Some(Sliding::pattern(w as usize, pattern, n_layers, local))
                     }
                 }
+            }
+            // gpt-oss as llama.cpp reads it: every other layer (0, 2, ...) in the window, with
+            // the model's own RoPE (its scaling included) unless the file gives the base
+            (Family::GptOss, Some(w)) if w > 0 => {
+                let local = g.opt_f32(&k("rope.freq_base_swa"))?.unwrap_or(rope_theta);
+                Some(Sliding::pattern(w as usize, 2, n_layers, local))
             }
             _ => None,
         };
@@ -787,6 +902,21 @@ impl ModelConfig {
                 });
             }
         }
+        // gpt-oss's clamped SwiGLU: the constants every checkpoint has, which the backends use
+        if family.features().oai_moe {
+            for (k, want) in [("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)] {
+                if let Some(v) = cfg.get(k).filter(|v| !v.is_null()) {
+                    if v.as_f64().is_none_or(|x| (x - want).abs() > 1e-6) {
+                        return Err(ModelError::Unsupported {
+                            path: path.to_path_buf(),
+                            field: field(k),
+                            value: v.to_string(),
+                            supported: format!("{want} (gpt-oss's)"),
+                        });
+                    }
+                }
+            }
+        }
         // Phi-4-mini and Phi-3.5's partial rotary embedding
         let partial = cfg
             .get("partial_rotary_factor")
@@ -871,10 +1001,19 @@ impl ModelConfig {
                 });
             }
             Some(Moe {
-                experts: req_usize("num_experts")?,
+                experts: match family {
+                    Family::GptOss => req_usize("num_local_experts")?,
+                    _ => req_usize("num_experts")?,
+                },
                 used: req_usize("num_experts_per_tok")?,
-                ffn: req_usize("moe_intermediate_size")?,
+                ffn: match family {
+                    // each expert's width; gpt-oss has no dense MLP
+                    Family::GptOss => req_usize("intermediate_size")?,
+                    _ => req_usize("moe_intermediate_size")?,
+                },
+                // gpt-oss: the softmax over the chosen experts' logits (the renormalised top k)
                 norm_topk: match cfg.get("norm_topk_prob") {
+                    _ if family == Family::GptOss => true,
                     None | Some(Json::Null) => false,
                     Some(v) => v
                         .as_bool()
@@ -902,6 +1041,7 @@ impl ModelConfig {
             Some(t) => t,
             None => rope_param("full_attention").unwrap_or(match family {
                 Family::Gemma3 => 1_000_000.0,
+                Family::GptOss => 150_000.0,
                 _ => 10000.0,
             }),
         };
@@ -914,8 +1054,17 @@ impl ModelConfig {
                 .as_bool()
                 .ok_or_else(|| mm("tie_word_embeddings", "a bool", v))?,
         };
-        let rope_scaling = match cfg.get("rope_scaling") {
-            None | Some(Json::Null) => None,
+        // transformers 5 writes the scaling into `rope_parameters` (one table, or one per layer
+        // type for Gemma 3, whose scaled table is the full-attention one)
+        let scaling = match cfg.get("rope_scaling") {
+            None | Some(Json::Null) => cfg
+                .get("rope_parameters")
+                .map(|r| r.get("full_attention").unwrap_or(r))
+                .filter(|r| r.get("rope_type").is_some()),
+            Some(rs) => Some(rs),
+        };
+        let rope_scaling = match scaling {
+            None => None,
             Some(rs) => {
                 let kind = rs
                     .get("rope_type")
@@ -941,12 +1090,13 @@ impl ModelConfig {
                     "longrope" | "su" => {
                         Some(long_rope(path, cfg, rs, max_context, rotary_dim / 2)?)
                     }
+                    "yarn" => Some(yarn(path, cfg, rs, max_context)?),
                     other => {
                         return Err(ModelError::Unsupported {
                             path: path.to_path_buf(),
                             field: field("rope_scaling.rope_type"),
                             value: other.into(),
-                            supported: "default, linear, llama3, longrope".into(),
+                            supported: "default, linear, llama3, longrope, yarn".into(),
                         })
                     }
                 }
@@ -982,10 +1132,12 @@ impl ModelConfig {
                     None => None,
                 }
             }
-            Family::Gemma3 => {
+            Family::Gemma3 | Family::GptOss => {
                 let window = req_usize("sliding_window")?;
                 let local = match opt_f32("rope_local_base_freq")? {
                     Some(t) => t,
+                    // gpt-oss's sliding layers rotate as the others (one RoPE, YaRN included)
+                    None if family == Family::GptOss => rope_theta,
                     None => rope_param("sliding_attention").unwrap_or(10000.0),
                 };
                 match cfg.get("layer_types").and_then(Json::as_array) {
@@ -1016,7 +1168,10 @@ impl ModelConfig {
                         })
                     }
                     None => {
-                        let pattern = opt_usize("sliding_window_pattern")?.unwrap_or(6);
+                        // transformers' defaults: gpt-oss every other layer (0, 2, ...), Gemma 3
+                        // five of every six
+                        let default = if family == Family::GptOss { 2 } else { 6 };
+                        let pattern = opt_usize("sliding_window_pattern")?.unwrap_or(default);
                         Some(Sliding::pattern(window, pattern, n_layers, local))
                     }
                 }
@@ -1191,6 +1346,20 @@ pub fn validate_model(c: &ModelConfig, w: &Weights) -> Result<()> {
         if c.family.qk_norm() {
             check(&b("attn_q_norm"), &[c.head_dim], true)?;
             check(&b("attn_k_norm"), &[c.head_dim], true)?;
+        }
+        let f = c.family.features();
+        if f.out_bias {
+            check(&format!("blk.{l}.attn_output.bias"), &[c.hidden], true)?;
+        }
+        if f.attn_sinks {
+            check(&b("attn_sinks"), &[c.n_heads], true)?;
+        }
+        if let (true, Some(m)) = (f.oai_moe, c.moe) {
+            let bias = |s: &str| format!("blk.{l}.{s}.bias");
+            check(&bias("ffn_gate_inp"), &[m.experts], true)?;
+            check(&bias("ffn_gate_exps"), &[m.ffn, m.experts], true)?;
+            check(&bias("ffn_up_exps"), &[m.ffn, m.experts], true)?;
+            check(&bias("ffn_down_exps"), &[c.hidden, m.experts], true)?;
         }
         if c.family.features().post_norms {
             check(&b("post_attention_norm"), &[c.hidden], true)?;

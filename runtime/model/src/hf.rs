@@ -91,15 +91,31 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    // the Q/K/V projections' biases (qwen2) keep their matrix's name with `.bias`
+    // the Q/K/V projections' biases (qwen2; gpt-oss's O too) keep their matrix's name with `.bias`
     if let Some(proj) = rest.strip_suffix("_proj.bias") {
         let short = match proj {
             "self_attn.q" => "attn_q",
             "self_attn.k" => "attn_k",
             "self_attn.v" => "attn_v",
+            "self_attn.o" => "attn_output",
             _ => return None,
         };
         return Some(Some(format!("blk.{layer}.{short}.bias")));
+    }
+    // gpt-oss: the sinks, the router with its bias, and the experts stored as one tensor per
+    // projection ([`gpt_oss_experts`] turns them into GGUF's)
+    match rest {
+        "self_attn.sinks" => return Some(Some(format!("blk.{layer}.attn_sinks.weight"))),
+        "mlp.router.weight" => return Some(Some(format!("blk.{layer}.ffn_gate_inp.weight"))),
+        "mlp.router.bias" => return Some(Some(format!("blk.{layer}.ffn_gate_inp.bias"))),
+        "mlp.experts.down_proj_bias" => {
+            return Some(Some(format!("blk.{layer}.ffn_down_exps.bias")))
+        }
+        "mlp.experts.gate_up_proj" | "mlp.experts.gate_up_proj_bias" | "mlp.experts.down_proj" => {
+            let what = rest.strip_prefix("mlp.experts.").unwrap_or(rest);
+            return Some(Some(format!("blk.{layer}.{GPT_OSS_EXPERTS}{what}")));
+        }
+        _ => {}
     }
     let short = match rest {
         "input_layernorm.weight" => "attn_norm",
@@ -136,6 +152,96 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         }
     };
     Some(Some(format!("blk.{layer}.{short}.weight")))
+}
+
+/// The infix of the names [`gguf_name`] gives gpt-oss's HF expert tensors, which
+/// [`gpt_oss_experts`] reorders into GGUF's.
+const GPT_OSS_EXPERTS: &str = "hf_experts.";
+
+/// gpt-oss's HF expert tensors (transformers' layout: `gate_up_proj` `[experts][hidden][2 ffn]`
+/// with gate and up columns interleaved, its bias `[experts][2 ffn]`, `down_proj`
+/// `[experts][ffn][hidden]`) as GGUF's (`ffn_{gate,up}_exps` `[experts][ffn][hidden]`,
+/// `ffn_down_exps` `[experts][hidden][ffn]`, the biases `[experts][ffn]`), as llama.cpp's
+/// converter writes them: (GGUF name, ggml shape, bytes). `Ok(None)` for any other tensor.
+#[allow(clippy::type_complexity)]
+fn gpt_oss_experts(
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+    data: &[u8],
+    path: &Path,
+    shown: &str,
+) -> Result<Option<Vec<(String, Vec<usize>, Vec<u8>)>>> {
+    let Some((block, what)) = name.split_once(GPT_OSS_EXPERTS) else {
+        return Ok(None);
+    };
+    let es = match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => dtype.row_bytes(1).unwrap_or(0),
+        other => {
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                field: format!("tensor '{shown}' dtype"),
+                value: other.to_string(),
+                supported: "F32, F16 or BF16".into(),
+            })
+        }
+    };
+    let bad = |expected: &str| ModelError::Mismatch {
+        path: path.to_path_buf(),
+        field: format!("tensor '{shown}' shape"),
+        expected: expected.into(),
+        got: format!("{:?}", hf_shape(shape)),
+    };
+    // out[e][c][r] = in[e][r][step c + off]: a matrix's columns (every `step`-th) as rows
+    let columns = |e_n: usize, r_n: usize, c_n: usize, step: usize, off: usize| {
+        let mut out = Vec::with_capacity(data.len() / step);
+        for e in 0..e_n {
+            for c in 0..c_n / step {
+                for r in 0..r_n {
+                    let at = ((e * r_n + r) * c_n + step * c + off) * es;
+                    out.extend_from_slice(&data[at..at + es]);
+                }
+            }
+        }
+        out
+    };
+    let n = |s: &str| format!("{block}{s}");
+    Ok(Some(match (what, shape) {
+        ("gate_up_proj", &[c2, h, e]) if c2 % 2 == 0 => vec![
+            (
+                n("ffn_gate_exps.weight"),
+                vec![h, c2 / 2, e],
+                columns(e, h, c2, 2, 0),
+            ),
+            (
+                n("ffn_up_exps.weight"),
+                vec![h, c2 / 2, e],
+                columns(e, h, c2, 2, 1),
+            ),
+        ],
+        ("gate_up_proj_bias", &[c2, e]) if c2 % 2 == 0 => vec![
+            (
+                n("ffn_gate_exps.bias"),
+                vec![c2 / 2, e],
+                columns(e, 1, c2, 2, 0),
+            ),
+            (
+                n("ffn_up_exps.bias"),
+                vec![c2 / 2, e],
+                columns(e, 1, c2, 2, 1),
+            ),
+        ],
+        ("down_proj", &[h, f, e]) => {
+            vec![(
+                n("ffn_down_exps.weight"),
+                vec![f, h, e],
+                columns(e, f, h, 1, 0),
+            )]
+        }
+        ("gate_up_proj", _) => return Err(bad("[experts, hidden, 2 x ffn]")),
+        ("gate_up_proj_bias", _) => return Err(bad("[experts, 2 x ffn]")),
+        _ => return Err(bad("[experts, ffn, hidden]")),
+    }))
 }
 
 /// The GGUF name of an HF tensor where a family names it apart from [`gguf_name`]'s (`name`):
@@ -522,6 +628,10 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                         None => mapped.push((pname, dtype, pshape, fi, base + off, len)),
                     }
                 }
+                continue;
+            }
+            if let Some(parts) = gpt_oss_experts(&name, dtype, &shape, data, &p, &hf_name)? {
+                owned.extend(parts.into_iter().map(|(n, s, b)| (n, dtype, s, b)));
                 continue;
             }
             // norms stored as w for 1 + w: the 1 added once, in f32 (as llama.cpp's converter

@@ -127,7 +127,13 @@ impl Model {
         let chat_template = chat::ChatTemplate::from_gguf(&g, &bos_text, &eos_text)?;
         let gguf::GgufFile { header, map, .. } = g;
         let mut weights = Weights::new(path.to_path_buf(), vec![map]);
-        for t in header.tensors {
+        for mut t in header.tensors {
+            // gpt-oss's GGUFs name the norm before the MLP `post_attention_norm`
+            if config.family == Family::GptOss {
+                if let Some(l) = t.name.strip_suffix(".post_attention_norm.weight") {
+                    t.name = format!("{l}.ffn_norm.weight");
+                }
+            }
             // fused projections (Phi-3): each part its own tensor (mapped), Q and K then permuted
             if let Some(parts) = hf::fused_parts(&config, &t.name, t.dtype, &t.shape, path)? {
                 for (name, shape, off, len) in parts {

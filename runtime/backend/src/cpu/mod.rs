@@ -87,6 +87,10 @@ struct Layer {
     /// `Family::qkv_bias`.
     qkv_bias: Option<[Vec<f32>; 3]>,
     wo: QTensor,
+    /// The O projection's bias (`hidden`), in families with `out_bias`.
+    o_bias: Option<Vec<f32>>,
+    /// Each query head's sink logit, in families with `attn_sinks`.
+    sinks: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     ffn: Ffn,
     /// The norms after the attention and after the MLP (families with `post_norms`).
@@ -109,7 +113,17 @@ enum Ffn {
         router: QTensor,
         experts: Vec<[QTensor; 3]>,
         moe: metrale_model::config::Moe,
+        /// gpt-oss's experts (`oai_moe`): biases and the clamped SwiGLU.
+        oai: Option<OaiExperts>,
     },
+}
+
+/// The biases of gpt-oss's router (`[experts]`) and of each expert's gate, up and down products
+/// (`ffn`, `ffn`, `hidden`); with them the experts' gate is [`ops::swiglu_oai_inplace`].
+#[derive(Debug)]
+struct OaiExperts {
+    router: Vec<f32>,
+    experts: Vec<[Vec<f32>; 3]>,
 }
 
 impl Ffn {
@@ -448,6 +462,44 @@ fn load_vector(model: &Model, name: &str, n: usize) -> Result<Vec<f32>, BackendE
     Ok(out)
 }
 
+/// gpt-oss's router and expert biases of layer `l` (`metrale_model::config::validate_model`
+/// checked their shapes: the experts' as `[ffn or hidden][experts]`, expert e's in row e).
+fn load_oai_experts(
+    model: &Model,
+    l: usize,
+    moe: metrale_model::config::Moe,
+    h: usize,
+) -> Result<OaiExperts, BackendError> {
+    let all = |s: &str, len: usize| -> Result<Vec<Vec<f32>>, BackendError> {
+        let name = format!("blk.{l}.{s}.bias");
+        let t = model.weights.get(&name).map_err(model_err)?;
+        if t.shape[..] != [len, moe.experts] {
+            return Err(BackendError::Model(format!(
+                "tensor '{name}': expected shape [{len}, {}], got {:?}",
+                moe.experts, t.shape
+            )));
+        }
+        let mut v = vec![0f32; len * moe.experts];
+        dequantize_row(t.dtype, t.data, &mut v)
+            .map_err(|e| BackendError::Model(format!("tensor '{name}': {e}")))?;
+        Ok(v.chunks_exact(len).map(<[f32]>::to_vec).collect())
+    };
+    let (g, u, d) = (
+        all("ffn_gate_exps", moe.ffn)?,
+        all("ffn_up_exps", moe.ffn)?,
+        all("ffn_down_exps", h)?,
+    );
+    Ok(OaiExperts {
+        router: load_vector(model, &format!("blk.{l}.ffn_gate_inp.bias"), moe.experts)?,
+        experts: g
+            .into_iter()
+            .zip(u)
+            .zip(d)
+            .map(|((g, u), d)| [g, u, d])
+            .collect(),
+    })
+}
+
 impl CpuBackend {
     /// [`CpuBackend::load_kv`] with an f32 pool that holds every slot at full capacity, each slot's
     /// blocks its own run ([`crate::slot_blocks`]).
@@ -512,6 +564,14 @@ impl CpuBackend {
                     false => None,
                 },
                 wo: load_matrix(model, &n("attn_output"), h, q)?.packed_for_this_cpu(),
+                o_bias: match c.family.features().out_bias {
+                    true => Some(load_vector(model, &format!("blk.{i}.attn_output.bias"), h)?),
+                    false => None,
+                },
+                sinks: match c.family.features().attn_sinks {
+                    true => Some(load_vector(model, &n("attn_sinks"), dims.heads)?),
+                    false => None,
+                },
                 ffn_norm: load_vector(model, &n("ffn_norm"), h)?,
                 post_norms: match c.family.features().post_norms {
                     true => Some((
@@ -546,6 +606,10 @@ impl CpuBackend {
                             })
                             .collect::<Result<_, _>>()?,
                         moe,
+                        oai: match c.family.features().oai_moe {
+                            true => Some(load_oai_experts(model, i, moe, h)?),
+                            false => None,
+                        },
                     },
                 },
             });
@@ -562,9 +626,12 @@ impl CpuBackend {
             gelu: f.gelu,
             attn_scale: c.attn_scale,
             rope_scale: crate::rope::model_rope_scale(c),
+            // a sliding layer with the model's own base rotates as the others (gpt-oss: YaRN
+            // included); Gemma's local base has no scaling
             local_inv_freq: c
                 .sliding
                 .as_ref()
+                .filter(|sw| sw.rope_theta != c.rope_theta)
                 .map(|sw| crate::rope::rope_inv_freq(c.rotary_dim, sw.rope_theta, None, None)),
         };
         Ok(b)
@@ -980,13 +1047,18 @@ impl<'s, 'b> Pass<'s, 'b> {
                     &self.seq_kv,
                     &self.tok_meta,
                     &self.blocks,
-                    (net.block.attn_scale, l.window),
+                    (net.block.attn_scale, l.window, l.sinks.as_deref()),
                     &mut self.att,
                     &mut self.split_parts,
                 );
             }
             Stage::Out => {
                 mm(&[l.wo.mat()], &self.att, n, &mut [&mut self.o]);
+                if let Some(b) = &l.o_bias {
+                    self.o
+                        .chunks_exact_mut(h)
+                        .for_each(|r| ops::add_inplace(r, b));
+                }
                 if let Some((post, _)) = &l.post_norms {
                     norm_rows(&mut self.o, post, eps);
                 }
@@ -1016,18 +1088,31 @@ impl<'s, 'b> Pass<'s, 'b> {
                         router,
                         experts,
                         moe,
-                    } => self.routed = routed_gate_up(mm, (router, experts, *moe), &self.xn, n, h),
+                        oai,
+                    } => {
+                        self.routed = routed_gate_up(
+                            mm,
+                            (router, experts, *moe, oai.as_ref()),
+                            &self.xn,
+                            n,
+                            h,
+                        )
+                    }
                 }
             }
             Stage::Down => {
                 match &l.ffn {
                     Ffn::Dense { down, .. } => mm(&[down.mat()], &self.u, n, &mut [&mut self.o]),
-                    Ffn::Moe { experts, .. } => {
+                    Ffn::Moe { experts, oai, .. } => {
                         // each chosen expert once over its tokens, weighted, experts in index order
                         self.o.fill(0.0);
                         for (e, toks, u) in &self.routed {
                             let mut y = vec![0f32; toks.len() * h];
                             mm(&[experts[*e][2].mat()], u, toks.len(), &mut [&mut y]);
+                            if let Some(oai) = oai {
+                                let b = &oai.experts[*e][2];
+                                y.chunks_exact_mut(h).for_each(|r| ops::add_inplace(r, b));
+                            }
                             for (yr, &(t, w)) in y.chunks_exact(h).zip(toks) {
                                 for (o, v) in self.o[t * h..(t + 1) * h].iter_mut().zip(yr) {
                                     *o += w * v;
@@ -1061,13 +1146,23 @@ fn norm_rows(rows: &mut [f32], w: &[f32], eps: f32) {
 /// experts in index order.
 fn routed_gate_up(
     mm: MatmulMany,
-    (router, experts, moe): (&QTensor, &[[QTensor; 3]], metrale_model::config::Moe),
+    (router, experts, moe, oai): (
+        &QTensor,
+        &[[QTensor; 3]],
+        metrale_model::config::Moe,
+        Option<&OaiExperts>,
+    ),
     xn: &[f32],
     n: usize,
     h: usize,
 ) -> Routed {
     let mut logits = vec![0f32; n * moe.experts];
     mm(&[router.mat()], xn, n, &mut [&mut logits]);
+    if let Some(oai) = oai {
+        logits
+            .chunks_exact_mut(moe.experts)
+            .for_each(|r| ops::add_inplace(r, &oai.router));
+    }
     let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];
     for (t, row) in logits.chunks_exact(moe.experts).enumerate() {
         for (e, w) in route(row, moe.used, moe.norm_topk) {
@@ -1087,8 +1182,16 @@ fn routed_gate_up(
         let [gate, up, _] = &experts[e];
         let (mut g, mut u) = (vec![0f32; m * moe.ffn], vec![0f32; m * moe.ffn]);
         mm(&[gate.mat(), up.mat()], &xe, m, &mut [&mut g, &mut u]);
-        for (ur, gr) in u.chunks_exact_mut(moe.ffn).zip(g.chunks_exact(moe.ffn)) {
-            ops::swiglu_inplace(gr, ur);
+        for (ur, gr) in u.chunks_exact_mut(moe.ffn).zip(g.chunks_exact_mut(moe.ffn)) {
+            match oai {
+                Some(oai) => {
+                    let [bg, bu, _] = &oai.experts[e];
+                    ops::add_inplace(gr, bg);
+                    ops::add_inplace(ur, bu);
+                    ops::swiglu_oai_inplace(gr, ur);
+                }
+                None => ops::swiglu_inplace(gr, ur),
+            }
         }
         out.push((e, toks, u));
     }
@@ -1108,7 +1211,7 @@ fn attention_layer(
     kv: &[SeqKv],
     tok_meta: &[(usize, usize)],
     blocks: &[(usize, usize)],
-    (scale, window): (f32, usize),
+    (scale, window, sinks): (f32, usize, Option<&[f32]>),
     att: &mut [f32],
     parts: &mut Vec<f32>,
 ) {
@@ -1188,6 +1291,7 @@ fn attention_layer(
                     d.heads,
                     d.kv_heads,
                     (hd, scale, window),
+                    sinks,
                     scratch,
                     &mut o,
                 );
@@ -1219,6 +1323,7 @@ fn attention_layer(
                     &parts[at + hh * pl..],
                     gs * pl,
                     nc,
+                    sinks.map(|s| s[h]),
                     &mut att[ti * qd + h * hd..ti * qd + (h + 1) * hd],
                 );
             }

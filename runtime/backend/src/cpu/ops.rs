@@ -44,6 +44,18 @@ pub fn swiglu_inplace(gate: &[f32], up: &mut [f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU in place: with `g = min(gate, 7)`,
+/// `up = (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)` (transformers' `GptOssExperts`,
+/// llama.cpp's `swiglu_oai`).
+pub fn swiglu_oai_inplace(gate: &[f32], up: &mut [f32]) {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    for (u, &g) in up.iter_mut().zip(gate) {
+        let g = g.min(LIMIT);
+        *u = (u.clamp(-LIMIT, LIMIT) + 1.0) * g / (1.0 + (-ALPHA * g).exp());
+    }
+}
+
 /// GeGLU with the tanh GELU in place: `up = gelu_tanh(gate) * up`, `gelu_tanh(g) = 0.5 g (1 +
 /// tanh(sqrt(2 / pi) (g + 0.044715 g^3)))` (PyTorch's `gelu(approximate="tanh")`, Gemma's MLP).
 pub fn geglu_tanh_inplace(gate: &[f32], up: &mut [f32]) {
@@ -416,12 +428,20 @@ fn attention_partials_body(
 }
 
 /// Combine the partials of chunks 0.. of one query head (each [`partial_len`] floats, `stride`
-/// apart, `n` of them, in chunk order) into its normalised output.
-pub fn attention_combine(parts: &[f32], stride: usize, n: usize, out: &mut [f32]) {
+/// apart, `n` of them, in chunk order) into its normalised output. A `sink` logit (gpt-oss's
+/// attention sinks) joins the softmax's denominator as a position whose value is zero.
+pub fn attention_combine(
+    parts: &[f32],
+    stride: usize,
+    n: usize,
+    sink: Option<f32>,
+    out: &mut [f32],
+) {
     let m = (0..n)
         .map(|c| parts[c * stride])
+        .chain(sink)
         .fold(f32::NEG_INFINITY, f32::max);
-    let mut l = 0.0f32;
+    let mut l = sink.map_or(0.0, |s| crate::numerics::exp_approx(s - m));
     out.fill(0.0);
     for c in 0..n {
         let p = &parts[c * stride..];
@@ -455,6 +475,7 @@ pub fn attention_block(
     n_heads: usize,
     n_kv_heads: usize,
     (head_dim, scale, window): (usize, f32, usize),
+    sinks: Option<&[f32]>,
     scratch: &mut (Vec<f32>, Vec<f32>),
     out: &mut [&mut [f32]],
 ) {
@@ -483,6 +504,7 @@ pub fn attention_block(
                 &parts[at..],
                 gs * pl,
                 n,
+                sinks.map(|s| s[g * gs + hh]),
                 &mut o[hh * head_dim..(hh + 1) * head_dim],
             );
         }
@@ -606,7 +628,7 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
         DType::F32 => dot_f32_row(row, x),
         DType::F16 => dot_16bit_row(row, x, false),
         DType::BF16 => dot_16bit_row(row, x, true),
-        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+        DType::Q5_0 | DType::Q5_1 | DType::MXFP4 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             dot_dequant_row(dtype, row, x)
         }
         DType::F8_E4M3 => dot_fp8_row(row, x),
@@ -639,7 +661,13 @@ fn dot_fp8_row(row: &[u8], x: &[f32]) -> f32 {
 fn dequantising(dtype: DType) -> bool {
     matches!(
         dtype,
-        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::F8_E4M3
+        DType::Q5_0
+            | DType::Q5_1
+            | DType::MXFP4
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::F8_E4M3
     )
 }
 
@@ -1132,6 +1160,7 @@ mod tests {
                     n_heads,
                     n_kv,
                     (hd, 0.25, usize::MAX),
+                    None,
                     &mut scratch,
                     &mut outs,
                 );
@@ -1213,12 +1242,13 @@ mod tests {
             n_heads,
             n_kv,
             (hd, 0.25, usize::MAX),
+            None,
             &mut scratch,
             &mut outs,
         );
         for hh in 0..3 {
             let mut alone = vec![0f32; hd];
-            attention_combine(&pieces[hh * pl..], 3 * pl, nc, &mut alone);
+            attention_combine(&pieces[hh * pl..], 3 * pl, nc, None, &mut alone);
             assert_eq!(alone, bufs[1][hh * hd..(hh + 1) * hd]);
         }
     }
@@ -1253,6 +1283,7 @@ mod tests {
                 n_heads,
                 n_kv,
                 (hd, 0.25, w),
+                None,
                 &mut scratch,
                 &mut outs,
             );

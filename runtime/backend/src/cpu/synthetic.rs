@@ -53,6 +53,12 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
                 c[2..4].copy_from_slice(&h(-0.05 + (i % 5) as f32 * 0.01));
             }
         }
+        // scales 2^-7 .. 2^-4 (the largest level, 6, then 0.05 to 0.4)
+        DType::MXFP4 => {
+            for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                c[0] = 120 + (i % 4) as u8;
+            }
+        }
         // super-block scales: d times 6-bit sub-block scales up to 63 (Q4_K, Q5_K: dmin likewise),
         // d times i8 scales (Q6_K)
         DType::Q4_K | DType::Q5_K => {
@@ -138,6 +144,8 @@ pub fn tiny_backend_kv(dtype: DType, seed: u64, kv: crate::KvConfig, threads: us
             qk_norm: None,
             qkv_bias: None,
             wo: m(64, 64, dtype).packed_for_this_cpu(),
+            o_bias: None,
+            sinks: None,
             ffn_norm: rand_vec(64, seed + 950 + i)
                 .iter()
                 .map(|v| 1.0 + 0.2 * v)

@@ -456,10 +456,11 @@ pub fn check_config(
         || matches!(
             c.rope_scaling,
             Some(metrale_model::RopeScaling::LongRope { .. })
+                | Some(metrale_model::RopeScaling::Yarn { .. })
         )
     {
         return Err(BackendError::Model(format!(
-            "model {}: a partial rotary embedding ({} of {} dimensions) or LongRoPE, which this \
+            "model {}: a partial rotary embedding ({} of {} dimensions), LongRoPE or YaRN, which this \
              binary's kernels ({target}) do not compute; serve it with the cpu backend",
             c.name, c.rotary_dim, c.head_dim
         )));

@@ -203,10 +203,13 @@ impl Check<'_> {
                 ));
             }
         }
-        if (m.family == "qwen3moe") != m.experts.is_some() {
+        let routed = super::features(&m.family).is_some_and(|f| f.moe);
+        if routed != m.experts.is_some() {
             return Err(self.model_err(
                 "model.experts",
-                "a [model.experts] table exactly for the qwen3moe family".into(),
+                "a [model.experts] table exactly for the families with routed experts \
+                 (qwen3moe, gpt-oss)"
+                    .into(),
                 format!("family {}", m.family),
             ));
         }
@@ -216,13 +219,17 @@ impl Check<'_> {
             || features.gelu
             || features.embed_scale
             || features.norm_plus_one
+            || features.attn_sinks
+            || features.oai_moe
+            || features.out_bias
             || m.sliding.is_some()
             || m.query_pre_attn_scalar.is_some();
         if unkernelled && !cpu {
             return Err(self.model_err(
                 "model.family",
                 "a family with kernels on this backend (the gemma3 block's post-norms, GELU MLP, \
-                 embedding scale and sliding windows run on the cpu backend only: build a cpu target)"
+                 embedding scale and sliding windows, and gpt-oss's attention sinks, biases and \
+                 clamped experts, run on the cpu backend only: build a cpu target)"
                     .into(),
                 m.family.clone(),
             ));
@@ -305,13 +312,32 @@ impl Check<'_> {
                 ));
             }
         }
-        if (m.rotary_dim.is_some_and(|r| r != m.head_dim) || m.longrope.is_some())
+        if let Some(y) = &m.yarn {
+            if y.factor <= 1.0
+                || y.original_max_position_embeddings < 2
+                || y.beta_fast <= y.beta_slow
+                || y.beta_slow <= 0.0
+                || m.rope_scaling.is_some()
+                || m.longrope.is_some()
+            {
+                return Err(self.model_err(
+                    "model.yarn",
+                    "factor > 1, original_max_position_embeddings > 1, beta_fast > beta_slow > 0, \
+                     and no other RoPE scaling beside it"
+                        .into(),
+                    format!("{y:?}"),
+                ));
+            }
+        }
+        if (m.rotary_dim.is_some_and(|r| r != m.head_dim)
+            || m.longrope.is_some()
+            || m.yarn.is_some())
             && s.hardware.backend != BackendKind::Cpu
         {
             return Err(self.model_err(
-                "model.rotary_dim / model.longrope",
+                "model.rotary_dim / model.longrope / model.yarn",
                 format!(
-                    "neither (a partial rotary embedding and LongRoPE run on the cpu backend \
+                    "none (a partial rotary embedding, LongRoPE and YaRN run on the cpu backend \
                      only; the {} kernels rotate whole heads without factors)",
                     s.hardware.backend
                 ),

@@ -200,7 +200,9 @@ pub struct RopeScaling {
 
 /// The model families a target may name (`[model] family`): GGUF `general.architecture` / HF
 /// `model_type` of the checkpoints it serves (`metrale_model::config::Family`, which reads them).
-pub const FAMILIES: [&str; 6] = ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"];
+pub const FAMILIES: [&str; 7] = [
+    "llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss",
+];
 
 /// What a family's block does beyond the llama block (RMSNorm, attention with grouped KV heads and
 /// adjacent-pair RoPE, RMSNorm, gated SiLU MLP, residual adds), as data: the runtime's
@@ -240,6 +242,20 @@ pub struct Features {
     /// one (`ffn_up` of 2 x ffn rows, gate first; HF `gate_up_proj`); the readers split them
     /// (Phi-3), so the block is llama's.
     pub fused_projections: bool,
+    /// The attention's O projection has a bias (`blk.N.attn_output.bias`), added with the
+    /// product. (gpt-oss; like the two below, read by no kernel template, so not rendered.)
+    #[serde(skip)]
+    pub out_bias: bool,
+    /// Each query head has a learned sink logit (`blk.N.attn_sinks.weight`, one per head) that
+    /// joins the softmax's denominator and adds nothing to the output.
+    #[serde(skip)]
+    pub attn_sinks: bool,
+    /// gpt-oss's experts: the router and every expert projection have biases
+    /// (`blk.N.ffn_gate_inp.bias`, `ffn_{gate,up,down}_exps.bias`), the weights are the softmax
+    /// over the top-k logits (the renormalised top k), and the gate is the clamped SwiGLU
+    /// `(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)` with `g = min(gate, 7)`.
+    #[serde(skip)]
+    pub oai_moe: bool,
 }
 
 /// The features of `family` (one of [`FAMILIES`]).
@@ -251,9 +267,11 @@ pub fn features(family: &str) -> Option<Features> {
         "qwen3moe" => (true, false, true, false),
         "gemma3" => (true, false, false, false),
         "phi3" => (false, false, false, false),
+        "gpt-oss" => (false, true, true, false),
         _ => return None,
     };
     let gemma = family == "gemma3";
+    let oai = family == "gpt-oss";
     Some(Features {
         qk_norm,
         qkv_bias,
@@ -267,6 +285,9 @@ pub fn features(family: &str) -> Option<Features> {
         post_norms: gemma,
         gelu: gemma,
         fused_projections: family == "phi3",
+        out_bias: oai,
+        attn_sinks: oai,
+        oai_moe: oai,
     })
 }
 
@@ -334,6 +355,23 @@ pub struct ModelShape {
     pub rotary_dim: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub longrope: Option<LongRope>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub yarn: Option<Yarn>,
+}
+
+/// `[model.yarn]`: YaRN RoPE scaling (gpt-oss; Qwen3's long-context setting): each pair's
+/// frequency blends the original (fast pairs) and the one divided by `factor` (slow pairs) over
+/// a ramp between the pairs that turn `beta_fast` and `beta_slow` times in
+/// `original_max_position_embeddings` positions (the ramp's ends rounded out where `truncate`),
+/// and cos and sin are scaled by 0.1 ln(factor) + 1 (HF `_compute_yarn_parameters`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max_position_embeddings: u32,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub truncate: bool,
 }
 
 /// `[model.longrope]`: LongRoPE (Phi-3.5, Phi-4-mini, the 128k Phi-3s): per rotated pair, a
