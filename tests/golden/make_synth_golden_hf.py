@@ -22,12 +22,18 @@ config.json (partial_rotary_factor 0.75, original_max_position_embeddings 64, ro
 {"type": "longrope", "short_factor": [1 + i/8], "long_factor": [1 + i] for i < 24}; the edit
 tests/tests/synth_model.rs makes, `phi3_longrope_config`):
     python make_synth_golden_hf.py DIR --out tests/golden/tiny_phi3_longrope_hf
+and tiny_gpt_oss_hf / tiny_gpt_oss_mxfp4_hf from tests/golden/tiny-gpt-oss.toml's folders in bf16
+and with `--quant mxfp4` (the experts as OpenAI's checkpoints hold them, which transformers
+dequantises on a machine without its MXFP4 kernels; needs `accelerate`):
+    python make_synth_golden_hf.py DIR --out tests/golden/tiny_gpt_oss_hf
+    python make_synth_golden_hf.py DIR_MXFP4 --out tests/golden/tiny_gpt_oss_mxfp4_hf
 (transformers' GGUF reader takes Gemma 3's defaults for the sliding-window pattern (6) and
 query_pre_attn_scalar (256) rather than the file's 2 and the folder's 64, so its logits of that
 GGUF differ from the folder's: recorded, not asserted; the test checks the GGUF against the folder
 on the CPU backend instead)
 Reference: HF transformers' model class of the folder's config (LlamaForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, and
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
+GptOssForCausalLM, and
 MistralForCausalLM below) in float32, eager attention, on CPU, loading the HF folder
 (bf16 safetensors widened to f32). Nobody in this project wrote it. The sequence is a
 >= 100-token prompt followed by 16 teacher-forced tokens; the golden holds the logits of the prompt's

@@ -439,6 +439,66 @@ fn gpt_oss_gguf_of_the_same_seed_is_the_same_model_and_q4_1_is_close() {
     }
 }
 
+/// gpt-oss's experts in MXFP4 (`--quant mxfp4`): the HF folder as OpenAI's checkpoints hold
+/// them (`_blocks` / `_scales`, `quantization_config` mxfp4) against HF transformers loading it
+/// (its MXFP4 dequantisation, in f32; golden/tiny_gpt_oss_mxfp4_hf, made with
+/// golden/make_synth_golden_hf.py), and the GGUF of the same seed (ggml's MXFP4 blocks, as
+/// llama.cpp's converter repacks them) against the same golden: the same FP4 codes and scales
+/// in both files, so tiny-gpt-oss's bound. A nibble order or a row interleave read wrong moves
+/// the logits by O(1).
+#[test]
+fn gpt_oss_mxfp4_folder_and_gguf_match_hf_transformers() {
+    let Some(tok) = std::env::var_os("METRALE_MODEL") else {
+        eprintln!("skipping: METRALE_MODEL is not set (the default model: its tokenizer)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (hf, gguf) = (dir.path().join("hf"), dir.path().join("mxfp4.gguf"));
+    let toml = repo().join("tests/golden/tiny-gpt-oss.toml");
+    for (out, extra) in [(&hf, &["--format", "hf"][..]), (&gguf, &[][..])] {
+        let mut args = vec![
+            "synth-model",
+            toml.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--quant",
+            "mxfp4",
+        ];
+        args.extend(extra);
+        args.extend(["--out", out.to_str().unwrap()]);
+        assert!(run_xtask(&args).status.success(), "synth-model failed");
+    }
+    let g = golden_json("tiny_gpt_oss_mxfp4_hf");
+    let sha = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(
+            std::fs::read(hf.join("model.safetensors")).unwrap(),
+        ))
+    };
+    assert_eq!(sha, g["safetensors_sha256"].as_str().unwrap());
+    let (prompt, decode) = (ids(&g["prompt_tokens"]), ids(&g["decode_tokens"]));
+    let last_ref = golden_last_row("tiny_gpt_oss_mxfp4_hf");
+    for p in [&hf, &gguf] {
+        let m = Model::load(p).unwrap();
+        for (e, name) in [(0, "ffn_gate_exps"), (7, "ffn_down_exps")] {
+            let t = m
+                .weights
+                .expert(&format!("blk.1.{name}.weight"), e)
+                .unwrap();
+            assert_eq!(
+                t.dtype,
+                metrale_core::dtype::DType::MXFP4,
+                "{}",
+                p.display()
+            );
+        }
+        let rows = run(&m, true, &prompt, &decode);
+        let worst = worst_vs_golden(&rows, &g, &last_ref, true);
+        eprintln!("{}: max |logit - HF| {worst:.2e}", p.display());
+        assert!(worst <= GPT_OSS.tol, "{}: {worst}", p.display());
+    }
+}
+
 /// `--quantization fp8` on a mixture of experts: the HF folder (one tensor per expert) and the
 /// GGUF (one 3-D tensor per projection, split into one FP8 tensor per expert at load) of the same
 /// seed quantize to the same bytes, so they give the same logits bit for bit; against the bf16

@@ -112,11 +112,12 @@ fn list_targets_command_prints_the_matrix() {
         "h200 cuda qwen3-8b bf16 sm_90a 132 13",
         "cpu cpu qwen3-8b bf16 - - 0",
         "cpu cpu qwen3-30b-a3b q4_1 - - 0",
+        "cpu cpu gpt-oss-20b bf16 - - 0",
         "h200 cuda llama-3.1-8b fp8 sm_90a 132 12",
     ] {
         assert!(rows.iter().any(|r| r == row), "no row '{row}' in:\n{s}");
     }
-    assert!(s.contains("48 targets"), "{s}");
+    assert!(s.contains("49 targets"), "{s}");
 }
 
 fn temp_targets() -> tempfile::TempDir {

@@ -134,11 +134,13 @@ pub fn run(args: Args) -> Result<()> {
         ("q4_1", Format::Gguf | Format::Vocab) => (DType::Q4_1, DType::Q8_0),
         ("q4_k_m", Format::Gguf | Format::Vocab) => (DType::Q4_K, DType::Q4_K),
         ("fp8", Format::Hf) => (DType::F8_E4M3, DType::BF16),
+        // gpt-oss's checkpoints: the experts MXFP4, everything else bf16 (`tensors`)
+        ("mxfp4", Format::Gguf | Format::Hf) => (DType::MXFP4, DType::BF16),
         (q @ ("q4_1" | "q4_k_m"), Format::Hf) => {
             bail!("--format hf writes bf16 or fp8 safetensors; {q} is a GGUF type (use --format gguf)")
         }
         ("fp8", _) => bail!("GGUF has no FP8 type: write --quant fp8 with --format hf"),
-        (q, _) => bail!("unknown --quant '{q}': bf16, q4_1, q4_k_m (GGUF) or fp8 (HF)"),
+        (q, _) => bail!("unknown --quant '{q}': bf16, q4_1, q4_k_m (GGUF), fp8 (HF) or mxfp4"),
     };
     let tok_path = match &args.tokenizer {
         Some(p) => p.clone(),
@@ -230,6 +232,14 @@ fn tensors(
         DType::F32
     } else {
         DType::BF16
+    };
+    // MXFP4 is gpt-oss's expert format: its other matrices stay bf16, as in its checkpoints
+    let (wt, xt) = match wt {
+        DType::MXFP4 if s.experts.is_none() || !family.features().oai_moe => {
+            bail!("--quant mxfp4 is gpt-oss's format for its experts; {family} has none")
+        }
+        DType::MXFP4 => (DType::BF16, DType::MXFP4),
+        t => (t, t),
     };
     let u = |fan_in: usize, k: f32| Init::Uniform(k * (3.0 / fan_in as f32).sqrt());
     // GGUF llama rows of q/k are permuted to adjacent-pair RoPE; qwen3 GGUFs keep HF's order
@@ -519,7 +529,7 @@ fn tensors(
                 v.push(Tensor {
                     experts: Some(n),
                     hf: None,
-                    ..t(&name, &name, n * rows, cols, wt, scale, None)
+                    ..t(&name, &name, n * rows, cols, xt, scale, None)
                 });
             } else if format == Format::Hf {
                 for e in 0..n {
@@ -706,6 +716,7 @@ fn gguf_metadata(
     let file_type = match args.quant.as_str() {
         "q4_1" => 3,
         "q4_k_m" => 15,
+        "mxfp4" => 38,
         _ => 32,
     };
     let arch = family.name();
@@ -839,6 +850,10 @@ fn write_hf(
 ) -> Result<u64> {
     let dir = &args.out;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // tensors without an HF name of their own: gpt-oss's experts, written as its HF tensors
+    let (tensors, fused): (Vec<Tensor>, Vec<Tensor>) =
+        tensors.iter().cloned().partition(|t| t.hf.is_some());
+    let tensors = &tensors[..];
     // the tokenizer: the padded GGUF metadata read back by the runtime, written as tokenizer.json
     let meta_only = gguf_writer::layout(&tok, &[])
         .map_err(anyhow::Error::msg)?
@@ -984,6 +999,18 @@ fn write_hf(
             "original_max_position_embeddings": r.original_max_position_embeddings,
         });
     }
+    if fused.iter().any(|t| t.dtype == DType::MXFP4) {
+        // what OpenAI's gpt-oss checkpoints carry
+        config["quantization_config"] = json!({
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        });
+    }
     if tensors.iter().any(|t| t.dtype == DType::F8_E4M3) {
         // what llm-compressor writes for its FP8_DYNAMIC scheme (vLLM's FP8 checkpoints)
         config["quantization_config"] = json!({
@@ -1009,23 +1036,21 @@ fn write_hf(
         serde_json::to_string_pretty(&json!({"bos_token_id": cfg.0, "eos_token_id": cfg.1}))?,
     )?;
     // model.safetensors: u64 header length, JSON header (padded with spaces to 8 bytes), data
+    // each entry's keys in sorted order, so the bytes are the same whether or not serde_json
+    // keeps insertion order (a feature another crate of the build may turn on)
     let mut header = BTreeMap::new();
     let mut rel = Vec::new();
     let mut scale_rel = Vec::new();
     let mut off = 0usize;
-    // tensors without an HF name of their own: gpt-oss's experts, written as its HF tensors below
-    let (tensors, fused): (Vec<Tensor>, Vec<Tensor>) =
-        tensors.iter().cloned().partition(|t| t.hf.is_some());
     let mut fused_at = Vec::new();
-    for (name, shape, bytes) in gpt_oss_expert_layout(s, &fused)? {
+    for (name, dtype, shape, bytes) in gpt_oss_expert_layout(s, &fused)? {
         header.insert(
             name.clone(),
-            json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + bytes]}),
+            json!({"data_offsets": [off, off + bytes], "dtype": dtype, "shape": shape}),
         );
         fused_at.push((name, off));
         off += bytes;
     }
-    let tensors = &tensors[..];
     for t in tensors {
         let n = t
             .dtype
@@ -1043,7 +1068,7 @@ fn write_hf(
         };
         header.insert(
             hf.clone(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}),
+            json!({"data_offsets": [off, off + n], "dtype": dtype, "shape": shape}),
         );
         rel.push(off);
         off += n;
@@ -1052,7 +1077,7 @@ fn write_hf(
             let n = 4 * t.rows;
             header.insert(
                 format!("{hf}_scale"),
-                json!({"dtype": "F32", "shape": [t.rows, 1], "data_offsets": [off, off + n]}),
+                json!({"data_offsets": [off, off + n], "dtype": "F32", "shape": [t.rows, 1]}),
             );
             scale_rel.push(Some(off));
             off += n;
@@ -1090,31 +1115,66 @@ fn write_hf(
 }
 
 /// gpt-oss's HF expert tensors of each layer whose GGUF-named expert tensors are in `fused`:
-/// (HF name, shape, bytes) of `mlp.experts.gate_up_proj` `[experts, hidden, 2 ffn]` (gate and
-/// up columns interleaved) and its bias `[experts, 2 ffn]`, and `mlp.experts.down_proj`
-/// `[experts, ffn, hidden]` (transformers' `GptOssExperts`), all bf16.
+/// (HF name, safetensors dtype, shape, bytes). bf16 experts: `mlp.experts.gate_up_proj`
+/// `[experts, hidden, 2 ffn]` (gate and up columns interleaved) and `mlp.experts.down_proj`
+/// `[experts, ffn, hidden]` (transformers' `GptOssExperts`); MXFP4 experts as OpenAI's
+/// checkpoints hold them: `{gate_up,down}_proj_blocks` `[experts, rows, cols / 32, 16]` (two
+/// FP4 codes a byte, element 2j in the low nibble) and `_scales` `[experts, rows, cols / 32]`
+/// (E8M0), rows gate and up interleaved and down's rows its outputs; `gate_up_proj_bias`
+/// `[experts, 2 ffn]` in bf16 either way.
+#[allow(clippy::type_complexity)]
 fn gpt_oss_expert_layout(
     s: &ModelShape,
     fused: &[Tensor],
-) -> Result<Vec<(String, Vec<usize>, usize)>> {
+) -> Result<Vec<(String, &'static str, Vec<usize>, usize)>> {
     let mut out = Vec::new();
     let Some(x) = &s.experts else {
         return Ok(out);
     };
     let (n, f, h) = (x.count as usize, x.ffn as usize, s.hidden as usize);
     for l in 0..s.layers as usize {
-        if !fused
+        let Some(gate) = fused
             .iter()
-            .any(|t| t.gguf == format!("blk.{l}.ffn_gate_exps.weight"))
-        {
+            .find(|t| t.gguf == format!("blk.{l}.ffn_gate_exps.weight"))
+        else {
             continue;
-        }
+        };
         let p = |w: &str| format!("model.layers.{l}.mlp.experts.{w}");
-        out.extend([
-            (p("gate_up_proj"), vec![n, h, 2 * f], 2 * n * h * 2 * f),
-            (p("gate_up_proj_bias"), vec![n, 2 * f], 2 * n * 2 * f),
-            (p("down_proj"), vec![n, f, h], 2 * n * f * h),
-        ]);
+        out.push((
+            p("gate_up_proj_bias"),
+            "BF16",
+            vec![n, 2 * f],
+            2 * n * 2 * f,
+        ));
+        if gate.dtype == DType::MXFP4 {
+            for (w, rows, cols) in [("gate_up_proj", 2 * f, h), ("down_proj", h, f)] {
+                let nb = cols / 32;
+                out.extend([
+                    (
+                        p(&format!("{w}_blocks")),
+                        "U8",
+                        vec![n, rows, nb, 16],
+                        n * rows * nb * 16,
+                    ),
+                    (
+                        p(&format!("{w}_scales")),
+                        "U8",
+                        vec![n, rows, nb],
+                        n * rows * nb,
+                    ),
+                ]);
+            }
+        } else {
+            out.extend([
+                (
+                    p("gate_up_proj"),
+                    "BF16",
+                    vec![n, h, 2 * f],
+                    2 * n * h * 2 * f,
+                ),
+                (p("down_proj"), "BF16", vec![n, f, h], 2 * n * f * h),
+            ]);
+        }
     }
     Ok(out)
 }
@@ -1175,6 +1235,38 @@ fn gpt_oss_expert_bytes(hf: &str, fused: &[Tensor], seed: u64) -> Result<Vec<u8>
         }
         // [e][f][h] = down[e][h][f]
         "down_proj" => columns(&[rows(find("ffn_down_exps.weight")?)], n),
+        // MXFP4: each row quantized as the GGUF's, gate and up rows interleaved
+        w if w.ends_with("_blocks") || w.ends_with("_scales") => {
+            let rows_of = |n: &str| -> Result<Vec<Vec<f32>>> { Ok(rows(find(n)?)) };
+            let ordered: Vec<Vec<f32>> = if w.starts_with("gate_up") {
+                let (g, u) = (
+                    rows_of("ffn_gate_exps.weight")?,
+                    rows_of("ffn_up_exps.weight")?,
+                );
+                g.into_iter().zip(u).flat_map(|(g, u)| [g, u]).collect()
+            } else {
+                rows_of("ffn_down_exps.weight")?
+            };
+            let mut out = Vec::new();
+            for r in &ordered {
+                let mut q = vec![0u8; DType::MXFP4.row_bytes(r.len()).context("whole blocks")?];
+                quantize_row(DType::MXFP4, r, &mut q)?;
+                for b in q.chunks_exact(17) {
+                    if w.ends_with("_scales") {
+                        out.push(b[0]);
+                        continue;
+                    }
+                    // ggml: element j low nibble of byte j, j + 16 its high nibble; OpenAI's:
+                    // elements 2j and 2j + 1 in byte j
+                    let code = |e: usize| match e < 16 {
+                        true => b[1 + e] & 0x0f,
+                        false => b[1 + e - 16] >> 4,
+                    };
+                    out.extend((0..16).map(|j| code(2 * j) | (code(2 * j + 1) << 4)));
+                }
+            }
+            out
+        }
         other => bail!("no gpt-oss expert tensor '{other}'"),
     };
     Ok(out)

@@ -36,8 +36,8 @@ pub fn input_scale_name(matrix: &str) -> String {
 
 /// The methods this reader takes, for messages.
 const SUPPORTED: &str = "compressed-tensors with 8-bit float weights per tensor or per channel \
-     (vLLM's FP8 checkpoints, e.g. RedHatAI's *-FP8-dynamic), fbgemm_fp8; or a bf16 checkpoint \
-     quantized at load with --quantization fp8";
+     (vLLM's FP8 checkpoints, e.g. RedHatAI's *-FP8-dynamic), fbgemm_fp8, mxfp4 (gpt-oss's \
+     experts); or a bf16 checkpoint quantized at load with --quantization fp8";
 
 /// How an HF config's `quantization_config` says the checkpoint's FP8 products take their input:
 /// `None` when the checkpoint is not quantized. Any other method (GPTQ, AWQ, block-wise FP8, ...)
@@ -54,6 +54,8 @@ pub fn quantization_config(cfg: &Json, path: &Path) -> Result<Option<Activations
         supported: SUPPORTED.into(),
     };
     match method {
+        // gpt-oss's MXFP4 experts: weights only, read as GGUF MXFP4 (`hf::gpt_oss_mxfp4`)
+        "mxfp4" => Ok(None),
         "fbgemm_fp8" => {
             let ub = q
                 .get("activation_scale_ub")

@@ -111,7 +111,13 @@ pub fn gguf_name(hf: &str) -> Option<Option<String>> {
         "mlp.experts.down_proj_bias" => {
             return Some(Some(format!("blk.{layer}.ffn_down_exps.bias")))
         }
-        "mlp.experts.gate_up_proj" | "mlp.experts.gate_up_proj_bias" | "mlp.experts.down_proj" => {
+        "mlp.experts.gate_up_proj"
+        | "mlp.experts.gate_up_proj_bias"
+        | "mlp.experts.down_proj"
+        | "mlp.experts.gate_up_proj_blocks"
+        | "mlp.experts.gate_up_proj_scales"
+        | "mlp.experts.down_proj_blocks"
+        | "mlp.experts.down_proj_scales" => {
             let what = rest.strip_prefix("mlp.experts.").unwrap_or(rest);
             return Some(Some(format!("blk.{layer}.{GPT_OSS_EXPERTS}{what}")));
         }
@@ -175,6 +181,9 @@ fn gpt_oss_experts(
     let Some((block, what)) = name.split_once(GPT_OSS_EXPERTS) else {
         return Ok(None);
     };
+    if what.ends_with("_blocks") || what.ends_with("_scales") {
+        return Ok(None);
+    }
     let es = match dtype {
         DType::F32 | DType::F16 | DType::BF16 => dtype.row_bytes(1).unwrap_or(0),
         other => {
@@ -242,6 +251,78 @@ fn gpt_oss_experts(
         ("gate_up_proj_bias", _) => return Err(bad("[experts, 2 x ffn]")),
         _ => return Err(bad("[experts, ffn, hidden]")),
     }))
+}
+
+/// gpt-oss's MXFP4 experts as OpenAI's checkpoints hold them (`{gate_up,down}_proj_blocks`
+/// `[experts, rows, cols / 32, 16]`, two FP4 codes a byte with element 2j in the low nibble,
+/// and `_scales` `[experts, rows, cols / 32]` of E8M0 bytes; gate_up's rows gate and up
+/// interleaved) as GGUF MXFP4 tensors (ggml's blocks: the scale byte, then element j in the low
+/// and j + 16 in the high nibble of byte j), as llama.cpp's converter repacks them: (GGUF name,
+/// ggml shape, bytes). `blocks` and `scales` are (ggml shape, bytes) of one projection's pair.
+#[allow(clippy::type_complexity)]
+fn gpt_oss_mxfp4(
+    name: &str,
+    (bshape, blocks): (&[usize], &[u8]),
+    (sshape, scales): (&[usize], &[u8]),
+    path: &Path,
+) -> Result<Vec<(String, Vec<usize>, Vec<u8>)>> {
+    let (block, what) = name.split_once(GPT_OSS_EXPERTS).unwrap_or((name, ""));
+    let proj = what.trim_end_matches("_blocks").trim_end_matches("_scales");
+    let &[16, nb, rows, e] = bshape else {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: format!("tensor '{block}mlp.experts.{proj}_blocks' shape"),
+            expected: "[experts, rows, blocks, 16] bytes".into(),
+            got: format!("{:?}", hf_shape(bshape)),
+        });
+    };
+    if sshape != [nb, rows, e] || (proj == "gate_up_proj" && rows % 2 != 0) {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: format!("tensor '{block}mlp.experts.{proj}_scales' shape"),
+            expected: format!("[{e}, {rows}, {nb}] (one E8M0 byte a block of the _blocks tensor)"),
+            got: format!("{:?}", hf_shape(sshape)),
+        });
+    }
+    // HF row r of expert x as GGUF MXFP4 blocks
+    let row = |x: usize, r: usize, out: &mut Vec<u8>| {
+        for b in 0..nb {
+            let at = (x * rows + r) * nb + b;
+            let q = &blocks[16 * at..16 * at + 16];
+            let code = |i: usize| (q[i / 2] >> (4 * (i % 2))) & 0x0f;
+            out.push(scales[at]);
+            out.extend((0..16).map(|j| code(j) | (code(j + 16) << 4)));
+        }
+    };
+    let take = |first: usize, step: usize| {
+        let mut out = Vec::with_capacity(e * rows / step * nb * 17);
+        for x in 0..e {
+            for r in (first..rows).step_by(step) {
+                row(x, r, &mut out);
+            }
+        }
+        out
+    };
+    let n = |s: &str| format!("{block}{s}");
+    Ok(match proj {
+        "gate_up_proj" => vec![
+            (
+                n("ffn_gate_exps.weight"),
+                vec![32 * nb, rows / 2, e],
+                take(0, 2),
+            ),
+            (
+                n("ffn_up_exps.weight"),
+                vec![32 * nb, rows / 2, e],
+                take(1, 2),
+            ),
+        ],
+        _ => vec![(
+            n("ffn_down_exps.weight"),
+            vec![32 * nb, rows, e],
+            take(0, 1),
+        )],
+    })
 }
 
 /// The GGUF name of an HF tensor where a family names it apart from [`gguf_name`]'s (`name`):
@@ -474,6 +555,9 @@ pub fn read_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<Vec<Safetens
             }
         };
         let dtype = match view.dtype() {
+            // the packed FP4 codes and E8M0 scales of gpt-oss's experts, paired into MXFP4
+            // blocks by `gpt_oss_mxfp4`
+            safetensors::Dtype::U8 if name.contains(GPT_OSS_EXPERTS) => DType::MXFP4,
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
@@ -600,6 +684,9 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
     let mut located: BTreeMap<String, String> = BTreeMap::new();
     let mut owned: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut mapped: Vec<(String, DType, Vec<usize>, usize, usize, usize)> = Vec::new();
+    // gpt-oss's MXFP4 experts: each projection's _blocks and _scales, paired once both are read
+    #[allow(clippy::type_complexity)]
+    let mut mxfp4: BTreeMap<String, [Option<(Vec<usize>, &[u8])>; 2]> = BTreeMap::new();
     for (fi, (f, map)) in files.iter().zip(&maps).enumerate() {
         let p = dir.join(f);
         for t in read_safetensors(map, &p)? {
@@ -630,6 +717,19 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                 }
                 continue;
             }
+            if dtype == DType::MXFP4 {
+                let (base, i) = match name.strip_suffix("_scales") {
+                    Some(b) => (b, 1),
+                    None => (name.trim_end_matches("_blocks"), 0),
+                };
+                let pair = mxfp4.entry(base.to_string()).or_default();
+                pair[i] = Some((shape, data));
+                if let [Some(b), Some(s)] = pair {
+                    let parts = gpt_oss_mxfp4(&name, (&b.0, b.1), (&s.0, s.1), &p)?;
+                    owned.extend(parts.into_iter().map(|(n, s, b)| (n, DType::MXFP4, s, b)));
+                }
+                continue;
+            }
             if let Some(parts) = gpt_oss_experts(&name, dtype, &shape, data, &p, &hf_name)? {
                 owned.extend(parts.into_iter().map(|(n, s, b)| (n, dtype, s, b)));
                 continue;
@@ -653,6 +753,19 @@ pub(crate) fn load(dir: &Path) -> Result<Model> {
                 mapped.push((name, dtype, shape, fi, offset, data.len()));
             }
         }
+    }
+    if let Some((base, pair)) = mxfp4.iter().find(|(_, p)| p.iter().any(Option::is_none)) {
+        let missing = if pair[0].is_none() {
+            "_blocks"
+        } else {
+            "_scales"
+        };
+        return Err(ModelError::MissingTensor {
+            path: dir.to_path_buf(),
+            name: format!("{base}{missing}"),
+            available: located.len(),
+            hint: "an MXFP4 expert tensor needs both its _blocks and its _scales".into(),
+        });
     }
     if let Some(wm) = &weight_map {
         // every tensor the index names is in its file (those the runtime ignores are skipped
