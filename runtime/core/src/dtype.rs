@@ -31,9 +31,14 @@ pub enum DType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
+    /// IQ4_NL / IQ4_XS: 4-bit codes of 16 non-linear levels ([`crate::format::iq4`]).
+    IQ4_NL,
+    IQ4_XS,
     /// MXFP4 (ggml type 39): 32-element blocks of FP4 (E2M1) codes with a power-of-two scale
     /// ([`crate::format::mxfp4`]).
     MXFP4,
@@ -60,11 +65,13 @@ pub enum DTypeError {
     },
     #[error("{dtype}: a row of {elems} elements overflows usize")]
     Overflow { dtype: DType, elems: usize },
+    #[error("{dtype}: metrale reads this type but does not write it; make the file with llama.cpp's llama-quantize")]
+    NoQuantizer { dtype: DType },
 }
 
 impl DType {
     /// The types a GGUF file may hold, in ggml id order.
-    pub const GGUF: [DType; 12] = [
+    pub const GGUF: [DType; 16] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
@@ -72,16 +79,20 @@ impl DType {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q8_0,
+        DType::Q2_K,
+        DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
         DType::BF16,
         DType::MXFP4,
     ];
 
     /// Every type: those of GGUF ([`DType::GGUF`]), then FP8.
-    pub const ALL: [DType; 13] = {
-        let mut all = [DType::F8_E4M3; 13];
+    pub const ALL: [DType; 17] = {
+        let mut all = [DType::F8_E4M3; 17];
         let mut i = 0;
         while i < DType::GGUF.len() {
             all[i] = DType::GGUF[i];
@@ -100,9 +111,13 @@ impl DType {
             DType::Q5_0 => 6,
             DType::Q5_1 => 7,
             DType::Q8_0 => 8,
+            DType::Q2_K => 10,
+            DType::Q3_K => 11,
             DType::Q4_K => 12,
             DType::Q5_K => 13,
             DType::Q6_K => 14,
+            DType::IQ4_NL => 20,
+            DType::IQ4_XS => 23,
             DType::BF16 => 30,
             DType::MXFP4 => 39,
             DType::F8_E4M3 => return None,
@@ -119,9 +134,13 @@ impl DType {
             6 => Some(DType::Q5_0),
             7 => Some(DType::Q5_1),
             8 => Some(DType::Q8_0),
+            10 => Some(DType::Q2_K),
+            11 => Some(DType::Q3_K),
             12 => Some(DType::Q4_K),
             13 => Some(DType::Q5_K),
             14 => Some(DType::Q6_K),
+            20 => Some(DType::IQ4_NL),
+            23 => Some(DType::IQ4_XS),
             30 => Some(DType::BF16),
             39 => Some(DType::MXFP4),
             _ => None,
@@ -140,9 +159,13 @@ impl DType {
             DType::Q5_0 => "q5_0",
             DType::Q5_1 => "q5_1",
             DType::Q8_0 => "q8_0",
+            DType::Q2_K => "q2_k",
+            DType::Q3_K => "q3_k",
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
+            DType::IQ4_NL => "iq4_nl",
+            DType::IQ4_XS => "iq4_xs",
             DType::MXFP4 => "mxfp4",
             DType::F8_E4M3 => "f8_e4m3",
         }
@@ -151,6 +174,8 @@ impl DType {
     /// The K-quant format of a K-quant type (`crate::kquant`: its layout and dequantisation).
     pub const fn kquant(self) -> Option<KQuant> {
         match self {
+            DType::Q2_K => Some(KQuant::Q2_K),
+            DType::Q3_K => Some(KQuant::Q3_K),
             DType::Q4_K => Some(KQuant::Q4_K),
             DType::Q5_K => Some(KQuant::Q5_K),
             DType::Q6_K => Some(KQuant::Q6_K),
@@ -170,10 +195,16 @@ impl DType {
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::F8_E4M3 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 => {
-                QK
+            DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::IQ4_NL
+            | DType::MXFP4 => QK,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
+                QK_K
             }
-            DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
     }
 
@@ -189,6 +220,10 @@ impl DType {
             DType::Q5_1 => crate::format::q5::block_bytes(true),
             DType::Q8_0 => crate::format::q8_0::BLOCK_BYTES,
             DType::MXFP4 => crate::format::mxfp4::BLOCK_BYTES,
+            DType::IQ4_NL => crate::format::iq4::NL_BLOCK_BYTES,
+            DType::IQ4_XS => crate::format::iq4::XS_BLOCK_BYTES,
+            DType::Q2_K => KQuant::Q2_K.block_bytes(),
+            DType::Q3_K => KQuant::Q3_K.block_bytes(),
             DType::Q4_K => KQuant::Q4_K.block_bytes(),
             DType::Q5_K => KQuant::Q5_K.block_bytes(),
             DType::Q6_K => KQuant::Q6_K.block_bytes(),
@@ -258,7 +293,9 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(),
         DType::Q5_1 => q5::dequantize(true, bytes, out),
         DType::Q8_0 => q8_0::dequantize(bytes, out),
         DType::MXFP4 => mxfp4::dequantize(bytes, out),
-        DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+        DType::IQ4_NL => crate::format::iq4::dequantize_nl(bytes, out),
+        DType::IQ4_XS => crate::format::iq4::dequantize_xs(bytes, out),
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             let k = dtype.kquant().expect("a K-quant type");
             k.dequantize(bytes, out).expect("row size checked above");
         }
@@ -291,6 +328,9 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut [u8]) -> Result<(), DTy
         DType::Q5_1 => q5::quantize(true, src, out),
         DType::Q8_0 => q8_0::quantize(src, out),
         DType::MXFP4 => mxfp4::quantize(src, out),
+        DType::Q2_K | DType::Q3_K | DType::IQ4_NL | DType::IQ4_XS => {
+            return Err(DTypeError::NoQuantizer { dtype })
+        }
         DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             let k = dtype.kquant().expect("a K-quant type");
             crate::kquant::quantize(k, src, out).expect("row size checked above");
@@ -474,6 +514,15 @@ mod tests {
             .collect();
         for dtype in DType::ALL {
             let mut q = vec![0u8; dtype.row_bytes(src.len()).unwrap()];
+            if matches!(
+                dtype,
+                DType::Q2_K | DType::Q3_K | DType::IQ4_NL | DType::IQ4_XS
+            ) {
+                // read only: refused by name (gguf_quants_golden.rs checks their reading)
+                let e = quantize_row(dtype, &src, &mut q).unwrap_err();
+                assert!(e.to_string().contains("llama-quantize"), "{e}");
+                continue;
+            }
             if dtype.kquant().is_some() {
                 // super-blocks with shared scales: kquant's own round-trip test bounds them
                 quantize_row(dtype, &src, &mut q).unwrap();
@@ -507,7 +556,13 @@ mod tests {
                     // to 6 x 2^(k-2), so an element past it clamps by up to 2^(k-1) <= amax / 2,
                     // and below it half the widest step (2 x 2^(k-2)) is 2^(k-2) <= amax / 4
                     DType::MXFP4 => amax / 2.0,
-                    DType::Q4_K | DType::Q5_K | DType::Q6_K => unreachable!("skipped above"),
+                    DType::Q2_K
+                    | DType::Q3_K
+                    | DType::Q4_K
+                    | DType::Q5_K
+                    | DType::Q6_K
+                    | DType::IQ4_NL
+                    | DType::IQ4_XS => unreachable!("skipped above"),
                     // 3 mantissa bits: half a step is at most 2^-4 of the value, or half a
                     // subnormal step (2^-10) below 2^-6
                     DType::F8_E4M3 => (amax / 16.0).max(2f32.powi(-10)),

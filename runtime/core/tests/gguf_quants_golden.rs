@@ -1,9 +1,10 @@
 //! The reference dequantisation of the GGUF block formats beyond Q4_0 / Q4_1 / Q8_0
-//! (`metrale_core::dtype::dequantize_row`: Q5_0, Q5_1, MXFP4, and `metrale_core::kquant`'s Q4_K,
-//! Q5_K, Q6_K) against gguf-py's on the same blocks (tests/golden/gguf_quants_golden.bin, made by
+//! (`metrale_core::dtype::dequantize_row`: Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, and
+//! `metrale_core::kquant`'s Q2_K to Q6_K) against gguf-py's on the same blocks (tests/golden/gguf_quants_golden.bin, made by
 //! tests/golden/make_gguf_quants_golden.py: random bytes, every packed field's bit patterns). Both
 //! compute each value with the same operations in f32 (Q5_0: (q - 16) * d; Q5_1: q * d + m; the
-//! K-quants: (d * scale) * q - dmin * min, Q6_K (d * scale) * q; MXFP4: level * 2^(e - 128)), so the values must agree
+//! K-quants: (d * scale) * q - dmin * min, Q3_K and Q6_K (d * scale) * q; IQ4: (d [* scale]) * level;
+//! MXFP4: level * 2^(e - 128)), so the values must agree
 //! exactly; a 1-ulp difference would mean the order of operations differs, and is reported with the
 //! element.
 
@@ -49,7 +50,11 @@ fn gguf_block_formats_dequantize_as_gguf_py_does() {
             DType::Q6_K,
             DType::Q5_0,
             DType::Q5_1,
-            DType::MXFP4
+            DType::MXFP4,
+            DType::Q2_K,
+            DType::Q3_K,
+            DType::IQ4_NL,
+            DType::IQ4_XS
         ]
     );
 }

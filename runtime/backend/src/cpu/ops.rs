@@ -628,9 +628,16 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32], xs: &[f32]) -> f32 {
         DType::F32 => dot_f32_row(row, x),
         DType::F16 => dot_16bit_row(row, x, false),
         DType::BF16 => dot_16bit_row(row, x, true),
-        DType::Q5_0 | DType::Q5_1 | DType::MXFP4 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-            dot_dequant_row(dtype, row, x)
-        }
+        DType::Q5_0
+        | DType::Q5_1
+        | DType::MXFP4
+        | DType::IQ4_NL
+        | DType::IQ4_XS
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => dot_dequant_row(dtype, row, x),
         DType::F8_E4M3 => dot_fp8_row(row, x),
     }
 }
@@ -664,6 +671,10 @@ fn dequantising(dtype: DType) -> bool {
         DType::Q5_0
             | DType::Q5_1
             | DType::MXFP4
+            | DType::IQ4_NL
+            | DType::IQ4_XS
+            | DType::Q2_K
+            | DType::Q3_K
             | DType::Q4_K
             | DType::Q5_K
             | DType::Q6_K

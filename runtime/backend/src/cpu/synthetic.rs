@@ -53,6 +53,19 @@ pub fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8
                 c[2..4].copy_from_slice(&h(-0.05 + (i % 5) as f32 * 0.01));
             }
         }
+        // the f16 scales of the read-only formats: d (and Q2_K's dmin) small and finite
+        DType::Q2_K | DType::Q3_K | DType::IQ4_NL | DType::IQ4_XS => {
+            let at: &[usize] = match dtype {
+                DType::Q2_K => &[80, 82],
+                DType::Q3_K => &[108],
+                _ => &[0],
+            };
+            for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                for &a in at {
+                    c[a..a + 2].copy_from_slice(&h(0.0004 + (i % 7) as f32 * 0.0001));
+                }
+            }
+        }
         // scales 2^-7 .. 2^-4 (the largest level, 6, then 0.05 to 0.4)
         DType::MXFP4 => {
             for (i, c) in b.chunks_exact_mut(dtype.block_bytes()).enumerate() {

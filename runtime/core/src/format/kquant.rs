@@ -1,10 +1,19 @@
-//! The GGUF "K-quant" block formats (`Q4_K`, `Q5_K`, `Q6_K`: what `llama-quantize` writes for the
-//! Q4_K_M, Q5_K_M and Q6_K mixes) and their reference dequantisation to f32, which
+//! The GGUF "K-quant" block formats (`Q2_K`, `Q3_K`, `Q4_K`, `Q5_K`, `Q6_K`: what `llama-quantize`
+//! writes for the Q2_K, Q3_K_S/M/L, Q4_K_M, Q5_K_M and Q6_K mixes) and their reference
+//! dequantisation to f32, which
 //! [`crate::dtype::dequantize_row`] uses for the matching [`crate::dtype::DType`]s; every backend's
 //! dequantisation is tested against these.
 //!
 //! Layouts (ggml's, little-endian), super-blocks of [`QK_K`] = 256 elements in 8 sub-blocks of 32
-//! (Q6_K: 16 sub-blocks of 16):
+//! (Q2_K, Q3_K, Q6_K: 16 sub-blocks of 16):
+//! - `Q2_K` (84 bytes): 16 bytes of 4-bit sub-block scales (low nibble) and mins (high), 64 bytes
+//!   of 2-bit quants, f16 `d`, f16 `dmin`. w = d * scale_j * q - dmin * min_j. Each 128 elements
+//!   take 32 bytes: element 32 s + l (s = 0..3, l = 0..31) is bits 2s of byte l.
+//! - `Q3_K` (110 bytes): 32 bytes of high bits, 64 bytes of 2-bit quants (as Q2_K's), 12 bytes of
+//!   6-bit scales, f16 `d`. w = d * (scale_j - 32) * (q - 4 * !h), h the element's high bit: bit
+//!   4 c + s of byte l for element 128 c + 32 s + l. The scales: the low nibbles of bytes 0-7 then
+//!   their high nibbles make the low 4 bits of scales 0-15; bits 2k of bytes 8-11 the top 2 bits of
+//!   scales 4k..4k+3.
 //! - `Q4_K` (144 bytes): f16 `d`, f16 `dmin`, 12 bytes of 6-bit sub-block scales and mins, 128 bytes
 //!   of nibbles. w = d * scale_j * q - dmin * min_j. Each 64 elements take 32 bytes of nibbles: low
 //!   nibbles the first 32 (sub-block 2i), high nibbles the next 32 (sub-block 2i + 1).
@@ -28,6 +37,8 @@ pub const QK_K: usize = 256;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types)]
 pub enum KQuant {
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -37,6 +48,8 @@ impl KQuant {
     /// The GGUF / ggml type id.
     pub fn ggml_type(self) -> u32 {
         match self {
+            KQuant::Q2_K => 10,
+            KQuant::Q3_K => 11,
             KQuant::Q4_K => 12,
             KQuant::Q5_K => 13,
             KQuant::Q6_K => 14,
@@ -46,6 +59,8 @@ impl KQuant {
     /// Bytes of one super-block of [`QK_K`] elements.
     pub const fn block_bytes(self) -> usize {
         match self {
+            KQuant::Q2_K => QK_K / 16 + QK_K / 4 + 2 + 2,
+            KQuant::Q3_K => QK_K / 8 + QK_K / 4 + 12 + 2,
             KQuant::Q4_K => 2 + 2 + 12 + QK_K / 2,
             KQuant::Q5_K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
             KQuant::Q6_K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
@@ -83,6 +98,8 @@ impl KQuant {
     #[inline]
     pub fn dequantize_block(self, b: &[u8], y: &mut [f32]) {
         match self {
+            KQuant::Q2_K => dequantize_q2_k(b, y),
+            KQuant::Q3_K => dequantize_q3_k(b, y),
             KQuant::Q4_K => dequantize_q4_k(b, y),
             KQuant::Q5_K => dequantize_q5_k(b, y),
             KQuant::Q6_K => dequantize_q6_k(b, y),
@@ -110,6 +127,43 @@ fn scale_min(j: usize, s: &[u8]) -> (u8, u8) {
 fn factors(j: usize, d: f32, dmin: f32, scales: &[u8]) -> (f32, f32) {
     let (sc, m) = scale_min(j, scales);
     (d * sc as f32, dmin * m as f32)
+}
+
+/// One Q2_K super-block (84 bytes) into 256 values.
+pub fn dequantize_q2_k(b: &[u8], y: &mut [f32]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (i, y) in y.iter_mut().enumerate() {
+        let (c, s, l) = (i / 128, (i / 32) % 4, i % 32);
+        let sc = scales[i / 16];
+        let q = (qs[32 * c + l] >> (2 * s)) & 3;
+        *y = d * (sc & 0xF) as f32 * q as f32 - dmin * (sc >> 4) as f32;
+    }
+}
+
+/// Q3_K's 16 sub-block scales (6 bits each, before the - 32) from its 12 packed bytes.
+fn q3_k_scales(p: &[u8]) -> [u8; 16] {
+    std::array::from_fn(|j| {
+        let low = match j < 8 {
+            true => p[j] & 0xF,
+            false => p[j - 8] >> 4,
+        };
+        low | (((p[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)
+    })
+}
+
+/// One Q3_K super-block (110 bytes) into 256 values.
+pub fn dequantize_q3_k(b: &[u8], y: &mut [f32]) {
+    let (hmask, qs) = (&b[0..32], &b[32..96]);
+    let scales = q3_k_scales(&b[96..108]);
+    let d = f16_at(b, 108);
+    for (i, y) in y.iter_mut().enumerate() {
+        let (c, s, l) = (i / 128, (i / 32) % 4, i % 32);
+        let dl = d * (scales[i / 16] as i32 - 32) as f32;
+        let low = ((qs[32 * c + l] >> (2 * s)) & 3) as i32;
+        let high = (hmask[l] >> (4 * c + s)) & 1;
+        *y = dl * (low - if high == 1 { 0 } else { 4 }) as f32;
+    }
 }
 
 /// One Q4_K super-block (144 bytes) into 256 values.
@@ -196,6 +250,11 @@ pub fn quantize(k: KQuant, src: &[f32], out: &mut [u8]) -> Result<(), String> {
         .zip(out.chunks_exact_mut(k.block_bytes()))
     {
         match k {
+            KQuant::Q2_K | KQuant::Q3_K => {
+                return Err(format!(
+                    "{k:?}: metrale reads this type and does not write it (llama-quantize does)"
+                ))
+            }
             KQuant::Q4_K => quantize_q45_k(x, b, false),
             KQuant::Q5_K => quantize_q45_k(x, b, true),
             KQuant::Q6_K => quantize_q6_k(x, b),
@@ -365,6 +424,7 @@ mod tests {
                 KQuant::Q4_K => (32, 15.0),
                 KQuant::Q5_K => (32, 31.0),
                 KQuant::Q6_K => (16, 31.0),
+                KQuant::Q2_K | KQuant::Q3_K => unreachable!("read-only types"),
             };
             let (mut num, mut den) = (0f64, 0f64);
             for (j, (s, b)) in src.chunks(sub).zip(back.chunks(sub)).enumerate() {
@@ -399,6 +459,7 @@ mod tests {
                 KQuant::Q4_K => 0.1,
                 KQuant::Q5_K => 0.05,
                 KQuant::Q6_K => 0.03,
+                KQuant::Q2_K | KQuant::Q3_K => unreachable!("read-only types"),
             };
             assert!(rel < bound, "{k:?}: relative L2 error {rel}");
             let zero = vec![0f32; QK_K];

@@ -6,13 +6,15 @@
 //!
 //! - [`float`]: f32, f16, bf16 (and the conversions every host path uses);
 //! - [`q4_0`], [`q4_1`], [`q5`] (Q5_0 and Q5_1), [`q8_0`]: ggml's 32-element block formats;
-//! - [`kquant`]: ggml's K-quants (Q4_K, Q5_K, Q6_K: 256-element super-blocks);
+//! - [`kquant`]: ggml's K-quants (Q2_K to Q6_K: 256-element super-blocks);
+//! - [`iq4`]: ggml's non-linear 4-bit IQ4_NL and IQ4_XS (read only);
 //! - [`mxfp4`]: MXFP4 (OCP microscaling FP4 in 32-element blocks: gpt-oss's experts);
 //! - [`fp8`]: FP8 e4m3 with a scale per row (vLLM's FP8 checkpoints), and the per-token input
 //!   quantization of its products.
 
 pub mod float;
 pub mod fp8;
+pub mod iq4;
 pub mod kquant;
 pub mod mxfp4;
 pub mod q4_0;

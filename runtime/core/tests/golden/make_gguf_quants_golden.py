@@ -1,5 +1,5 @@
 """Reference dequantisation of the GGUF block formats beyond Q4_0 / Q4_1 / Q8_0 (Q5_0, Q5_1, the
-K-quants and MXFP4), and MXFP4's reference quantizer, for runtime/core/tests/gguf_quants_golden.rs.
+K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS and MXFP4), and MXFP4's reference quantizer, for runtime/core/tests/gguf_quants_golden.rs.
 
 Reference: gguf-py's `gguf.quants.dequantize` (the llama.cpp project's pure-Python/numpy GGUF
 library, PyPI `gguf`; nobody in this project wrote it). For each of Q4_K, Q5_K, Q6_K, Q5_0 and
@@ -51,6 +51,18 @@ x = np.concatenate([rng.standard_normal(32 * 64).astype(np.float32)
 q = quants.quantize(x.reshape(1, -1), T.MXFP4).reshape(-1)
 with open(os.path.join(here, "gguf_mxfp4_quantize_golden.bin"), "wb") as f:
     f.write(x.tobytes() + q.tobytes())
+# the read-only formats (what llama-quantize writes for the Q2_K, Q3_K_S/M/L, IQ4_NL and IQ4_XS
+# mixes), as the first five: random bytes, their f16 fields random finite values
+for t, f16_at in ((T.Q2_K, (80, 82)), (T.Q3_K, (108,)), (T.IQ4_NL, (0,)), (T.IQ4_XS, (0,))):
+    elems, size = quants.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(BLOCKS, size), dtype=np.uint8)
+    for b in range(BLOCKS):
+        for at in f16_at:
+            v = np.float16(rng.uniform(1e-3, 1.0) * rng.choice([-1.0, 1.0]))
+            raw[b, at:at + 2] = np.frombuffer(v.tobytes(), dtype=np.uint8)
+    y = quants.dequantize(raw.reshape(-1), t).astype("<f4")
+    assert y.shape == (BLOCKS * elems,) and np.isfinite(y).all()
+    out += struct.pack("<II", int(t), BLOCKS) + raw.tobytes() + y.tobytes()
 path = os.path.join(here, "gguf_quants_golden.bin")
 with open(path, "wb") as f:
     f.write(out)
