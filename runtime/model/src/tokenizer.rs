@@ -13,7 +13,9 @@
 //! - `qwen2` (Qwen2, Qwen2.5, Qwen3 GGUFs): the llama3 regex with every digit alone (`\p{N}` where
 //!   llama3 has `\p{N}{1,3}`), merges as usual;
 //! - `tekken` (Mistral-Nemo, Mistral Small 3): Mistral's regex (case runs within words, digits
-//!   alone), whole-word vocabulary hits first as llama3's.
+//!   alone), whole-word vocabulary hits first as llama3's;
+//! - `gpt-4o` / `llama4` (gpt-oss's o200k, Llama 4): o200k's regex (tekken's case runs with
+//!   contractions attached, digits in threes), merges as usual.
 //!
 //! Each regex splits keeping the unmatched stretches as pieces (llama.cpp's behaviour), then bytes are
 //! mapped to GPT-2's printable alphabet. Any other `pre` value is refused with an error that lists the
@@ -49,10 +51,14 @@ pub const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][l
 /// a word is an optional non-letter, then capitals and lower case after them (or capitals alone),
 /// so "helloWorld" splits as "hello" "World"; digits alone; `/` kept with a run of punctuation.
 pub const TEKKEN_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// o200k's pre-tokenizer regex (GGUF `gpt-4o`: gpt-oss; `llama4`: Llama 4) as gpt-oss's
+/// tokenizer.json writes it: tekken's case runs within words, each with an optional contraction,
+/// and digits in runs of up to three.
+pub const GPT4O_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// The `tokenizer.ggml.pre` values this reader supports.
 pub const SUPPORTED_PRE: &str = "smollm, gpt2 (gpt-2, phi-2, exaone4), llama-bpe (llama3, \
      llama-v3, falcon3, falcon-h1, pixtral, midm-2.0, lfm2), dbrx (smaug-bpe; Phi-4), qwen2 \
-     (deepseek-r1-qwen, kormo, f2llmv2, megrez), tekken";
+     (deepseek-r1-qwen, kormo, f2llmv2, megrez), tekken, gpt-4o (llama4, kanana2, talkie)";
 
 /// GGUF token types (llama_token_type).
 mod token_type {
@@ -174,6 +180,8 @@ fn pre_tokenizer(pre: &str, path: &std::path::Path) -> Result<(PreTokenizerWrapp
         // llama3's regex, the merges as usual (Phi-4's GGUFs say dbrx)
         "dbrx" | "smaug-bpe" => (vec![split(LLAMA3_REGEX)?, bytes], false),
         "tekken" => (vec![split(TEKKEN_REGEX)?, bytes], true),
+        // o200k (gpt-oss; Llama 4's GGUFs say llama4), the merges as usual
+        "gpt-4o" | "llama4" | "kanana2" | "talkie" => (vec![split(GPT4O_REGEX)?, bytes], false),
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => {
             (vec![split(QWEN2_REGEX)?, bytes], false)
         }

@@ -1,10 +1,11 @@
 //! GGUF byte-level BPE vocabularies under the pre-tokenizers `tekken` (Mistral-Nemo, Mistral Small
-//! 3) and `dbrx` (Phi-4) against Hugging Face `tokenizers` on the same vocabularies:
-//! tests/golden/bpe/ (two vocabularies of 4,000 tokens trained there by make_bpe_golden.py under
+//! 3), `dbrx` (Phi-4) and `gpt-4o` (gpt-oss's o200k; Llama 4's `llama4`) against Hugging Face
+//! `tokenizers` on the same vocabularies:
+//! tests/golden/bpe/ (three vocabularies of 4,000 tokens trained there by make_bpe_golden.py under
 //! each model's regex and merge rule) holds the reference's ids for 20 strings (camel case,
 //! digit runs, paths and URLs, contractions, accents, emoji and CJK, CRLF, the empty string) and the pieces
-//! Mistral's regex cuts each into. Ids must be equal and decode to the string; the pieces of
-//! `TEKKEN_REGEX` must be the reference's (a vocabulary trained under a regex rarely shows which
+//! Mistral's and o200k's regexes cut each into. Ids must be equal and decode to the string; the pieces of
+//! `TEKKEN_REGEX` and `GPT4O_REGEX` must be the reference's (a vocabulary trained under a regex rarely shows which
 //! regex split it: llama3's regex gives other pieces on 6 of the 20 strings).
 
 use metrale_model::gguf::GgufFile;
@@ -56,6 +57,36 @@ fn tekken_vocabulary_tokenizes_as_hf_tokenizers() {
 #[test]
 fn dbrx_vocabulary_tokenizes_as_hf_tokenizers() {
     check("bpe_dbrx");
+}
+
+#[test]
+fn gpt4o_vocabulary_tokenizes_as_hf_tokenizers() {
+    check("bpe_gpt-4o");
+}
+
+/// o200k's regex cuts the reference's pieces, and tekken's (the same case runs, contractions
+/// apart, digits alone) cuts some strings otherwise, so the check can fail.
+#[test]
+fn gpt4o_regex_cuts_the_pieces_o200k_cuts() {
+    let g = golden();
+    let mut tekken_differs = 0;
+    for (s, w) in strings(&g)
+        .into_iter()
+        .zip(g["gpt-4o_pieces"].as_array().unwrap())
+    {
+        let w: Vec<&str> = w
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert_eq!(pieces(metrale_model::tokenizer::GPT4O_REGEX, s), w, "{s:?}");
+        tekken_differs += (pieces(TEKKEN_REGEX, s) != w) as usize;
+    }
+    assert!(
+        tekken_differs >= 3,
+        "tekken's regex differs on {tekken_differs}"
+    );
 }
 
 fn pieces(re: &str, s: &str) -> Vec<String> {

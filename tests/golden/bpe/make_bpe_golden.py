@@ -1,16 +1,18 @@
-"""Byte-level BPE vocabularies in GGUF form under the pre-tokenizers `tekken` and `dbrx`, and their
+"""Byte-level BPE vocabularies in GGUF form under the pre-tokenizers `tekken`, `dbrx` and `gpt-4o`, and their
 reference tokenizations by Hugging Face `tokenizers` (the implementation those models' own
 tokenizer.json files run on; nobody in this project wrote it).
 
 GGUF files of Mistral-Nemo / Mistral Small 3 say `tokenizer.ggml.pre = "tekken"`, Phi-4's say
-`"dbrx"`. Their real vocabularies are not in any package this project can install, so this
+`"dbrx"`, gpt-oss's `"gpt-4o"` (o200k; Llama 4's say `"llama4"`, the same). Their real vocabularies are not in any package this project can install, so this
 script trains a vocabulary of 4,000 tokens on bench/perplexity/text.txt (CPython's pydoc topics,
 PSF licence) under each pre-tokenizer as the real tokenizer.json files configure it:
   - tekken: Mistral's split regex (case runs within words, single digits), byte-level BPE with
     `ignore_merges` (a whole piece found in the vocabulary is one token);
-  - dbrx: the llama3 split regex, byte-level BPE with merges as usual.
+  - dbrx: the llama3 split regex, byte-level BPE with merges as usual;
+  - gpt-4o: o200k's split regex as gpt-oss's tokenizer.json writes it (case runs within words with
+    their contractions, digits in threes), byte-level BPE with merges as usual.
 Written next to this script:
-    bpe_tekken.gguf, bpe_dbrx.gguf   vocabulary-only GGUF files (gguf-py's writer)
+    bpe_tekken.gguf, bpe_dbrx.gguf, bpe_gpt-4o.gguf   vocabulary-only GGUF files (gguf-py's writer)
     bpe_golden.json                  the strings, each vocabulary's ids for them, and the pieces
                                      Mistral's split regex cuts each string into (a vocabulary
                                      trained under a regex rarely shows which regex splits it)
@@ -31,6 +33,9 @@ TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo
           r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 STRINGS = [
     "Hello world",
     " Hello world",
@@ -94,7 +99,10 @@ def main():
         "strings": STRINGS,
         "bpe_tekken": build("bpe_tekken", TEKKEN, True),
         "bpe_dbrx": build("bpe_dbrx", LLAMA3, False),
+        "bpe_gpt-4o": build("bpe_gpt-4o", O200K, False),
         "tekken_pieces": [[p for p, _ in pre_tokenizers.Split(Regex(TEKKEN), behavior="isolated").pre_tokenize_str(s)]
+                          for s in STRINGS],
+        "gpt-4o_pieces": [[p for p, _ in pre_tokenizers.Split(Regex(O200K), behavior="isolated").pre_tokenize_str(s)]
                           for s in STRINGS],
     }
     with open(os.path.join(HERE, "bpe_golden.json"), "w") as f:
