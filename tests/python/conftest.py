@@ -62,13 +62,13 @@ def server_binary() -> str:
     return binary
 
 
-def start_server(log_path, args, preexec_fn=None, model=None) -> Server:
-    """Start the binary with the model (default: METRALE_MODEL) and `args` on a free port; return once
-    /health is 200."""
+def start_server(log_path, args, preexec_fn=None, model=None, binary=None) -> Server:
+    """Start the binary (default: METRALE_SERVER_BIN) with the model (default: METRALE_MODEL) and
+    `args` on a free port; return once /health is 200."""
     port = free_port()
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [server_binary(), "--model", model or model_path(), "--port", str(port), *args],
+        [binary or server_binary(), "--model", model or model_path(), "--port", str(port), *args],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec_fn,
     )
     log.close()

@@ -148,7 +148,6 @@ pub fn run(args: Args) -> Result<()> {
     };
     let tok = GgufFile::open(&tok_path)
         .with_context(|| format!("reading the tokenizer from {}", tok_path.display()))?;
-    let mut tok_meta = tokenizer_metadata(&tok, shape.vocab as usize)?;
     let family = Family::from_arch(&shape.family).with_context(|| {
         format!(
             "model family '{}': synth-model writes {}",
@@ -156,6 +155,17 @@ pub fn run(args: Args) -> Result<()> {
             metrale_model::config::SUPPORTED_ARCHS
         )
     })?;
+    // gpt-oss's checkpoints carry harmony's special tokens
+    let named = match family {
+        Family::GptOss => {
+            let n = tok
+                .opt_str_array("tokenizer.ggml.tokens")?
+                .map_or(0, |t| t.len());
+            harmony_tokens(n, shape.vocab as usize)
+        }
+        _ => Vec::new(),
+    };
+    let mut tok_meta = tokenizer_metadata(&tok, shape.vocab as usize, &named)?;
     if let Some(name) = chat_format(family) {
         // the family's chat format in place of the tokenizer file's, as its real checkpoints carry
         let p = root.join("chat").join(format!("{name}.jinja"));
@@ -648,7 +658,6 @@ fn llama3_freq_factors(s: &ModelShape, r: &metrale_core::target::RopeScaling) ->
         .collect()
 }
 
-/// The source GGUF's `tokenizer.*` metadata with the vocabulary padded to `vocab` tokens.
 /// The chat format (`targets/chat/<name>.jinja`) synth-model gives a family's checkpoints, where
 /// the project writes one: Qwen2.5's, Qwen3's for both Qwen3 families; llama's checkpoints keep
 /// the tokenizer file's (the default model's ChatML).
@@ -661,7 +670,40 @@ fn chat_format(family: Family) -> Option<&'static str> {
     }
 }
 
-fn tokenizer_metadata(g: &GgufFile, vocab: usize) -> Result<Vec<(String, Value)>> {
+/// gpt-oss's harmony special tokens (`<|start|>`, `<|channel|>`, `<|message|>`, ...) for a
+/// vocabulary padded from `n` to `vocab` tokens: at their ids in o200k_harmony where the
+/// vocabulary reaches them (gpt-oss-20b's 201,088), else the first padding ids. The server's
+/// harmony reader (`--reasoning-format harmony`) finds them by their text.
+fn harmony_tokens(n: usize, vocab: usize) -> Vec<(usize, &'static str)> {
+    const O200K: [(usize, &str); 9] = [
+        (199_998, "<|startoftext|>"),
+        (199_999, "<|endoftext|>"),
+        (200_002, "<|return|>"),
+        (200_003, "<|constrain|>"),
+        (200_005, "<|channel|>"),
+        (200_006, "<|start|>"),
+        (200_007, "<|end|>"),
+        (200_008, "<|message|>"),
+        (200_012, "<|call|>"),
+    ];
+    if vocab > 200_012 && n <= 199_998 {
+        return O200K.to_vec();
+    }
+    O200K
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, t))| (n + i, t))
+        .filter(|&(id, _)| id < vocab)
+        .collect()
+}
+
+/// The source GGUF's `tokenizer.*` metadata with the vocabulary padded to `vocab` tokens; the
+/// padding ids of `named` take those texts as control tokens (GGUF token type 3).
+fn tokenizer_metadata(
+    g: &GgufFile,
+    vocab: usize,
+    named: &[(usize, &str)],
+) -> Result<Vec<(String, Value)>> {
     let path = g.path.display();
     let tokens = g
         .opt_str_array("tokenizer.ggml.tokens")?
@@ -683,12 +725,20 @@ fn tokenizer_metadata(g: &GgufFile, vocab: usize) -> Result<Vec<(String, Value)>
                 tokens
                     .iter()
                     .map(|s| s.to_string())
-                    .chain((n..vocab).map(|i| format!("<|unused_{i}|>")))
+                    .chain(
+                        (n..vocab).map(|i| match named.iter().find(|&&(id, _)| id == i) {
+                            Some(&(_, t)) => t.to_string(),
+                            None => format!("<|unused_{i}|>"),
+                        }),
+                    )
                     .collect::<StrArray>(),
             )),
             ("tokenizer.ggml.token_type", Value::Array(Array::I32(t))) => {
                 let mut t = t.clone();
                 t.resize(vocab, 5);
+                for &(id, _) in named {
+                    t[id] = 3;
+                }
                 Value::Array(Array::I32(t))
             }
             ("tokenizer.ggml.scores", Value::Array(Array::F32(t))) => {

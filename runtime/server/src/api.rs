@@ -281,6 +281,9 @@ pub struct GenParams {
     /// The text is split into thought and content (`crate::reasoning`): `Some(in_thought)`, true
     /// when the prompt opened the thought; set by `prepare` for chat requests.
     pub reasoning: Option<bool>,
+    /// The output is gpt-oss's harmony messages (`crate::harmony`): set by `prepare` for chat
+    /// requests under `--reasoning-format harmony`.
+    pub harmony: bool,
 }
 
 fn check_range(v: Option<f32>, name: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
@@ -486,6 +489,7 @@ pub fn validate_common(
         grammar: None,
         tools: None,
         reasoning: None,
+        harmony: false,
     })
 }
 

@@ -89,9 +89,11 @@ pub struct Cli {
     pub pooling: Option<String>,
 
     /// How a thinking model's `<think>...</think>` comes back from the chat endpoint: `deepseek`
-    /// (as `reasoning_content`, apart from `content`), `none` (in the text as written), or `auto`
-    /// (`deepseek` when the chat template writes `<think>`).
-    #[arg(long, default_value = "auto", value_parser = ["none", "deepseek", "auto"])]
+    /// (as `reasoning_content`, apart from `content`), `none` (in the text as written), `harmony`
+    /// (gpt-oss's channels: the analysis channel as `reasoning_content`, the final one as
+    /// `content`, messages to `functions.*` as tool calls), or `auto` (`harmony` when the chat
+    /// template writes `<|channel|>`, `deepseek` when it writes `<think>`).
+    #[arg(long, default_value = "auto", value_parser = ["none", "deepseek", "harmony", "auto"])]
     pub reasoning_format: String,
 
     /// Do not serve the chat page at `/` (the API is served either way).

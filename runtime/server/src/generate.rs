@@ -180,6 +180,9 @@ struct Choice {
     /// Tokens before any thought opened, held until the text says whether one did (`<think>`
     /// arrives in pieces).
     start_tokens: usize,
+    /// gpt-oss's harmony messages (`crate::harmony`): thought, content and calls by channel, in
+    /// place of `reasoning` and `tools`.
+    harmony: Option<crate::harmony::Stream>,
     /// What the last text produced beyond the one item `next` returns.
     queued: VecDeque<ChoiceOut>,
 }
@@ -190,6 +193,15 @@ impl Choice {
     /// generation was not cut by the length limit).
     fn queue_text(&mut self, text: String, finish: Option<(&'static str, usize, usize)>) {
         let index = self.index;
+        if let Some(h) = &mut self.harmony {
+            let outs = h.text(&text);
+            self.queue_harmony(outs);
+            if let Some(end) = finish {
+                let calls = self.harmony.take().and_then(crate::harmony::Stream::finish);
+                self.queue_finish(end, calls);
+            }
+            return;
+        }
         // the thought first; the content goes on to the tools' reader
         let text = match &mut self.reasoning {
             Some(sp) => {
@@ -223,31 +235,60 @@ impl Choice {
             }
         }
         for e in events {
-            self.queued.push_back(match e {
-                crate::tools::ToolEvent::Text(text) => ChoiceOut::Delta {
-                    index,
-                    text,
-                    logprobs: std::mem::take(&mut self.pending_logprobs),
-                },
-                event => ChoiceOut::ToolCall { index, event },
-            });
+            self.queue_event(e);
         }
-        if let Some((reason, completion_tokens, cached_tokens)) = finish {
-            let reason = if calls.is_some() && reason != "length" {
-                "tool_calls"
-            } else {
-                reason
-            };
-            self.queued.push_back(ChoiceOut::Finish {
+        if let Some(end) = finish {
+            self.queue_finish(end, calls);
+        }
+    }
+
+    /// Queue a content piece or a call's piece.
+    fn queue_event(&mut self, e: crate::tools::ToolEvent) {
+        let index = self.index;
+        self.queued.push_back(match e {
+            crate::tools::ToolEvent::Text(text) => ChoiceOut::Delta {
                 index,
+                text,
                 logprobs: std::mem::take(&mut self.pending_logprobs),
-                reason,
-                completion_tokens,
-                reasoning_tokens: self.reasoning_tokens,
-                cached_tokens,
-                tool_calls: calls,
-            });
+            },
+            event => ChoiceOut::ToolCall { index, event },
+        });
+    }
+
+    /// Queue what the harmony stream made of a token.
+    fn queue_harmony(&mut self, outs: Vec<crate::harmony::Out>) {
+        for o in outs {
+            match o {
+                crate::harmony::Out::Thought(text) => self.queued.push_back(ChoiceOut::Reasoning {
+                    index: self.index,
+                    text,
+                }),
+                crate::harmony::Out::Tool(e) => self.queue_event(e),
+            }
         }
+    }
+
+    /// Queue the choice's `Finish` (`tool_calls` when a call was made and the generation was not
+    /// cut by the length limit).
+    fn queue_finish(
+        &mut self,
+        (reason, completion_tokens, cached_tokens): (&'static str, usize, usize),
+        calls: Option<Vec<crate::tools::Call>>,
+    ) {
+        let reason = if calls.is_some() && reason != "length" {
+            "tool_calls"
+        } else {
+            reason
+        };
+        self.queued.push_back(ChoiceOut::Finish {
+            index: self.index,
+            logprobs: std::mem::take(&mut self.pending_logprobs),
+            reason,
+            completion_tokens,
+            reasoning_tokens: self.reasoning_tokens,
+            cached_tokens,
+            tool_calls: calls,
+        });
     }
 
     /// Count the token just queued as the thought's or not, from the splitter's (at start,
@@ -312,11 +353,21 @@ impl Choice {
                         self.pending_logprobs.push(e);
                     }
                     let tk = &self.served.model.tokenizer;
+                    let marker = match (&self.harmony, tk.is_special(id)) {
+                        (Some(_), true) => crate::harmony::Marker::of(&String::from_utf8_lossy(
+                            tk.token_bytes_ref(id),
+                        )),
+                        _ => None,
+                    };
                     let bytes = if tk.is_special(id) {
                         Vec::new()
                     } else {
                         tk.token_bytes(id)
                     };
+                    if let Some(h) = &self.harmony {
+                        // a token of the thought's body (its closing `<|end|>` included)
+                        self.reasoning_tokens += h.thinking() as usize;
+                    }
                     let r = self.streamer.push(&bytes);
                     let before = self
                         .reasoning
@@ -334,6 +385,10 @@ impl Choice {
                     }
                     self.queue_text(r.text, None);
                     self.count_reasoning(before);
+                    if let (Some(m), Some(h)) = (marker, &mut self.harmony) {
+                        let outs = h.marker(m);
+                        self.queue_harmony(outs);
+                    }
                 }
                 Some(Event::Done {
                     reason,
@@ -437,10 +492,14 @@ fn start(
                     tokens: 0,
                     pending_logprobs: Vec::new(),
                     link,
-                    tools: p.tools.clone().map(crate::tools::ToolStream::new),
+                    tools: match p.harmony {
+                        true => None,
+                        false => p.tools.clone().map(crate::tools::ToolStream::new),
+                    },
                     reasoning: p.reasoning.map(crate::reasoning::Splitter::new),
                     reasoning_tokens: 0,
                     start_tokens: 0,
+                    harmony: p.harmony.then(crate::harmony::Stream::new),
                     queued: VecDeque::new(),
                 }
                 .into_stream(),

@@ -38,6 +38,7 @@ pub mod embeddings;
 pub mod error;
 pub mod generate;
 pub mod grammar;
+pub mod harmony;
 pub mod listen;
 pub mod pool;
 pub mod prepare;

@@ -319,6 +319,7 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
     // a template that opened the thought (DeepSeek-R1's `<think>\n` after the assistant header)
     params.reasoning = (p.reasoning == crate::reasoning::Format::Deepseek)
         .then(|| text.trim_end().ends_with("<think>"));
+    params.harmony = p.reasoning == crate::reasoning::Format::Harmony;
     let prompt = encode_prompt(p, res, &text, "messages")?;
     Ok(Job {
         kind: Kind::Chat,

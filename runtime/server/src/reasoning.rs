@@ -1,4 +1,5 @@
-//! Reasoning output (`--reasoning-format`): a model whose chat template thinks (Qwen3, DeepSeek-R1)
+//! Reasoning output (`--reasoning-format`; gpt-oss's harmony channels are `crate::harmony`'s): a
+//! model whose chat template thinks (Qwen3, DeepSeek-R1)
 //! writes its thought between `<think>` and `</think>` before the answer. With `deepseek` the chat
 //! endpoint returns the thought as `reasoning_content` (in the message, and in stream deltas before
 //! the content ones), as vLLM's and llama-server's reasoning parsers do, and the rest as `content`;
@@ -17,21 +18,27 @@
 pub enum Format {
     None,
     Deepseek,
+    /// gpt-oss's harmony channels (`crate::harmony`): the analysis channel is the thought, calls
+    /// to `functions.*` are tool calls.
+    Harmony,
 }
 
 impl Format {
-    /// `none`, `deepseek`, or `auto` (`deepseek` when the template's source has `<think>`).
+    /// `none`, `deepseek`, `harmony`, or `auto` (`harmony` when the template's source writes
+    /// harmony's `<|channel|>`, `deepseek` when it has `<think>`, else `none`).
     pub fn resolve(flag: &str, template_source: Option<&str>) -> Result<Format, String> {
         match flag {
             "none" => Ok(Format::None),
             "deepseek" => Ok(Format::Deepseek),
-            "auto" => Ok(if template_source.is_some_and(|s| s.contains(OPEN)) {
-                Format::Deepseek
-            } else {
-                Format::None
+            "harmony" => Ok(Format::Harmony),
+            "auto" => Ok(match template_source {
+                Some(s) if s.contains("<|channel|>") => Format::Harmony,
+                Some(s) if s.contains(OPEN) => Format::Deepseek,
+                _ => Format::None,
             }),
             o => Err(format!(
-                "--reasoning-format {o:?} is not supported; the choices are none, deepseek, auto"
+                "--reasoning-format {o:?} is not supported; the choices are none, deepseek, \
+                 harmony, auto"
             )),
         }
     }
@@ -40,6 +47,7 @@ impl Format {
         match self {
             Format::None => "none",
             Format::Deepseek => "deepseek",
+            Format::Harmony => "harmony",
         }
     }
 }
@@ -254,6 +262,9 @@ mod tests {
         assert_eq!(Format::resolve("none", Some(qwen)), Ok(Format::None));
         assert!(Format::resolve("r1", None)
             .unwrap_err()
-            .contains("none, deepseek, auto"));
+            .contains("none, deepseek, harmony, auto"));
+        // gpt-oss's template writes harmony's channels (and no <think>)
+        let harmony = "{{- '<|start|>assistant<|channel|>final<|message|>' }}";
+        assert_eq!(Format::resolve("auto", Some(harmony)), Ok(Format::Harmony));
     }
 }

@@ -608,6 +608,27 @@ fn load(
     if reasoning == crate::reasoning::Format::Deepseek {
         eprintln!("  reasoning: the text between <think> and </think> is returned as reasoning_content (--reasoning-format)");
     }
+    let mut stop_tokens = stop_tokens;
+    if reasoning == crate::reasoning::Format::Harmony {
+        // a harmony generation ends at <|return|> or <|call|>, whatever the file's EOS says
+        let ids: Vec<u32> = crate::harmony::STOP_TEXTS
+            .iter()
+            .filter_map(|t| model.tokenizer.token_to_id(t))
+            .collect();
+        if ids.len() != crate::harmony::STOP_TEXTS.len() {
+            anyhow::bail!(
+                "--reasoning-format harmony: the vocabulary lacks {} (a gpt-oss model has them); \
+                 serve with --reasoning-format none",
+                crate::harmony::STOP_TEXTS.join(" or ")
+            );
+        }
+        for id in ids {
+            if !stop_tokens.contains(&id) {
+                stop_tokens.push(id);
+            }
+        }
+        eprintln!("  reasoning: gpt-oss's harmony channels: analysis as reasoning_content, final as content, messages to functions.* as tool calls (--reasoning-format)");
+    }
     Ok(Served {
         model,
         pool,
