@@ -2060,7 +2060,7 @@ fn moe_routing_and_experts_match_cpu() {
     // the router's scratch for up to 40 tokens; the tickets must be re-armed after every launch
     let (logits, ticket) = (poisoned(g, 40 * m.experts), g.upload(&[0u32; 40]).unwrap());
     assert!(
-        g.moe_router_blocks(n) > 1,
+        g.moe_router_blocks(n.div_ceil(abi::MOE_ROUTE_TOKENS as usize)) > 1,
         "6 tokens spread their router rows"
     );
     g.moe_route(abi::MoeRoute {
@@ -2417,15 +2417,15 @@ fn moe_routing_and_experts_match_cpu() {
     // rows spread over blocks that meet through the tickets, the path checked against the CPU
     // above). Each logit sums the same products in the same order whatever the tile and the
     // split, so xn, the experts and their weights must agree bit for bit.
-    let nm = 1030;
+    let nm: usize = 1030;
     assert_eq!(
-        g.moe_router_blocks(nm),
+        g.moe_router_blocks(nm.div_ceil(abi::MOE_ROUTE_TOKENS as usize)),
         1,
         "a 1,030-token chunk takes a block a tile"
     );
     assert!(
-        g.moe_router_blocks(5) > 1,
-        "5 tokens spread their router rows"
+        g.moe_router_blocks(2) > 1,
+        "5 tokens (two tiles) spread their router rows"
     );
     let xm = rand_vec(&mut e.rng, nm * h, -1.0, 1.0);
     let xmb = g.upload(&xm).unwrap();

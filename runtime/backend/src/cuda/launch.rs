@@ -423,20 +423,18 @@ impl Gpu {
     /// tile of `abi::MOE_ROUTE_TOKENS` tokens, each tile's router rows over
     /// [`Gpu::moe_router_blocks`] blocks.
     pub fn moe_route(&self, a: abi::MoeRoute) -> Result<(), BackendError> {
-        let n = a.ntok.max(0) as usize;
-        let tiles = n.div_ceil(abi::MOE_ROUTE_TOKENS as usize);
-        let rb = self.moe_router_blocks(n);
+        let tiles = (a.ntok.max(0) as usize).div_ceil(abi::MOE_ROUTE_TOKENS as usize);
+        let rb = self.moe_router_blocks(tiles);
         self.launch((tiles as u32, rb, 1), self.plain(), a)
     }
 
-    /// Blocks a tile of tokens' router rows are spread over in `moe_route`: one while the tiles
-    /// fill the GPU twice, else up to one expert a warp (a power of two), so that a tile's 128
-    /// rows of 2,048 f32 (1 MB at 30B-A3B) are not read by one SM alone.
-    pub fn moe_router_blocks(&self, ntok: usize) -> u32 {
+    /// Blocks each of `tiles` tiles of tokens' router rows are spread over in `moe_route`: one
+    /// while the tiles fill the GPU twice, else up to one expert a warp (a power of two), so that
+    /// a tile's 128 rows of 2,048 f32 (1 MB at 30B-A3B) are not read by one SM alone.
+    pub fn moe_router_blocks(&self, tiles: usize) -> u32 {
         let Some(m) = self.moe else { return 1 };
-        let tiles = ntok.div_ceil(abi::MOE_ROUTE_TOKENS as usize).max(1);
         let most = (m.experts / (abi::MV_THREADS as usize / 32)).max(1);
-        let want = (2 * self.sm_count / tiles).clamp(1, most);
+        let want = (2 * self.sm_count / tiles.max(1)).clamp(1, most);
         1 << want.ilog2()
     }
 
