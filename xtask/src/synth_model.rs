@@ -158,10 +158,13 @@ pub fn run(args: Args) -> Result<()> {
     // gpt-oss's checkpoints carry harmony's special tokens
     let named = match family {
         Family::GptOss => {
-            let n = tok
-                .opt_str_array("tokenizer.ggml.tokens")?
-                .map_or(0, |t| t.len());
-            harmony_tokens(n, shape.vocab as usize)
+            let tokens = tok.opt_str_array("tokenizer.ggml.tokens")?;
+            let have = |t: &str| tokens.as_ref().is_some_and(|v| v.contains(&t));
+            let n = tokens.as_ref().map_or(0, |t| t.len());
+            let mut named = harmony_tokens(n, shape.vocab as usize);
+            // a text the source vocabulary has (SmolLM2's <|endoftext|>) stays its one token
+            named.retain(|&(_, t)| !have(t));
+            named
         }
         _ => Vec::new(),
     };

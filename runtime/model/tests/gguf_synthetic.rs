@@ -307,13 +307,13 @@ fn tensor_problems() {
         e.contains("blk.0.attn_k.weight") && e.contains("alignment"),
         "{e}"
     );
-    // unsupported ggml type (Q3_K = 11): the supported ones named
+    // unsupported ggml type (IQ2_XXS = 16): the supported ones named
     let mut g = tiny_llama();
-    g.tensor("blk.0.ffn_up.weight").ggml_type = 11;
+    g.tensor("blk.0.ffn_up.weight").ggml_type = 16;
     let e = load_err(&g, "qtype.gguf");
     assert!(
         e.contains("blk.0.ffn_up.weight")
-            && e.contains("Q3_K")
+            && e.contains("IQ2_XXS")
             && e.contains("q4_1")
             && e.contains("q6_k"),
         "{e}"

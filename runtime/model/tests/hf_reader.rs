@@ -313,10 +313,20 @@ fn config_refusals() {
     assert_eq!(m.config.model_type, "mistral");
     reset();
     edit_json(&cfg, |v| {
+        v["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 4.0})
+    });
+    let e = Model::load(d).unwrap_err().to_string();
+    assert!(
+        e.contains("dynamic") && e.contains("llama3") && e.contains("yarn"),
+        "{e}"
+    );
+    // YaRN needs the pretraining context it scales
+    reset();
+    edit_json(&cfg, |v| {
         v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
     });
     let e = Model::load(d).unwrap_err().to_string();
-    assert!(e.contains("yarn") && e.contains("llama3"), "{e}");
+    assert!(e.contains("original_max_position_embeddings"), "{e}");
     reset();
     edit_json(&cfg, |v| {
         v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -17,6 +17,7 @@ pub const LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8
 
 /// 2^(e - 128), the scale of the doubled levels (ggml's `GGML_E8M0_TO_FP32_HALF`): a subnormal
 /// f32 for e < 2.
+#[inline]
 pub fn half_scale(e: u8) -> f32 {
     let bits = if e < 2 {
         0x0020_0000u32 << e
