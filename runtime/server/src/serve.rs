@@ -82,8 +82,8 @@ pub fn check_target(target: Option<&TargetSpec>, model: &Model) -> Result<()> {
     bail!(
         "this binary was built for target {} and serves {}; the checkpoint {} is ({mt}, hidden {hidden}). \
          Build a binary for it (`cargo xtask list-targets`, then `cargo xtask build-target --hw {} --model <model> \
-         --quant <quant>`), or serve it with a plain `cargo build --release -p metrale-server` binary (cpu, any llama \
-         checkpoint)",
+         --quant <quant>`), or serve it with a plain `cargo build --release -p metrale-server` binary (cpu, a checkpoint of \
+         any supported family)",
         t.id,
         pairs.join(", "),
         model.path.display(),
