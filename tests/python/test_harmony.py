@@ -82,3 +82,11 @@ def test_a_streamed_answer_with_its_thought(gpt_oss):
         content += d.content or ""
         finish = ch.choices[0].finish_reason or finish
     assert (thought, content, finish) == ("It is sunny.", "Sunny, 21 C.", "stop")
+
+
+def test_a_forced_tool_choice_is_refused_by_name(gpt_oss):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt_oss.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=8,
+                                        tool_choice="required")
+    assert "harmony" in str(e.value) and "tool_choice" in str(e.value)

@@ -389,7 +389,7 @@ fn yarn(path: &Path, cfg: &Json, rs: &Json, max_context: usize) -> Result<RopeSc
     ) {
         (Some(a), _, _) => a,
         (None, Some(m), Some(a)) if m != 0.0 && a != 0.0 => mscale(m) / mscale(a),
-        _ => mscale(1.0),
+        _ => yarn_mscale(factor as f32) as f64,
     };
     Ok(RopeScaling::Yarn {
         factor: factor as f32,
