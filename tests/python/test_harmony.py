@@ -84,9 +84,15 @@ def test_a_streamed_answer_with_its_thought(gpt_oss):
     assert (thought, content, finish) == ("It is sunny.", "Sunny, 21 C.", "stop")
 
 
-def test_a_forced_tool_choice_is_refused_by_name(gpt_oss):
-    import openai
-    with pytest.raises(openai.BadRequestError) as e:
-        gpt_oss.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=8,
-                                        tool_choice="required")
-    assert "harmony" in str(e.value) and "tool_choice" in str(e.value)
+def test_a_forced_tool_choice_is_a_harmony_call(gpt_oss):
+    # required: the grammar writes the call as harmony's message (the city at most 12 letters, so
+    # the random model's string ends); its arguments the tool's schema
+    tool = json.loads(json.dumps(WEATHER))
+    tool["function"]["parameters"]["properties"]["city"]["maxLength"] = 12
+    r = gpt_oss.chat.completions.create(model="m", messages=ASK, tools=[tool], max_tokens=60,
+                                        temperature=0, tool_choice="required")
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}

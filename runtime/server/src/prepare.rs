@@ -184,15 +184,12 @@ pub fn chat(p: &Prep, body: &[u8], res: &mut Reservation) -> Result<Job, ApiErro
         r.parallel_tool_calls,
         p.tool_format,
     )?;
-    if let Some(g) = tools.as_ref().and_then(|t| t.grammar()) {
-        if p.reasoning == crate::reasoning::Format::Harmony {
-            // the forcing grammar writes the target's own call syntax, not harmony's messages
-            return Err(ApiError::invalid(
-                "tool_choice required or named is not available with gpt-oss's harmony output \
-                 (--reasoning-format harmony); send tool_choice auto",
-                Some("tool_choice"),
-            ));
-        }
+    // a forced choice writes its call in the output's syntax: harmony's message, or the target's
+    let forcing = match p.reasoning {
+        crate::reasoning::Format::Harmony => tools.as_ref().and_then(|t| t.harmony_grammar()),
+        _ => tools.as_ref().and_then(|t| t.grammar()),
+    };
+    if let Some(g) = forcing {
         if params.grammar.is_some() {
             return Err(ApiError::invalid(
                 "a required or named tool_choice cannot be combined with a structured-output constraint",

@@ -217,17 +217,7 @@ impl Tools {
             ToolFormat::Hermes => "arguments",
             ToolFormat::Llama3Json => "parameters",
         };
-        let params = |t: &ToolIn| {
-            let mut p = t
-                .function
-                .parameters
-                .clone()
-                .unwrap_or(json!({"type": "object"}));
-            if let Some(o) = p.as_object_mut() {
-                o.entry("additionalProperties").or_insert(json!(false));
-            }
-            p
-        };
+        let params = arguments_schema;
         let one = |t: &ToolIn| {
             json!({
                 "type": "object",
@@ -248,13 +238,46 @@ impl Tools {
         }
     }
 
+    /// The tools a forced choice may call (`required`: any; named: that one); `None` for `auto`.
+    fn forced(&self) -> Option<Vec<&ToolIn>> {
+        match &self.choice {
+            Choice::Auto => None,
+            Choice::Required => Some(self.list.iter().collect()),
+            Choice::Named(n) => Some(self.list.iter().filter(|t| &t.function.name == n).collect()),
+        }
+    }
+
+    /// A grammar that forces one call as a harmony message (gpt-oss, `crate::harmony`):
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`, ARGS
+    /// the tool's parameters as JSON; `None` for `auto`.
+    pub fn harmony_grammar(&self) -> Option<TopLevelGrammar> {
+        let calls: Vec<String> = self
+            .forced()?
+            .iter()
+            .map(|t| {
+                // compact JSON, as the other formats' forced calls
+                let mut args = arguments_schema(t);
+                if let Some(o) = args.as_object_mut() {
+                    o.insert(
+                        "x-guidance".into(),
+                        json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+                    );
+                }
+                format!(
+                    "<|channel|> \"commentary to=functions.{} \" <|constrain|> \"json\" <|message|> %json {args} <|call|>",
+                    t.function.name,
+                )
+            })
+            .collect();
+        Some(TopLevelGrammar::from_lark(format!(
+            "start: {}\n",
+            calls.join(" | ")
+        )))
+    }
+
     /// A grammar that forces calls (`required`: any of the tools; named: that one), else `None`.
     pub fn grammar(&self) -> Option<TopLevelGrammar> {
-        let names: Vec<&ToolIn> = match &self.choice {
-            Choice::Auto => return None,
-            Choice::Required => self.list.iter().collect(),
-            Choice::Named(n) => self.list.iter().filter(|t| &t.function.name == n).collect(),
-        };
+        let names = self.forced()?;
         let schema = self.call_schema(&names);
         let many = if self.parallel { "+" } else { "" };
         let lark = match self.format {
@@ -268,6 +291,21 @@ impl Tools {
         };
         Some(TopLevelGrammar::from_lark(lark))
     }
+}
+
+/// A tool's parameters schema as a forced call's arguments: no properties the tool does not
+/// declare unless its schema says otherwise (`additionalProperties`), as OpenAI's strict function
+/// calling does, so a forced call stays bounded.
+fn arguments_schema(t: &ToolIn) -> Value {
+    let mut p = t
+        .function
+        .parameters
+        .clone()
+        .unwrap_or(json!({"type": "object"}));
+    if let Some(o) = p.as_object_mut() {
+        o.entry("additionalProperties").or_insert(json!(false));
+    }
+    p
 }
 
 /// What [`ToolStream`] makes of the text so far, in order.
