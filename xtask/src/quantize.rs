@@ -77,6 +77,21 @@ pub fn fallback(t: DType, cols: usize) -> DType {
     }
 }
 
+/// The single types `--to` takes (with the q4_k_m and q5_k_m mixes).
+const WRITES: [DType; 11] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
+
 /// llama.cpp's `general.file_type` number (`enum llama_ftype`) of a `--to` value.
 fn file_type(to: &str) -> u32 {
     match to {
@@ -99,11 +114,13 @@ pub fn run(args: Args) -> Result<()> {
     let (base, mix) = match args.to.as_str() {
         "q4_k_m" => (DType::Q4_K, true),
         "q5_k_m" => (DType::Q5_K, true),
-        t => match DType::from_name(t) {
+        // the types this project writes (the others it reads, Q2_K, Q3_K and the IQ types,
+        // come from llama-quantize)
+        t => match DType::from_name(t).filter(|d| WRITES.contains(d)) {
             Some(d) => (d, false),
             None => bail!(
-                "--to {t}: not a type; one of f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, \
-                 q5_k, q6_k, q4_k_m, q5_k_m"
+                "--to {t}: not a type this command writes; one of f32, f16, bf16, q4_0, q4_1, \
+                 q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, q4_k_m, q5_k_m"
             ),
         },
     };
