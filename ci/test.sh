@@ -21,6 +21,9 @@ cargo clippy --release --workspace --all-targets --features metrale-backend/cuda
 
 step "build (release, once)"
 cargo build --release --workspace --all-targets
+# the plain server (no target compiled in: any family), kept before the tests' target builds
+# replace target/release/metrale-server; tests/python/test_harmony.py serves a synthetic gpt-oss
+mkdir -p target/ci-dist/plain && cp target/release/metrale-server target/ci-dist/plain/
 
 step "toolchain (NVRTC + CUDA headers from pinned wheels)"
 cargo xtask toolchain
@@ -56,7 +59,9 @@ step "build the cpu target (the binary users run: embedded target, presets, mode
 cargo xtask build-target --hw cpu --model smollm2-135m --quant q4_1 --out target/ci-dist/cpu-smollm2-135m-q4_1
 
 step "server tests (openai client + curl against the built binary and the real model)"
-METRALE_SERVER_BIN=$PWD/target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server $venv/bin/python -m pytest -q tests/python
+METRALE_SERVER_BIN=$PWD/target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server \
+METRALE_GPT_OSS_SERVER_BIN=$PWD/target/ci-dist/plain/metrale-server \
+    $venv/bin/python -m pytest -q tests/python
 
 step "soak (120 s: mixed and hostile traffic, bursts past the queue, disconnects, then SIGTERM)"
 $venv/bin/python bench/soak/soak.py --server-bin target/ci-dist/cpu-smollm2-135m-q4_1/metrale-server \

@@ -7,8 +7,9 @@ message to `functions.get_weather` as a tool call (finish reason `tool_calls`, t
 ended by `<|call|>`), the final channel as `content` (ended by `<|return|>`), streamed or not; no
 header text (channel names, recipients, `json`) may reach the client.
 
-Needs METRALE_MODEL (the synthetic model's tokenizer) and the plain release build of
-metrale-server (target/release/metrale-server: no target compiled in, so it serves any family).
+Needs METRALE_MODEL (the synthetic model's tokenizer) and METRALE_GPT_OSS_SERVER_BIN: a server
+binary without a target compiled in (a plain release build, which serves any family; ci/test.sh
+keeps one before the tests' target builds replace target/release/metrale-server).
 """
 
 import json
@@ -43,13 +44,14 @@ def gpt_oss(tmp_path_factory):
                         str(REPO / "tests/golden/tiny-gpt-oss.toml"), "--tokenizer", tok,
                         "--out", str(d / "gpt-oss.gguf")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    # the plain build (no target compiled in: any family); METRALE_SERVER_BIN serves SmolLM2 only
-    plain = REPO / "target/release/metrale-server"
-    if not plain.exists():
-        pytest.skip(f"{plain} is not built (cargo build --release -p metrale-server)")
+    # a binary that serves this test-size gpt-oss (METRALE_SERVER_BIN serves SmolLM2 only): a
+    # plain `cargo build --release -p metrale-server` (ci/test.sh keeps one)
+    binary = os.environ.get("METRALE_GPT_OSS_SERVER_BIN")
+    if not binary:
+        pytest.skip("METRALE_GPT_OSS_SERVER_BIN is not set (a plain release build of metrale-server)")
     s = start_server(d / "log", ["--ctx-size", "1024", "--parallel", "2",
                                  "--reasoning-format", "harmony"], model=str(d / "gpt-oss.gguf"),
-                     binary=str(plain))
+                     binary=binary)
     try:
         yield s.openai(api_key="x", timeout=120)
     finally:

@@ -134,7 +134,7 @@ def test_a_bad_reasoning_format_stops_the_start(tmp_path):
     with pytest.raises(pytest.fail.Exception):
         s = serve(tmp_path, "--reasoning-format", "r1")
         stop_server(s.proc)
-    assert "possible values: none, deepseek, auto" in open(tmp_path / "server.log").read()
+    assert "possible values: none, deepseek, harmony, auto" in open(tmp_path / "server.log").read()
 
 
 def test_responses_carry_the_thought_as_a_reasoning_item(deepseek):
