@@ -305,6 +305,39 @@ entries! {
         y: ptr<"float">,
         ntok: i32,
     }
+    /// The grouped products on Hopper's wgmma (sm_90a; `wg_gemm.cuh`, the dense products'
+    /// kernels over gathered rows, `Gpu::moe_wg`): a block per (tile of `moe_sort`'s list,
+    /// weight-row tile of the expert), the tile's rows of `a` gathered through `order`: `a` holds
+    /// the tokens' normed input in act_t (`WgActHead` of the residual with the FFN norm), and
+    /// `h[pair][expert_ffn]` gets act_t(SiLU(gate) * up). grid = (`moe_tiles`, 2 * expert ffn /
+    /// `wg_rows(GEMM_BM)`), dynamic shared memory `layout::wg_smem_bytes(GEMM_BM)`; the
+    /// warp-specialised twin (quantized weights): grid.y = 2 * expert ffn / WQ_ROWS, dynamic
+    /// shared memory `layout::wq_smem_bytes(GEMM_BM)`. Blocks past the list's count do nothing;
+    /// `ntok` sizes the grid only.
+    MoeGuWg = "moe" / "moe_gu_wg", threads WG_THREADS,
+        twin MoeGuWq = "moe_gu_wq", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        offsets: ptr<"const int">,
+        order: ptr<"const int">,
+        tiles: ptr<"const int">,
+        h: ptr<"act_t">,
+        ntok: i32,
+    }
+    /// The down products of `MoeGuWg`'s `h` rows, unweighted: `y[pair][hidden]` (f32) for
+    /// `moe_combine`. grid.y = hidden / `wg_rows(GEMM_BM)` (twin: hidden / WQ_ROWS).
+    MoeDownWg = "moe" / "moe_down_wg", threads WG_THREADS,
+        twin MoeDownWq = "moe_down_wq", threads WQ_THREADS, {
+        a: ptr<"const act_t">,
+        w: ptr<"const void">,
+        wsc: ptr<"const void">,
+        offsets: ptr<"const int">,
+        order: ptr<"const int">,
+        tiles: ptr<"const int">,
+        y: ptr<"float">,
+        ntok: i32,
+    }
     /// Each token's pairs' outputs `y`, weighted and summed in ascending expert order (as
     /// `moe_down` sums them), added to the residual `x`. grid = (ntok).
     MoeCombine = "moe" / "moe_combine", threads MV_THREADS, {

@@ -303,7 +303,8 @@ pub fn asserts(
             s += &check("TB", tok_tile(d.hidden), "tokens per block")
         }
         "attn_out" => s += &check("TB", tok_tile(d.qd()), "tokens per block"),
-        "gemm_hopper" => {
+        // moe: its Hopper products (moe_*_wg, moe_*_wq) are wg_gemm.cuh's kernels too
+        "gemm_hopper" | "moe" => {
             for &f in formats {
                 for n in WG_TILES {
                     s += &check(

@@ -2057,8 +2057,12 @@ fn moe_routing_and_experts_match_cpu() {
     let wts = poisoned(g, n * m.used);
     let hb = poisoned(g, n * m.used * m.ffn);
     let counts = g.upload(&vec![0u32; m.experts]).unwrap();
-    // the router's scratch for up to 40 tokens; the tickets must be re-armed after every launch
-    let (logits, ticket) = (poisoned(g, 40 * m.experts), g.upload(&[0u32; 40]).unwrap());
+    // the router's scratch for up to 133 tokens; the tickets must be re-armed after every launch
+    const MOST: usize = 133;
+    let (logits, ticket) = (
+        poisoned(g, MOST * m.experts),
+        g.upload(&[0u32; MOST]).unwrap(),
+    );
     assert!(
         g.moe_router_blocks(n.div_ceil(abi::MOE_ROUTE_TOKENS as usize)) > 1,
         "6 tokens spread their router rows"
@@ -2175,16 +2179,19 @@ fn moe_routing_and_experts_match_cpu() {
 
     // Many tokens, grouped by expert (moe_sort, then moe_gu_grouped and moe_down_grouped on the
     // CUDA cores or moe_split_x, moe_gu_mma, moe_split_h and moe_down_mma on the tensor cores,
-    // then moe_combine): on the same 40 tokens, the CUDA-core kernels give the per-pair kernels'
+    // then moe_combine): on the same 133 tokens, the CUDA-core kernels give the per-pair kernels'
     // bits, both paths the CPU's sums. Tokens 0..37 share one row, so their experts take 37
-    // pairs each: several tiles of the CUDA-core kernels, two (32 + 5) of the GEMMs.
+    // pairs and more each: several tiles of the CUDA-core kernels, two or more of the GEMMs; the
+    // other 96 are random (every expert taken, 34 routing tiles of 4 tokens, the last of one).
     #[derive(Clone, Copy, PartialEq)]
     enum Path {
         PerPair,
         Grouped,
         Mma,
+        // Hopper's wgmma (`moe_gu_wg` / `moe_down_wg`), or warp-specialised (`moe_*_wq`)
+        Wg { ws: bool },
     }
-    let n2 = 40;
+    let n2 = MOST;
     assert!(m.grouped(n2) && !m.grouped(n));
     let mut x2 = rand_vec(&mut e.rng, n2 * h, -1.0, 1.0);
     for t in 1..37 {
@@ -2242,13 +2249,46 @@ fn moe_routing_and_experts_match_cpu() {
             offsets: offsets.ptr,
             order: order.ptr,
             tiles: match path {
-                Path::Mma => tiles.ptr,
+                Path::Mma | Path::Wg { .. } => tiles.ptr,
                 _ => 0,
             },
             ntok: n2 as i32,
         })
         .unwrap();
-        if path == Path::Grouped {
+        if let Path::Wg { ws } = path {
+            // the tokens' normed rows in the GEMMs' 16-bit type; h in it too
+            let a = g.upload(&vec![0xffffu16; n2 * h]).unwrap();
+            g.wg_act_head(abi::WgActHead {
+                x: xb.ptr,
+                sel: 0,
+                norm_w: nb.ptr,
+                a: a.ptr,
+                ntok: n2 as i32,
+            })
+            .unwrap();
+            let gu = abi::MoeGuWg {
+                a: a.ptr,
+                w: gub.qs.ptr,
+                wsc: gub.sc_ptr(),
+                offsets: offsets.ptr,
+                order: order.ptr,
+                tiles: tiles.ptr,
+                h: hb.ptr,
+                ntok: n2 as i32,
+            };
+            g.moe_gu_wg(gu, ws).unwrap();
+            let dn = abi::MoeDownWg {
+                a: hb.ptr,
+                w: dnb.qs.ptr,
+                wsc: dnb.sc_ptr(),
+                offsets: offsets.ptr,
+                order: order.ptr,
+                tiles: tiles.ptr,
+                y: y.ptr,
+                ntok: n2 as i32,
+            };
+            g.moe_down_wg(dn, ws).unwrap();
+        } else if path == Path::Grouped {
             g.moe_gu_grouped(abi::MoeGuGrouped {
                 xn: xn.ptr,
                 wqs: gub.qs.ptr,
@@ -2353,7 +2393,7 @@ fn moe_routing_and_experts_match_cpu() {
             off[got_ids[0] as usize + 1] - off[got_ids[0] as usize] >= 37,
             "token 0's experts take its 37 copies"
         );
-        if path == Path::Mma {
+        if path != Path::PerPair && path != Path::Grouped {
             // the work list: each expert's pairs in tiles of GEMM_BM, in expert order
             let mut tl = vec![0i32; 1 + 2 * m.tiles(n2)];
             g.read(&tiles, 0, &mut tl).unwrap();
@@ -2378,7 +2418,7 @@ fn moe_routing_and_experts_match_cpu() {
     let per_pair = run(Path::PerPair);
     let grouped = run(Path::Grouped);
     let mma = run(Path::Mma);
-    let mut tk = vec![1u32; 40];
+    let mut tk = vec![1u32; n2];
     g.read(&ticket, 0, &mut tk).unwrap();
     assert!(tk.iter().all(|&v| v == 0), "moe_route re-arms its tickets");
     // the same per-token sums in the same order: expected bit for bit; held to TOL like the CPU
@@ -2411,6 +2451,39 @@ fn moe_routing_and_experts_match_cpu() {
         "  moe grouped: {n2} tokens, {same} of {} values bit-identical to the per-pair kernels",
         n2 * h
     );
+    // on Hopper's wgmma (the dense products' kernels and numerics: HOPPER_TOL), the
+    // one-warpgroup kernels and, with quantized weights, the warp-specialised ones
+    if g.moe_wg {
+        let mut paths = vec![false];
+        if !g.weights_bf16() {
+            paths.push(true);
+        }
+        // the experts' part alone (x's own values would hide a wrong row's few percent)
+        let part = |v: &[f32]| -> Vec<f32> { v.iter().zip(&x2).map(|(a, b)| a - b).collect() };
+        let want_part = part(&want2);
+        for ws in paths {
+            let got = part(&run(Path::Wg { ws }));
+            check_tol(
+                &format!("moe on wgmma (warp-specialised: {ws}): the routed experts' outputs"),
+                &got,
+                &want_part,
+                HOPPER_TOL,
+            );
+            // and token by token: every row within the bound, not only their sum
+            let worst = got
+                .chunks_exact(h)
+                .zip(want_part.chunks_exact(h))
+                .map(|(a, b)| rel_err(a, b))
+                .fold(0f64, f64::max);
+            eprintln!("  moe on wgmma (warp-specialised: {ws}): worst token {worst:.2e}");
+            assert!(
+                worst < HOPPER_TOL,
+                "moe on wgmma: a token's outputs off by {worst:.3e}"
+            );
+        }
+    } else {
+        eprintln!("  moe on wgmma: skipped: the GEMM path does not run on Hopper here");
+    }
 
     // A prompt chunk's routing: 1,030 tokens in one launch (tiles of abi::MOE_ROUTE_TOKENS, one
     // block each, the last tile part-full) against the same tokens five at a time (their router

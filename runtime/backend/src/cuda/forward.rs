@@ -94,10 +94,7 @@ impl Bufs {
                             offsets: gpu.alloc((m.experts + 1) * 4)?,
                             order: gpu.alloc(maxt * m.used * 4)?,
                             y: gpu.alloc(maxt * m.used * d.hidden * f)?,
-                            split: match gpu.moe_mma {
-                                true => Some(MoeSplit::new(gpu, maxt, m, d.hidden)?),
-                                false => None,
-                            },
+                            products: MoeProducts::new(gpu, maxt, m, d.hidden)?,
                         }),
                         false => None,
                     },
@@ -131,7 +128,8 @@ impl Bufs {
 
 /// The routed experts' buffers: the normed input `xn[maxt][hidden]`, each token's experts and
 /// weights `ids` / `wts` `[maxt][used]`, and each (token, expert) pair's SiLU(gate) * up
-/// `h[maxt * used][expert ffn]` (f32).
+/// `h[maxt * used][expert ffn]` (f32; in the GEMMs' 16-bit type where a chunk's products run on
+/// Hopper, [`MoeProducts::Wg`]).
 pub struct MoeBufs {
     pub xn: DevBuf,
     pub ids: DevBuf,
@@ -154,8 +152,51 @@ pub struct MoeGrouped {
     pub offsets: DevBuf,
     pub order: DevBuf,
     pub y: DevBuf,
-    /// The tensor-core products' split activations ([`Gpu::moe_mma`]).
-    pub split: Option<MoeSplit>,
+    /// Which kernels run the grouped products, and their buffers.
+    pub products: MoeProducts,
+}
+
+/// The kernels of the grouped experts' products.
+pub enum MoeProducts {
+    /// `moe_gu_grouped` / `moe_down_grouped` (CUDA cores).
+    Cores,
+    /// `moe_gu_mma` / `moe_down_mma` (mma.sync over split activations, [`Gpu::moe_mma`]).
+    Mma(MoeSplit),
+    /// `moe_gu_wg` / `moe_down_wg` or their warp-specialised twins (Hopper's wgmma,
+    /// [`Gpu::moe_wg`]): the tokens' normed input in the GEMMs' 16-bit type `[maxt][hidden]`
+    /// (`wg_act_head`), and `moe_sort`'s work list (`MoeShape::tiles`). The pairs' `h` rows
+    /// go in the same type into [`MoeBufs::h`].
+    Wg { a: DevBuf, tiles: DevBuf },
+}
+
+impl MoeProducts {
+    /// The products `gpu` runs for chunks of up to `maxt` tokens.
+    pub fn new(
+        gpu: &Gpu,
+        maxt: usize,
+        m: MoeShape,
+        hidden: usize,
+    ) -> Result<MoeProducts, BackendError> {
+        Ok(if gpu.moe_wg {
+            MoeProducts::Wg {
+                a: gpu.alloc(maxt * hidden * 2)?,
+                tiles: gpu.alloc((1 + 2 * m.tiles(maxt)) * 4)?,
+            }
+        } else if gpu.moe_mma {
+            MoeProducts::Mma(MoeSplit::new(gpu, maxt, m, hidden)?)
+        } else {
+            MoeProducts::Cores
+        })
+    }
+
+    /// `moe_sort`'s work list, where the products take one.
+    fn tiles(&self) -> u64 {
+        match self {
+            MoeProducts::Cores => 0,
+            MoeProducts::Mma(sp) => sp.tiles.ptr,
+            MoeProducts::Wg { tiles, .. } => tiles.ptr,
+        }
+    }
 }
 
 /// The split activations of the grouped experts' tensor-core products, shared by both: f16
@@ -359,10 +400,30 @@ impl CudaBackend {
                         ids: m.ids.ptr,
                         offsets: gr.offsets.ptr,
                         order: gr.order.ptr,
-                        tiles: gr.split.as_ref().map_or(0, |sp| sp.tiles.ptr),
+                        tiles: gr.products.tiles(),
                         ntok: n,
                     })?;
-                    if let Some(sp) = &gr.split {
+                    if let MoeProducts::Wg { a, tiles } = &gr.products {
+                        g.wg_act_head(abi::WgActHead {
+                            x: b.x.ptr,
+                            sel: 0,
+                            norm_w: w().ffn_norm.ptr,
+                            a: a.ptr,
+                            ntok: n,
+                        })?;
+                        let gu = abi::MoeGuWg {
+                            a: a.ptr,
+                            w: w().wgu.qs.ptr,
+                            wsc: w().wgu.sc_ptr(),
+                            offsets: gr.offsets.ptr,
+                            order: gr.order.ptr,
+                            tiles: tiles.ptr,
+                            h: m.h.ptr,
+                            ntok: n,
+                        };
+                        return g.moe_gu_wg(gu, g.wq_gemm);
+                    }
+                    if let MoeProducts::Mma(sp) = &gr.products {
                         g.moe_split_x(abi::MoeSplitX {
                             x: m.xn.ptr,
                             hi: sp.hi.ptr,
@@ -409,8 +470,21 @@ impl CudaBackend {
                     .as_ref()
                     .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
                 if let Some(gr) = grouped {
-                    match &gr.split {
-                        Some(sp) => {
+                    match &gr.products {
+                        MoeProducts::Wg { tiles, .. } => {
+                            let dn = abi::MoeDownWg {
+                                a: m.h.ptr,
+                                w: w().wdown.qs.ptr,
+                                wsc: w().wdown.sc_ptr(),
+                                offsets: gr.offsets.ptr,
+                                order: gr.order.ptr,
+                                tiles: tiles.ptr,
+                                y: gr.y.ptr,
+                                ntok: n,
+                            };
+                            g.moe_down_wg(dn, g.wq_gemm)?
+                        }
+                        MoeProducts::Mma(sp) => {
                             g.moe_split_h(abi::MoeSplitH {
                                 x: m.h.ptr,
                                 hi: sp.hi.ptr,
@@ -431,7 +505,7 @@ impl CudaBackend {
                                 ntok: n,
                             })?
                         }
-                        None => g.moe_down_grouped(abi::MoeDownGrouped {
+                        MoeProducts::Cores => g.moe_down_grouped(abi::MoeDownGrouped {
                             h: m.h.ptr,
                             wqs: w().wdown.qs.ptr,
                             wsc: w().wdown.sc_ptr(),

@@ -63,6 +63,12 @@ pub struct Gpu {
     /// Steps whose experts run grouped take the tensor-core products (`moe_gu_mma`,
     /// `moe_down_mma`), else the CUDA-core ones (`moe_gu_grouped`, `moe_down_grouped`).
     pub moe_mma: bool,
+    /// Steps whose experts run grouped take Hopper's wgmma products (`moe_gu_wg` /
+    /// `moe_down_wg`, or their warp-specialised twins `moe_gu_wq` / `moe_down_wq` with quantized
+    /// weights, where [`Gpu::wq_gemm`]): as [`Gpu::hopper_gemm`], on a target with routed
+    /// experts whose kernels the driver gave the dynamic shared memory they need; else
+    /// [`Gpu::moe_mma`] chooses.
+    pub moe_wg: bool,
     /// The GEMM path runs the Hopper kernels (`wg_*`): the modules are the sm_90a cubins of a
     /// target with bf16 weights or with `[quant] gemm_activations = "f16"` (q4_1 weights, W4A16),
     /// and the driver gave their blocks the dynamic shared memory they need.
@@ -203,6 +209,24 @@ fn wq_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
     )
 }
 
+/// The routed experts' Hopper products (`moe_*_wg`, and with quantized weights `moe_*_wq`) ready
+/// for their token tile of `GEMM_BM` pairs.
+fn moe_wg_ready(kernels: &Kernels, f: WgFormat) -> bool {
+    let n = abi::GEMM_BM as usize;
+    kernels.has(abi::MoeGuWg::ID)
+        && allow_smem(
+            kernels,
+            &[abi::MoeGuWg::ID, abi::MoeDownWg::ID],
+            abi::layout::wg_smem_bytes(n, f),
+        )
+        && (f == WgFormat::Bf16
+            || allow_smem(
+                kernels,
+                &[abi::MoeGuWq::ID, abi::MoeDownWq::ID],
+                abi::layout::wq_smem_bytes(n, f),
+            ))
+}
+
 /// Give each warp-specialised GEMM the dynamic shared memory its largest tile needs
 /// (`layout::tma_smem_bytes`); false where the driver refuses.
 fn tma_gemm_ready(kernels: &Kernels) -> bool {
@@ -312,6 +336,7 @@ impl Gpu {
             0
         };
         let moe = MoeShape::of(&set.spec.model).filter(|_| kernels.has(abi::MoeRoute::ID));
+        let moe_wg = hopper_gemm && moe.is_some() && moe_wg_ready(&kernels, formats[0]);
         Ok(Gpu {
             dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
             moe,
@@ -326,6 +351,7 @@ impl Gpu {
             att_pack: true,
             att_per_sm,
             moe_mma: true,
+            moe_wg,
             hopper_gemm,
             tma_gemm,
             wq_gemm,
@@ -524,6 +550,56 @@ impl Gpu {
         let gx = self.dims.hidden / abi::GEMM_BN as usize;
         let gy = m.tiles(a.ntok.max(0) as usize);
         self.launch((gx as u32, gy as u32, 1), self.plain(), a)
+    }
+
+    /// Every expert's gate/up and SiLU over its pairs on Hopper's wgmma (`moe_gu_wg`, or with
+    /// `warp_specialised` its twin `moe_gu_wq`; [`Gpu::moe_wg`]): `a.a` holds the tokens' normed
+    /// input in the GEMMs' 16-bit type (`wg_act_head`), `a.h` gets the pairs' rows in it.
+    pub fn moe_gu_wg(&self, a: abi::MoeGuWg, warp_specialised: bool) -> Result<(), BackendError> {
+        let m = self.moe.expect("moe_gu_wg on a target with routed experts");
+        self.moe_wg_launch::<_, abi::MoeGuWq>(2 * m.ffn, a.ntok, warp_specialised, a)
+    }
+
+    /// Every expert's down products over its pairs' `h` on Hopper's wgmma, unweighted
+    /// (`moe_down_wg`, or its twin `moe_down_wq`).
+    pub fn moe_down_wg(
+        &self,
+        a: abi::MoeDownWg,
+        warp_specialised: bool,
+    ) -> Result<(), BackendError> {
+        self.moe_wg_launch::<_, abi::MoeDownWq>(self.dims.hidden, a.ntok, warp_specialised, a)
+    }
+
+    /// A grouped product of the routed experts on Hopper (`moe.cu.hbs`'s `moe_*_wg` or, warp
+    /// specialised, `moe_*_wq`): a block per (tile of `moe_sort`'s list for `ntok` tokens,
+    /// weight-row tile of an expert's `rows`), the dense products' shared memory at a token
+    /// tile of `GEMM_BM`.
+    fn moe_wg_launch<G: KernelArgs, Q: KernelArgs + From<G>>(
+        &self,
+        rows: usize,
+        ntok: i32,
+        warp_specialised: bool,
+        a: G,
+    ) -> Result<(), BackendError> {
+        let m = self
+            .moe
+            .expect("a routed experts' product on a target with them");
+        let (n, f) = (abi::GEMM_BM as usize, self.layer_format());
+        let tiles = m.tiles(ntok.max(0) as usize) as u32;
+        if warp_specialised {
+            let how = LaunchHow {
+                smem: abi::layout::wq_smem_bytes(n, f) as u32,
+                ..self.plain()
+            };
+            let gy = rows / abi::WQ_ROWS as usize;
+            return self.launch((tiles, gy as u32, 1), how, Q::from(a));
+        }
+        let how = LaunchHow {
+            smem: abi::layout::wg_smem_bytes(n, f) as u32,
+            ..self.plain()
+        };
+        let gy = rows / abi::layout::wg_rows(n);
+        self.launch((tiles, gy as u32, 1), how, a)
     }
 
     /// Each token's pairs' down outputs, weighted, into the residual (`moe_combine`).

@@ -140,6 +140,11 @@ pub struct Tuning {
     /// tensor-core products (`moe_gu_mma`, `moe_down_mma`: mma.sync over each expert's gathered
     /// rows), else the CUDA-core ones (`moe_gu_grouped`, `moe_down_grouped`).
     pub moe_mma: bool,
+    /// Where the GEMM path runs on Hopper's wgmma, so do the routed experts' grouped products
+    /// (`moe_gu_wg` / `moe_down_wg`, warp-specialised `moe_*_wq` with quantized weights: the
+    /// dense products' kernels over each expert's gathered pairs, activations rounded once to
+    /// 16 bits as theirs), else `moe_mma` chooses.
+    pub moe_wgmma: bool,
     /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
     /// `plan::MIN_SPLIT_LEN`. Off until measured.
     pub attention_short_splits: bool,
@@ -166,6 +171,7 @@ impl Default for Tuning {
             argmax_split: true,
             tma_96: true,
             moe_mma: true,
+            moe_wgmma: true,
             attention_short_splits: false,
         }
     }
@@ -175,7 +181,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 19] = [
+    pub const KEYS: [&'static str; 20] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -194,6 +200,7 @@ impl Tuning {
         "argmax_split",
         "tma_96",
         "moe_mma",
+        "moe_wgmma",
         "attention_short_splits",
     ];
 
@@ -234,6 +241,7 @@ impl Tuning {
                 "argmax_split" => self.argmax_split = on,
                 "tma_96" => self.tma_96 = on,
                 "moe_mma" => self.moe_mma = on,
+                "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
                 k => {
                     return Err(format!(
@@ -425,6 +433,7 @@ impl CudaBackend {
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         gpu.wq_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
+        gpu.moe_wg &= gpu.hopper_gemm && opts.tuning.moe_wgmma;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk, or 1 + max_drafts verifying
         let b = Bufs::new(&gpu, opts.max_step_tokens, opts.outputs())?;
