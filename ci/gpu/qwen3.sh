@@ -32,12 +32,12 @@
 #        llama-batched-bench on the file when the call has the time
 #   bash ci/gpu/qwen3.sh moe-verify  carry .q4 [.peer]   after a change to the experts' or the
 #        attention kernels: llama.cpp's build in the background (with .peer); the kernel tests of
-#        both 30B-A3B targets and of h200/llama-3.1-8b/q4_1 (attention with 4 query heads a KV head,
-#        where 30B-A3B has 8); both 48-layer GGUFs (bf16 in /dev/shm where it fits); once the build
-#        is done, cuda_bench on the q4_1 file (batch 1, 16, 64, 256, pp512) and llama.cpp on it;
-#        batch 1 again under MOE_VERIFY_TUNING (default attention_short_splits=on)
+#        both 30B-A3B targets (MOE_KT to name others); the 2-layer checks against HF transformers
+#        and the CPU backend; the 48-layer q4_1 GGUF; once the build is done, cuda_bench on it
+#        (batch 1, 16, 64, 256, pp512), the grouped steps again under MOE_VERIFY_AB (default
+#        moe_wgmma=off: the A/B of the experts' Hopper products on the same machine), llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
-#        cuda_bench on the bf16 file and llama.cpp on it
+#        the 48-layer bf16 GGUF, cuda_bench on it (and under MOE_VERIFY_AB), llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a change to the routed experts: the
 #        routing test of both 30B-A3B targets; the 48-layer q4_1 GGUF under cuda_bench at batch 1
 #        and pp512
@@ -77,6 +77,35 @@ peer_bench() {
     > "$R/llamacpp-$1.txt" 2>&1; echo "rc=$?"; cat "$R/llamacpp-$1/llamacpp-bench.md" "$R/llamacpp-$1/llamacpp-batched.txt"
 }
 
+# moe_check2l: the 2-layer 30B-A3B checkpoints (HF folder, one tensor per expert; GGUF) against HF
+# transformers (f32 on the GPU) and the CPU backend: prompt in one step (its experts grouped) and
+# in 8-token steps (each pair's experts read for it)
+moe_check2l() {
+  local X="$H/b/bin/xtask synth-model qwen3-30b-a3b --tokenizer $H/b/vocab.gguf --seed 0 --layers 2"
+  step "synth-model: 2-layer HF folder and GGUF; HF golden (f32 on the GPU)"
+  $X --format hf --out "$H/s/moe2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  $X --out "$H/s/moe2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/moe2-hf" --device cuda --out "$R/moe2_golden" > "$R/golden.txt" 2>&1; tail -1 "$R/golden.txt"
+  step "CUDA vs HF and vs CPU, 2 layers: HF folder and GGUF (prompt in one step), GGUF in 8-token steps"
+  for a in "moe2-hf" "moe2-bf16.gguf" "moe2-bf16.gguf 8"; do
+    set -- $a
+    METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/$1" "$R/moe2_golden.json" \
+      --cuda "$H/b/k/h200-qwen3-30b-a3b-2l-bf16/kernels" h200/qwen3-30b-a3b/bf16 --vs-cpu --tol 0.05 \
+      ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
+  done
+  # the same GGUF under each METRALE_CUDA_TUNING of MOE_2L_TUNINGS (default moe_wgmma=off: the
+  # grouped experts' exact products, which the bound holds for; bf16 activations can flip a
+  # near-tie of the router, bench/families/README.md), prompt in one step and in 32-token steps
+  # (a step's experts are grouped from 16 tokens)
+  for tu in ${MOE_2L_TUNINGS-moe_wgmma=off}; do
+    for c in "" 32; do
+      METRALE_CUDA_TUNING=$tu METRALE_TARGETS=$H/b/t2/targets "$H/b/bin/golden_check" "$H/s/moe2-bf16.gguf" \
+        "$R/moe2_golden.json" --cuda "$H/b/k/h200-qwen3-30b-a3b-2l-bf16/kernels" h200/qwen3-30b-a3b/bf16 \
+        --tol 0.05 ${c:+--prefill-chunk $c} | tee -a "$R/check-2l-${tu//[=,]/-}.json" | grep -o '"max_abs_diff_top20_per_position":\[[^]]*\]'
+    done
+  done
+  rm -rf "$H/s/moe2-hf" "$H/s/moe2-bf16.gguf"
+}
 # synth_moe_q4_1: the 48-layer q4_1 30B-A3B GGUF at $H/s/moe-q4_1.gguf
 synth_moe_q4_1() {
   "$H/b/bin/xtask" synth-model qwen3-30b-a3b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant q4_1 \
@@ -172,19 +201,7 @@ moe)
   unpack .q4
   llamacpp_start
   kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
-  X="$H/b/bin/xtask synth-model qwen3-30b-a3b --tokenizer $H/b/vocab.gguf --seed 0 --layers 2"
-  step "synth-model: 2-layer HF folder and GGUF; HF golden (f32 on the GPU)"
-  $X --format hf --out "$H/s/moe2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  $X --out "$H/s/moe2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  python3 tests/golden/make_synth_golden_hf.py "$H/s/moe2-hf" --device cuda --out "$R/moe2_golden" > "$R/golden.txt" 2>&1; tail -1 "$R/golden.txt"
-  export METRALE_TARGETS=$H/b/t2/targets
-  step "CUDA vs HF and vs CPU, 2 layers: HF folder and GGUF (prompt in one step), GGUF in 8-token steps"
-  for a in "moe2-hf" "moe2-bf16.gguf" "moe2-bf16.gguf 8"; do
-    set -- $a
-    "$H/b/bin/golden_check" "$H/s/$1" "$R/moe2_golden.json" --cuda "$H/b/k/h200-qwen3-30b-a3b-2l-bf16/kernels" \
-      h200/qwen3-30b-a3b/bf16 --vs-cpu --tol 0.05 ${2:+--prefill-chunk $2} | tee -a "$R/check-2l.json"
-  done
-  rm -rf "$H/s/moe2-hf" "$H/s/moe2-bf16.gguf"
+  moe_check2l
   export METRALE_TARGETS=$PWD/targets
   step "synth-model: the 48-layer bf16 GGUF"
   synth_moe_bf16
@@ -197,6 +214,14 @@ moe)
   [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=attention_short_splits=on CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
     "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-short-splits --batch 1 --steps 64
   finish moe
+  ;;
+moe-check2l)
+  # the routed experts' kernel tests of MOE_KT (default the bf16 target) and the 2-layer checks
+  # (MOE_2L_TUNINGS: the same checks again under each tuning)
+  unpack .q4
+  KT_FILTER=moe kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16}
+  moe_check2l
+  finish moe-check2l
   ;;
 moe-b1)
   unpack .q4
@@ -238,28 +263,34 @@ moe-probe)
 moe-verify)
   unpack .q4
   [ -f .peer/llamacpp-src.tgz ] && llamacpp_start
-  kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1}
+  kernel_tests ${MOE_KT:-qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1}
+  moe_check2l
   export METRALE_TARGETS=$PWD/targets
-  step "synth-model: the 48-layer q4_1 GGUF and the bf16 one"
+  step "synth-model: the 48-layer q4_1 GGUF"
   synth_moe_q4_1
-  synth_moe_bf16
   # no timing shares the CPUs with llama.cpp's build
   [ -f .peer/llamacpp-src.tgz ] && peer_wait 300
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  [ -f .peer/llamacpp-src.tgz ] && [ "$(left)" -gt 60 ] && peer_bench q4_1 "$H/s/moe-q4_1.gguf"
-  tu=${MOE_VERIFY_TUNING:-attention_short_splits=on}
-  [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$tu CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe-q4_1.gguf" "$K4" \
-    h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${tu//=/-}" --batch 1 --steps 64 --pp 64
+  # the grouped steps again under MOE_VERIFY_AB (default: the experts' products back on mma.sync)
+  ab=${MOE_VERIFY_AB:-moe_wgmma=off}
+  [ "$(left)" -gt 60 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+    h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//=/-}" --batch 64,256 --steps 64 --pp 512
+  [ -f .peer/llamacpp-src.tgz ] && [ "$(left)" -gt 45 ] && peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   finish moe-verify
   ;;
 moe-verify2)
   # results go on in moe-verify's folder
   mkdir -p "$R"
   export METRALE_TARGETS=$PWD/targets
-  CB_TIMEOUT=240 cb_run "$H/s/moe.gguf" "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16 \
-    --batch 1,16,64,256 --steps 64 --pp 512
+  step "synth-model: the 48-layer bf16 GGUF"
+  synth_moe_bf16
+  KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
+  CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1,16,64,256 --steps 64 --pp 512
+  ab=${MOE_VERIFY_AB:-moe_wgmma=off}
+  [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" "$KB" \
+    h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//=/-}" --batch 64,256 --steps 64 --pp 512
   [ -x "$H/llamacpp/build/bin/llama-bench" ] && [ "$(left)" -gt 90 ] && peer_bench bf16 "$H/s/moe.gguf"
   finish moe-verify2
   ;;
