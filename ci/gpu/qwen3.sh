@@ -85,7 +85,7 @@ moe_check2l() {
   step "synth-model: 2-layer HF folder and GGUF; HF golden (f32 on the GPU)"
   $X --format hf --out "$H/s/moe2-hf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   $X --out "$H/s/moe2-bf16.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
-  python3 tests/golden/make_synth_golden_hf.py "$H/s/moe2-hf" --device cuda --out "$R/moe2_golden" > "$R/golden.txt" 2>&1; tail -1 "$R/golden.txt"
+  python3 tests/golden/make_synth_golden_hf.py "$H/s/moe2-hf" --device cuda --out "$R/moe2_golden" 2>&1 | sed "s|$H/|~/|g" > "$R/golden.txt"; tail -1 "$R/golden.txt"
   step "CUDA vs HF and vs CPU, 2 layers: HF folder and GGUF (prompt in one step), GGUF in 8-token steps"
   for a in "moe2-hf" "moe2-bf16.gguf" "moe2-bf16.gguf 8"; do
     set -- $a
