@@ -413,6 +413,25 @@ fn positive(path: &Path, field: &str, v: usize) -> Result<usize> {
     Ok(v)
 }
 
+/// The most layers a checkpoint may declare: the deepest published models have ~126; a count past
+/// this is a malformed file, refused before any per-layer list (sliding-window flags) is sized
+/// from it.
+pub const MAX_LAYERS: usize = 4096;
+
+/// A layer count: positive and at most [`MAX_LAYERS`].
+fn layer_count(path: &Path, field: &str, v: usize) -> Result<usize> {
+    let v = positive(path, field, v)?;
+    if v > MAX_LAYERS {
+        return Err(ModelError::Mismatch {
+            path: path.to_path_buf(),
+            field: field.into(),
+            expected: format!("at most {MAX_LAYERS} layers (a malformed file declares more)"),
+            got: v.to_string(),
+        });
+    }
+    Ok(v)
+}
+
 /// hidden / n_heads, when the file does not give the head dimension: n_heads must divide hidden.
 fn derived_head_dim(path: &Path, field: &str, hidden: usize, n_heads: usize) -> Result<usize> {
     if n_heads > hidden || !hidden.is_multiple_of(n_heads) {
@@ -502,7 +521,7 @@ impl ModelConfig {
             supported: SUPPORTED_ARCHS.into(),
         })?;
         let k = |s: &str| format!("{arch}.{s}");
-        let n_layers = positive(path, &k("block_count"), g.req_usize(&k("block_count"))?)?;
+        let n_layers = layer_count(path, &k("block_count"), g.req_usize(&k("block_count"))?)?;
         let hidden = positive(
             path,
             &k("embedding_length"),
@@ -957,7 +976,11 @@ impl ModelConfig {
                 });
             }
         }
-        let n_layers = req_usize("num_hidden_layers")?;
+        let n_layers = layer_count(
+            path,
+            &field("num_hidden_layers"),
+            req_usize("num_hidden_layers")?,
+        )?;
         let hidden = req_usize("hidden_size")?;
         let n_heads = req_usize("num_attention_heads")?;
         let n_kv_heads = match opt_usize("num_key_value_heads")? {
