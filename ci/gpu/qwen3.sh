@@ -34,13 +34,16 @@
 #        attention kernels: llama.cpp's build in the background (with .peer); the kernel tests of
 #        both 30B-A3B targets (MOE_KT to name others); the 2-layer checks against HF transformers
 #        and the CPU backend; the 48-layer q4_1 GGUF; once the build is done, cuda_bench on it
-#        (batch 1, 16, 64, 256, pp512), the grouped steps again under MOE_VERIFY_AB (default
-#        moe_wgmma=off: the A/B of the experts' Hopper products on the same machine), llama.cpp on it
+#        (batch 1, 16, 64, 256, pp512), batch 1 again under each tuning of MOE_B1_AB (default
+#        attention_prefetch=on), the grouped steps under each of MOE_VERIFY_AB (none by default;
+#        e.g. moe_wgmma=off), llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
-#        the 48-layer bf16 GGUF, cuda_bench on it (and under MOE_VERIFY_AB), llama.cpp on it
-#   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a change to the routed experts: the
-#        routing test of both 30B-A3B targets; the 48-layer q4_1 GGUF under cuda_bench at batch 1
-#        and pp512
+#        the 48-layer bf16 GGUF, cuda_bench on it (batch 1 again under each of MOE_B1_AB2, default
+#        attention_prefetch=on), llama.cpp on it
+#   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a batch-1 change: the kernel tests
+#        named by MOE_B1_KT (default attention) of both 30B-A3B targets; the 48-layer q4_1 GGUF
+#        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
+#        (default attention_prefetch=on); the bf16 one at batch 1 likewise, as the time allows
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -224,13 +227,31 @@ moe-check2l)
   finish moe-check2l
   ;;
 moe-b1)
+  # a short check of a batch-1 change: the kernel tests named by MOE_B1_KT (default: attention)
+  # of both 30B-A3B targets; the 48-layer q4_1 GGUF under cuda_bench at batch 1 and 256, again
+  # under each tuning of MOE_B1_AB; then the bf16 one at batch 1 likewise, as the time allows
   unpack .q4
-  KT_FILTER=moe kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
+  KT_FILTER=${MOE_B1_KT:-attention} kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   export METRALE_TARGETS=$PWD/targets
-  step "synth-model: the 48-layer q4_1 GGUF; cuda_bench at batch 1"
+  step "synth-model: the 48-layer q4_1 GGUF; cuda_bench at batch 1 and 256"
   synth_moe_q4_1
-  CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe-q4_1.gguf" "$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels" \
-    h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch 1 --steps 64 --pp 512
+  K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
+  CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch "${MOE_B1_BATCH:-1,256}" --steps 64
+  for ab in ${MOE_B1_AB:-attention_prefetch=on}; do
+    [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
+  done
+  rm -f "$H/s/moe-q4_1.gguf"
+  if [ "$(left)" -gt 150 ]; then
+    step "synth-model: the 48-layer bf16 GGUF; cuda_bench at batch 1"
+    synth_moe_bf16
+    KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
+    CB_TIMEOUT=90 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1 --steps 64
+    for ab in ${MOE_B1_AB:-attention_prefetch=on}; do
+      [ "$(left)" -gt 70 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe.gguf" "$KB" \
+        h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
+    done
+  fi
   finish moe-b1
   ;;
 moe-probe)
@@ -273,10 +294,16 @@ moe-verify)
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  # the grouped steps again under MOE_VERIFY_AB (default: the experts' products back on mma.sync)
-  ab=${MOE_VERIFY_AB:-moe_wgmma=off}
-  [ "$(left)" -gt 60 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
-    h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//=/-}" --batch 64,256 --steps 64 --pp 512
+  # batch 1 again under each tuning of MOE_B1_AB (default attention_prefetch=on), the grouped
+  # steps under MOE_VERIFY_AB (none by default)
+  for ab in ${MOE_B1_AB-attention_prefetch=on}; do
+    [ "$(left)" -gt 90 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch 1 --steps 64
+  done
+  for ab in ${MOE_VERIFY_AB:-}; do
+    [ "$(left)" -gt 90 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch 64,256 --steps 64 --pp 512
+  done
   [ -f .peer/llamacpp-src.tgz ] && [ "$(left)" -gt 45 ] && peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   finish moe-verify
   ;;
@@ -288,9 +315,10 @@ moe-verify2)
   synth_moe_bf16
   KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1,16,64,256 --steps 64 --pp 512
-  ab=${MOE_VERIFY_AB:-moe_wgmma=off}
-  [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" "$KB" \
-    h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//=/-}" --batch 64,256 --steps 64 --pp 512
+  for ab in ${MOE_B1_AB2-attention_prefetch=on}; do
+    [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" "$KB" \
+      h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
+  done
   [ -x "$H/llamacpp/build/bin/llama-bench" ] && [ "$(left)" -gt 90 ] && peer_bench bf16 "$H/s/moe.gguf"
   finish moe-verify2
   ;;

@@ -340,25 +340,45 @@ impl CudaBackend {
                         },
                         ntiles,
                     ),
-                    Attn::Split(nsplit) => g.attention(
-                        abi::Attention {
-                            q: b.q.ptr,
-                            kc: kv.kc.ptr,
-                            vc: kv.vc.ptr,
-                            pos: b.pos,
-                            slot: b.slot,
-                            tables: kv.tables.ptr,
-                            layer: l as i32,
-                            max_blocks,
-                            nsplit: nsplit as i32,
-                            flags: g.att_flags | out16 | g.att_pack_flags(ntok, nsplit),
-                            part_ml: b.part_ml.ptr,
-                            part_acc: b.part_acc.ptr,
-                            counter: b.att_counter.ptr,
-                            out: b.att.ptr,
-                        },
-                        ntok,
-                    ),
+                    Attn::Split(nsplit) => {
+                        // the O product's weights (and the router) into L2 meanwhile
+                        let region = |b: Option<&DevBuf>| match self.opts.tuning.attention_prefetch
+                        {
+                            true => b.map_or((0, 0), |b| (b.ptr, b.bytes as u32)),
+                            false => (0, 0),
+                        };
+                        let wo = &w().wo;
+                        let (pf0, pf1, pf2) = (
+                            region(Some(&wo.qs)),
+                            region(wo.sc.as_ref()),
+                            region(w().router.as_ref()),
+                        );
+                        g.attention(
+                            abi::Attention {
+                                q: b.q.ptr,
+                                kc: kv.kc.ptr,
+                                vc: kv.vc.ptr,
+                                pos: b.pos,
+                                slot: b.slot,
+                                tables: kv.tables.ptr,
+                                layer: l as i32,
+                                max_blocks,
+                                nsplit: nsplit as i32,
+                                flags: g.att_flags | out16 | g.att_pack_flags(ntok, nsplit),
+                                part_ml: b.part_ml.ptr,
+                                part_acc: b.part_acc.ptr,
+                                counter: b.att_counter.ptr,
+                                out: b.att.ptr,
+                                pf0: pf0.0,
+                                pf0_bytes: pf0.1,
+                                pf1: pf1.0,
+                                pf1_bytes: pf1.1,
+                                pf2: pf2.0,
+                                pf2_bytes: pf2.1,
+                            },
+                            ntok,
+                        )
+                    }
                 }
             }
             (Stage::Out, Some(p)) => {

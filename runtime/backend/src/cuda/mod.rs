@@ -148,6 +148,10 @@ pub struct Tuning {
     /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
     /// `plan::MIN_SPLIT_LEN`. Off until measured.
     pub attention_short_splits: bool,
+    /// Split-K attention launches ask L2 for the weights read right after them (the O product's,
+    /// and the router of families with routed experts) before their dependency wait, so that the
+    /// O product starts from L2 instead of memory; else they ask for nothing. Off until measured.
+    pub attention_prefetch: bool,
 }
 
 impl Default for Tuning {
@@ -173,6 +177,7 @@ impl Default for Tuning {
             moe_mma: true,
             moe_wgmma: true,
             attention_short_splits: false,
+            attention_prefetch: false,
         }
     }
 }
@@ -181,7 +186,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 20] = [
+    pub const KEYS: [&'static str; 21] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -202,6 +207,7 @@ impl Tuning {
         "moe_mma",
         "moe_wgmma",
         "attention_short_splits",
+        "attention_prefetch",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -243,6 +249,7 @@ impl Tuning {
                 "moe_mma" => self.moe_mma = on,
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
+                "attention_prefetch" => self.attention_prefetch = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
