@@ -350,8 +350,11 @@ entries! {
     /// grid = (kv_heads >> pack, nsplit, ntok), pack = (flags >> ATT_PACK_SHIFT) & 3 (0 unless
     /// nsplit = 1); `counter` holds ntok * kv_heads zeroed tickets. `pf0`..`pf2`: weights the
     /// kernels after it read first (null or 0 bytes: none), asked into L2 before the dependency
-    /// wait.
-    Attention = "attention" / "attention", threads ATT_THREADS, {
+    /// wait. Twin `attention_hs`: each block a part of the group's query heads
+    /// (`layout::att_head_blocks` blocks a (token, KV head, split): grid.z = ntok times that;
+    /// `counter` holds that many tickets a (token, KV head)).
+    Attention = "attention" / "attention", threads ATT_THREADS,
+        twin AttentionHs = "attention_hs", threads ATT_THREADS, {
         q: ptr<"const float">,
         kc: ptr<"const kv_t">,
         vc: ptr<"const kv_t">,

@@ -26,6 +26,18 @@ pub fn padded(k: usize) -> usize {
     (k / 32) * PADDED_BLOCK as usize
 }
 
+/// Blocks `attention_hs` gives a (token, KV head, split) of a model whose KV heads are each shared
+/// by `group` query heads (`HSPLIT` in `kernels/cuda/attention.cu.hbs`): [`crate::ATT_HS_HEADS`]
+/// query heads a block where they divide the group, else one block.
+pub fn att_head_blocks(group: usize) -> usize {
+    let per = crate::ATT_HS_HEADS as usize;
+    if group.is_multiple_of(per) {
+        group / per
+    } else {
+        1
+    }
+}
+
 /// Tokens a matrix-vector block stages for rows of `k` elements (`mt::TokTile<K>::N`): as many
 /// padded rows as fit in [`TOK_TILE_BYTES`], between 1 and [`TOK_TILE_MAX`].
 pub fn tok_tile(k: usize) -> usize {
@@ -399,6 +411,18 @@ mod tests {
             ffn: 1536,
             vocab: 49152,
         }
+    }
+
+    /// `attention_hs`'s blocks a (token, KV head, split): two query heads a block where two
+    /// divide the group (Qwen3-30B-A3B's 8: 4 blocks; Llama-3.1-8B's 4: 2), else the whole
+    /// group (SmolLM2's 3).
+    #[test]
+    fn att_head_blocks_is_the_kernels_formula() {
+        assert_eq!(crate::ATT_HS_HEADS, 2);
+        assert_eq!(att_head_blocks(8), 4);
+        assert_eq!(att_head_blocks(4), 2);
+        assert_eq!(att_head_blocks(3), 1);
+        assert_eq!(att_head_blocks(1), 1);
     }
 
     #[test]

@@ -170,6 +170,9 @@ pub const ATT_FLAG_TRANSPOSE: u32 = 1;
 /// 16-bit activations (`act_t`: bf16 for bf16 weights, f16 for quantized ones), which the O
 /// product reads as they are; else f32. Set where the chunk's products run on the Hopper path.
 pub const ATT_FLAG_OUT16: u32 = 2;
+/// Query heads each block of `attention_hs` serves where they divide a KV head's group (else the
+/// whole group): a (token, KV head, split) takes group / this many blocks.
+pub const ATT_HS_HEADS: u32 = 2;
 /// `attention`'s `flags` bits from this one (two of them) hold log2 of the (token, KV head) pairs
 /// one block serves, its `ATT_THREADS / 32` warps shared evenly among them (one split only; grid =
 /// (kv_heads >> that, 1, ntok)). 0: one pair a block, as every split launch runs.
@@ -278,6 +281,7 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("ATT_FLAG_TRANSPOSE", ATT_FLAG_TRANSPOSE as i64),
     ("ATT_FLAG_OUT16", ATT_FLAG_OUT16 as i64),
     ("ATT_PACK_SHIFT", ATT_PACK_SHIFT as i64),
+    ("ATT_HS_HEADS", ATT_HS_HEADS as i64),
     ("FLASH_THREADS", FLASH_THREADS as i64),
     ("FLASH_BN", FLASH_BN as i64),
     ("SAMPLE_THREADS", SAMPLE_THREADS as i64),

@@ -43,7 +43,8 @@
 #   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a batch-1 change: the kernel tests
 #        named by MOE_B1_KT (default attention) of both 30B-A3B targets; the 48-layer q4_1 GGUF
 #        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
-#        (default attention_prefetch=on); the bf16 one at batch 1 likewise, as the time allows
+#        (default attention_prefetch=on, attention_heads=on, both); the bf16 one at batch 1 with
+#        both, as the time allows
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -228,8 +229,9 @@ moe-check2l)
   ;;
 moe-b1)
   # a short check of a batch-1 change: the kernel tests named by MOE_B1_KT (default: attention)
-  # of both 30B-A3B targets; the 48-layer q4_1 GGUF under cuda_bench at batch 1 and 256, again
-  # under each tuning of MOE_B1_AB; then the bf16 one at batch 1 likewise, as the time allows
+  # of both 30B-A3B targets; the 48-layer q4_1 GGUF under cuda_bench at batch 1 and 256
+  # (MOE_B1_BATCH), again under each tuning of MOE_B1_AB; then the bf16 one at batch 1 likewise
+  # (default: both tunings on), as the time allows
   unpack .q4
   KT_FILTER=${MOE_B1_KT:-attention} kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   export METRALE_TARGETS=$PWD/targets
@@ -237,7 +239,7 @@ moe-b1)
   synth_moe_q4_1
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  for ab in ${MOE_B1_AB:-attention_prefetch=on}; do
+  for ab in ${MOE_B1_AB:-attention_prefetch=on attention_heads=on attention_prefetch=on,attention_heads=on}; do
     [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
   done
@@ -247,7 +249,7 @@ moe-b1)
     synth_moe_bf16
     KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
     CB_TIMEOUT=90 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1 --steps 64
-    for ab in ${MOE_B1_AB:-attention_prefetch=on}; do
+    for ab in ${MOE_B1_AB:-attention_prefetch=on,attention_heads=on}; do
       [ "$(left)" -gt 70 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe.gguf" "$KB" \
         h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
     done

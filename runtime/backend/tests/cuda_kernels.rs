@@ -788,7 +788,8 @@ fn attention_splits_combine_and_out_projection() {
     let wb = DevMat::upload(g, &wo.host(e.wf)).unwrap();
     let ml = g.alloc(n * d.heads * plan::MAX_SPLITS * 8).unwrap();
     let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
-    let counter = g.alloc(n * d.kv_heads * 4).unwrap();
+    let hb = abi::layout::att_head_blocks(d.group());
+    let counter = g.alloc(n * d.kv_heads * hb * 4).unwrap();
     let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count, plan::MIN_SPLIT_LEN);
     // on sm_90, 2..=attention_cluster splits (the target's HARDWARE.toml) run as one thread-block
     // cluster combined through distributed shared memory; more use the ticket combine. Each with
@@ -829,13 +830,25 @@ fn attention_splits_combine_and_out_projection() {
     for (nsplit, flags) in runs {
         let xb = g.upload(&x).unwrap();
         let att = poisoned(g, n * qd);
-        let launch = || g.attention(args(nsplit, flags, att.ptr), n).unwrap();
+        let launch = || g.attention(args(nsplit, flags, att.ptr), n, false).unwrap();
         launch();
         check(
             &format!("attention, {nsplit} splits, flags {flags}"),
             &read_f32(g, &att, n * qd),
             &want_att,
         );
+        // attention_hs (the group's query heads over several blocks), twice: its tickets re-armed
+        if hb > 1 && (flags >> abi::ATT_PACK_SHIFT) & 3 == 0 {
+            for round in 0..2 {
+                let hs = poisoned(g, n * qd);
+                g.attention(args(nsplit, flags, hs.ptr), n, true).unwrap();
+                check(
+                    &format!("attention_hs ({hb} blocks a KV head), {nsplit} splits, flags {flags}, launch {round}"),
+                    &read_f32(g, &hs, n * qd),
+                    &want_att,
+                );
+            }
+        }
         // run twice: the second launch checks that the combine tickets were re-armed
         g.write(&att, 0, &vec![f32::NAN; n * qd]).unwrap();
         launch();
@@ -864,6 +877,7 @@ fn attention_splits_combine_and_out_projection() {
                 ..args(nsplit, flags, att.ptr)
             },
             n,
+            false,
         )
         .unwrap();
         assert_rounded(

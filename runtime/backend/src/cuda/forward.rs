@@ -37,7 +37,8 @@ pub(super) struct Bufs {
     pub part_acc: DevBuf,
     /// attention output `[maxt][qd]`
     pub att: DevBuf,
-    /// the split-combine tickets `[maxt][kv_heads]` (zero between launches)
+    /// the split-combine tickets `[maxt][kv_heads][layout::att_head_blocks]` (zero between
+    /// launches)
     pub att_counter: DevBuf,
     pub logits: DevBuf,
     /// i32 inputs, one copy per chunk: tokens[maxt] | pos[maxt] | slot[maxt] | sel[slots] |
@@ -105,7 +106,8 @@ impl Bufs {
             part_ml: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * 8)?,
             part_acc: gpu.alloc(maxt * d.heads * plan::MAX_SPLITS * d.head_dim * f)?,
             att: gpu.alloc(maxt * d.qd() * f)?,
-            att_counter: gpu.alloc(maxt * d.kv_heads * 4)?,
+            att_counter: gpu
+                .alloc(maxt * d.kv_heads * abi::layout::att_head_blocks(d.group()) * 4)?,
             logits: gpu.alloc(nout * d.vocab * f)?,
             tokens: io_in.ptr,
             pos: io_in.ptr + (maxt * 4) as u64,
@@ -353,6 +355,9 @@ impl CudaBackend {
                             region(wo.sc.as_ref()),
                             region(w().router.as_ref()),
                         );
+                        let pack = g.att_pack_flags(ntok, nsplit);
+                        let flags = g.att_flags | out16 | pack;
+                        let heads_split = pack == 0 && g.attention_heads_pay(ntok, nsplit);
                         g.attention(
                             abi::Attention {
                                 q: b.q.ptr,
@@ -364,7 +369,7 @@ impl CudaBackend {
                                 layer: l as i32,
                                 max_blocks,
                                 nsplit: nsplit as i32,
-                                flags: g.att_flags | out16 | g.att_pack_flags(ntok, nsplit),
+                                flags,
                                 part_ml: b.part_ml.ptr,
                                 part_acc: b.part_acc.ptr,
                                 counter: b.att_counter.ptr,
@@ -377,6 +382,7 @@ impl CudaBackend {
                                 pf2_bytes: pf2.1,
                             },
                             ntok,
+                            heads_split,
                         )
                     }
                 }

@@ -40,6 +40,8 @@ pub struct Gpu {
     pub moe: Option<MoeShape>,
     /// Launch with programmatic dependent launch (sm_90+).
     pub pdl: bool,
+    /// Small split-K attention launches may run on `attention_hs` ([`Gpu::attention_heads_pay`]).
+    pub attention_heads: bool,
     /// Most attention splits launched as one thread-block cluster (the target's
     /// `attention_cluster`; 0 or 1: none, and none before sm_90).
     pub cluster_max: usize,
@@ -341,6 +343,7 @@ impl Gpu {
             dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
             moe,
             pdl: sm90,
+            attention_heads: false,
             cluster_max,
             lm1_per_sm,
             mv_per_sm,
@@ -631,24 +634,49 @@ impl Gpu {
 
     /// Split-K attention of `ntok` tokens in `a.nsplit` splits (one cluster per (KV head, token)
     /// where the target allows it), several (token, KV head) pairs a block where `a.flags` packs
-    /// them (one split only); `a.counter` holds `ntok * kv_heads` zeroed tickets.
-    pub fn attention(&self, a: abi::Attention, ntok: usize) -> Result<(), BackendError> {
+    /// them (one split only); `a.counter` holds `ntok * kv_heads` zeroed tickets (times
+    /// `layout::att_head_blocks` with `heads_split`).
+    /// `heads_split`: on `attention_hs`, each block a part of the group's query heads
+    /// (`layout::att_head_blocks` blocks a (token, KV head, split); one pair a block).
+    pub fn attention(
+        &self,
+        a: abi::Attention,
+        ntok: usize,
+        heads_split: bool,
+    ) -> Result<(), BackendError> {
         let pack = (a.flags as u32 >> abi::ATT_PACK_SHIFT) & 3;
         let kv = self.dims.kv_heads as u32;
-        if pack > 0 && (a.nsplit != 1 || !kv.is_multiple_of(1 << pack)) {
+        if pack > 0 && (a.nsplit != 1 || !kv.is_multiple_of(1 << pack) || heads_split) {
             return Err(BackendError::Invalid(format!(
-                "attention: {} pairs a block need one split and a divisor of the {kv} KV heads \
-                 (asked: {} splits)",
+                "attention: {} pairs a block need one split, a divisor of the {kv} KV heads and \
+                 every query head of the group a block (asked: {} splits, heads split: \
+                 {heads_split})",
                 1 << pack,
                 a.nsplit
             )));
         }
-        let grid = (kv >> pack, a.nsplit as u32, ntok as u32);
         let how = LaunchHow {
             cluster_y: plan::attention_cluster(a.nsplit as usize, self.cluster_max),
             ..self.plain()
         };
-        self.launch(grid, how, a)
+        if heads_split {
+            let hb = abi::layout::att_head_blocks(self.dims.heads / self.dims.kv_heads) as u32;
+            let a: abi::AttentionHs = a.into();
+            return self.launch((kv, a.nsplit as u32, ntok as u32 * hb), how, a);
+        }
+        self.launch((kv >> pack, a.nsplit as u32, ntok as u32), how, a)
+    }
+
+    /// Whether a split-K attention launch of `ntok` tokens over `nsplit` splits runs on
+    /// `attention_hs`: the target's kernels have it and split a group's query heads over several
+    /// blocks, and the launch is too small to fill half the SMs with a block a (token, KV head,
+    /// split) (`Gpu::attention_heads`, a tuning).
+    pub fn attention_heads_pay(&self, ntok: usize, nsplit: usize) -> bool {
+        let d = self.dims;
+        self.attention_heads
+            && self.kernels.has(abi::AttentionHs::ID)
+            && abi::layout::att_head_blocks(d.heads / d.kv_heads) > 1
+            && 2 * ntok * d.kv_heads * nsplit < self.sm_count
     }
 
     /// Flash attention of the `ntiles` query tiles in `a.tiles` (`abi::AttentionFlash`).

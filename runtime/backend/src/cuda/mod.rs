@@ -152,6 +152,11 @@ pub struct Tuning {
     /// and the router of families with routed experts) before their dependency wait, so that the
     /// O product starts from L2 instead of memory; else they ask for nothing. Off until measured.
     pub attention_prefetch: bool,
+    /// Split-K attention launches too small to fill half the SMs (a one-token step of a model
+    /// with few KV heads) run on `attention_hs`: each (token, KV head, split) over several
+    /// blocks, each a part of the group's query heads, so each warp's chain of dependent
+    /// instructions is a fraction as long (`Gpu::attention_heads_pay`). Off until measured.
+    pub attention_heads: bool,
 }
 
 impl Default for Tuning {
@@ -178,6 +183,7 @@ impl Default for Tuning {
             moe_wgmma: true,
             attention_short_splits: false,
             attention_prefetch: false,
+            attention_heads: false,
         }
     }
 }
@@ -186,7 +192,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 21] = [
+    pub const KEYS: [&'static str; 22] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -208,6 +214,7 @@ impl Tuning {
         "moe_wgmma",
         "attention_short_splits",
         "attention_prefetch",
+        "attention_heads",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -250,6 +257,7 @@ impl Tuning {
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
                 "attention_prefetch" => self.attention_prefetch = on,
+                "attention_heads" => self.attention_heads = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -436,6 +444,7 @@ impl CudaBackend {
             gpu.att_flags |= abi::ATT_FLAG_TRANSPOSE as i32;
         }
         gpu.att_pack = opts.tuning.attention_pack;
+        gpu.attention_heads = opts.tuning.attention_heads;
         gpu.moe_mma = opts.tuning.moe_mma;
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
