@@ -660,7 +660,7 @@ impl Gpu {
             ..self.plain()
         };
         if heads_split {
-            let hb = abi::layout::att_head_blocks(self.dims.heads / self.dims.kv_heads) as u32;
+            let hb = abi::layout::att_head_blocks(self.dims.group()) as u32;
             let a: abi::AttentionHs = a.into();
             return self.launch((kv, a.nsplit as u32, ntok as u32 * hb), how, a);
         }
@@ -675,7 +675,7 @@ impl Gpu {
         let d = self.dims;
         self.attention_heads
             && self.kernels.has(abi::AttentionHs::ID)
-            && abi::layout::att_head_blocks(d.heads / d.kv_heads) > 1
+            && abi::layout::att_head_blocks(d.group()) > 1
             && 2 * ntok * d.kv_heads * nsplit < self.sm_count
     }
 
