@@ -348,9 +348,7 @@ entries! {
     }
     /// Split-K GQA attention over the paged KV cache, the splits combined in the same launch.
     /// grid = (kv_heads >> pack, nsplit, ntok), pack = (flags >> ATT_PACK_SHIFT) & 3 (0 unless
-    /// nsplit = 1); `counter` holds ntok * kv_heads zeroed tickets. `pf0`..`pf2`: weights the
-    /// kernels after it read first (null or 0 bytes: none), asked into L2 before the dependency
-    /// wait. Twin `attention_hs`: each block a part of the group's query heads
+    /// nsplit = 1); `counter` holds ntok * kv_heads zeroed tickets. Twin `attention_hs`: each block a part of the group's query heads
     /// (`layout::att_head_blocks` blocks a (token, KV head, split): grid.z = ntok times that;
     /// `counter` holds that many tickets a (token, KV head)).
     Attention = "attention" / "attention", threads ATT_THREADS,
@@ -369,12 +367,6 @@ entries! {
         part_acc: ptr<"float">,
         counter: ptr<"unsigned int">,
         out: ptr<"void">,
-        pf0: ptr<"const char">,
-        pf0_bytes: u32,
-        pf1: ptr<"const char">,
-        pf1_bytes: u32,
-        pf2: ptr<"const char">,
-        pf2_bytes: u32,
     }
     /// Causal GQA attention of prompt chunks on the tensor cores (flash attention) over the paged KV
     /// cache. grid = (ntiles, kv_heads), dynamic shared memory `layout::flash_smem_bytes`; `tiles`

@@ -35,16 +35,16 @@
 #        both 30B-A3B targets (MOE_KT to name others); the 2-layer checks against HF transformers
 #        and the CPU backend; the 48-layer q4_1 GGUF; once the build is done, cuda_bench on it
 #        (batch 1, 16, 64, 256, pp512), batch 1 again under each tuning of MOE_B1_AB (default
-#        attention_prefetch=on), the grouped steps under each of MOE_VERIFY_AB (none by default;
+#        attention_heads=off), the grouped steps under each of MOE_VERIFY_AB (none by default;
 #        e.g. moe_wgmma=off), llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
 #        the 48-layer bf16 GGUF, cuda_bench on it (batch 1 again under each of MOE_B1_AB2, default
-#        attention_prefetch=on), llama.cpp on it
+#        attention_heads=off), llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a batch-1 change: the kernel tests
 #        named by MOE_B1_KT (default attention) of both 30B-A3B targets; the 48-layer q4_1 GGUF
 #        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
-#        (default attention_prefetch=on, attention_heads=on, both); the bf16 one at batch 1 with
-#        both, as the time allows
+#        (default attention_heads=off: the A/B of the last change); the bf16 one at batch 1 likewise,
+#        as the time allows
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -239,7 +239,7 @@ moe-b1)
   synth_moe_q4_1
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  for ab in ${MOE_B1_AB:-attention_prefetch=on attention_heads=on attention_prefetch=on,attention_heads=on}; do
+  for ab in ${MOE_B1_AB:-attention_heads=off}; do
     [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
   done
@@ -249,7 +249,7 @@ moe-b1)
     synth_moe_bf16
     KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
     CB_TIMEOUT=90 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1 --steps 64
-    for ab in ${MOE_B1_AB:-attention_prefetch=on,attention_heads=on}; do
+    for ab in ${MOE_B1_AB:-attention_heads=off}; do
       [ "$(left)" -gt 70 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe.gguf" "$KB" \
         h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
     done
@@ -296,9 +296,9 @@ moe-verify)
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  # batch 1 again under each tuning of MOE_B1_AB (default attention_prefetch=on), the grouped
+  # batch 1 again under each tuning of MOE_B1_AB (default attention_heads=off), the grouped
   # steps under MOE_VERIFY_AB (none by default)
-  for ab in ${MOE_B1_AB-attention_prefetch=on}; do
+  for ab in ${MOE_B1_AB-attention_heads=off}; do
     [ "$(left)" -gt 90 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch 1 --steps 64
   done
@@ -317,7 +317,7 @@ moe-verify2)
   synth_moe_bf16
   KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
   CB_TIMEOUT=200 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1,16,64,256 --steps 64 --pp 512
-  for ab in ${MOE_B1_AB2-attention_prefetch=on}; do
+  for ab in ${MOE_B1_AB2-attention_heads=off}; do
     [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" "$KB" \
       h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
   done

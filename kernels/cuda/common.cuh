@@ -68,27 +68,6 @@ MT_INLINE void pdl_launch() {
 #endif
 }
 
-// Ask L2 for bytes [p, p + n) of a weight (never written by any kernel, so before the dependency
-// wait too), spread over every thread of the grid in 4 KB pieces: cp.async.bulk.prefetch on sm_90+,
-// a 128-byte line at a time before. p 16-byte aligned (a whole allocation); a tail below 16 bytes
-// is left out. Null p or n = 0: nothing.
-MT_INLINE void l2_prefetch_grid(const void* p, unsigned int n) {
-    if (p == nullptr) return;
-    constexpr unsigned int CH = 4096;
-    n &= ~15u;
-    const size_t b = blockIdx.x + (size_t)gridDim.x * (blockIdx.y + (size_t)gridDim.y * blockIdx.z);
-    const size_t nt = (size_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-    for (size_t off = (b * blockDim.x + threadIdx.x) * CH; off < n; off += nt * CH) {
-        const unsigned int len = (unsigned int)min((size_t)CH, n - off);
-        const char* q = static_cast<const char*>(p) + off;
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(q), "r"(len) : "memory");
-#else
-        for (unsigned int l = 0; l < len; l += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(q + l));
-#endif
-    }
-}
-
 // Thread-block clusters (sm_90+): a kernel launched with a cluster dimension can read the shared
 // memory of the other blocks of its cluster. Before sm_90 (or without a cluster launch) the cluster
 // is the block alone: cluster_size() == 1.

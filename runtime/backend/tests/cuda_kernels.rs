@@ -819,13 +819,6 @@ fn attention_splits_combine_and_out_projection() {
         part_acc: acc.ptr,
         counter: counter.ptr,
         out,
-        // the O matrix asked into L2 as the forward pass asks for it (no result may move)
-        pf0: wb.qs.ptr,
-        pf0_bytes: wb.qs.bytes as u32,
-        pf1: wb.sc_ptr(),
-        pf1_bytes: wb.sc.as_ref().map_or(0, |b| b.bytes as u32),
-        pf2: 0,
-        pf2_bytes: 0,
     };
     for (nsplit, flags) in runs {
         let xb = g.upload(&x).unwrap();

@@ -343,18 +343,6 @@ impl CudaBackend {
                         ntiles,
                     ),
                     Attn::Split(nsplit) => {
-                        // the O product's weights (and the router) into L2 meanwhile
-                        let region = |b: Option<&DevBuf>| match self.opts.tuning.attention_prefetch
-                        {
-                            true => b.map_or((0, 0), |b| (b.ptr, b.bytes as u32)),
-                            false => (0, 0),
-                        };
-                        let wo = &w().wo;
-                        let (pf0, pf1, pf2) = (
-                            region(Some(&wo.qs)),
-                            region(wo.sc.as_ref()),
-                            region(w().router.as_ref()),
-                        );
                         let pack = g.att_pack_flags(ntok, nsplit);
                         let flags = g.att_flags | out16 | pack;
                         let heads_split = pack == 0 && g.attention_heads_pay(ntok, nsplit);
@@ -374,12 +362,6 @@ impl CudaBackend {
                                 part_acc: b.part_acc.ptr,
                                 counter: b.att_counter.ptr,
                                 out: b.att.ptr,
-                                pf0: pf0.0,
-                                pf0_bytes: pf0.1,
-                                pf1: pf1.0,
-                                pf1_bytes: pf1.1,
-                                pf2: pf2.0,
-                                pf2_bytes: pf2.1,
                             },
                             ntok,
                             heads_split,

@@ -148,14 +148,11 @@ pub struct Tuning {
     /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
     /// `plan::MIN_SPLIT_LEN`. Off until measured.
     pub attention_short_splits: bool,
-    /// Split-K attention launches ask L2 for the weights read right after them (the O product's,
-    /// and the router of families with routed experts) before their dependency wait, so that the
-    /// O product starts from L2 instead of memory; else they ask for nothing. Off until measured.
-    pub attention_prefetch: bool,
     /// Split-K attention launches too small to fill half the SMs (a one-token step of a model
     /// with few KV heads) run on `attention_hs`: each (token, KV head, split) over several
     /// blocks, each a part of the group's query heads, so each warp's chain of dependent
-    /// instructions is a fraction as long (`Gpu::attention_heads_pay`). Off until measured.
+    /// instructions is a fraction as long (`Gpu::attention_heads_pay`): 9.3 -> 6.6 us a layer
+    /// for Qwen3-30B-A3B's one-token step on an H100 (`bench/families/README.md`).
     pub attention_heads: bool,
 }
 
@@ -182,8 +179,7 @@ impl Default for Tuning {
             moe_mma: true,
             moe_wgmma: true,
             attention_short_splits: false,
-            attention_prefetch: false,
-            attention_heads: false,
+            attention_heads: true,
         }
     }
 }
@@ -192,7 +188,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 22] = [
+    pub const KEYS: [&'static str; 21] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -213,7 +209,6 @@ impl Tuning {
         "moe_mma",
         "moe_wgmma",
         "attention_short_splits",
-        "attention_prefetch",
         "attention_heads",
     ];
 
@@ -256,7 +251,6 @@ impl Tuning {
                 "moe_mma" => self.moe_mma = on,
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
-                "attention_prefetch" => self.attention_prefetch = on,
                 "attention_heads" => self.attention_heads = on,
                 k => {
                     return Err(format!(
