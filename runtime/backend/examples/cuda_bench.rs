@@ -212,6 +212,11 @@ fn main() {
     let layers = spec.model.layers as f64;
     let mut est = 0.0;
     for (name, us) in &prof {
+        if *name == "moe_route" {
+            // timed inside ffn_in too: shown, not added
+            eprintln!("  kernel {name:15} {us:7.2} us/launch  (part of ffn_in)");
+            continue;
+        }
         let per_token = if matches!(
             *name,
             "attn_in" | "attention" | "attn_out" | "ffn_in" | "ffn_out"
@@ -492,6 +497,7 @@ fn main() {
         let mut sum = 0.0;
         for (name, us) in &prof_b {
             let counted = match *name {
+                "moe_route" => None, // timed inside ffn_in too
                 "embed" | "lm_head" => Some(1.0),
                 "attention" | "attention_flash" => Some(layers),
                 n if n.starts_with("gemm_") == gemm_path => Some(layers),
@@ -500,6 +506,10 @@ fn main() {
             if let Some(times) = counted {
                 sum += us * times;
                 eprintln!("  decode batch {nb}: kernel {name:15} {us:9.2} us/launch");
+            } else if *name == "moe_route" {
+                eprintln!(
+                    "  decode batch {nb}: kernel {name:15} {us:9.2} us/launch (part of ffn_in)"
+                );
             }
         }
         eprintln!("  decode batch {nb}: the stages alone sum to {sum:.1} us/step");

@@ -289,6 +289,32 @@ impl CudaBackend {
         }
     }
 
+    /// Layer `l`'s routing of the chunk's `ntok` tokens (`moe_route`: the FFN norm, the router's
+    /// logits, each token's experts and weights), the first launch of `Stage::GateUp` on a target
+    /// with routed experts.
+    pub(super) fn moe_route(&self, l: usize, ntok: usize) -> Result<(), BackendError> {
+        let (g, b, w) = (&self.gpu, &self.b, &self.w.layers[l]);
+        let m = b.moe.as_ref().ok_or_else(|| {
+            BackendError::Model("moe_route on a target without routed experts".into())
+        })?;
+        let router = w
+            .router
+            .as_ref()
+            .ok_or_else(|| BackendError::Model(format!("layer {l}: no router on the device")))?;
+        g.moe_route(abi::MoeRoute {
+            x: b.x.ptr,
+            norm_w: w.ffn_norm.ptr,
+            router: router.ptr,
+            xn: m.xn.ptr,
+            ids: m.ids.ptr,
+            wts: m.wts.ptr,
+            counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
+            logits: m.logits.ptr,
+            ticket: m.ticket.ptr,
+            ntok: ntok as i32,
+        })
+    }
+
     /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and
     /// `LmHead`), on the tensor-core GEMM path when `pf` is given (the four layer products only).
     pub(super) fn launch_stage(
@@ -388,21 +414,7 @@ impl CudaBackend {
                     .grouped
                     .as_ref()
                     .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
-                let router = w().router.as_ref().ok_or_else(|| {
-                    BackendError::Model(format!("layer {l}: no router on the device"))
-                })?;
-                g.moe_route(abi::MoeRoute {
-                    x: b.x.ptr,
-                    norm_w: w().ffn_norm.ptr,
-                    router: router.ptr,
-                    xn: m.xn.ptr,
-                    ids: m.ids.ptr,
-                    wts: m.wts.ptr,
-                    counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
-                    logits: m.logits.ptr,
-                    ticket: m.ticket.ptr,
-                    ntok: n,
-                })?;
+                self.moe_route(l, ntok)?;
                 if let Some(gr) = grouped {
                     g.moe_sort(abi::MoeSort {
                         ids: m.ids.ptr,

@@ -295,7 +295,8 @@ impl CudaBackend {
 
     /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
     /// launches of one kernel, replayed `rounds` times; microseconds per launch, graph-node overhead
-    /// included.
+    /// included. On a target with routed experts, `moe_route` is also timed alone (it is part of
+    /// `ffn_in`'s time, the routing and the experts' gate/up).
     pub fn profile_kernels(
         &mut self,
         reps: usize,
@@ -344,6 +345,19 @@ impl CudaBackend {
             g.sync()?;
             out.push((
                 name,
+                t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64,
+            ));
+        }
+        if self.b.moe.is_some() {
+            let g = &self.gpu;
+            let graph = capture_warm(g, reps, || self.moe_route(0, ntok))?;
+            let t = std::time::Instant::now();
+            for _ in 0..rounds {
+                g.replay(&graph)?;
+            }
+            g.sync()?;
+            out.push((
+                "moe_route",
                 t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64,
             ));
         }
