@@ -295,12 +295,29 @@ def test_connection_cap_is_a_503_in_the_envelope(tmp_path):
     s = start_server(tmp_path / "log", ["--ctx-size", "512", "--max-connections", "4"])
     idle = []
     try:
-        for _ in range(4):
-            idle.append(socket.create_connection(("127.0.0.1", s.port)))
-        # the server counts a connection when its accept loop takes it; on a busy 2-core machine
-        # that can lag the client's connect, so ask until the four are counted (at most 5 s)
-        deadline = time.time() + 5
+        # Four idle connections held open, then a fifth must get the 503. The server counts a
+        # connection when its accept loop takes it, and on a busy 2-core machine the start-up's
+        # /health checks can still count as open when the idle ones arrive (their close not yet
+        # taken in): the server then refuses some of these (a 503 and a close, as it should), and
+        # once the checks' closes are in it holds fewer than four. So each round replaces any idle
+        # connection that heard back, then asks (at most 10 s).
+        deadline = time.time() + 10
         while True:
+            held = []
+            for c in idle:
+                try:
+                    c.recv(1)  # data or EOF: the server refused it
+                except BlockingIOError:
+                    held.append(c)  # silent: held open
+                    continue
+                except OSError:
+                    pass  # reset: refused too
+                c.close()
+            idle = held
+            while len(idle) < 4:
+                c = socket.create_connection(("127.0.0.1", s.port))
+                c.setblocking(False)
+                idle.append(c)
             time.sleep(0.2)
             raw = raw_request(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             head, body = envelope(raw)
