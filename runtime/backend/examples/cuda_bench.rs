@@ -496,8 +496,14 @@ fn main() {
             );
         let mut sum = 0.0;
         for (name, us) in &prof_b {
+            if *name == "moe_route" {
+                // timed inside ffn_in too: shown, not added
+                eprintln!(
+                    "  decode batch {nb}: kernel {name:15} {us:9.2} us/launch (part of ffn_in)"
+                );
+                continue;
+            }
             let counted = match *name {
-                "moe_route" => None, // timed inside ffn_in too
                 "embed" | "lm_head" => Some(1.0),
                 "attention" | "attention_flash" => Some(layers),
                 n if n.starts_with("gemm_") == gemm_path => Some(layers),
@@ -506,10 +512,6 @@ fn main() {
             if let Some(times) = counted {
                 sum += us * times;
                 eprintln!("  decode batch {nb}: kernel {name:15} {us:9.2} us/launch");
-            } else if *name == "moe_route" {
-                eprintln!(
-                    "  decode batch {nb}: kernel {name:15} {us:9.2} us/launch (part of ffn_in)"
-                );
             }
         }
         eprintln!("  decode batch {nb}: the stages alone sum to {sum:.1} us/step");

@@ -602,6 +602,18 @@ fn upload_act(g: &Gpu, h: &[f32], ty: metrale_backend::cuda::gemm::ActType) -> D
     g.upload(&bits).unwrap()
 }
 
+/// `embed` of the tokens in `tb` (`ntok` of them) from table `dm` into `x`.
+fn embed_into(g: &Gpu, dm: &DevMat, tb: &DevBuf, ntok: usize, x: &DevBuf) {
+    g.embed(abi::Embed {
+        qs: dm.qs.ptr,
+        sc: dm.sc_ptr(),
+        tokens: tb.ptr,
+        x: x.ptr,
+        ntok: ntok as i32,
+    })
+    .unwrap();
+}
+
 #[test]
 fn embed_rows_are_exact() {
     let Some(mut e) = env("embed") else { return };
@@ -614,15 +626,7 @@ fn embed_rows_are_exact() {
         .collect();
     let tb = e.gpu.upload(&toks).unwrap();
     let x = poisoned(&e.gpu, toks.len() * d.hidden);
-    e.gpu
-        .embed(abi::Embed {
-            qs: dm.qs.ptr,
-            sc: dm.sc_ptr(),
-            tokens: tb.ptr,
-            x: x.ptr,
-            ntok: toks.len() as i32,
-        })
-        .unwrap();
+    embed_into(&e.gpu, &dm, &tb, toks.len(), &x);
     let got = read_f32(&e.gpu, &x, toks.len() * d.hidden);
     let rb = table.dtype.row_bytes(d.hidden).unwrap();
     for (i, &t) in toks.iter().enumerate() {
@@ -659,14 +663,7 @@ fn pdl_early_reaches_the_modules() {
     let run = |g: &Gpu| {
         let x = poisoned(g, toks.len() * d.hidden);
         for _ in 0..4 {
-            g.embed(abi::Embed {
-                qs: dm.qs.ptr,
-                sc: dm.sc_ptr(),
-                tokens: tb.ptr,
-                x: x.ptr,
-                ntok: toks.len() as i32,
-            })
-            .unwrap();
+            embed_into(g, &dm, &tb, toks.len(), &x);
         }
         read_f32(g, &x, toks.len() * d.hidden)
     };

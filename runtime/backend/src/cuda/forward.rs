@@ -369,9 +369,8 @@ impl CudaBackend {
                         ntiles,
                     ),
                     Attn::Split(nsplit) => {
-                        let pack = g.att_pack_flags(ntok, nsplit);
-                        let flags = g.att_flags | out16 | pack;
-                        let heads_split = pack == 0 && g.attention_heads_pay(ntok, nsplit);
+                        let flags = g.att_flags | out16 | g.att_pack_flags(ntok, nsplit);
+                        let heads_split = g.attention_heads_pay(ntok, nsplit);
                         g.attention(
                             abi::Attention {
                                 q: b.q.ptr,

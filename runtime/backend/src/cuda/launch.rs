@@ -675,11 +675,13 @@ impl Gpu {
 
     /// Whether a split-K attention launch of `ntok` tokens over `nsplit` splits runs on
     /// `attention_hs`: the target's kernels have it and split a group's query heads over several
-    /// blocks, and the launch is too small to fill half the SMs with a block a (token, KV head,
-    /// split) (`Gpu::attention_heads`, a tuning).
+    /// blocks, the launch packs no pairs into a block ([`Gpu::att_pack_flags`]), and it is too
+    /// small to fill half the SMs with a block a (token, KV head, split) (`Gpu::attention_heads`,
+    /// a tuning).
     pub fn attention_heads_pay(&self, ntok: usize, nsplit: usize) -> bool {
         let d = self.dims;
         self.attention_heads
+            && self.att_pack_flags(ntok, nsplit) == 0
             && self.kernels.has(abi::AttentionHs::ID)
             && abi::layout::att_head_blocks(d.group()) > 1
             && 2 * ntok * d.kv_heads * nsplit < self.sm_count

@@ -40,6 +40,23 @@ fn capture_warm(
     Ok(graph)
 }
 
+/// Microseconds per call of `launch`: a [`capture_warm`] graph of `reps` calls replayed `rounds`
+/// times back to back, the host clock around all of them and one wait.
+fn replay_mean_us(
+    g: &super::launch::Gpu,
+    reps: usize,
+    rounds: usize,
+    launch: impl Fn() -> Result<(), BackendError>,
+) -> Result<f64, BackendError> {
+    let graph = capture_warm(g, reps, launch)?;
+    let t = std::time::Instant::now();
+    for _ in 0..rounds {
+        g.replay(&graph)?;
+    }
+    g.sync()?;
+    Ok(t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64)
+}
+
 /// Microseconds per call of `launch`: a [`capture_warm`] graph of `reps` calls replayed 7 times,
 /// each timed by the host clock around the replay and a wait; the median.
 fn replay_median_us(
@@ -335,31 +352,14 @@ impl CudaBackend {
             if let (Stage::Out, Some(_)) = (stage, pf) {
                 self.launch_stage(Stage::Attention, 0, pf, (ntok, nout, attn))?;
             }
-            let graph = capture_warm(g, reps, || {
+            let us = replay_mean_us(g, reps, rounds, || {
                 self.launch_stage(stage, 0, pf, (ntok, nout, attn))
             })?;
-            let t = std::time::Instant::now();
-            for _ in 0..rounds {
-                g.replay(&graph)?;
-            }
-            g.sync()?;
-            out.push((
-                name,
-                t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64,
-            ));
+            out.push((name, us));
         }
         if self.b.moe.is_some() {
-            let g = &self.gpu;
-            let graph = capture_warm(g, reps, || self.moe_route(0, ntok))?;
-            let t = std::time::Instant::now();
-            for _ in 0..rounds {
-                g.replay(&graph)?;
-            }
-            g.sync()?;
-            out.push((
-                "moe_route",
-                t.elapsed().as_secs_f64() * 1e6 / (reps * rounds) as f64,
-            ));
+            let us = replay_mean_us(&self.gpu, reps, rounds, || self.moe_route(0, ntok))?;
+            out.push(("moe_route", us));
         }
         Ok(out)
     }
