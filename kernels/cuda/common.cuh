@@ -32,11 +32,6 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// Nonzero: each block lets the next kernel launch as soon as its dependency wait returns
-// (mt::pdl_wait), not at its end. Every module has its own copy, 0 as loaded; the host sets it
-// (`Kernels::set_pdl_early`, tuning `pdl_early`). Global scope, so its symbol is this name.
-__constant__ unsigned int metrale_pdl_early;
-
 namespace mt {
 
 constexpr int WARP = 32;
@@ -56,10 +51,12 @@ MT_INLINE float warp_max(float v) {
 // Programmatic dependent launch (sm_90+): a kernel may start while the previous one in the stream
 // is still running. Before pdl_wait() it may only read weights (never written by any kernel) and
 // must write nothing; pdl_wait() returns once every earlier kernel has completed and its writes are
-// visible. pdl_launch() lets the next kernel start its own prologue; where the host set
-// metrale_pdl_early, pdl_wait() does that too once it returns, so the next kernel's launch and
-// prologue overlap all of this one's work instead of its end (its own wait still holds it until
-// this kernel has completed). Both are no-ops before sm_90 and when the launch did not ask for PDL.
+// visible. pdl_launch() lets the next kernel start its own prologue. Both are no-ops before sm_90
+// and when the launch did not ask for PDL.
+// Whatever follows the wait before a kernel's first dependent load lengthens every step: a flag
+// read from the constant bank there (the removed `pdl_early` switch) cost a Qwen3-30B-A3B batch-1
+// step ~7% over its 338 kernels (bench/families/README.md). Anything a kernel can learn without the
+// previous kernel's output, it learns before the wait.
 // Since the kernels' lifetimes overlap, activations are never read through the non-coherent
 // read-only path (ld.global.nc: `__ldg`, or a `const __restrict__` pointer), which assumes the data
 // does not change while the kernel lives: read-only parameters and helper arguments that point at
@@ -67,7 +64,6 @@ MT_INLINE float warp_max(float v) {
 MT_INLINE void pdl_wait() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (metrale_pdl_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 MT_INLINE void pdl_launch() {

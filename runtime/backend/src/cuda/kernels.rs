@@ -218,27 +218,4 @@ impl Kernels {
     pub fn has(&self, e: metrale_abi::Entry) -> bool {
         self.funcs[e as usize].is_some()
     }
-
-    /// Set every module's `metrale_pdl_early` (`kernels/cuda/common.cuh`): when on, each block
-    /// lets the next kernel launch once its dependency wait returns instead of at its end. A
-    /// module without the symbol (no kernel of it waits: `decode_1`) is skipped; returns how many
-    /// took it. Waits for the copies.
-    pub fn set_pdl_early(&self, dev: &Device, on: bool) -> Result<usize, BackendError> {
-        let mut n = 0;
-        for m in self._modules.values() {
-            let Ok(mut sym) = m.get_global("metrale_pdl_early", &dev.stream) else {
-                continue;
-            };
-            // SAFETY: the symbol is one `unsigned int` (common.cuh), 4 bytes of the view
-            let mut word = unsafe { sym.transmute_mut::<u32>(1) }.ok_or_else(|| {
-                BackendError::Device("metrale_pdl_early: smaller than 4 bytes".into())
-            })?;
-            dev.stream
-                .memcpy_htod(&[u32::from(on)], &mut word)
-                .map_err(dev_err("set metrale_pdl_early"))?;
-            n += 1;
-        }
-        dev.sync()?;
-        Ok(n)
-    }
 }

@@ -390,12 +390,6 @@ impl Gpu {
         self.wg_head.unwrap_or(WgFormat::Bf16)
     }
 
-    /// Each block lets the next kernel launch once its dependency wait returns (on), or at its
-    /// end (off, as loaded): `Kernels::set_pdl_early`. Returns the modules that took it.
-    pub fn set_pdl_early(&self, on: bool) -> Result<usize, BackendError> {
-        self.kernels.set_pdl_early(&self.dev, on)
-    }
-
     /// How the modules were loaded: "cubin" or "ptx".
     pub fn loaded_from(&self) -> &'static str {
         self.kernels.loaded_from

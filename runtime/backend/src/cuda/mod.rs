@@ -154,12 +154,6 @@ pub struct Tuning {
     /// instructions is a fraction as long (`Gpu::attention_heads_pay`): 9.3 -> 6.6 us a layer
     /// for Qwen3-30B-A3B's one-token step on an H100 (`bench/families/README.md`).
     pub attention_heads: bool,
-    /// Under `pdl`, each block lets the next kernel launch as soon as its dependency wait returns
-    /// (`metrale_pdl_early` in every module) instead of at its end, so the next kernel's launch
-    /// and its weight loads before its own wait overlap this kernel's whole body, not its tail
-    /// (graph replay of a batch-1 Qwen3-30B-A3B step: ~420 us over its kernels alone, 338
-    /// launches). Off until measured.
-    pub pdl_early: bool,
 }
 
 impl Default for Tuning {
@@ -186,7 +180,6 @@ impl Default for Tuning {
             moe_wgmma: true,
             attention_short_splits: false,
             attention_heads: true,
-            pdl_early: false,
         }
     }
 }
@@ -195,7 +188,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 22] = [
+    pub const KEYS: [&'static str; 21] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -217,7 +210,6 @@ impl Tuning {
         "moe_wgmma",
         "attention_short_splits",
         "attention_heads",
-        "pdl_early",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -260,7 +252,6 @@ impl Tuning {
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
                 "attention_heads" => self.attention_heads = on,
-                "pdl_early" => self.pdl_early = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -437,9 +428,6 @@ impl CudaBackend {
             }
         }
         gpu.pdl &= opts.tuning.pdl;
-        if gpu.pdl && opts.tuning.pdl_early {
-            gpu.set_pdl_early(true)?;
-        }
         if !opts.tuning.attention_cluster {
             gpu.cluster_max = 0;
         }
