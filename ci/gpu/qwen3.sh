@@ -21,7 +21,8 @@
 #   bash ci/gpu/qwen3.sh small  carry .q3        h200/qwen3-0.6b/bf16 (query width 2048 over a hidden
 #        size of 1024, tied head): cuda_kernels; CUDA against HF transformers and the CPU backend at
 #        full depth (28 layers); cuda_bench
-#   bash ci/gpu/qwen3.sh prepare-moe MODEL.gguf   CPU machine: .q4/
+#   bash ci/gpu/qwen3.sh prepare-moe MODEL.gguf [BASE_REV]   CPU machine: .q4/ (with BASE_REV also
+#        that revision's cuda_bench, targets and 30B-A3B kernels in .q4/b/base, for moe-b1's A/B)
 #   bash ci/gpu/qwen3.sh moe    carry .q4 .peer  h200/qwen3-30b-a3b/bf16 (128 experts, 8 a token):
 #        llama.cpp's build (background); cuda_kernels (the routed experts against the CPU
 #        reference, a full tie among them); the 2-layer checkpoints (HF folder, one tensor per
@@ -43,8 +44,9 @@
 #   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a batch-1 change: the kernel tests
 #        named by MOE_B1_KT (default attention) of both 30B-A3B targets; the 48-layer q4_1 GGUF
 #        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
-#        (default attention_heads=off: the A/B of the last change); the bf16 one at batch 1 likewise,
-#        as the time allows
+#        (default attention_heads=off: the A/B of the last change), and under the base revision's
+#        binary and kernels where prepare-moe was given one (bench-*-base: an A/B of a change no
+#        tuning switches); the bf16 one at batch 1 likewise, as the time allows
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -195,6 +197,21 @@ prepare-moe)
   set -e
   pack_start .q4 prepare-moe "${2:-}"
   kernels .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1
+  if [ -n "${3:-}" ]; then
+    # the base revision's binary (its ABI check is against its own kernels), targets and kernels
+    base_moe() {
+      local q
+      mkdir -p "$1/base/bin" "$1/base/k"
+      cp "$(exe build --release -p metrale-backend --features cuda --example cuda_bench)" "$1/base/bin/cuda_bench"
+      cp -r targets "$1/base/"
+      for q in bf16 q4_1; do
+        cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant $q --kernels-only \
+          --out "$1/base/k/h200-qwen3-30b-a3b-$q" 2>&1 | tail -1
+      done
+    }
+    in_rev "$3" base_moe "$PWD/.q4/b"
+    git rev-parse "$3" > .q4/b/base/rev
+  fi
   servers .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   kernels2l .q4/b h200-qwen3-30b-a3b-2l-bf16 qwen3-30b-a3b
   tools .q4 cuda_bench golden_check
@@ -239,20 +256,25 @@ moe-b1)
   synth_moe_q4_1
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  for ab in ${MOE_B1_AB:-attention_heads=off}; do
+  for ab in ${MOE_B1_AB-attention_heads=off}; do
     [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
   done
+  B=$H/b/base
+  [ -d "$B" ] && [ "$(left)" -gt 45 ] && CB=$B/bin/cuda_bench TG=$B/targets CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" \
+    "$B/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 "bench-q4_1-base" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
   rm -f "$H/s/moe-q4_1.gguf"
   if [ "$(left)" -gt 150 ]; then
     step "synth-model: the 48-layer bf16 GGUF; cuda_bench at batch 1"
     synth_moe_bf16
     KB=$H/b/k/h200-qwen3-30b-a3b-bf16/kernels
     CB_TIMEOUT=90 cb_run "$H/s/moe.gguf" "$KB" h200/qwen3-30b-a3b/bf16 bench-bf16 --batch 1 --steps 64
-    for ab in ${MOE_B1_AB:-attention_heads=off}; do
+    for ab in ${MOE_B1_AB-attention_heads=off}; do
       [ "$(left)" -gt 70 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe.gguf" "$KB" \
         h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
     done
+    [ -d "$B" ] && [ "$(left)" -gt 70 ] && CB=$B/bin/cuda_bench TG=$B/targets CB_TIMEOUT=$(($(left) - 5)) cb_run "$H/s/moe.gguf" \
+      "$B/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 "bench-bf16-base" --batch 1 --steps 64
   fi
   finish moe-b1
   ;;
