@@ -602,18 +602,6 @@ fn upload_act(g: &Gpu, h: &[f32], ty: metrale_backend::cuda::gemm::ActType) -> D
     g.upload(&bits).unwrap()
 }
 
-/// `embed` of the tokens in `tb` (`ntok` of them) from table `dm` into `x`.
-fn embed_into(g: &Gpu, dm: &DevMat, tb: &DevBuf, ntok: usize, x: &DevBuf) {
-    g.embed(abi::Embed {
-        qs: dm.qs.ptr,
-        sc: dm.sc_ptr(),
-        tokens: tb.ptr,
-        x: x.ptr,
-        ntok: ntok as i32,
-    })
-    .unwrap();
-}
-
 #[test]
 fn embed_rows_are_exact() {
     let Some(mut e) = env("embed") else { return };
@@ -626,7 +614,15 @@ fn embed_rows_are_exact() {
         .collect();
     let tb = e.gpu.upload(&toks).unwrap();
     let x = poisoned(&e.gpu, toks.len() * d.hidden);
-    embed_into(&e.gpu, &dm, &tb, toks.len(), &x);
+    e.gpu
+        .embed(abi::Embed {
+            qs: dm.qs.ptr,
+            sc: dm.sc_ptr(),
+            tokens: tb.ptr,
+            x: x.ptr,
+            ntok: toks.len() as i32,
+        })
+        .unwrap();
     let got = read_f32(&e.gpu, &x, toks.len() * d.hidden);
     let rb = table.dtype.row_bytes(d.hidden).unwrap();
     for (i, &t) in toks.iter().enumerate() {
