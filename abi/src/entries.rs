@@ -199,14 +199,39 @@ entries! {
         ticket: ptr<"unsigned int">,
         ntok: i32,
     }
+    /// One token's O projection and residual add (`attn_out`'s, the same bits) with the routing
+    /// `moe_route` would give the new residual: `rcols[hidden][experts]` (f32) the router's
+    /// columns times the FFN norm's weights, each block's share of the logits and of the sum of
+    /// squares in `part[gridDim.x][experts + 1]`, the last block to take `ticket` (zeroed;
+    /// re-armed by it) adds them and routes into `ids` / `wts` / `counts` as `moe_route` does,
+    /// and writes the FFN norm's scale `1 / rms` of the new residual to `inv_rms[0]`.
+    /// grid = (row-pair groups).
+    MoeOutRoute = "moe" / "moe_out_route", threads MV_THREADS, {
+        att: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        x: ptr<"float">,
+        rcols: ptr<"const float">,
+        part: ptr<"float">,
+        ids: ptr<"int">,
+        wts: ptr<"float">,
+        counts: ptr<"unsigned int">,
+        inv_rms: ptr<"float">,
+        ticket: ptr<"unsigned int">,
+    }
     /// Each routed (token, expert) pair's gate and up products and SiLU: `h[pair][expert_ffn]`.
     /// `w`: every expert's gate/up matrix (rows interleaved as `ffn_in`'s) stacked by expert.
     /// grid = (ntok * used, row-pair groups).
+    /// `xn`: the tokens' normed FFN input; or, with `norm_w` (the FFN norm's weights; null:
+    /// none), the residual, normed here with the scale `inv_rms[token]` (after `moe_out_route`,
+    /// which writes that scale and no `xn`).
     MoeGu = "moe" / "moe_gu", threads MV_THREADS, {
         xn: ptr<"const float">,
         wqs: ptr<"const void">,
         wsc: ptr<"const void">,
         ids: ptr<"const int">,
+        norm_w: ptr<"const float">,
+        inv_rms: ptr<"const float">,
         h: ptr<"float">,
         ntok: i32,
     }

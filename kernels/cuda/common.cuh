@@ -50,7 +50,8 @@ MT_INLINE float warp_max(float v) {
 
 // Programmatic dependent launch (sm_90+): a kernel may start while the previous one in the stream
 // is still running. Before pdl_wait() it may only read weights (never written by any kernel) and
-// must write nothing; pdl_wait() returns once every earlier kernel has completed and its writes are
+// the step's inputs the host copied before its first launch (positions, slots; through L2,
+// `__ldcg`, never a stale line in this SM's L1), and must write nothing; pdl_wait() returns once every earlier kernel has completed and its writes are
 // visible. pdl_launch() lets the next kernel start its own prologue. Both are no-ops before sm_90
 // and when the launch did not ask for PDL.
 // Whatever follows the wait before a kernel's first dependent load lengthens every step: a flag
@@ -255,8 +256,11 @@ template <int K> struct XRow<WQ41, K> {
 //   - 16-bit rows: 32-element block b is thread b % MV_THREADS's, whole: its largest value, scale,
 //     rounding and sum need no other thread (a warp per block spent 11 dependent shuffles per block
 //     and serialised K / 32 / MV_WARPS of them per warp: ~8 us per 14336-wide row).
-template <class W, int K, bool NORM>
+// GIVEN (with NORM): the norm's scale 1 / rms is known (passed as eps) and the weights are read
+// from nw.p (shared or global memory; nw.v unused) with plain loads: no block sum.
+template <class W, int K, bool NORM, bool GIVEN = false>
 MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* xs, float* red) {
+    static_assert(NORM || !GIVEN, "a given scale is a norm's");
     if constexpr (XRow<W, K>::Q16) {
         constexpr int NB = K / 32;
         constexpr int R = (NB + abi::MV_THREADS - 1) / abi::MV_THREADS;  // blocks per thread
@@ -272,12 +276,15 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
             }
         }
         if constexpr (NORM) {
-            float ss = 0.f;
+            float scale = eps;
+            if constexpr (!GIVEN) {
+                float ss = 0.f;
 #pragma unroll
-            for (int r = 0; r < R; ++r)
+                for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int i = 0; i < 32; ++i) ss += v[r][i] * v[r][i];
-            const float scale = rsqrtf(block_sum(ss, red) / (float)K + eps);
+                    for (int i = 0; i < 32; ++i) ss += v[r][i] * v[r][i];
+                scale = rsqrtf(block_sum(ss, red) / (float)K + eps);
+            }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int b = threadIdx.x + r * abi::MV_THREADS;
@@ -285,7 +292,7 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
                 const float4* wb = reinterpret_cast<const float4*>(nw.p + 32 * b);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    const float4 f = __ldg(wb + j);
+                    const float4 f = GIVEN ? wb[j] : __ldg(wb + j);
                     v[r][4 * j] *= scale * f.x; v[r][4 * j + 1] *= scale * f.y;
                     v[r][4 * j + 2] *= scale * f.z; v[r][4 * j + 3] *= scale * f.w;
                 }
@@ -327,8 +334,8 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
             const int e = threadIdx.x + i * abi::MV_THREADS;
             v[i] = e < K ? x[e] : 0.f;
         }
-        float scale = 1.f;
-        if (NORM) {
+        float scale = GIVEN ? eps : 1.f;
+        if (NORM && !GIVEN) {
             float ss = 0.f;
 #pragma unroll
             for (int i = 0; i < IT; ++i) ss += v[i] * v[i];
@@ -339,7 +346,7 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
             float amax = 0.f;
 #pragma unroll
             for (int i = 0; i < IT; ++i) {
-                if (NORM) v[i] *= scale * nw.v[i];
+                if (NORM) v[i] *= scale * (GIVEN ? nw.p[threadIdx.x + i * abi::MV_THREADS] : nw.v[i]);
                 amax = fmaxf(amax, fabsf(v[i]));
             }
             const float a = fp8_row_scale(block_max(amax, red));
@@ -353,7 +360,7 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
             for (int i = 0; i < IT; ++i) {
                 const int e = threadIdx.x + i * abi::MV_THREADS;
                 if (e >= K) continue;
-                xs[pad_idx(e)] = NORM ? v[i] * scale * nw.v[i] : v[i];
+                xs[pad_idx(e)] = NORM ? v[i] * scale * (GIVEN ? nw.p[e] : nw.v[i]) : v[i];
             }
         }
     }

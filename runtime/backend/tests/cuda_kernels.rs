@@ -2099,6 +2099,8 @@ fn moe_routing_and_experts_match_cpu() {
         wqs: gub.qs.ptr,
         wsc: gub.sc_ptr(),
         ids: ids.ptr,
+        norm_w: 0,
+        inv_rms: 0,
         h: hb.ptr,
         ntok: n as i32,
     })
@@ -2191,6 +2193,167 @@ fn moe_routing_and_experts_match_cpu() {
         "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within {MOE_WEIGHT_TOL:e}"
     );
 
+    // One token's O product with its routing (moe_out_route, then moe_gu normalising the
+    // residual itself) against the launches it replaces (attn_out, moe_route, moe_gu on xn): the
+    // residual bit for bit (the same product and adds), the same experts, their weights within
+    // MOE_WEIGHT_TOL (the logits summed over the rows in another order, the norm's weights folded
+    // into the router's columns: ~1e-6 of their size, as between moe_route and the CPU), h within
+    // the tolerance of the products against the CPU (mv_tol: the staged row normed by another
+    // sum; i16 activations may round an element the other way); twice, so the ticket must be
+    // re-armed; the histogram counted. A zero residual and attention output: every logit 0,
+    // experts 0..used.
+    if g.moe_route_fused {
+        let qd = d.qd();
+        let wo = Mat::new(&mut e.rng, e.wf, h, qd);
+        let wob = DevMat::upload(g, &wo.host(e.wf)).unwrap();
+        let rcols = g
+            .upload(&metrale_backend::cuda::weights::router_columns(
+                &router, &norm,
+            ))
+            .unwrap();
+        let part = poisoned(g, g.moe_out_route_blocks() as usize * (m.experts + 1));
+        let inv_rms = poisoned(g, 1);
+        let mut cases = 0;
+        for zero in [false, true] {
+            let mut att = rand_vec(&mut e.rng, qd, -1.0, 1.0);
+            let mut x1 = rand_vec(&mut e.rng, h, -1.0, 1.0);
+            if zero {
+                att.fill(0.0);
+                x1.fill(0.0);
+            }
+            let atb = g.upload(&att).unwrap();
+            let (xa, ids_a, wts_a, ha) = (
+                g.upload(&x1).unwrap(),
+                g.upload(&vec![-1i32; m.used]).unwrap(),
+                poisoned(g, m.used),
+                poisoned(g, m.used * m.ffn),
+            );
+            g.attn_out(abi::AttnOut {
+                att: atb.ptr,
+                wqs: wob.qs.ptr,
+                wsc: wob.sc_ptr(),
+                x: xa.ptr,
+                ntok: 1,
+            })
+            .unwrap();
+            g.moe_route(abi::MoeRoute {
+                x: xa.ptr,
+                norm_w: nb.ptr,
+                router: rb.ptr,
+                xn: xn.ptr,
+                ids: ids_a.ptr,
+                wts: wts_a.ptr,
+                counts: 0,
+                logits: logits.ptr,
+                ticket: ticket.ptr,
+                ntok: 1,
+            })
+            .unwrap();
+            g.moe_gu(abi::MoeGu {
+                xn: xn.ptr,
+                wqs: gub.qs.ptr,
+                wsc: gub.sc_ptr(),
+                ids: ids_a.ptr,
+                norm_w: 0,
+                inv_rms: 0,
+                h: ha.ptr,
+                ntok: 1,
+            })
+            .unwrap();
+            let want_x = read_f32(g, &xa, h);
+            let mut want_ids = vec![0i32; m.used];
+            g.read(&ids_a, 0, &mut want_ids).unwrap();
+            let want_w = read_f32(g, &wts_a, m.used);
+            let want_h = read_f32(g, &ha, m.used * m.ffn);
+            let fcounts = g.upload(&vec![0u32; m.experts]).unwrap();
+            for round in 0..2 {
+                let (xf, ids_f, wts_f, hf) = (
+                    g.upload(&x1).unwrap(),
+                    g.upload(&vec![-1i32; m.used]).unwrap(),
+                    poisoned(g, m.used),
+                    poisoned(g, m.used * m.ffn),
+                );
+                g.moe_out_route(abi::MoeOutRoute {
+                    att: atb.ptr,
+                    wqs: wob.qs.ptr,
+                    wsc: wob.sc_ptr(),
+                    x: xf.ptr,
+                    rcols: rcols.ptr,
+                    part: part.ptr,
+                    ids: ids_f.ptr,
+                    wts: wts_f.ptr,
+                    counts: fcounts.ptr,
+                    inv_rms: inv_rms.ptr,
+                    ticket: ticket.ptr,
+                })
+                .unwrap();
+                g.moe_gu(abi::MoeGu {
+                    xn: xf.ptr,
+                    wqs: gub.qs.ptr,
+                    wsc: gub.sc_ptr(),
+                    ids: ids_f.ptr,
+                    norm_w: nb.ptr,
+                    inv_rms: inv_rms.ptr,
+                    h: hf.ptr,
+                    ntok: 1,
+                })
+                .unwrap();
+                let what = format!(
+                    "moe_out_route ({}, launch {round})",
+                    if zero { "zero input" } else { "random" }
+                );
+                let got_x = read_f32(g, &xf, h);
+                assert!(
+                    got_x
+                        .iter()
+                        .zip(&want_x)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: the residual differs from attn_out's"
+                );
+                let mut got_ids = vec![0i32; m.used];
+                g.read(&ids_f, 0, &mut got_ids).unwrap();
+                assert_eq!(got_ids, want_ids, "{what}: experts");
+                if zero {
+                    assert_eq!(
+                        got_ids,
+                        (0..m.used as i32).collect::<Vec<_>>(),
+                        "{what}: a full tie takes the lowest"
+                    );
+                }
+                for (k, (gw, ww)) in read_f32(g, &wts_f, m.used).iter().zip(&want_w).enumerate() {
+                    assert!(
+                        (gw - ww).abs() <= MOE_WEIGHT_TOL,
+                        "{what}: weight {k}: {gw} vs {ww}"
+                    );
+                }
+                check_tol(
+                    &format!("{what}: h"),
+                    &read_f32(g, &hf, m.used * m.ffn),
+                    &want_h,
+                    mv_tol,
+                );
+                let mut tk = [1u32; 1];
+                g.read(&ticket, 0, &mut tk).unwrap();
+                assert_eq!(tk[0], 0, "{what}: the ticket is re-armed");
+                cases += 1;
+            }
+            let mut got_counts = vec![0u32; m.experts];
+            g.read(&fcounts, 0, &mut got_counts).unwrap();
+            let mut want_counts = vec![0u32; m.experts];
+            for &ex in &want_ids {
+                want_counts[ex as usize] += 2;
+            }
+            assert_eq!(
+                got_counts, want_counts,
+                "moe_out_route counts each choice once a launch"
+            );
+        }
+        eprintln!(
+            "  moe_out_route: {cases} launches over {} blocks: the residual bit for bit, the experts and weights of attn_out + moe_route",
+            g.moe_out_route_blocks()
+        );
+    }
+
     // Many tokens, grouped by expert (moe_sort, then moe_gu_grouped and moe_down_grouped on the
     // CUDA cores or moe_split_x, moe_gu_mma, moe_split_h and moe_down_mma on the tensor cores,
     // then moe_combine): on the same 133 tokens, the CUDA-core kernels give the per-pair kernels'
@@ -2238,6 +2401,8 @@ fn moe_routing_and_experts_match_cpu() {
                 wqs: gub.qs.ptr,
                 wsc: gub.sc_ptr(),
                 ids: ids.ptr,
+                norm_w: 0,
+                inv_rms: 0,
                 h: hb.ptr,
                 ntok: n2 as i32,
             })

@@ -90,6 +90,9 @@ impl Bufs {
                     counts: gpu.alloc(d.layers * m.experts * 4)?,
                     logits: gpu.alloc(maxt * m.experts * 4)?,
                     ticket: gpu.alloc(maxt * 4)?,
+                    route_part: gpu
+                        .alloc(gpu.moe_out_route_blocks() as usize * (m.experts + 1) * 4)?,
+                    inv_rms: gpu.alloc(4)?,
                     grouped: match m.grouped(maxt) {
                         true => Some(MoeGrouped {
                             offsets: gpu.alloc((m.experts + 1) * 4)?,
@@ -144,6 +147,10 @@ pub struct MoeBufs {
     /// between launches) where a token's router rows are spread over several blocks.
     pub logits: DevBuf,
     pub ticket: DevBuf,
+    /// `moe_out_route`'s shares of a token's logits and sum of squares, `[blocks][experts + 1]`
+    /// (f32), and the FFN norm's scale it passes `moe_gu` (one f32); its ticket is `ticket[0]`.
+    pub route_part: DevBuf,
+    pub inv_rms: DevBuf,
     /// Where chunks can be large enough to group their pairs by expert (`MoeShape::grouped`).
     pub grouped: Option<MoeGrouped>,
 }
@@ -315,6 +322,31 @@ impl CudaBackend {
         })
     }
 
+    /// Layer `l`'s O product and residual add for a one-token chunk with its routing
+    /// (`moe_out_route`, [`Gpu::route_fused`]), in place of `attn_out` and `moe_route`.
+    pub(super) fn moe_out_route(&self, l: usize) -> Result<(), BackendError> {
+        let (g, b, w) = (&self.gpu, &self.b, &self.w.layers[l]);
+        let m = b.moe.as_ref().ok_or_else(|| {
+            BackendError::Model("moe_out_route on a target without routed experts".into())
+        })?;
+        let rcols = w.router_cols.as_ref().ok_or_else(|| {
+            BackendError::Model(format!("layer {l}: no router columns on the device"))
+        })?;
+        g.moe_out_route(abi::MoeOutRoute {
+            att: b.att.ptr,
+            wqs: w.wo.qs.ptr,
+            wsc: w.wo.sc_ptr(),
+            x: b.x.ptr,
+            rcols: rcols.ptr,
+            part: m.route_part.ptr,
+            ids: m.ids.ptr,
+            wts: m.wts.ptr,
+            counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
+            inv_rms: m.inv_rms.ptr,
+            ticket: m.ticket.ptr,
+        })
+    }
+
     /// One stage of the forward pass of a chunk over layer `l` (`l` unused by `Embed` and
     /// `LmHead`), on the tensor-core GEMM path when `pf` is given (the four layer products only).
     pub(super) fn launch_stage(
@@ -398,6 +430,7 @@ impl CudaBackend {
                 let next = self.fused_norm(p).then_some(w().ffn_norm.ptr);
                 p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok, next)
             }
+            (Stage::Out, None) if b.moe.is_some() && g.route_fused(ntok) => self.moe_out_route(l),
             (Stage::Out, None) => g.attn_out(abi::AttnOut {
                 att: b.att.ptr,
                 wqs: w().wo.qs.ptr,
@@ -413,7 +446,10 @@ impl CudaBackend {
                     .grouped
                     .as_ref()
                     .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
-                self.moe_route(l, ntok)?;
+                let fused = g.route_fused(ntok) && grouped.is_none();
+                if !fused {
+                    self.moe_route(l, ntok)?;
+                }
                 if let Some(gr) = grouped {
                     g.moe_sort(abi::MoeSort {
                         ids: m.ids.ptr,
@@ -473,11 +509,18 @@ impl CudaBackend {
                         ntok: n,
                     });
                 }
+                // after moe_out_route, the residual, normed here
+                let (xn, norm_w, inv_rms) = match fused {
+                    true => (b.x.ptr, w().ffn_norm.ptr, m.inv_rms.ptr),
+                    false => (m.xn.ptr, 0, 0),
+                };
                 g.moe_gu(abi::MoeGu {
-                    xn: m.xn.ptr,
+                    xn,
                     wqs: w().wgu.qs.ptr,
                     wsc: w().wgu.sc_ptr(),
                     ids: m.ids.ptr,
+                    norm_w,
+                    inv_rms,
                     h: m.h.ptr,
                     ntok: n,
                 })

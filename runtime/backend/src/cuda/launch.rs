@@ -42,6 +42,9 @@ pub struct Gpu {
     pub pdl: bool,
     /// Small split-K attention launches may run on `attention_hs` ([`Gpu::attention_heads_pay`]).
     pub attention_heads: bool,
+    /// A one-token step routes inside its O product (`moe_out_route`; the target has it and
+    /// `Tuning::moe_route_fused`): [`Gpu::route_fused`].
+    pub moe_route_fused: bool,
     /// Most attention splits launched as one thread-block cluster (the target's
     /// `attention_cluster`; 0 or 1: none, and none before sm_90).
     pub cluster_max: usize,
@@ -344,6 +347,7 @@ impl Gpu {
             moe,
             pdl: sm90,
             attention_heads: false,
+            moe_route_fused: moe.is_some() && kernels.has(abi::MoeOutRoute::ID),
             cluster_max,
             lm1_per_sm,
             mv_per_sm,
@@ -455,6 +459,27 @@ impl Gpu {
         let tiles = (a.ntok.max(0) as usize).div_ceil(abi::MOE_ROUTE_TOKENS as usize);
         let rb = self.moe_router_blocks(tiles);
         self.launch((tiles as u32, rb, 1), self.plain(), a)
+    }
+
+    /// Whether a chunk of `ntok` tokens routes inside its O product (`moe_out_route`, then
+    /// `moe_gu` on the residual): one token, on a target with routed experts and the kernel.
+    pub fn route_fused(&self, ntok: usize) -> bool {
+        self.moe_route_fused && ntok == 1
+    }
+
+    /// One token's O product and residual add with its routing (`moe_out_route`): `attn_out`'s
+    /// grid, `a.part` holding `(experts + 1)` floats for each of its blocks
+    /// ([`Gpu::moe_out_route_blocks`]).
+    pub fn moe_out_route(&self, a: abi::MoeOutRoute) -> Result<(), BackendError> {
+        let grid = (self.moe_out_route_blocks(), 1, 1);
+        self.launch(grid, self.plain(), a)
+    }
+
+    /// `moe_out_route`'s blocks: `attn_out`'s grid for one token.
+    pub fn moe_out_route_blocks(&self) -> u32 {
+        let d = self.dims;
+        self.mv_grid(d.hidden / 2, d.qd(), 1, self.mv_per_sm.attn_out)
+            .0
     }
 
     /// Blocks each of `tiles` tiles of tokens' router rows are spread over in `moe_route`: one

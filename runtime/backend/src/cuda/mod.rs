@@ -154,6 +154,11 @@ pub struct Tuning {
     /// instructions is a fraction as long (`Gpu::attention_heads_pay`): 9.3 -> 6.6 us a layer
     /// for Qwen3-30B-A3B's one-token step on an H100 (`bench/families/README.md`).
     pub attention_heads: bool,
+    /// A one-token step's routing runs inside its O product (`moe_out_route`: the router's
+    /// logits summed from the residual's rows as they are written, the last block routing)
+    /// instead of as a launch of its own (`moe_route`), and `moe_gu` normalises the residual
+    /// itself: a launch and a pass over the residual fewer a layer.
+    pub moe_route_fused: bool,
 }
 
 impl Default for Tuning {
@@ -180,6 +185,7 @@ impl Default for Tuning {
             moe_wgmma: true,
             attention_short_splits: false,
             attention_heads: true,
+            moe_route_fused: true,
         }
     }
 }
@@ -188,7 +194,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 21] = [
+    pub const KEYS: [&'static str; 22] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -210,6 +216,7 @@ impl Tuning {
         "moe_wgmma",
         "attention_short_splits",
         "attention_heads",
+        "moe_route_fused",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -252,6 +259,7 @@ impl Tuning {
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
                 "attention_heads" => self.attention_heads = on,
+                "moe_route_fused" => self.moe_route_fused = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -439,6 +447,7 @@ impl CudaBackend {
         }
         gpu.att_pack = opts.tuning.attention_pack;
         gpu.attention_heads = opts.tuning.attention_heads;
+        gpu.moe_route_fused &= opts.tuning.moe_route_fused;
         gpu.moe_mma = opts.tuning.moe_mma;
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;

@@ -313,7 +313,8 @@ impl CudaBackend {
     /// Time each kernel alone at the shape of the last chunk (layer 0's weights): a graph of `reps`
     /// launches of one kernel, replayed `rounds` times; microseconds per launch, graph-node overhead
     /// included. On a target with routed experts, `moe_route` is also timed alone (it is part of
-    /// `ffn_in`'s time, the routing and the experts' gate/up).
+    /// `ffn_in`'s time, the routing and the experts' gate/up) unless the chunk routes inside its O
+    /// product (`attn_out`'s time then: `moe_out_route`).
     pub fn profile_kernels(
         &mut self,
         reps: usize,
@@ -357,7 +358,8 @@ impl CudaBackend {
             })?;
             out.push((name, us));
         }
-        if self.b.moe.is_some() {
+        // timed alone where it runs (not inside moe_out_route)
+        if self.b.moe.is_some() && !self.gpu.route_fused(ntok) {
             let us = replay_mean_us(&self.gpu, reps, rounds, || self.moe_route(0, ntok))?;
             out.push(("moe_route", us));
         }

@@ -400,11 +400,31 @@ pub struct LayerW {
     /// Families with routed experts: the router, f32 `[experts][hidden]`; `wgu` and `wdown` then
     /// hold every expert's matrices stacked by expert (`moe.cu.hbs`).
     pub router: Option<DevBuf>,
+    /// The router's columns times the FFN norm's weights, f32 `[hidden][experts]`
+    /// ([`router_columns`]): `moe_out_route`'s, which routes a one-token step as its O product
+    /// writes the residual.
+    pub router_cols: Option<DevBuf>,
     pub wqkv: DevMat,
     pub wo: DevMat,
     pub ffn_norm: DevBuf,
     pub wgu: DevMat,
     pub wdown: DevMat,
+}
+
+/// The router's columns scaled by the FFN norm's weights: `out[r * experts + e] = router[e *
+/// hidden + r] * ffn_norm[r]` (`router`: `[experts][hidden]`). A router logit is then
+/// `sum_r out[r][e] * x[r]` times the norm's `1 / rms(x)`: a sum over the residual's rows, which
+/// `moe_out_route` adds up as it writes them.
+pub fn router_columns(router: &[f32], ffn_norm: &[f32]) -> Vec<f32> {
+    let hidden = ffn_norm.len();
+    let experts = router.len() / hidden.max(1);
+    let mut out = vec![0f32; router.len()];
+    for (e, row) in router.chunks_exact(hidden).enumerate() {
+        for (r, (&w, &g)) in row.iter().zip(ffn_norm).enumerate() {
+            out[r * experts + e] = w * g;
+        }
+    }
+    out
 }
 
 impl LayerW {
@@ -703,6 +723,11 @@ impl HostLayer {
                 .map(|v| dev.upload(v))
                 .transpose()?,
             router: self.router.as_deref().map(|v| dev.upload(v)).transpose()?,
+            router_cols: self
+                .router
+                .as_deref()
+                .map(|r| dev.upload(&router_columns(r, &self.ffn_norm)))
+                .transpose()?,
             wqkv: DevMat::upload(dev, &self.wqkv)?,
             wo: DevMat::upload(dev, &self.wo)?,
             ffn_norm: dev.upload(&self.ffn_norm)?,
@@ -805,6 +830,8 @@ impl ModelWeights {
         if let Some(m) = self.moe {
             for l in &self.layers {
                 unread += (l.wgu.bytes() + l.wdown.bytes()) / m.experts * (m.experts - m.used);
+                // the router is read in one of its two layouts
+                unread += l.router_cols.as_ref().map_or(0, |b| b.bytes);
             }
         }
         self.bytes() - unread as u64
@@ -819,6 +846,7 @@ impl ModelWeights {
                 + l.qk_norm.as_ref().map_or(0, |b| b.bytes)
                 + l.qkv_bias.as_ref().map_or(0, |b| b.bytes)
                 + l.router.as_ref().map_or(0, |b| b.bytes)
+                + l.router_cols.as_ref().map_or(0, |b| b.bytes)
                 + l.wqkv.bytes()
                 + l.wo.bytes()
                 + l.ffn_norm.bytes
@@ -832,6 +860,31 @@ impl ModelWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `moe_out_route`'s router columns: a logit summed from them over the rows equals the
+    /// router row's dot product with the normed input (up to the norm's scale), and each column
+    /// is the router's transposed, times the norm weight of its row.
+    #[test]
+    fn router_columns_transpose_and_scale() {
+        let (experts, hidden) = (3, 4);
+        let router: Vec<f32> = (0..experts * hidden).map(|i| i as f32 - 5.0).collect();
+        let norm = [0.5f32, 2.0, -1.0, 3.0];
+        let cols = router_columns(&router, &norm);
+        assert_eq!(cols.len(), experts * hidden);
+        for e in 0..experts {
+            for r in 0..hidden {
+                assert_eq!(cols[r * experts + e], router[e * hidden + r] * norm[r]);
+            }
+        }
+        let x = [1.0f32, -2.0, 0.25, 4.0];
+        for e in 0..experts {
+            let fused: f32 = (0..hidden).map(|r| cols[r * experts + e] * x[r]).sum();
+            let plain: f32 = (0..hidden)
+                .map(|r| router[e * hidden + r] * (x[r] * norm[r]))
+                .sum();
+            assert!((fused - plain).abs() <= 1e-5 * plain.abs().max(1.0));
+        }
+    }
 
     fn lcg(seed: &mut u64) -> u8 {
         *seed = seed
