@@ -199,44 +199,41 @@ entries! {
         ticket: ptr<"unsigned int">,
         ntok: i32,
     }
-    /// One token's O projection and residual add (`attn_out`'s, the same bits) with the routing
-    /// `moe_route` would give the new residual: `rcols[hidden][experts]` (f32) the router's
-    /// columns times the FFN norm's weights, each block's share of the logits and of the sum of
-    /// squares in `part[gridDim.x][experts + 1]`, the last block to take `ticket` (zeroed;
-    /// re-armed by it) adds them and routes into `ids` / `wts` / `counts` as `moe_route` does,
-    /// and writes the FFN norm's scale `1 / rms` of the new residual to `inv_rms[0]`.
-    /// grid = (row-pair groups).
+    /// One token's O projection and residual add (`attn_out`'s, the same bits) with the sums its
+    /// routing needs: `rcols[hidden][experts]` (f32) the router's columns times the FFN norm's
+    /// weights; each block adds its share of the new residual's router logits (before the
+    /// norm's scale) and of its sum of squares to `racc[experts + 1]` (u64, fixed point, zero
+    /// before; `moe_gu` routes from it, `moe_down` zeroes it). grid = (row-pair groups).
     MoeOutRoute = "moe" / "moe_out_route", threads MV_THREADS, {
         att: ptr<"const float">,
         wqs: ptr<"const void">,
         wsc: ptr<"const void">,
         x: ptr<"float">,
         rcols: ptr<"const float">,
-        part: ptr<"float">,
-        ids: ptr<"int">,
-        wts: ptr<"float">,
-        counts: ptr<"unsigned int">,
-        inv_rms: ptr<"float">,
-        ticket: ptr<"unsigned int">,
+        racc: ptr<"unsigned long long">,
     }
     /// Each routed (token, expert) pair's gate and up products and SiLU: `h[pair][expert_ffn]`.
     /// `w`: every expert's gate/up matrix (rows interleaved as `ffn_in`'s) stacked by expert.
     /// grid = (ntok * used, row-pair groups).
-    /// `xn`: the tokens' normed FFN input; or, with `norm_w` (the FFN norm's weights; null:
-    /// none), the residual, normed here with the scale `inv_rms[token]` (after `moe_out_route`,
-    /// which writes that scale and no `xn`).
+    /// `xn`: the tokens' normed FFN input and `ids` their experts; or, with `racc` (the sums
+    /// `moe_out_route` left; null: none), every block routes the token as `moe_route` would and
+    /// one writes `ids`, `wts` and `counts` (null: not counted); `xn` is then the residual, normed
+    /// here with `norm_w` (the FFN norm's weights).
     MoeGu = "moe" / "moe_gu", threads MV_THREADS, {
         xn: ptr<"const float">,
         wqs: ptr<"const void">,
         wsc: ptr<"const void">,
-        ids: ptr<"const int">,
+        ids: ptr<"int">,
         norm_w: ptr<"const float">,
-        inv_rms: ptr<"const float">,
+        racc: ptr<"const unsigned long long">,
+        wts: ptr<"float">,
+        counts: ptr<"unsigned int">,
         h: ptr<"float">,
         ntok: i32,
     }
     /// Each token's experts' down products weighted by the router and added, in ascending
     /// expert order, to the residual `x`. `w`: every expert's down matrix stacked by expert.
+    /// `racc` (unless null): `moe_out_route`'s sums, zeroed (`moe_gu` has read them).
     /// grid = (ntok, row-pair groups).
     MoeDown = "moe" / "moe_down", threads MV_THREADS, {
         h: ptr<"const float">,
@@ -245,6 +242,7 @@ entries! {
         ids: ptr<"const int">,
         wts: ptr<"const float">,
         x: ptr<"float">,
+        racc: ptr<"unsigned long long">,
         ntok: i32,
     }
     /// Many tokens' routed pairs grouped by expert (one block): `offsets[e] .. offsets[e + 1]` of

@@ -2100,7 +2100,9 @@ fn moe_routing_and_experts_match_cpu() {
         wsc: gub.sc_ptr(),
         ids: ids.ptr,
         norm_w: 0,
-        inv_rms: 0,
+        racc: 0,
+        wts: 0,
+        counts: 0,
         h: hb.ptr,
         ntok: n as i32,
     })
@@ -2112,6 +2114,7 @@ fn moe_routing_and_experts_match_cpu() {
         ids: ids.ptr,
         wts: wts.ptr,
         x: xb.ptr,
+        racc: 0,
         ntok: n as i32,
     })
     .unwrap();
@@ -2193,15 +2196,16 @@ fn moe_routing_and_experts_match_cpu() {
         "  moe: {n} tokens routed as the CPU routes them (one full tie), weights within {MOE_WEIGHT_TOL:e}"
     );
 
-    // One token's O product with its routing (moe_out_route, then moe_gu normalising the
-    // residual itself) against the launches it replaces (attn_out, moe_route, moe_gu on xn): the
-    // residual bit for bit (the same product and adds), the same experts, their weights within
-    // MOE_WEIGHT_TOL (the logits summed over the rows in another order, the norm's weights folded
-    // into the router's columns: ~1e-6 of their size, as between moe_route and the CPU), h within
-    // the tolerance of the products against the CPU (mv_tol: the staged row normed by another
-    // sum; i16 activations may round an element the other way); twice, so the ticket must be
-    // re-armed; the histogram counted. A zero residual and attention output: every logit 0,
-    // experts 0..used.
+    // One token's O product with its routing sums (moe_out_route), moe_gu routing from them in
+    // every block and normalising the residual itself, moe_down zeroing them, against the
+    // launches they replace (attn_out, moe_route, moe_gu on xn, moe_down): the residual after O
+    // bit for bit (the same product and adds), the same experts, their weights within
+    // MOE_WEIGHT_TOL (the logits summed over the rows in another order, in fixed point, the
+    // norm's weights folded into the router's columns: ~1e-6 of their size, as between
+    // moe_route and the CPU), h and the residual after down within the tolerance of the products
+    // against the CPU (mv_tol: the staged row normed by another sum; i16 activations may round
+    // an element the other way); twice, so the sums must be zeroed by moe_down; the histogram
+    // counted. A zero residual and attention output: every logit 0, experts 0..used.
     if g.moe_route_fused {
         let qd = d.qd();
         let wo = Mat::new(&mut e.rng, e.wf, h, qd);
@@ -2211,8 +2215,7 @@ fn moe_routing_and_experts_match_cpu() {
                 &router, &norm,
             ))
             .unwrap();
-        let part = poisoned(g, g.moe_out_route_blocks() as usize * (m.experts + 1));
-        let inv_rms = poisoned(g, 1);
+        let racc = g.upload(&vec![0u64; m.experts + 1]).unwrap();
         let mut cases = 0;
         for zero in [false, true] {
             let mut att = rand_vec(&mut e.rng, qd, -1.0, 1.0);
@@ -2236,6 +2239,7 @@ fn moe_routing_and_experts_match_cpu() {
                 ntok: 1,
             })
             .unwrap();
+            let want_xo = read_f32(g, &xa, h);
             g.moe_route(abi::MoeRoute {
                 x: xa.ptr,
                 norm_w: nb.ptr,
@@ -2255,8 +2259,22 @@ fn moe_routing_and_experts_match_cpu() {
                 wsc: gub.sc_ptr(),
                 ids: ids_a.ptr,
                 norm_w: 0,
-                inv_rms: 0,
+                racc: 0,
+                wts: 0,
+                counts: 0,
                 h: ha.ptr,
+                ntok: 1,
+            })
+            .unwrap();
+            let want_h = read_f32(g, &ha, m.used * m.ffn);
+            g.moe_down(abi::MoeDown {
+                h: ha.ptr,
+                wqs: dnb.qs.ptr,
+                wsc: dnb.sc_ptr(),
+                ids: ids_a.ptr,
+                wts: wts_a.ptr,
+                x: xa.ptr,
+                racc: 0,
                 ntok: 1,
             })
             .unwrap();
@@ -2264,7 +2282,6 @@ fn moe_routing_and_experts_match_cpu() {
             let mut want_ids = vec![0i32; m.used];
             g.read(&ids_a, 0, &mut want_ids).unwrap();
             let want_w = read_f32(g, &wts_a, m.used);
-            let want_h = read_f32(g, &ha, m.used * m.ffn);
             let fcounts = g.upload(&vec![0u32; m.experts]).unwrap();
             for round in 0..2 {
                 let (xf, ids_f, wts_f, hf) = (
@@ -2279,37 +2296,34 @@ fn moe_routing_and_experts_match_cpu() {
                     wsc: wob.sc_ptr(),
                     x: xf.ptr,
                     rcols: rcols.ptr,
-                    part: part.ptr,
-                    ids: ids_f.ptr,
-                    wts: wts_f.ptr,
-                    counts: fcounts.ptr,
-                    inv_rms: inv_rms.ptr,
-                    ticket: ticket.ptr,
-                })
-                .unwrap();
-                g.moe_gu(abi::MoeGu {
-                    xn: xf.ptr,
-                    wqs: gub.qs.ptr,
-                    wsc: gub.sc_ptr(),
-                    ids: ids_f.ptr,
-                    norm_w: nb.ptr,
-                    inv_rms: inv_rms.ptr,
-                    h: hf.ptr,
-                    ntok: 1,
+                    racc: racc.ptr,
                 })
                 .unwrap();
                 let what = format!(
                     "moe_out_route ({}, launch {round})",
                     if zero { "zero input" } else { "random" }
                 );
-                let got_x = read_f32(g, &xf, h);
+                let got_xo = read_f32(g, &xf, h);
                 assert!(
-                    got_x
+                    got_xo
                         .iter()
-                        .zip(&want_x)
+                        .zip(&want_xo)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{what}: the residual differs from attn_out's"
                 );
+                g.moe_gu(abi::MoeGu {
+                    xn: xf.ptr,
+                    wqs: gub.qs.ptr,
+                    wsc: gub.sc_ptr(),
+                    ids: ids_f.ptr,
+                    norm_w: nb.ptr,
+                    racc: racc.ptr,
+                    wts: wts_f.ptr,
+                    counts: fcounts.ptr,
+                    h: hf.ptr,
+                    ntok: 1,
+                })
+                .unwrap();
                 let mut got_ids = vec![0i32; m.used];
                 g.read(&ids_f, 0, &mut got_ids).unwrap();
                 assert_eq!(got_ids, want_ids, "{what}: experts");
@@ -2332,9 +2346,29 @@ fn moe_routing_and_experts_match_cpu() {
                     &want_h,
                     mv_tol,
                 );
-                let mut tk = [1u32; 1];
-                g.read(&ticket, 0, &mut tk).unwrap();
-                assert_eq!(tk[0], 0, "{what}: the ticket is re-armed");
+                g.moe_down(abi::MoeDown {
+                    h: hf.ptr,
+                    wqs: dnb.qs.ptr,
+                    wsc: dnb.sc_ptr(),
+                    ids: ids_f.ptr,
+                    wts: wts_f.ptr,
+                    x: xf.ptr,
+                    racc: racc.ptr,
+                    ntok: 1,
+                })
+                .unwrap();
+                check_tol(
+                    &format!("{what}: x after moe_down"),
+                    &read_f32(g, &xf, h),
+                    &want_x,
+                    mv_tol,
+                );
+                let mut acc = vec![1u64; m.experts + 1];
+                g.read(&racc, 0, &mut acc).unwrap();
+                assert!(
+                    acc.iter().all(|&v| v == 0),
+                    "{what}: moe_down zeroes the sums"
+                );
                 cases += 1;
             }
             let mut got_counts = vec![0u32; m.experts];
@@ -2345,7 +2379,7 @@ fn moe_routing_and_experts_match_cpu() {
             }
             assert_eq!(
                 got_counts, want_counts,
-                "moe_out_route counts each choice once a launch"
+                "moe_gu counts each choice once a launch"
             );
         }
         eprintln!(
@@ -2402,7 +2436,9 @@ fn moe_routing_and_experts_match_cpu() {
                 wsc: gub.sc_ptr(),
                 ids: ids.ptr,
                 norm_w: 0,
-                inv_rms: 0,
+                racc: 0,
+                wts: 0,
+                counts: 0,
                 h: hb.ptr,
                 ntok: n2 as i32,
             })
@@ -2414,6 +2450,7 @@ fn moe_routing_and_experts_match_cpu() {
                 ids: ids.ptr,
                 wts: wts.ptr,
                 x: xb.ptr,
+                racc: 0,
                 ntok: n2 as i32,
             })
             .unwrap();

@@ -90,9 +90,7 @@ impl Bufs {
                     counts: gpu.alloc(d.layers * m.experts * 4)?,
                     logits: gpu.alloc(maxt * m.experts * 4)?,
                     ticket: gpu.alloc(maxt * 4)?,
-                    route_part: gpu
-                        .alloc(gpu.moe_out_route_blocks() as usize * (m.experts + 1) * 4)?,
-                    inv_rms: gpu.alloc(4)?,
+                    route_acc: gpu.alloc((m.experts + 1) * 8)?,
                     grouped: match m.grouped(maxt) {
                         true => Some(MoeGrouped {
                             offsets: gpu.alloc((m.experts + 1) * 4)?,
@@ -147,10 +145,9 @@ pub struct MoeBufs {
     /// between launches) where a token's router rows are spread over several blocks.
     pub logits: DevBuf,
     pub ticket: DevBuf,
-    /// `moe_out_route`'s shares of a token's logits and sum of squares, `[blocks][experts + 1]`
-    /// (f32), and the FFN norm's scale it passes `moe_gu` (one f32); its ticket is `ticket[0]`.
-    pub route_part: DevBuf,
-    pub inv_rms: DevBuf,
+    /// `moe_out_route`'s sums of a token's router logits and of its squares, `[experts + 1]`
+    /// (u64, fixed point; zero between layers: `moe_down` zeroes them).
+    pub route_acc: DevBuf,
     /// Where chunks can be large enough to group their pairs by expert (`MoeShape::grouped`).
     pub grouped: Option<MoeGrouped>,
 }
@@ -338,12 +335,7 @@ impl CudaBackend {
             wsc: w.wo.sc_ptr(),
             x: b.x.ptr,
             rcols: rcols.ptr,
-            part: m.route_part.ptr,
-            ids: m.ids.ptr,
-            wts: m.wts.ptr,
-            counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
-            inv_rms: m.inv_rms.ptr,
-            ticket: m.ticket.ptr,
+            racc: m.route_acc.ptr,
         })
     }
 
@@ -510,17 +502,19 @@ impl CudaBackend {
                     });
                 }
                 // after moe_out_route, the residual, normed here
-                let (xn, norm_w, inv_rms) = match fused {
-                    true => (b.x.ptr, w().ffn_norm.ptr, m.inv_rms.ptr),
-                    false => (m.xn.ptr, 0, 0),
+                let (xn, racc) = match fused {
+                    true => (b.x.ptr, m.route_acc.ptr),
+                    false => (m.xn.ptr, 0),
                 };
                 g.moe_gu(abi::MoeGu {
                     xn,
                     wqs: w().wgu.qs.ptr,
                     wsc: w().wgu.sc_ptr(),
                     ids: m.ids.ptr,
-                    norm_w,
-                    inv_rms,
+                    norm_w: w().ffn_norm.ptr,
+                    racc,
+                    wts: m.wts.ptr,
+                    counts: m.counts.ptr + (l * g.moe.map_or(0, |x| x.experts) * 4) as u64,
                     h: m.h.ptr,
                     ntok: n,
                 })
@@ -591,6 +585,11 @@ impl CudaBackend {
                     ids: m.ids.ptr,
                     wts: m.wts.ptr,
                     x: b.x.ptr,
+                    // after moe_out_route: its sums zeroed
+                    racc: match g.route_fused(ntok) {
+                        true => m.route_acc.ptr,
+                        false => 0,
+                    },
                     ntok: n,
                 })
             }

@@ -461,15 +461,15 @@ impl Gpu {
         self.launch((tiles as u32, rb, 1), self.plain(), a)
     }
 
-    /// Whether a chunk of `ntok` tokens routes inside its O product (`moe_out_route`, then
-    /// `moe_gu` on the residual): one token, on a target with routed experts and the kernel.
+    /// Whether a chunk of `ntok` tokens routes from sums its O product leaves (`moe_out_route`,
+    /// then `moe_gu` routing in every block, on the residual): one token, on a target with
+    /// routed experts and the kernel.
     pub fn route_fused(&self, ntok: usize) -> bool {
         self.moe_route_fused && ntok == 1
     }
 
-    /// One token's O product and residual add with its routing (`moe_out_route`): `attn_out`'s
-    /// grid, `a.part` holding `(experts + 1)` floats for each of its blocks
-    /// ([`Gpu::moe_out_route_blocks`]).
+    /// One token's O product and residual add with its routing sums (`moe_out_route`), on
+    /// `attn_out`'s grid ([`Gpu::moe_out_route_blocks`]).
     pub fn moe_out_route(&self, a: abi::MoeOutRoute) -> Result<(), BackendError> {
         let grid = (self.moe_out_route_blocks(), 1, 1);
         self.launch(grid, self.plain(), a)

@@ -154,10 +154,11 @@ pub struct Tuning {
     /// instructions is a fraction as long (`Gpu::attention_heads_pay`): 9.3 -> 6.6 us a layer
     /// for Qwen3-30B-A3B's one-token step on an H100 (`bench/families/README.md`).
     pub attention_heads: bool,
-    /// A one-token step's routing runs inside its O product (`moe_out_route`: the router's
-    /// logits summed from the residual's rows as they are written, the last block routing)
-    /// instead of as a launch of its own (`moe_route`), and `moe_gu` normalises the residual
-    /// itself: a launch and a pass over the residual fewer a layer.
+    /// A one-token step's routing needs no launch of its own (`moe_route`): its O product
+    /// (`moe_out_route`) sums the router's logits from the residual's rows as it writes them,
+    /// into fixed-point sums, and every block of `moe_gu` routes from them and normalises the
+    /// residual itself: a launch and a pass over the residual fewer a layer
+    /// (`bench/families/README.md`).
     pub moe_route_fused: bool,
 }
 
