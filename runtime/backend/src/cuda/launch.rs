@@ -475,11 +475,13 @@ impl Gpu {
         self.launch(grid, self.plain(), a)
     }
 
-    /// `moe_out_route`'s blocks: `attn_out`'s grid for one token.
+    /// `moe_out_route`'s blocks: `attn_out`'s grid for one token, at most 512 (the kernel clamps
+    /// each block's share of the fixed-point sums so that 512 of them cannot overflow).
     pub fn moe_out_route_blocks(&self) -> u32 {
         let d = self.dims;
         self.mv_grid(d.hidden / 2, d.qd(), 1, self.mv_per_sm.attn_out)
             .0
+            .min(512)
     }
 
     /// Blocks each of `tiles` tiles of tokens' router rows are spread over in `moe_route`: one
