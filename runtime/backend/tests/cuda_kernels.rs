@@ -2225,12 +2225,29 @@ fn moe_routing_and_experts_match_cpu() {
                 x1.fill(0.0);
             }
             let atb = g.upload(&att).unwrap();
-            let (xa, ids_a, wts_a, ha) = (
-                g.upload(&x1).unwrap(),
-                g.upload(&vec![-1i32; m.used]).unwrap(),
-                poisoned(g, m.used),
-                poisoned(g, m.used * m.ffn),
-            );
+            // a fresh residual, routing and h for each path
+            let fresh = || {
+                (
+                    g.upload(&x1).unwrap(),
+                    g.upload(&vec![-1i32; m.used]).unwrap(),
+                    poisoned(g, m.used),
+                    poisoned(g, m.used * m.ffn),
+                )
+            };
+            let down = |h: &DevBuf, ids: &DevBuf, wts: &DevBuf, x: &DevBuf, racc: u64| {
+                g.moe_down(abi::MoeDown {
+                    h: h.ptr,
+                    wqs: dnb.qs.ptr,
+                    wsc: dnb.sc_ptr(),
+                    ids: ids.ptr,
+                    wts: wts.ptr,
+                    x: x.ptr,
+                    racc,
+                    ntok: 1,
+                })
+                .unwrap()
+            };
+            let (xa, ids_a, wts_a, ha) = fresh();
             g.attn_out(abi::AttnOut {
                 att: atb.ptr,
                 wqs: wob.qs.ptr,
@@ -2267,29 +2284,14 @@ fn moe_routing_and_experts_match_cpu() {
             })
             .unwrap();
             let want_h = read_f32(g, &ha, m.used * m.ffn);
-            g.moe_down(abi::MoeDown {
-                h: ha.ptr,
-                wqs: dnb.qs.ptr,
-                wsc: dnb.sc_ptr(),
-                ids: ids_a.ptr,
-                wts: wts_a.ptr,
-                x: xa.ptr,
-                racc: 0,
-                ntok: 1,
-            })
-            .unwrap();
+            down(&ha, &ids_a, &wts_a, &xa, 0);
             let want_x = read_f32(g, &xa, h);
             let mut want_ids = vec![0i32; m.used];
             g.read(&ids_a, 0, &mut want_ids).unwrap();
             let want_w = read_f32(g, &wts_a, m.used);
             let fcounts = g.upload(&vec![0u32; m.experts]).unwrap();
             for round in 0..2 {
-                let (xf, ids_f, wts_f, hf) = (
-                    g.upload(&x1).unwrap(),
-                    g.upload(&vec![-1i32; m.used]).unwrap(),
-                    poisoned(g, m.used),
-                    poisoned(g, m.used * m.ffn),
-                );
+                let (xf, ids_f, wts_f, hf) = fresh();
                 g.moe_out_route(abi::MoeOutRoute {
                     att: atb.ptr,
                     wqs: wob.qs.ptr,
@@ -2346,17 +2348,7 @@ fn moe_routing_and_experts_match_cpu() {
                     &want_h,
                     mv_tol,
                 );
-                g.moe_down(abi::MoeDown {
-                    h: hf.ptr,
-                    wqs: dnb.qs.ptr,
-                    wsc: dnb.sc_ptr(),
-                    ids: ids_f.ptr,
-                    wts: wts_f.ptr,
-                    x: xf.ptr,
-                    racc: racc.ptr,
-                    ntok: 1,
-                })
-                .unwrap();
+                down(&hf, &ids_f, &wts_f, &xf, racc.ptr);
                 check_tol(
                     &format!("{what}: x after moe_down"),
                     &read_f32(g, &xf, h),

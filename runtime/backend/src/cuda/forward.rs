@@ -422,7 +422,7 @@ impl CudaBackend {
                 let next = self.fused_norm(p).then_some(w().ffn_norm.ptr);
                 p.out_proj(g, b.att.ptr, &w().wo, b.x.ptr, ntok, next)
             }
-            (Stage::Out, None) if b.moe.is_some() && g.route_fused(ntok) => self.moe_out_route(l),
+            (Stage::Out, None) if g.route_fused(ntok) => self.moe_out_route(l),
             (Stage::Out, None) => g.attn_out(abi::AttnOut {
                 att: b.att.ptr,
                 wqs: w().wo.qs.ptr,
@@ -438,7 +438,7 @@ impl CudaBackend {
                     .grouped
                     .as_ref()
                     .filter(|_| g.moe.is_some_and(|x| x.grouped(ntok)));
-                let fused = g.route_fused(ntok) && grouped.is_none();
+                let fused = g.route_fused(ntok);
                 if !fused {
                     self.moe_route(l, ntok)?;
                 }

@@ -462,10 +462,11 @@ impl Gpu {
     }
 
     /// Whether a chunk of `ntok` tokens routes from sums its O product leaves (`moe_out_route`,
-    /// then `moe_gu` routing in every block, on the residual): one token, on a target with
-    /// routed experts and the kernel.
+    /// then `moe_gu` routing in every block, on the residual, and `moe_down` zeroing the sums):
+    /// one token, on a target with routed experts and the kernel, its experts not grouped. The
+    /// one test the forward pass asks at each of those three launches.
     pub fn route_fused(&self, ntok: usize) -> bool {
-        self.moe_route_fused && ntok == 1
+        self.moe_route_fused && ntok == 1 && !self.moe.is_some_and(|m| m.grouped(ntok))
     }
 
     /// One token's O product and residual add with its routing sums (`moe_out_route`), on
