@@ -22,7 +22,8 @@
 #        size of 1024, tied head): cuda_kernels; CUDA against HF transformers and the CPU backend at
 #        full depth (28 layers); cuda_bench
 #   bash ci/gpu/qwen3.sh prepare-moe MODEL.gguf [BASE_REV]   CPU machine: .q4/ (with BASE_REV also
-#        that revision's cuda_bench, targets and 30B-A3B kernels in .q4/b/base, for moe-b1's A/B)
+#        that revision's cuda_bench, targets and 30B-A3B kernels in .q4/b/base, for moe-b1's A/B;
+#        with MOE_VARIANTS="NAME=REV ..." each revision's q4_1 kernels in .q4/b/var/NAME)
 #   bash ci/gpu/qwen3.sh moe    carry .q4 .peer  h200/qwen3-30b-a3b/bf16 (128 experts, 8 a token):
 #        llama.cpp's build (background); cuda_kernels (the routed experts against the CPU
 #        reference, a full tie among them); the 2-layer checkpoints (HF folder, one tensor per
@@ -46,7 +47,8 @@
 #        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
 #        (default attention_heads=off: the A/B of the last change), and under the base revision's
 #        binary and kernels where prepare-moe was given one (bench-*-base: an A/B of a change no
-#        tuning switches); the bf16 one at batch 1 likewise, as the time allows
+#        tuning switches), and under each variant's kernels (prepare-moe's MOE_VARIANTS: bench-q4_1-var-NAME);
+#        the bf16 one at batch 1 likewise, as the time allows
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -212,6 +214,14 @@ prepare-moe)
     in_rev "$3" base_moe "$PWD/.q4/b"
     git rev-parse "$3" > .q4/b/base/rev
   fi
+  # MOE_VARIANTS="NAME=REV ...": each revision's q4_1 kernels in .q4/b/var/NAME, which moe-b1 runs
+  # under this revision's binary (a variant keeps its ABI: a kernel's body changed, not its
+  # parameters)
+  var_moe() { cargo xtask build-target --hw h200 --model qwen3-30b-a3b --quant q4_1 --kernels-only --out "$1" 2>&1 | tail -1; }
+  for v in ${MOE_VARIANTS:-}; do
+    in_rev "${v#*=}" var_moe "$PWD/.q4/b/var/${v%%=*}"
+    git rev-parse "${v#*=}" > ".q4/b/var/${v%%=*}/rev"
+  done
   servers .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   kernels2l .q4/b h200-qwen3-30b-a3b-2l-bf16 qwen3-30b-a3b
   tools .q4 cuda_bench golden_check
@@ -263,6 +273,10 @@ moe-b1)
   B=$H/b/base
   [ -d "$B" ] && [ "$(left)" -gt 45 ] && CB=$B/bin/cuda_bench TG=$B/targets CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" \
     "$B/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 "bench-q4_1-base" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
+  for v in "$H"/b/var/*/; do
+    [ -d "$v" ] && [ "$(left)" -gt 45 ] && CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "${v}kernels" \
+      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-var-$(basename "$v")" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
+  done
   rm -f "$H/s/moe-q4_1.gguf"
   if [ "$(left)" -gt 150 ]; then
     step "synth-model: the 48-layer bf16 GGUF; cuda_bench at batch 1"
