@@ -38,10 +38,10 @@
 #        and the CPU backend; the 48-layer q4_1 GGUF; once the build is done, cuda_bench on it
 #        (batch 1, 16, 64, 256, pp512), batch 1 again under each tuning of MOE_B1_AB (default
 #        attention_heads=off), the grouped steps under each of MOE_VERIFY_AB (none by default;
-#        e.g. moe_wgmma=off), llama.cpp on it
+#        e.g. moe_wgmma=off), batch 1 under prepare-moe's base revision and variants, llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
 #        the 48-layer bf16 GGUF, cuda_bench on it (batch 1 again under each of MOE_B1_AB2, default
-#        attention_heads=off), llama.cpp on it
+#        attention_heads=off, and under the base revision), llama.cpp on it
 #   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a batch-1 change: the kernel tests
 #        named by MOE_B1_KT (default attention) of both 30B-A3B targets; the 48-layer q4_1 GGUF
 #        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
@@ -70,6 +70,18 @@ TQ=h200/qwen3-8b
 
 # pack_start, kernels, servers, tools, vocab, pack_end and unpack: real-size.sh
 # --- calls (GPU machine)
+# others_q4_1 BATCHES MIN_LEFT: cuda_bench on the 48-layer q4_1 GGUF under the base revision's
+# binary and kernels (bench-q4_1-base) and under each variant's kernels (bench-q4_1-var-NAME),
+# where prepare-moe made them, while the call has MIN_LEFT seconds left
+others_q4_1() {
+  local b=$H/b/base v
+  [ -d "$b" ] && [ "$(left)" -gt "$2" ] && CB=$b/bin/cuda_bench TG=$b/targets CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" \
+    "$b/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 bench-q4_1-base --batch "$1" --steps 64
+  for v in "$H"/b/var/*/; do
+    [ -d "$v" ] && [ "$(left)" -gt "$2" ] && CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "${v}kernels" \
+      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-var-$(basename "$v")" --batch "$1" --steps 64
+  done
+}
 # llamacpp_start: llama.cpp's build in the background (it outlives the call)
 llamacpp_start() {
   step "llama.cpp build (background)"
@@ -270,13 +282,8 @@ moe-b1)
     [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
   done
+  others_q4_1 "${MOE_B1_BATCH:-1,256}" 45
   B=$H/b/base
-  [ -d "$B" ] && [ "$(left)" -gt 45 ] && CB=$B/bin/cuda_bench TG=$B/targets CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" \
-    "$B/k/h200-qwen3-30b-a3b-q4_1/kernels" h200/qwen3-30b-a3b/q4_1 "bench-q4_1-base" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  for v in "$H"/b/var/*/; do
-    [ -d "$v" ] && [ "$(left)" -gt 45 ] && CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "${v}kernels" \
-      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-var-$(basename "$v")" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  done
   rm -f "$H/s/moe-q4_1.gguf"
   if [ "$(left)" -gt 150 ]; then
     step "synth-model: the 48-layer bf16 GGUF; cuda_bench at batch 1"
@@ -342,6 +349,8 @@ moe-verify)
     [ "$(left)" -gt 90 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch 64,256 --steps 64 --pp 512
   done
+  # batch 1 under the base revision and the variants, leaving the peer its time
+  others_q4_1 1 120
   [ -f .peer/llamacpp-src.tgz ] && [ "$(left)" -gt 45 ] && peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   finish moe-verify
   ;;
@@ -357,6 +366,9 @@ moe-verify2)
     [ "$(left)" -gt 150 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" "$KB" \
       h200/qwen3-30b-a3b/bf16 "bench-bf16-${ab//[=,]/-}" --batch 1 --steps 64
   done
+  B=$H/b/base
+  [ -d "$B" ] && [ "$(left)" -gt 150 ] && CB=$B/bin/cuda_bench TG=$B/targets CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
+    "$B/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-base --batch 1 --steps 64
   [ -x "$H/llamacpp/build/bin/llama-bench" ] && [ "$(left)" -gt 90 ] && peer_bench bf16 "$H/s/moe.gguf"
   finish moe-verify2
   ;;
