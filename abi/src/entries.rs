@@ -179,6 +179,30 @@ entries! {
         max_blocks: i32,
         ntok: i32,
     }
+    /// `attn_in` and `qkv_rope` in one launch for one token (sm_90, the `qkv_rope` template; not
+    /// on an fp8 KV cache): RMSNorm(x), one QKV row pair a warp, then the pair's bias, its head's
+    /// RMSNorm (the head's `head_dim / 2` warps are a thread-block cluster of
+    /// `head_dim / (2 MV_WARPS)` blocks that add their squares through shared memory), RoPE, q to
+    /// `q` and k, v into the paged KV cache, with `qkv_rope`'s pointers.
+    /// grid = (1, (QD + 2 KD) / (2 MV_WARPS)), cluster (1, head_dim / (2 MV_WARPS)).
+    AttnInHead = "qkv_rope" / "attn_in_head", threads MV_THREADS, {
+        x: ptr<"const float">,
+        norm_w: ptr<"const float">,
+        wqs: ptr<"const void">,
+        wsc: ptr<"const void">,
+        bias: ptr<"const float">,
+        q_norm: ptr<"const float">,
+        k_norm: ptr<"const float">,
+        rope: ptr<"const float2">,
+        q: ptr<"float">,
+        kc: ptr<"kv_t">,
+        vc: ptr<"kv_t">,
+        pos: ptr<"const int">,
+        slot: ptr<"const int">,
+        tables: ptr<"const unsigned int">,
+        layer: i32,
+        max_blocks: i32,
+    }
     /// Families with routed experts (`features.moe`): RMSNorm(x) with the FFN norm into `xn`, the
     /// router's logits (`router`: f32 `[experts][hidden]`), softmax, the `used` largest (ties to
     /// the lower index) renormalised, written as `ids` / `wts` `[ntok][used]` in ascending expert

@@ -23,7 +23,8 @@
 #        full depth (28 layers); cuda_bench
 #   bash ci/gpu/qwen3.sh prepare-moe MODEL.gguf [BASE_REV]   CPU machine: .q4/ (with BASE_REV also
 #        that revision's cuda_bench, targets and 30B-A3B kernels in .q4/b/base, for moe-b1's A/B;
-#        with MOE_VARIANTS="NAME=REV ..." each revision's q4_1 kernels in .q4/b/var/NAME)
+#        with MOE_VARIANTS="NAME=REV ..." each revision's q4_1 kernels in .q4/b/var/NAME; with
+#        MOE_EXTRA_TARGETS="MODEL/QUANT ..." those targets' kernels too, for MOE_KT)
 #   bash ci/gpu/qwen3.sh moe    carry .q4 .peer  h200/qwen3-30b-a3b/bf16 (128 experts, 8 a token):
 #        llama.cpp's build (background); cuda_kernels (the routed experts against the CPU
 #        reference, a full tie among them); the 2-layer checkpoints (HF folder, one tensor per
@@ -210,7 +211,7 @@ small)
 prepare-moe)
   set -e
   pack_start .q4 prepare-moe "${2:-}"
-  kernels .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1
+  kernels .q4 qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1 llama-3.1-8b/q4_1 ${MOE_EXTRA_TARGETS:-}
   if [ -n "${3:-}" ]; then
     # the base revision's binary (its ABI check is against its own kernels), targets and kernels
     base_moe() {

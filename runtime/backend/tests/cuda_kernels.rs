@@ -706,6 +706,96 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
         (&q, &kcache, &vcache),
         None,
     );
+
+    // One token's attn_in and qkv_rope as one launch (attn_in_head, where the target has it):
+    // the CPU reference's values within the same bounds, and the two launches' values within
+    // 1e-5 (the same products and adds, the head's squares summed in qkv_rope's order: only a
+    // compiler's fused multiply-adds may differ, ~1e-7)
+    if g.qkv_head_fused(1) {
+        let t = n - 1;
+        let (q1, kc1, vc1) = (
+            poisoned(g, qd),
+            pg.upload(g, &vec![1e30f32; pg.elems()]),
+            pg.upload(g, &vec![1e30f32; pg.elems()]),
+        );
+        let (p1, s1) = (g.upload(&pos[t..]).unwrap(), g.upload(&slot[t..]).unwrap());
+        let xt = &x[t * d.hidden..(t + 1) * d.hidden];
+        let xtb = g.upload(xt).unwrap();
+        let ptr = |v: &Option<(Vec<f32>, DevBuf)>| v.as_ref().map_or(0, |(_, b)| b.ptr);
+        let o1 = metrale_backend::cuda::gemm::QkvOut {
+            q: q1.ptr,
+            kc: kc1.ptr,
+            vc: vc1.ptr,
+            pos: p1.ptr,
+            slot: s1.ptr,
+            ..o
+        };
+        let r = o1.qkv_rope(0, (ptr(&e.bias), ptr(&e.qkn)), hd, 1);
+        g.attn_in_head(abi::AttnInHead {
+            x: xtb.ptr,
+            norm_w: nb.ptr,
+            wqs: wb.qs.ptr,
+            wsc: wb.sc_ptr(),
+            bias: r.bias,
+            q_norm: r.q_norm,
+            k_norm: r.k_norm,
+            rope: r.rope,
+            q: r.q,
+            kc: r.kc,
+            vc: r.vc,
+            pos: r.pos,
+            slot: r.slot,
+            tables: r.tables,
+            layer: r.layer,
+            max_blocks: r.max_blocks,
+        })
+        .unwrap();
+        let q1v = read_f32(g, &q1, qd);
+        let (kc1v, vc1v) = (pg.read(g, &kc1), pg.read(g, &vc1));
+        check_qkv(
+            "attn_in_head: ",
+            d,
+            e.eps,
+            QkvRef {
+                x: xt,
+                norm: &norm,
+                wq: &wq,
+                wk: &wk,
+                wv: &wv,
+                inv: &inv,
+                qkn: e.qkn.as_ref().map(|(w, _)| &w[..]),
+                bias: e.bias.as_ref().map(|(b, _)| &b[..]),
+            },
+            (&pos[t..], &slot[t..], layer, &pg),
+            (&q1v, &kc1v, &vc1v),
+            None,
+        );
+        check_tol(
+            "attn_in_head: q against attn_in + qkv_rope",
+            &q1v,
+            &q[t * qd..(t + 1) * qd],
+            1e-5,
+        );
+        let (mut got, mut want) = (vec![], vec![]);
+        for h in 0..d.kv_heads {
+            let off = pg.off(slot[t] as usize, layer, h, pos[t] as usize);
+            for (a, b) in [(&kc1v, &kcache), (&vc1v, &vcache)] {
+                got.extend_from_slice(&a[off..off + hd]);
+                want.extend_from_slice(&b[off..off + hd]);
+            }
+        }
+        // a 16-bit cache may round a value ~1e-7 apart the other way: one step, 2^-8 of it
+        let kv_tol = match pg.kv {
+            KvDtype::F32 => 1e-5,
+            KvDtype::Bf16 | KvDtype::Fp8 => 4e-3,
+        };
+        check_tol(
+            "attn_in_head: K and V against attn_in + qkv_rope",
+            &got,
+            &want,
+            kv_tol,
+        );
+    }
 }
 
 /// The CPU reference of attention for tokens at `(pos, slot)` of `layer`: each token's K and V rows

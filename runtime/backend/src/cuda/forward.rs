@@ -362,6 +362,33 @@ impl CudaBackend {
                 x: b.x.ptr,
                 ntok: n,
             }),
+            (Stage::Qkv, None) if b.qkv.is_some() && g.qkv_head_fused(ntok) => {
+                let ptr = |v: &Option<DevBuf>| v.as_ref().map_or(0, |b| b.ptr);
+                let r = self.qkv_out(l, b.q.ptr).qkv_rope(
+                    0,
+                    (ptr(&w().qkv_bias), ptr(&w().qk_norm)),
+                    g.dims.head_dim,
+                    ntok,
+                );
+                g.attn_in_head(abi::AttnInHead {
+                    x: b.x.ptr,
+                    norm_w: w().attn_norm.ptr,
+                    wqs: w().wqkv.qs.ptr,
+                    wsc: w().wqkv.sc_ptr(),
+                    bias: r.bias,
+                    q_norm: r.q_norm,
+                    k_norm: r.k_norm,
+                    rope: r.rope,
+                    q: r.q,
+                    kc: r.kc,
+                    vc: r.vc,
+                    pos: r.pos,
+                    slot: r.slot,
+                    tables: r.tables,
+                    layer: r.layer,
+                    max_blocks: r.max_blocks,
+                })
+            }
             (Stage::Qkv, _) if b.qkv.is_some() => {
                 // the product's raw rows, then the biases, the per-head norm, RoPE and the KV write
                 let raw = b.qkv.as_ref().map_or(0, |r| r.ptr);

@@ -45,6 +45,10 @@ pub struct Gpu {
     /// A one-token step routes inside its O product (`moe_out_route`; the target has it and
     /// `Tuning::moe_route_fused`): [`Gpu::route_fused`].
     pub moe_route_fused: bool,
+    /// A one-token QKV product with the `qkv_rope` family's work runs as one launch
+    /// (`attn_in_head`: sm_90, the target has it, not an fp8 KV cache, and
+    /// `Tuning::attn_in_head`): [`Gpu::qkv_head_fused`].
+    pub attn_in_head: bool,
     /// Most attention splits launched as one thread-block cluster (the target's
     /// `attention_cluster`; 0 or 1: none, and none before sm_90).
     pub cluster_max: usize,
@@ -348,6 +352,7 @@ impl Gpu {
             pdl: sm90,
             attention_heads: false,
             moe_route_fused: moe.is_some() && kernels.has(abi::MoeOutRoute::ID),
+            attn_in_head: sm90 && set.spec.quant.kv != "fp8" && kernels.has(abi::AttnInHead::ID),
             cluster_max,
             lm1_per_sm,
             mv_per_sm,
@@ -441,6 +446,25 @@ impl Gpu {
             self.mv_per_sm.attn_in,
         );
         self.launch(g, self.plain(), a)
+    }
+
+    /// Whether a chunk of `ntok` tokens takes its QKV product, the family's biases and head norms,
+    /// RoPE and the KV write in one launch (`attn_in_head`) on the matrix-vector path: one token,
+    /// where [`Gpu::attn_in_head`].
+    pub fn qkv_head_fused(&self, ntok: usize) -> bool {
+        self.attn_in_head && ntok == 1
+    }
+
+    /// One token's `attn_in` and `qkv_rope` as one launch: a warp a QKV row pair, a head's
+    /// blocks one cluster.
+    pub fn attn_in_head(&self, a: abi::AttnInHead) -> Result<(), BackendError> {
+        let d = self.dims;
+        let warps = (abi::MV_THREADS / 32) as usize;
+        let how = LaunchHow {
+            cluster_y: (d.head_dim / (2 * warps)) as u32,
+            ..self.plain()
+        };
+        self.launch((1, ((d.qd() + 2 * d.kd()) / (2 * warps)) as u32, 1), how, a)
     }
 
     /// The Q/K/V biases, per-head Q/K RMSNorm, RoPE and KV write of `a.ntok` tokens' raw QKV rows

@@ -160,6 +160,11 @@ pub struct Tuning {
     /// residual itself: a launch and a pass over the residual fewer a layer
     /// (`bench/families/README.md`).
     pub moe_route_fused: bool,
+    /// A one-token QKV product of a family with `features.qkv_rope` (Qwen2's biases, Qwen3's
+    /// Q/K norms) runs with that work and the KV write in one launch (`attn_in_head`, a head's
+    /// blocks one thread-block cluster) instead of `attn_in` then `qkv_rope`
+    /// (`bench/families/README.md`).
+    pub attn_in_head: bool,
 }
 
 impl Default for Tuning {
@@ -187,6 +192,7 @@ impl Default for Tuning {
             attention_short_splits: false,
             attention_heads: true,
             moe_route_fused: true,
+            attn_in_head: true,
         }
     }
 }
@@ -195,7 +201,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 22] = [
+    pub const KEYS: [&'static str; 23] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -218,6 +224,7 @@ impl Tuning {
         "attention_short_splits",
         "attention_heads",
         "moe_route_fused",
+        "attn_in_head",
     ];
 
     /// `self` with the settings of `text` applied: comma-separated `key=on|off` pairs, e.g.
@@ -261,6 +268,7 @@ impl Tuning {
                 "attention_short_splits" => self.attention_short_splits = on,
                 "attention_heads" => self.attention_heads = on,
                 "moe_route_fused" => self.moe_route_fused = on,
+                "attn_in_head" => self.attn_in_head = on,
                 k => {
                     return Err(format!(
                         "{}: unknown key `{k}`; the keys are {}",
@@ -449,6 +457,7 @@ impl CudaBackend {
         gpu.att_pack = opts.tuning.attention_pack;
         gpu.attention_heads = opts.tuning.attention_heads;
         gpu.moe_route_fused &= opts.tuning.moe_route_fused;
+        gpu.attn_in_head &= opts.tuning.attn_in_head;
         gpu.moe_mma = opts.tuning.moe_mma;
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
