@@ -46,7 +46,7 @@ pub struct Gpu {
     /// `Tuning::moe_route_fused`): [`Gpu::route_fused`].
     pub moe_route_fused: bool,
     /// A one-token QKV product with the `qkv_rope` family's work runs as one launch
-    /// (`attn_in_head`: sm_90, the target has it, not an fp8 KV cache, and
+    /// (`attn_in_head`: sm_90, the target has it, not an fp8 KV cache, its grid one wave, and
     /// `Tuning::attn_in_head`): [`Gpu::qkv_head_fused`].
     pub attn_in_head: bool,
     /// Most attention splits launched as one thread-block cluster (the target's
@@ -345,6 +345,16 @@ impl Gpu {
             0
         };
         let moe = MoeShape::of(&set.spec.model).filter(|_| kernels.has(abi::MoeRoute::ID));
+        // attn_in_head where its grid is one wave: a head's blocks are one cluster, and a second
+        // wave would wait a whole product behind the first (bf16 rows' registers hold 2 blocks an
+        // SM: 264 of Qwen3-30B-A3B's 320 on an H100, so it runs attn_in + qkv_rope)
+        let attn_in_head =
+            sm90 && set.spec.quant.kv != "fp8" && kernels.has(abi::AttnInHead::ID) && {
+                let d = metrale_core::shape::Dims::from_shape(&set.spec.model);
+                let blocks = (d.qd() + 2 * d.kd()) / (2 * (abi::MV_THREADS / 32) as usize);
+                resident_per_sm(&kernels, abi::AttnInHead::ID, abi::MV_THREADS, 0) * dev.sm_count
+                    >= blocks
+            };
         let moe_wg = hopper_gemm && moe.is_some() && moe_wg_ready(&kernels, formats[0]);
         Ok(Gpu {
             dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
@@ -352,7 +362,7 @@ impl Gpu {
             pdl: sm90,
             attention_heads: false,
             moe_route_fused: moe.is_some() && kernels.has(abi::MoeOutRoute::ID),
-            attn_in_head: sm90 && set.spec.quant.kv != "fp8" && kernels.has(abi::AttnInHead::ID),
+            attn_in_head,
             cluster_max,
             lm1_per_sm,
             mv_per_sm,
