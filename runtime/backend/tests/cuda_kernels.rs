@@ -552,6 +552,22 @@ fn check_qkv(
     );
 }
 
+/// The expert histogram a kernel counted into `b` (`experts` u32).
+fn read_counts(g: &Gpu, b: &DevBuf, experts: usize) -> Vec<u32> {
+    let mut v = vec![0u32; experts];
+    g.read(b, 0, &mut v).unwrap();
+    v
+}
+
+/// The histogram of `ids` over `experts`, each choice counted `each` times (launches).
+fn histogram(ids: &[i32], experts: usize, each: u32) -> Vec<u32> {
+    let mut h = vec![0u32; experts];
+    for &e in ids {
+        h[e as usize] += each;
+    }
+    h
+}
+
 fn read_f32(g: &Gpu, b: &DevBuf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
     g.read(b, 0, &mut v).unwrap();
@@ -730,26 +746,8 @@ fn attn_in_norm_qkv_rope_and_kv_write() {
             slot: s1.ptr,
             ..o
         };
-        let r = o1.qkv_rope(0, (ptr(&e.bias), ptr(&e.qkn)), hd, 1);
-        g.attn_in_head(abi::AttnInHead {
-            x: xtb.ptr,
-            norm_w: nb.ptr,
-            wqs: wb.qs.ptr,
-            wsc: wb.sc_ptr(),
-            bias: r.bias,
-            q_norm: r.q_norm,
-            k_norm: r.k_norm,
-            rope: r.rope,
-            q: r.q,
-            kc: r.kc,
-            vc: r.vc,
-            pos: r.pos,
-            slot: r.slot,
-            tables: r.tables,
-            layer: r.layer,
-            max_blocks: r.max_blocks,
-        })
-        .unwrap();
+        g.attn_in_head(o1.attn_in_head(xtb.ptr, nb.ptr, &wb, (ptr(&e.bias), ptr(&e.qkn)), hd))
+            .unwrap();
         let q1v = read_f32(g, &q1, qd);
         let (kc1v, vc1v) = (pg.read(g, &kc1), pg.read(g, &vc1));
         check_qkv(
@@ -2262,14 +2260,9 @@ fn moe_routing_and_experts_match_cpu() {
         got_x[2 * h..3 * h].iter().all(|&v| v == 0.0),
         "the tied token's residual stays 0"
     );
-    let mut got_counts = vec![0u32; m.experts];
-    g.read(&counts, 0, &mut got_counts).unwrap();
-    let mut want_counts = vec![0u32; m.experts];
-    for &ex in &got_ids {
-        want_counts[ex as usize] += 1;
-    }
     assert_eq!(
-        got_counts, want_counts,
+        read_counts(g, &counts, m.experts),
+        histogram(&got_ids, m.experts, 1),
         "the expert histogram counts every choice once"
     );
     let mv_tol = match e.wf {
@@ -2453,14 +2446,9 @@ fn moe_routing_and_experts_match_cpu() {
                 );
                 cases += 1;
             }
-            let mut got_counts = vec![0u32; m.experts];
-            g.read(&fcounts, 0, &mut got_counts).unwrap();
-            let mut want_counts = vec![0u32; m.experts];
-            for &ex in &want_ids {
-                want_counts[ex as usize] += 2;
-            }
             assert_eq!(
-                got_counts, want_counts,
+                read_counts(g, &fcounts, m.experts),
+                histogram(&want_ids, m.experts, 2),
                 "moe_gu counts each choice once a launch"
             );
         }

@@ -272,6 +272,14 @@ impl CudaBackend {
         }
     }
 
+    /// Layer `l`'s Q/K/V biases and Q/K head norm weights on the device (`qkv_rope`'s `bias`
+    /// and `qk_norm`), 0 where the family has none.
+    fn qkv_extra(&self, l: usize) -> (u64, u64) {
+        let w = &self.w.layers[l];
+        let ptr = |v: &Option<DevBuf>| v.as_ref().map_or(0, |b| b.ptr);
+        (ptr(&w.qkv_bias), ptr(&w.qk_norm))
+    }
+
     /// A layer's QKV product (RMSNorm first unless the product before left its input), on the
     /// GEMM path `pf` or the matrix-vector kernel; `q` takes the queries (rotated; where the family
     /// norms each Q/K head, every raw row: the layout of [`Bufs::qkv`]).
@@ -363,40 +371,21 @@ impl CudaBackend {
                 ntok: n,
             }),
             (Stage::Qkv, None) if b.qkv.is_some() && g.qkv_head_fused(ntok) => {
-                let ptr = |v: &Option<DevBuf>| v.as_ref().map_or(0, |b| b.ptr);
-                let r = self.qkv_out(l, b.q.ptr).qkv_rope(
-                    0,
-                    (ptr(&w().qkv_bias), ptr(&w().qk_norm)),
+                let o = self.qkv_out(l, b.q.ptr);
+                g.attn_in_head(o.attn_in_head(
+                    b.x.ptr,
+                    w().attn_norm.ptr,
+                    &w().wqkv,
+                    self.qkv_extra(l),
                     g.dims.head_dim,
-                    ntok,
-                );
-                g.attn_in_head(abi::AttnInHead {
-                    x: b.x.ptr,
-                    norm_w: w().attn_norm.ptr,
-                    wqs: w().wqkv.qs.ptr,
-                    wsc: w().wqkv.sc_ptr(),
-                    bias: r.bias,
-                    q_norm: r.q_norm,
-                    k_norm: r.k_norm,
-                    rope: r.rope,
-                    q: r.q,
-                    kc: r.kc,
-                    vc: r.vc,
-                    pos: r.pos,
-                    slot: r.slot,
-                    tables: r.tables,
-                    layer: r.layer,
-                    max_blocks: r.max_blocks,
-                })
+                ))
             }
             (Stage::Qkv, _) if b.qkv.is_some() => {
                 // the product's raw rows, then the biases, the per-head norm, RoPE and the KV write
                 let raw = b.qkv.as_ref().map_or(0, |r| r.ptr);
                 self.qkv_product(l, pf, ntok, raw)?;
-                let ptr = |v: &Option<DevBuf>| v.as_ref().map_or(0, |b| b.ptr);
                 let o = self.qkv_out(l, b.q.ptr);
-                let extra = (ptr(&w().qkv_bias), ptr(&w().qk_norm));
-                g.qkv_rope(o.qkv_rope(raw, extra, g.dims.head_dim, ntok))
+                g.qkv_rope(o.qkv_rope(raw, self.qkv_extra(l), g.dims.head_dim, ntok))
             }
             (Stage::Qkv, _) => self.qkv_product(l, pf, ntok, b.q.ptr),
             // where the O product runs on the Hopper GEMMs, the output in their activations' type

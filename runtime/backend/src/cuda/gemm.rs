@@ -158,15 +158,12 @@ impl QkvOut {
         head_dim: usize,
         ntok: usize,
     ) -> abi::QkvRope {
+        let (q_norm, k_norm) = qk_norms(qk_norm, head_dim);
         abi::QkvRope {
             qkv: raw,
             bias,
-            q_norm: qk_norm,
-            k_norm: if qk_norm == 0 {
-                0
-            } else {
-                qk_norm + (head_dim * 4) as u64
-            },
+            q_norm,
+            k_norm,
             rope: self.rope,
             q: self.q,
             kc: self.kc,
@@ -178,6 +175,46 @@ impl QkvOut {
             max_blocks: self.max_blocks,
             ntok: ntok as i32,
         }
+    }
+
+    /// One token's `attn_in` and `qkv_rope` as one launch (`attn_in_head`) of `x` (normed by
+    /// `norm_w`) into these outputs; `bias` and `qk_norm` as [`QkvOut::qkv_rope`]'s.
+    pub fn attn_in_head(
+        self,
+        x: u64,
+        norm_w: u64,
+        w: &DevMat,
+        (bias, qk_norm): (u64, u64),
+        head_dim: usize,
+    ) -> abi::AttnInHead {
+        let (q_norm, k_norm) = qk_norms(qk_norm, head_dim);
+        abi::AttnInHead {
+            x,
+            norm_w,
+            wqs: w.qs.ptr,
+            wsc: w.sc_ptr(),
+            bias,
+            q_norm,
+            k_norm,
+            rope: self.rope,
+            q: self.q,
+            kc: self.kc,
+            vc: self.vc,
+            pos: self.pos,
+            slot: self.slot,
+            tables: self.tables,
+            layer: self.layer,
+            max_blocks: self.max_blocks,
+        }
+    }
+}
+
+/// The Q heads' and the K heads' norm weights in `qk_norm` (`head_dim` f32 each, q's first), or
+/// 0 and 0 where the family has none.
+fn qk_norms(qk_norm: u64, head_dim: usize) -> (u64, u64) {
+    match qk_norm {
+        0 => (0, 0),
+        p => (p, p + (head_dim * 4) as u64),
     }
 }
 

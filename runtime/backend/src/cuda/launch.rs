@@ -345,19 +345,19 @@ impl Gpu {
             0
         };
         let moe = MoeShape::of(&set.spec.model).filter(|_| kernels.has(abi::MoeRoute::ID));
+        let dims = metrale_core::shape::Dims::from_shape(&set.spec.model);
         // attn_in_head where its grid is one wave: a head's blocks are one cluster, and a second
         // wave would wait a whole product behind the first (bf16 rows' registers hold 2 blocks an
         // SM: 264 of Qwen3-30B-A3B's 320 on an H100, so it runs attn_in + qkv_rope)
         let attn_in_head =
             sm90 && set.spec.quant.kv != "fp8" && kernels.has(abi::AttnInHead::ID) && {
-                let d = metrale_core::shape::Dims::from_shape(&set.spec.model);
-                let blocks = (d.qd() + 2 * d.kd()) / (2 * (abi::MV_THREADS / 32) as usize);
+                let blocks = (dims.qd() + 2 * dims.kd()) / (2 * (abi::MV_THREADS / 32) as usize);
                 resident_per_sm(&kernels, abi::AttnInHead::ID, abi::MV_THREADS, 0) * dev.sm_count
                     >= blocks
             };
         let moe_wg = hopper_gemm && moe.is_some() && moe_wg_ready(&kernels, formats[0]);
         Ok(Gpu {
-            dims: metrale_core::shape::Dims::from_shape(&set.spec.model),
+            dims,
             moe,
             pdl: sm90,
             attention_heads: false,
