@@ -617,6 +617,135 @@ MT_INLINE void rows2_dot(const WQ41& w, int r0, int r_next, const float* xs, int
 }
 #endif
 
+// ---- A warp's whole row pair held in registers
+// rows2_dot has a row pair's first block a lane in flight (prefetch2) and asks for the rest once
+// the pair is being summed: on rows of more than 32 blocks (q4_1 panels: the lane's blocks 2..)
+// that is a second round trip to memory a pair, and a warp's pairs are one round trip each, one
+// after another. Rows2 is every load of the lane for one row pair, asked for at once
+// (fetch_rows2, before the dependency wait where the weights do not depend on it, or several
+// pairs together), and rows2_dot_held sums it in rows2_dot's order, to the same bits. For
+// kernels whose warps' weights fit in registers (the callers bound sizeof(Rows2)).
+template <class W, int K> struct Rows2 {
+    static constexpr int NB = K / 32, NBL = (NB + 31) / 32;
+    // q4_1 panels: the lane's blocks of its row (panel_lane_block); else block lane + 32 j of
+    // both rows, at 2 j and 2 j + 1
+    static constexpr int N = PanelLanes<W, K>::ON ? NB / 16 : 2 * NBL;
+    typename W::Raw raw[N];
+};
+// r0 < 0: nothing asked for
+template <class W, int K> MT_INLINE void fetch_rows2(const W& w, int r0, Rows2<W, K>& p) {
+    const int lane = threadIdx.x & 31;
+    if (r0 < 0) return;
+    if constexpr (PanelLanes<W, K>::ON) {
+        const int r = r0 + panel_lane_row(lane);
+#pragma unroll
+        for (int c = 0; c < Rows2<W, K>::N; ++c) p.raw[c] = w.template fetch<K>(r, panel_lane_block(lane, c));
+    } else {
+#pragma unroll
+        for (int j = 0; j < Rows2<W, K>::NBL; ++j) {
+            const int b = lane + 32 * j;
+            if (b < Rows2<W, K>::NB) {
+                p.raw[2 * j] = w.template fetch<K>(r0, b);
+                p.raw[2 * j + 1] = w.template fetch<K>(r0 + 1, b);
+            }
+        }
+    }
+}
+// rows2_dot's sums (f32 rows: its loop body) of rows r0, r0 + 1 held in p
+template <int K, int TB, class W>
+MT_INLINE void rows2_dot_held(const W& w, int r0, const Rows2<W, K>& p, const float* xs, int nt, float acc[2][TB]) {
+    constexpr int XS = Padded<K>::FLOATS;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[r][t] = 0.f;
+#pragma unroll
+    for (int j = 0; j < Rows2<W, K>::NBL; ++j) {
+        const int b = lane + 32 * j;
+        if (b >= Rows2<W, K>::NB) continue;
+        float w0[32], w1[32];
+        W::dequant(p.raw[2 * j], w0);
+        W::dequant(p.raw[2 * j + 1], w1);
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            if (t < nt) {
+                const float4* xv = reinterpret_cast<const float4*>(xs + t * XS + b * abi::PADDED_BLOCK);
+                float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    const float4 v = xv[q];
+                    a0 += w0[4 * q] * v.x + w0[4 * q + 1] * v.y + w0[4 * q + 2] * v.z + w0[4 * q + 3] * v.w;
+                    a1 += w1[4 * q] * v.x + w1[4 * q + 1] * v.y + w1[4 * q + 2] * v.z + w1[4 * q + 3] * v.w;
+                }
+                acc[0][t] += a0;
+                acc[1][t] += a1;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
+    if constexpr (RowScaled<W>::ON) {
+        const float s0 = w.row_scale(r0), s1 = w.row_scale(r0 + 1);
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            acc[0][t] *= s0;
+            acc[1][t] *= s1;
+        }
+    }
+}
+#if defined(METRALE_A_i16)
+// q4_1 against Q16 rows: rows2_dot_panels' or rows2_dot_pairs' sums, block by block in their order
+template <int K, int TB>
+MT_INLINE void rows2_dot_held(const WQ41& w, int r0, const Rows2<WQ41, K>& p, const float* xs, int nt,
+                              float acc[2][TB]) {
+    constexpr int XW = XRow<WQ41, K>::WORDS;
+    const int lane = threadIdx.x & 31;
+    if constexpr (PanelLanes<WQ41, K>::ON) {
+        const int rl = panel_lane_row(lane);
+        float a[TB];
+#pragma unroll
+        for (int t = 0; t < TB; ++t) a[t] = 0.f;
+#pragma unroll
+        for (int c = 0; c < Rows2<WQ41, K>::N; ++c) {
+            const Q41Bytes wb(p.raw[c]);
+            const float* blk = xs + panel_lane_block(lane, c) * Q16_WORDS;
+#pragma unroll
+            for (int t = 0; t < TB; ++t)
+                if (t < nt) a[t] += q41_block_dot(wb, blk + t * XW);
+        }
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            acc[0][t] = warp_sum(rl == 0 ? a[t] : 0.f);
+            acc[1][t] = warp_sum(rl == 1 ? a[t] : 0.f);
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int t = 0; t < TB; ++t) acc[r][t] = 0.f;
+#pragma unroll
+        for (int j = 0; j < Rows2<WQ41, K>::NBL; ++j) {
+            const int b = lane + 32 * j;
+            if (b >= Rows2<WQ41, K>::NB) continue;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const Q41Bytes wb(p.raw[2 * j + r]);
+#pragma unroll
+                for (int t = 0; t < TB; ++t)
+                    if (t < nt) acc[r][t] += q41_block_dot(wb, xs + t * XW + b * Q16_WORDS);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int t = 0; t < TB; ++t) acc[r][t] = warp_sum(acc[r][t]);
+    }
+}
+#endif
+
 // Running (max, sum of exp(v - max), first index of the max) of a stream of values; NaN skipped.
 struct Acc {
     float m, s;

@@ -136,6 +136,8 @@ struct MvPerSm {
     ffn_in: usize,
     ffn_out: usize,
     lm_head: usize,
+    /// `moe_gu` (targets with routed experts; else the fallback)
+    moe_gu: usize,
 }
 
 /// Resident blocks per SM of kernel `e` at `threads` a block (static shared memory only), as the
@@ -263,6 +265,11 @@ impl MvPerSm {
             ffn_in: per_sm(abi::FfnIn::ID),
             ffn_out: per_sm(abi::FfnOut::ID),
             lm_head: per_sm(abi::LmHead::ID),
+            moe_gu: if kernels.has(abi::MoeGu::ID) {
+                per_sm(abi::MoeGu::ID)
+            } else {
+                4
+            },
         }
     }
 }
@@ -530,11 +537,11 @@ impl Gpu {
     }
 
     /// The blocks a routed product gives each of its `items` (pairs or tokens) over `row_pairs` row
-    /// pairs: one warp per row pair while the grid stays within a few waves, fewer (warps loop)
-    /// beyond.
-    fn moe_blocks(&self, row_pairs: usize, items: usize) -> u32 {
+    /// pairs: one warp per row pair while the grid stays within one wave of `per_sm` blocks an SM
+    /// (the kernel's occupancy), fewer (warps loop) beyond.
+    fn moe_blocks(&self, row_pairs: usize, items: usize, per_sm: usize) -> u32 {
         let most = row_pairs.div_ceil(abi::MV_THREADS as usize / 32);
-        let wave = 4 * self.sm_count / items.max(1);
+        let wave = per_sm * self.sm_count / items.max(1);
         most.min(wave).max(1) as u32
     }
 
@@ -542,7 +549,7 @@ impl Gpu {
     pub fn moe_gu(&self, a: abi::MoeGu) -> Result<(), BackendError> {
         let m = self.moe.expect("moe_gu on a target with routed experts");
         let pairs = a.ntok.max(0) as usize * m.used;
-        let gx = self.moe_blocks(m.ffn, pairs);
+        let gx = self.moe_blocks(m.ffn, pairs, self.mv_per_sm.moe_gu);
         self.launch((pairs as u32, gx, 1), self.plain(), a)
     }
 
@@ -567,7 +574,7 @@ impl Gpu {
         let m = self
             .moe
             .expect("moe_gu_grouped on a target with routed experts");
-        let gx = self.moe_blocks(m.ffn, m.experts);
+        let gx = self.moe_blocks(m.ffn, m.experts, 4);
         self.launch((gx, m.experts as u32, 1), self.plain(), a)
     }
 
@@ -576,7 +583,7 @@ impl Gpu {
         let m = self
             .moe
             .expect("moe_down_grouped on a target with routed experts");
-        let gx = self.moe_blocks(self.dims.hidden / 2, m.experts);
+        let gx = self.moe_blocks(self.dims.hidden / 2, m.experts, 4);
         self.launch((gx, m.experts as u32, 1), self.plain(), a)
     }
 
