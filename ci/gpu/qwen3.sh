@@ -49,7 +49,7 @@
 #        (default attention_heads=off: the A/B of the last change), and under the base revision's
 #        binary and kernels where prepare-moe was given one (bench-*-base: an A/B of a change no
 #        tuning switches), and under each variant's kernels (prepare-moe's MOE_VARIANTS: bench-q4_1-var-NAME);
-#        the bf16 one at batch 1 likewise, as the time allows
+#        the bf16 one at batch 1 likewise, as the time allows (MOE_B1_Q4=0: the bf16 one alone)
 #   bash ci/gpu/qwen3.sh moe-probe  carry .q4   where a batch-1 step of the q4_1 target goes: both
 #        30B-A3B targets' kernel tests; the 48-layer q4_1 GGUF under cuda_bench (batch 1, 16, 64,
 #        256, pp512), batch 1 again under each attention and launch tuning named in MOE_PROBE_TUNINGS;
@@ -275,17 +275,20 @@ moe-b1)
   unpack .q4
   KT_FILTER=${MOE_B1_KT:-attention} kernel_tests qwen3-30b-a3b/bf16 qwen3-30b-a3b/q4_1
   export METRALE_TARGETS=$PWD/targets
-  step "synth-model: the 48-layer q4_1 GGUF; cuda_bench at batch 1 and 256"
-  synth_moe_q4_1
-  K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
-  CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  for ab in ${MOE_B1_AB-attention_heads=off}; do
-    [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
-      h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
-  done
-  others_q4_1 "${MOE_B1_BATCH:-1,256}" 45
+  # MOE_B1_Q4=0: the bf16 target alone (a change that only its path sees)
+  if [ "${MOE_B1_Q4:-1}" = 1 ]; then
+    step "synth-model: the 48-layer q4_1 GGUF; cuda_bench at batch 1 and 256"
+    synth_moe_q4_1
+    K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
+    CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 --batch "${MOE_B1_BATCH:-1,256}" --steps 64
+    for ab in ${MOE_B1_AB-attention_heads=off}; do
+      [ "$(left)" -gt 45 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=120 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
+        h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${ab//[=,]/-}" --batch "${MOE_B1_BATCH:-1,256}" --steps 64
+    done
+    others_q4_1 "${MOE_B1_BATCH:-1,256}" 45
+    rm -f "$H/s/moe-q4_1.gguf"
+  fi
   B=$H/b/base
-  rm -f "$H/s/moe-q4_1.gguf"
   if [ "$(left)" -gt 150 ]; then
     step "synth-model: the 48-layer bf16 GGUF; cuda_bench at batch 1"
     synth_moe_bf16
