@@ -148,6 +148,10 @@ pub struct Tuning {
     /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
     /// `plan::MIN_SPLIT_LEN`. Off until measured.
     pub attention_short_splits: bool,
+    /// Split-K attention splits are at least `plan::LONG_SPLIT_LEN` positions (a one-token step
+    /// up to that length in one split, no combine). Off until measured; `attention_short_splits`
+    /// wins where both are on.
+    pub attention_long_splits: bool,
     /// Split-K attention launches too small to fill half the SMs (a one-token step of a model
     /// with few KV heads) run on `attention_hs`: each (token, KV head, split) over several
     /// blocks, each a part of the group's query heads, so each warp's chain of dependent
@@ -190,6 +194,7 @@ impl Default for Tuning {
             moe_mma: true,
             moe_wgmma: true,
             attention_short_splits: false,
+            attention_long_splits: false,
             attention_heads: true,
             moe_route_fused: true,
             attn_in_head: true,
@@ -201,7 +206,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 23] = [
+    pub const KEYS: [&'static str; 24] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -222,6 +227,7 @@ impl Tuning {
         "moe_mma",
         "moe_wgmma",
         "attention_short_splits",
+        "attention_long_splits",
         "attention_heads",
         "moe_route_fused",
         "attn_in_head",
@@ -266,6 +272,7 @@ impl Tuning {
                 "moe_mma" => self.moe_mma = on,
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
+                "attention_long_splits" => self.attention_long_splits = on,
                 "attention_heads" => self.attention_heads = on,
                 "moe_route_fused" => self.moe_route_fused = on,
                 "attn_in_head" => self.attn_in_head = on,
@@ -651,6 +658,8 @@ impl CudaBackend {
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
         let min_len = if self.opts.tuning.attention_short_splits {
             plan::SHORT_SPLIT_LEN
+        } else if self.opts.tuning.attention_long_splits {
+            plan::LONG_SPLIT_LEN
         } else {
             plan::MIN_SPLIT_LEN
         };

@@ -25,6 +25,9 @@ pub const MIN_SPLIT_LEN: usize = 32;
 /// [`MIN_SPLIT_LEN`] under `Tuning::attention_short_splits`: a one-token step of a model with few
 /// KV heads (4 at Qwen3-30B-A3B) over a short context otherwise runs on a handful of blocks.
 pub const SHORT_SPLIT_LEN: usize = 8;
+/// [`MIN_SPLIT_LEN`] under `Tuning::attention_long_splits`: fewer splits, each warp longer over
+/// its positions, and no combine below it (a batch-1 llama-bench tg128 runs at positions 0..127).
+pub const LONG_SPLIT_LEN: usize = 128;
 
 /// Number of sequence splits of the split-K attention for `ntok` query tokens whose longest sequence
 /// is `seq_len`, with `kv_heads` KV heads (one block per KV head, split and token) on `sm_count` SMs.
@@ -613,6 +616,10 @@ mod tests {
         assert_eq!(attention_splits(85, 4, 1, 132, MIN_SPLIT_LEN), 2);
         assert_eq!(attention_splits(85, 4, 1, 132, SHORT_SPLIT_LEN), 8);
         assert_eq!(attention_splits(4096, 4, 1, 132, SHORT_SPLIT_LEN), 32);
+        // long splits: a tg128 step in one split up to 128 positions, two up to 256
+        assert_eq!(attention_splits(128, 4, 1, 132, LONG_SPLIT_LEN), 1);
+        assert_eq!(attention_splits(129, 4, 1, 132, LONG_SPLIT_LEN), 2);
+        assert_eq!(attention_splits(4096, 4, 1, 132, LONG_SPLIT_LEN), 32);
     }
 
     #[test]
