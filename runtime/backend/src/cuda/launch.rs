@@ -128,6 +128,11 @@ tiled!(
     abi::WqLogits
 );
 
+/// Resident blocks per SM assumed for a matrix-vector kernel whose occupancy is not asked (the
+/// grouped routed products) or that the driver does not answer for: the grid cap before
+/// occupancy was asked.
+const ASSUMED_PER_SM: usize = 4;
+
 /// The driver's resident blocks per SM of each matrix-vector kernel.
 #[derive(Debug, Clone, Copy)]
 struct MvPerSm {
@@ -257,8 +262,7 @@ fn tma_gemm_ready(kernels: &Kernels) -> bool {
 
 impl MvPerSm {
     fn query(kernels: &Kernels) -> MvPerSm {
-        // 4 (the grid cap before occupancy was asked) where the driver does not answer
-        let per_sm = |e| resident_per_sm(kernels, e, abi::MV_THREADS, 4);
+        let per_sm = |e| resident_per_sm(kernels, e, abi::MV_THREADS, ASSUMED_PER_SM);
         MvPerSm {
             attn_in: per_sm(abi::AttnIn::ID),
             attn_out: per_sm(abi::AttnOut::ID),
@@ -268,7 +272,7 @@ impl MvPerSm {
             moe_gu: if kernels.has(abi::MoeGu::ID) {
                 per_sm(abi::MoeGu::ID)
             } else {
-                4
+                ASSUMED_PER_SM
             },
         }
     }
@@ -574,7 +578,7 @@ impl Gpu {
         let m = self
             .moe
             .expect("moe_gu_grouped on a target with routed experts");
-        let gx = self.moe_blocks(m.ffn, m.experts, 4);
+        let gx = self.moe_blocks(m.ffn, m.experts, ASSUMED_PER_SM);
         self.launch((gx, m.experts as u32, 1), self.plain(), a)
     }
 
@@ -583,7 +587,7 @@ impl Gpu {
         let m = self
             .moe
             .expect("moe_down_grouped on a target with routed experts");
-        let gx = self.moe_blocks(self.dims.hidden / 2, m.experts, 4);
+        let gx = self.moe_blocks(self.dims.hidden / 2, m.experts, ASSUMED_PER_SM);
         self.launch((gx, m.experts as u32, 1), self.plain(), a)
     }
 
