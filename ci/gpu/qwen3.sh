@@ -43,6 +43,9 @@
 #   bash ci/gpu/qwen3.sh moe-verify2  carry nothing   right after moe-verify (the machine keeps ~/):
 #        the 48-layer bf16 GGUF, cuda_bench on it (batch 1 again under each of MOE_B1_AB2, default
 #        attention_heads=off, and under the base revision), llama.cpp on it
+#   bash ci/gpu/qwen3.sh dense-b1  carry .q4   a batch-1 change on the dense stage path: the
+#        36-layer Qwen3-8B GGUFs (q4_1, bf16; prepare-moe with MOE_EXTRA_TARGETS="qwen3-8b/q4_1
+#        qwen3-8b/bf16") under cuda_bench at batch 1, again under each tuning of DENSE_B1_AB
 #   bash ci/gpu/qwen3.sh moe-b1  carry .q4   a short check of a batch-1 change: the kernel tests
 #        named by MOE_B1_KT (default attention) of both 30B-A3B targets; the 48-layer q4_1 GGUF
 #        under cuda_bench at batch 1 and 256 (MOE_B1_BATCH) and again under each of MOE_B1_AB
@@ -357,6 +360,28 @@ moe-verify)
   others_q4_1 1 120
   [ -f .peer/llamacpp-src.tgz ] && [ "$(left)" -gt 45 ] && peer_bench q4_1 "$H/s/moe-q4_1.gguf"
   finish moe-verify
+  ;;
+dense-b1)
+  # a batch-1 change on the dense stage path beside the 30B-A3B's: the 36-layer Qwen3-8B GGUFs
+  # (q4_1, then bf16; their kernels from prepare-moe's MOE_EXTRA_TARGETS) under cuda_bench at
+  # batch 1, again under each tuning of DENSE_B1_AB
+  unpack .q4
+  export METRALE_TARGETS=$PWD/targets
+  for q in q4_1 bf16; do
+    K=$H/b/k/h200-qwen3-8b-$q/kernels
+    [ -d "$K" ] || { echo "no h200/qwen3-8b/$q kernels in .q4: prepare-moe with MOE_EXTRA_TARGETS" | tee -a "$R/steps.txt"; continue; }
+    [ "$(left)" -gt 90 ] || break
+    step "synth-model: the 36-layer $q Qwen3-8B GGUF"
+    "$H/b/bin/xtask" synth-model qwen3-8b --tokenizer "$H/b/vocab.gguf" --seed 0 --quant $q \
+      --out "$H/s/qwen3-8b-$q.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+    CB_TIMEOUT=90 cb_run "$H/s/qwen3-8b-$q.gguf" "$K" h200/qwen3-8b/$q "bench-8b-$q" --batch 1 --steps 64
+    for ab in ${DENSE_B1_AB:-}; do
+      [ "$(left)" -gt 60 ] && METRALE_CUDA_TUNING=$ab CB_TIMEOUT=90 cb_run "$H/s/qwen3-8b-$q.gguf" "$K" \
+        h200/qwen3-8b/$q "bench-8b-$q-${ab//[=,]/-}" --batch 1 --steps 64
+    done
+    rm -f "$H/s/qwen3-8b-$q.gguf"
+  done
+  finish dense-b1
   ;;
 moe-verify2)
   # results go on in moe-verify's folder

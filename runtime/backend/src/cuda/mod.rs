@@ -148,10 +148,11 @@ pub struct Tuning {
     /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
     /// `plan::MIN_SPLIT_LEN`. Off until measured.
     pub attention_short_splits: bool,
-    /// Split-K attention splits are at least `plan::LONG_SPLIT_LEN` positions (a one-token step
-    /// up to that length in one split, no combine). Off until measured; `attention_short_splits`
-    /// wins where both are on.
-    pub attention_long_splits: bool,
+    /// A one-token step over at most `plan::ONE_SPLIT_LEN` (128) positions runs its attention
+    /// in one split (no combine), where the default rule splits from 64: Qwen3-30B-A3B's step
+    /// -69 us (q4_1) and -63 us (bf16) on an H100 (`bench/families/README.md`).
+    /// `attention_short_splits` wins where both are on.
+    pub attention_one_split: bool,
     /// Split-K attention launches too small to fill half the SMs (a one-token step of a model
     /// with few KV heads) run on `attention_hs`: each (token, KV head, split) over several
     /// blocks, each a part of the group's query heads, so each warp's chain of dependent
@@ -194,7 +195,7 @@ impl Default for Tuning {
             moe_mma: true,
             moe_wgmma: true,
             attention_short_splits: false,
-            attention_long_splits: false,
+            attention_one_split: true,
             attention_heads: true,
             moe_route_fused: true,
             attn_in_head: true,
@@ -227,7 +228,7 @@ impl Tuning {
         "moe_mma",
         "moe_wgmma",
         "attention_short_splits",
-        "attention_long_splits",
+        "attention_one_split",
         "attention_heads",
         "moe_route_fused",
         "attn_in_head",
@@ -272,7 +273,7 @@ impl Tuning {
                 "moe_mma" => self.moe_mma = on,
                 "moe_wgmma" => self.moe_wgmma = on,
                 "attention_short_splits" => self.attention_short_splits = on,
-                "attention_long_splits" => self.attention_long_splits = on,
+                "attention_one_split" => self.attention_one_split = on,
                 "attention_heads" => self.attention_heads = on,
                 "moe_route_fused" => self.moe_route_fused = on,
                 "attn_in_head" => self.attn_in_head = on,
@@ -656,19 +657,18 @@ impl CudaBackend {
         }
         self.last_decode1 = None;
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
-        let min_len = if self.opts.tuning.attention_short_splits {
-            plan::SHORT_SPLIT_LEN
-        } else if self.opts.tuning.attention_long_splits {
-            plan::LONG_SPLIT_LEN
-        } else {
-            plan::MIN_SPLIT_LEN
-        };
-        let nsplit = plan::attention_splits(
+        let short = self.opts.tuning.attention_short_splits;
+        let nsplit = plan::step_splits(
             max_len,
             self.gpu.dims.kv_heads,
             ntok,
             self.gpu.sm_count,
-            min_len,
+            if short {
+                plan::SHORT_SPLIT_LEN
+            } else {
+                plan::MIN_SPLIT_LEN
+            },
+            self.opts.tuning.attention_one_split && !short,
         );
         // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
         let t = self.opts.max_step_tokens;

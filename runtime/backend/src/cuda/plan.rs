@@ -25,9 +25,12 @@ pub const MIN_SPLIT_LEN: usize = 32;
 /// [`MIN_SPLIT_LEN`] under `Tuning::attention_short_splits`: a one-token step of a model with few
 /// KV heads (4 at Qwen3-30B-A3B) over a short context otherwise runs on a handful of blocks.
 pub const SHORT_SPLIT_LEN: usize = 8;
-/// [`MIN_SPLIT_LEN`] under `Tuning::attention_long_splits`: fewer splits, each warp longer over
-/// its positions, and no combine below it (a batch-1 llama-bench tg128 runs at positions 0..127).
-pub const LONG_SPLIT_LEN: usize = 128;
+/// Most positions a one-token step's attention covers in one split under
+/// `Tuning::attention_one_split`: each warp longer over its positions and no combine, where the
+/// default rule would split from 2 * [`MIN_SPLIT_LEN`] (a batch-1 llama-bench tg128 runs at
+/// positions 0..127). At Qwen3-30B-A3B's 85 positions on an H100 the attention went 6.5 -> 5.2 us
+/// a layer (`bench/families/README.md`).
+pub const ONE_SPLIT_LEN: usize = 128;
 
 /// Number of sequence splits of the split-K attention for `ntok` query tokens whose longest sequence
 /// is `seq_len`, with `kv_heads` KV heads (one block per KV head, split and token) on `sm_count` SMs.
@@ -49,6 +52,24 @@ pub fn attention_splits(
     let want = fill.min(by_len).clamp(1, MAX_SPLITS);
     // round down to a power of two
     1usize << (usize::BITS - 1 - want.leading_zeros())
+}
+
+/// The splits of a decode step's attention: one for a one-token step over at most
+/// [`ONE_SPLIT_LEN`] positions where `one_split` (`Tuning::attention_one_split`), else
+/// [`attention_splits`].
+pub fn step_splits(
+    seq_len: usize,
+    kv_heads: usize,
+    ntok: usize,
+    sm_count: usize,
+    min_len: usize,
+    one_split: bool,
+) -> usize {
+    if one_split && ntok == 1 && seq_len <= ONE_SPLIT_LEN {
+        1
+    } else {
+        attention_splits(seq_len, kv_heads, ntok, sm_count, min_len)
+    }
 }
 
 /// The query tiles of an `attention_flash` launch over a chunk: each sequence's run of consecutive
@@ -616,10 +637,14 @@ mod tests {
         assert_eq!(attention_splits(85, 4, 1, 132, MIN_SPLIT_LEN), 2);
         assert_eq!(attention_splits(85, 4, 1, 132, SHORT_SPLIT_LEN), 8);
         assert_eq!(attention_splits(4096, 4, 1, 132, SHORT_SPLIT_LEN), 32);
-        // long splits: a tg128 step in one split up to 128 positions, two up to 256
-        assert_eq!(attention_splits(128, 4, 1, 132, LONG_SPLIT_LEN), 1);
-        assert_eq!(attention_splits(129, 4, 1, 132, LONG_SPLIT_LEN), 2);
-        assert_eq!(attention_splits(4096, 4, 1, 132, LONG_SPLIT_LEN), 32);
+        // one split: a one-token step up to 128 positions, then the rule above; steps of
+        // several tokens always by the rule
+        assert_eq!(step_splits(85, 4, 1, 132, MIN_SPLIT_LEN, true), 1);
+        assert_eq!(step_splits(128, 4, 1, 132, MIN_SPLIT_LEN, true), 1);
+        assert_eq!(step_splits(129, 4, 1, 132, MIN_SPLIT_LEN, true), 4);
+        assert_eq!(step_splits(4096, 4, 1, 132, MIN_SPLIT_LEN, true), 32);
+        assert_eq!(step_splits(85, 4, 16, 132, MIN_SPLIT_LEN, true), 2);
+        assert_eq!(step_splits(85, 4, 1, 132, MIN_SPLIT_LEN, false), 2);
     }
 
     #[test]
