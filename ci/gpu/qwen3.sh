@@ -31,7 +31,7 @@
 #        expert; GGUF, 3-D experts) against HF transformers and the CPU backend; the full bf16
 #        GGUF (61 GB, in /dev/shm when it has the room) and cuda_bench on it (batch-1 decode beside
 #        the active experts' bytes, 16 / 64 / 256 sequences, pp512; batch 1 again with
-#        attention_short_splits=on); timings once llama.cpp's build is done; llama-bench and
+#        attention_one_split=off); timings once llama.cpp's build is done; llama-bench and
 #        llama-batched-bench on the file when the call has the time
 #   bash ci/gpu/qwen3.sh moe-verify  carry .q4 [.peer]   after a change to the experts' or the
 #        attention kernels: llama.cpp's build in the background (with .peer); the kernel tests of
@@ -257,9 +257,9 @@ moe)
     --batch 1,16,64,256 --steps 64 --pp 512
   # llama.cpp on the same file while the machine has it (moe2 skips it when done here)
   [ "$(left)" -gt 150 ] && peer_bench bf16 "$H/s/moe.gguf"
-  # batch 1 with attention splits down to 8 positions (4 KV heads: 4-8 blocks a launch otherwise)
-  [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=attention_short_splits=on CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
-    "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-short-splits --batch 1 --steps 64
+  # batch 1 with a one-token step's attention split by the rule (the A/B of attention_one_split)
+  [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=attention_one_split=off CB_TIMEOUT=100 cb_run "$H/s/moe.gguf" \
+    "$H/b/k/h200-qwen3-30b-a3b-bf16/kernels" h200/qwen3-30b-a3b/bf16 bench-bf16-one-split-off --batch 1 --steps 64
   finish moe
   ;;
 moe-check2l)
@@ -315,7 +315,7 @@ moe-probe)
   K4=$H/b/k/h200-qwen3-30b-a3b-q4_1/kernels
   CB_TIMEOUT=150 cb_run "$H/s/moe-q4_1.gguf" "$K4" h200/qwen3-30b-a3b/q4_1 bench-q4_1 \
     --batch 1,16,64,256 --steps 64 --pp 512
-  for tu in ${MOE_PROBE_TUNINGS:-attention_cluster=off attention_short_splits=on pdl=off}; do
+  for tu in ${MOE_PROBE_TUNINGS:-attention_cluster=off attention_one_split=off pdl=off}; do
     [ "$(left)" -gt 100 ] && METRALE_CUDA_TUNING=$tu CB_TIMEOUT=60 cb_run "$H/s/moe-q4_1.gguf" "$K4" \
       h200/qwen3-30b-a3b/q4_1 "bench-q4_1-${tu//=/-}" --batch 1 --steps 64 --pp 64
   done

@@ -878,7 +878,7 @@ fn attention_splits_combine_and_out_projection() {
     let acc = g.alloc(n * d.heads * plan::MAX_SPLITS * hd * 4).unwrap();
     let hb = abi::layout::att_head_blocks(d.group());
     let counter = g.alloc(n * d.kv_heads * hb * 4).unwrap();
-    let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count, plan::MIN_SPLIT_LEN);
+    let auto = plan::attention_splits(258, d.kv_heads, n, g.sm_count);
     // on sm_90, 2..=attention_cluster splits (the target's HARDWARE.toml) run as one thread-block
     // cluster combined through distributed shared memory; more use the ticket combine. Each with
     // the scores summed by warp sums and by the transpose-reduce (flags).

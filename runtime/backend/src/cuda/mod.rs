@@ -145,13 +145,9 @@ pub struct Tuning {
     /// dense products' kernels over each expert's gathered pairs, activations rounded once to
     /// 16 bits as theirs), else `moe_mma` chooses.
     pub moe_wgmma: bool,
-    /// Split-K attention splits may be as short as `plan::SHORT_SPLIT_LEN` positions instead of
-    /// `plan::MIN_SPLIT_LEN`. Off until measured.
-    pub attention_short_splits: bool,
     /// A one-token step over at most `plan::ONE_SPLIT_LEN` (128) positions runs its attention
     /// in one split (no combine), where the default rule splits from 64: Qwen3-30B-A3B's step
     /// -69 us (q4_1) and -63 us (bf16) on an H100 (`bench/families/README.md`).
-    /// `attention_short_splits` wins where both are on.
     pub attention_one_split: bool,
     /// Split-K attention launches too small to fill half the SMs (a one-token step of a model
     /// with few KV heads) run on `attention_hs`: each (token, KV head, split) over several
@@ -194,7 +190,6 @@ impl Default for Tuning {
             tma_96: true,
             moe_mma: true,
             moe_wgmma: true,
-            attention_short_splits: false,
             attention_one_split: true,
             attention_heads: true,
             moe_route_fused: true,
@@ -207,7 +202,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 24] = [
+    pub const KEYS: [&'static str; 23] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -227,7 +222,6 @@ impl Tuning {
         "tma_96",
         "moe_mma",
         "moe_wgmma",
-        "attention_short_splits",
         "attention_one_split",
         "attention_heads",
         "moe_route_fused",
@@ -272,7 +266,6 @@ impl Tuning {
                 "tma_96" => self.tma_96 = on,
                 "moe_mma" => self.moe_mma = on,
                 "moe_wgmma" => self.moe_wgmma = on,
-                "attention_short_splits" => self.attention_short_splits = on,
                 "attention_one_split" => self.attention_one_split = on,
                 "attention_heads" => self.attention_heads = on,
                 "moe_route_fused" => self.moe_route_fused = on,
@@ -657,18 +650,12 @@ impl CudaBackend {
         }
         self.last_decode1 = None;
         let max_len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
-        let short = self.opts.tuning.attention_short_splits;
         let nsplit = plan::step_splits(
             max_len,
             self.gpu.dims.kv_heads,
             ntok,
             self.gpu.sm_count,
-            if short {
-                plan::SHORT_SPLIT_LEN
-            } else {
-                plan::MIN_SPLIT_LEN
-            },
-            self.opts.tuning.attention_one_split && !short,
+            self.opts.tuning.attention_one_split,
         );
         // one stream-ordered copy of all inputs (no wait: the graph/kernels follow in stream order)
         let t = self.opts.max_step_tokens;

@@ -22,9 +22,6 @@ pub const MV_WARPS: u32 = MV_THREADS / 32;
 pub const MAX_SPLITS: usize = 32;
 /// Fewest positions a split should cover before splitting further stops paying.
 pub const MIN_SPLIT_LEN: usize = 32;
-/// [`MIN_SPLIT_LEN`] under `Tuning::attention_short_splits`: a one-token step of a model with few
-/// KV heads (4 at Qwen3-30B-A3B) over a short context otherwise runs on a handful of blocks.
-pub const SHORT_SPLIT_LEN: usize = 8;
 /// Most positions a one-token step's attention covers in one split under
 /// `Tuning::attention_one_split`: each warp longer over its positions and no combine, where the
 /// default rule would split from 2 * [`MIN_SPLIT_LEN`] (a batch-1 llama-bench tg128 runs at
@@ -35,20 +32,13 @@ pub const ONE_SPLIT_LEN: usize = 128;
 /// Number of sequence splits of the split-K attention for `ntok` query tokens whose longest sequence
 /// is `seq_len`, with `kv_heads` KV heads (one block per KV head, split and token) on `sm_count` SMs.
 ///
-/// Aims at about two blocks per SM, never gives a split fewer than `min_len` positions (except the
-/// single split of a short sequence; [`MIN_SPLIT_LEN`], or [`SHORT_SPLIT_LEN`] under
-/// `Tuning::attention_short_splits`), is a power of two (so a decode loop captures few CUDA graphs:
-/// the count changes only at doublings) and lies in `1..=MAX_SPLITS`.
-pub fn attention_splits(
-    seq_len: usize,
-    kv_heads: usize,
-    ntok: usize,
-    sm_count: usize,
-    min_len: usize,
-) -> usize {
+/// Aims at about two blocks per SM, never gives a split fewer than [`MIN_SPLIT_LEN`] positions
+/// (except the single split of a short sequence), is a power of two (so a decode loop captures few
+/// CUDA graphs: the count changes only at doublings) and lies in `1..=MAX_SPLITS`.
+pub fn attention_splits(seq_len: usize, kv_heads: usize, ntok: usize, sm_count: usize) -> usize {
     let blocks = kv_heads.max(1) * ntok.max(1);
     let fill = (2 * sm_count.max(1)).div_ceil(blocks);
-    let by_len = seq_len.max(1).div_ceil(min_len.max(1));
+    let by_len = seq_len.max(1).div_ceil(MIN_SPLIT_LEN);
     let want = fill.min(by_len).clamp(1, MAX_SPLITS);
     // round down to a power of two
     1usize << (usize::BITS - 1 - want.leading_zeros())
@@ -62,13 +52,12 @@ pub fn step_splits(
     kv_heads: usize,
     ntok: usize,
     sm_count: usize,
-    min_len: usize,
     one_split: bool,
 ) -> usize {
     if one_split && ntok == 1 && seq_len <= ONE_SPLIT_LEN {
         1
     } else {
-        attention_splits(seq_len, kv_heads, ntok, sm_count, min_len)
+        attention_splits(seq_len, kv_heads, ntok, sm_count)
     }
 }
 
@@ -554,7 +543,7 @@ mod tests {
             for kv in [1usize, 3, 8] {
                 for ntok in [1usize, 2, 8, 64, 512] {
                     for sm in [108usize, 132, 142] {
-                        let s = attention_splits(seq, kv, ntok, sm, MIN_SPLIT_LEN);
+                        let s = attention_splits(seq, kv, ntok, sm);
                         assert!(
                             s.is_power_of_two() && (1..=MAX_SPLITS).contains(&s),
                             "{seq} {kv} {ntok} {sm} -> {s}"
@@ -619,32 +608,29 @@ mod tests {
     #[test]
     fn splits_grow_with_length_and_shrink_with_batch() {
         // SmolLM2 on an H200: 3 KV heads, 132 SMs
-        assert_eq!(attention_splits(10, 3, 1, 132, MIN_SPLIT_LEN), 1);
-        assert_eq!(attention_splits(64, 3, 1, 132, MIN_SPLIT_LEN), 2);
-        assert_eq!(attention_splits(200, 3, 1, 132, MIN_SPLIT_LEN), 4);
-        assert_eq!(attention_splits(4096, 3, 1, 132, MIN_SPLIT_LEN), 32);
-        assert_eq!(attention_splits(4096, 3, 64, 132, MIN_SPLIT_LEN), 2);
-        assert_eq!(attention_splits(4096, 3, 512, 132, MIN_SPLIT_LEN), 1);
-        assert_eq!(attention_splits(4096, 3, 8, 132, MIN_SPLIT_LEN), 8);
+        assert_eq!(attention_splits(10, 3, 1, 132), 1);
+        assert_eq!(attention_splits(64, 3, 1, 132), 2);
+        assert_eq!(attention_splits(200, 3, 1, 132), 4);
+        assert_eq!(attention_splits(4096, 3, 1, 132), 32);
+        assert_eq!(attention_splits(4096, 3, 64, 132), 2);
+        assert_eq!(attention_splits(4096, 3, 512, 132), 1);
+        assert_eq!(attention_splits(4096, 3, 8, 132), 8);
         let mut last = 0;
         for seq in 1..5000 {
-            let s = attention_splits(seq, 3, 1, 132, MIN_SPLIT_LEN);
+            let s = attention_splits(seq, 3, 1, 132);
             assert!(s >= last);
             last = s;
         }
-        // short splits: Qwen3-30B-A3B's 4 KV heads, one token, 85 positions: 8 splits of 11
-        // (4 blocks at the default's 2 splits of 43); long contexts reach the same cap
-        assert_eq!(attention_splits(85, 4, 1, 132, MIN_SPLIT_LEN), 2);
-        assert_eq!(attention_splits(85, 4, 1, 132, SHORT_SPLIT_LEN), 8);
-        assert_eq!(attention_splits(4096, 4, 1, 132, SHORT_SPLIT_LEN), 32);
+        // Qwen3-30B-A3B's 4 KV heads, one token, 85 positions: 2 splits of 43 by the rule
+        assert_eq!(attention_splits(85, 4, 1, 132), 2);
         // one split: a one-token step up to 128 positions, then the rule above; steps of
         // several tokens always by the rule
-        assert_eq!(step_splits(85, 4, 1, 132, MIN_SPLIT_LEN, true), 1);
-        assert_eq!(step_splits(128, 4, 1, 132, MIN_SPLIT_LEN, true), 1);
-        assert_eq!(step_splits(129, 4, 1, 132, MIN_SPLIT_LEN, true), 4);
-        assert_eq!(step_splits(4096, 4, 1, 132, MIN_SPLIT_LEN, true), 32);
-        assert_eq!(step_splits(85, 4, 16, 132, MIN_SPLIT_LEN, true), 2);
-        assert_eq!(step_splits(85, 4, 1, 132, MIN_SPLIT_LEN, false), 2);
+        assert_eq!(step_splits(85, 4, 1, 132, true), 1);
+        assert_eq!(step_splits(128, 4, 1, 132, true), 1);
+        assert_eq!(step_splits(129, 4, 1, 132, true), 4);
+        assert_eq!(step_splits(4096, 4, 1, 132, true), 32);
+        assert_eq!(step_splits(85, 4, 16, 132, true), 2);
+        assert_eq!(step_splits(85, 4, 1, 132, false), 2);
     }
 
     #[test]
