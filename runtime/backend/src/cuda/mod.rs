@@ -146,7 +146,7 @@ pub struct Tuning {
     /// 16 bits as theirs), else `moe_mma` chooses.
     pub moe_wgmma: bool,
     /// A one-token step over at most `plan::ONE_SPLIT_LEN` (128) positions runs its attention
-    /// in one split (no combine), where the default rule splits from 64: Qwen3-30B-A3B's step
+    /// in one split (no combine), where the rule splits from 33: Qwen3-30B-A3B's step
     /// -69 us (q4_1) and -63 us (bf16) on an H100 (`bench/families/README.md`).
     pub attention_one_split: bool,
     /// Split-K attention launches too small to fill half the SMs (a one-token step of a model

@@ -23,8 +23,8 @@ pub const MAX_SPLITS: usize = 32;
 /// Fewest positions a split should cover before splitting further stops paying.
 pub const MIN_SPLIT_LEN: usize = 32;
 /// Most positions a one-token step's attention covers in one split under
-/// `Tuning::attention_one_split`: each warp longer over its positions and no combine, where the
-/// default rule would split from 2 * [`MIN_SPLIT_LEN`] (a batch-1 llama-bench tg128 runs at
+/// `Tuning::attention_one_split`: each warp longer over its positions and no combine, where
+/// [`attention_splits`] splits from [`MIN_SPLIT_LEN`] + 1 (a batch-1 llama-bench tg128 runs at
 /// positions 0..127). At Qwen3-30B-A3B's 85 positions on an H100 the attention went 6.5 -> 5.2 us
 /// a layer (`bench/families/README.md`).
 pub const ONE_SPLIT_LEN: usize = 128;
