@@ -413,15 +413,15 @@ mod tests {
         }
     }
 
-    /// `attention_hs`'s blocks a (token, KV head, split): two query heads a block where two
-    /// divide the group (Qwen3-30B-A3B's 8: 4 blocks; Llama-3.1-8B's 4: 2), else the whole
-    /// group (SmolLM2's 3).
+    /// `attention_hs`'s blocks a (token, KV head, split): one query head a block (Qwen3-30B-A3B's
+    /// group of 8: 8 blocks; Llama-3.1-8B's 4: 4; SmolLM2's 3: 3; a group of one: one block, so
+    /// the host keeps such a model on `attention`).
     #[test]
     fn att_head_blocks_is_the_kernels_formula() {
-        assert_eq!(crate::ATT_HS_HEADS, 2);
-        assert_eq!(att_head_blocks(8), 4);
-        assert_eq!(att_head_blocks(4), 2);
-        assert_eq!(att_head_blocks(3), 1);
+        assert_eq!(crate::ATT_HS_HEADS, 1);
+        assert_eq!(att_head_blocks(8), 8);
+        assert_eq!(att_head_blocks(4), 4);
+        assert_eq!(att_head_blocks(3), 3);
         assert_eq!(att_head_blocks(1), 1);
     }
 

@@ -171,8 +171,9 @@ pub const ATT_FLAG_TRANSPOSE: u32 = 1;
 /// product reads as they are; else f32. Set where the chunk's products run on the Hopper path.
 pub const ATT_FLAG_OUT16: u32 = 2;
 /// Query heads each block of `attention_hs` serves where they divide a KV head's group (else the
-/// whole group): a (token, KV head, split) takes group / this many blocks.
-pub const ATT_HS_HEADS: u32 = 2;
+/// whole group): a (token, KV head, split) takes group / this many blocks. One: a one-token step
+/// of Qwen3-30B-A3B (4 KV heads of 8) runs 32 blocks, each warp's iteration one head's scores.
+pub const ATT_HS_HEADS: u32 = 1;
 /// `attention`'s `flags` bits from this one (two of them) hold log2 of the (token, KV head) pairs
 /// one block serves, its `ATT_THREADS / 32` warps shared evenly among them (one split only; grid =
 /// (kv_heads >> that, 1, ntok)). 0: one pair a block, as every split launch runs.
