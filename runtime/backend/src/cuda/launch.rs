@@ -359,9 +359,13 @@ impl Gpu {
         let dims = metrale_core::shape::Dims::from_shape(&set.spec.model);
         // attn_in_head where its grid is one wave: a head's blocks are one cluster, and a second
         // wave would wait a whole product behind the first (bf16 rows' registers hold 2 blocks an
-        // SM: 264 of Qwen3-30B-A3B's 320 on an H100, so it runs attn_in + qkv_rope)
-        let attn_in_head =
-            sm90 && set.spec.quant.kv != "fp8" && kernels.has(abi::AttnInHead::ID) && {
+        // SM: 264 of Qwen3-30B-A3B's 320 on an H100, so it runs attn_in + qkv_rope); and where a
+        // warp's row pair is short enough to pay (`plan::attn_in_head_pays`)
+        let attn_in_head = sm90
+            && set.spec.quant.kv != "fp8"
+            && kernels.has(abi::AttnInHead::ID)
+            && plan::attn_in_head_pays(dims.hidden)
+            && {
                 let blocks = (dims.qd() + 2 * dims.kd()) / (2 * (abi::MV_THREADS / 32) as usize);
                 resident_per_sm(&kernels, abi::AttnInHead::ID, abi::MV_THREADS, 0) * dev.sm_count
                     >= blocks

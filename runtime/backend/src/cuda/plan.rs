@@ -29,6 +29,18 @@ pub const MIN_SPLIT_LEN: usize = 32;
 /// a layer (`bench/families/README.md`).
 pub const ONE_SPLIT_LEN: usize = 128;
 
+/// Widest hidden size (the QKV product's K) at which a one-token step's QKV product, head norms,
+/// RoPE and KV write run as one launch (`attn_in_head`, a warp a row pair): each warp's chain of
+/// loads and sums is a row pair of K. On an H200, Qwen3-30B-A3B (2048) gains with it
+/// (`bench/families/README.md`), Qwen3-8B's q4_1 (4096) took 2,517 us a step with it and 2,375
+/// with the two launches, its QKV stage alone 15.9 us against 10.4.
+pub const ATTN_IN_HEAD_MAX_HIDDEN: usize = 2048;
+
+/// Whether `attn_in_head` pays at hidden size `hidden` ([`ATTN_IN_HEAD_MAX_HIDDEN`]).
+pub fn attn_in_head_pays(hidden: usize) -> bool {
+    hidden <= ATTN_IN_HEAD_MAX_HIDDEN
+}
+
 /// Number of sequence splits of the split-K attention for `ntok` query tokens whose longest sequence
 /// is `seq_len`, with `kv_heads` KV heads (one block per KV head, split and token) on `sm_count` SMs.
 ///
@@ -536,6 +548,16 @@ pub fn tma_scratch_bytes(sm_count: usize) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `attn_in_head` up to Qwen3-30B-A3B's hidden 2048, where it was measured to pay (smaller
+    /// ones, as Qwen3-0.6B's 1024, keep it unmeasured); not Qwen2.5-7B's 3584 nor Qwen3-8B's 4096.
+    #[test]
+    fn attn_in_head_pays_up_to_2048() {
+        assert!(attn_in_head_pays(1024));
+        assert!(attn_in_head_pays(2048));
+        assert!(!attn_in_head_pays(3584));
+        assert!(!attn_in_head_pays(4096));
+    }
 
     #[test]
     fn splits_are_powers_of_two_within_bounds() {
