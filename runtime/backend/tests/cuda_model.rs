@@ -759,6 +759,50 @@ fn top2_margin(row: &[f32]) -> f32 {
 /// many-token kernels): there the runs may part, the margin is printed and that sequence is
 /// compared no further. 16 prompts. A sampled request (host verification) reproduces with its
 /// seed; more proposals than `max_drafts` are refused by name.
+/// The exactness test's 100 prompts: 16 questions, then 84 copy-heavy ones (repeat, continue or
+/// quote a passage) over windows of `bench/perplexity/text.txt` at seeded offsets (xorshift64*,
+/// seed 23), so that the same prompts run every time.
+fn spec_prompts() -> Vec<String> {
+    let mut texts: Vec<String> = [
+        "What is the capital of France? Answer in one sentence.",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "Explain what a CPU cache is.",
+        "Translate 'good morning' into Spanish.",
+        "Name the planets of the solar system.",
+        "What is 12 times 7?",
+        "Give me a synonym for 'happy'.",
+        "Describe a cat in two sentences.",
+        "Why is the sky blue?",
+        "Repeat after me: the quick brown fox jumps over the lazy dog.",
+        "Count from one to ten in words.",
+        "What does HTTP stand for?",
+        "Write a short greeting for a birthday card.",
+        "Which is larger, 0.5 or 0.45?",
+        "Summarise the plot of Cinderella in one sentence.",
+    ]
+    .map(String::from)
+    .to_vec();
+    let passage = include_str!("../../../bench/perplexity/text.txt");
+    let words: Vec<&str> = passage.split_whitespace().collect();
+    let mut rng = 23u64;
+    let asks = [
+        "Repeat this passage exactly:",
+        "Continue this text:",
+        "Quote the first sentence of this passage, then explain it:",
+    ];
+    while texts.len() < 100 {
+        rng ^= rng >> 12;
+        rng ^= rng << 25;
+        rng ^= rng >> 27;
+        let r = rng.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
+        let at = (r as usize) % (words.len() - 48);
+        let ask = asks[texts.len() % asks.len()];
+        texts.push(format!("{ask}\n\n{}", words[at..at + 48].join(" ")));
+    }
+    texts
+}
+
 #[test]
 fn speculative_verification_matches_plain_greedy() {
     let Some(s) = setup("cuda_model") else { return };
@@ -779,24 +823,7 @@ fn speculative_verification_matches_plain_greedy() {
     );
     assert!(gpu.info().verifies_drafts);
     let vocab = s.model.config.vocab as u32;
-    let texts = [
-        "What is the capital of France? Answer in one sentence.",
-        "Write a haiku about the sea.",
-        "List three prime numbers.",
-        "Explain what a CPU cache is.",
-        "Translate 'good morning' into Spanish.",
-        "Name the planets of the solar system.",
-        "What is 12 times 7?",
-        "Give me a synonym for 'happy'.",
-        "Describe a cat in two sentences.",
-        "Why is the sky blue?",
-        "Repeat after me: the quick brown fox jumps over the lazy dog.",
-        "Count from one to ten in words.",
-        "What does HTTP stand for?",
-        "Write a short greeting for a birthday card.",
-        "Which is larger, 0.5 or 0.45?",
-        "Summarise the plot of Cinderella in one sentence.",
-    ];
+    let texts = spec_prompts();
     let tables: Vec<Vec<u32>> = (0..2)
         .map(|i| metrale_backend::slot_blocks(i, cap))
         .collect();
@@ -917,7 +944,7 @@ fn speculative_verification_matches_plain_greedy() {
     assert!(accepted_total > 0 && accepted_total < proposed_total);
 
     // a sampled request verifies on the host: the same seed gives the same tokens twice
-    let p = prompt(&s, texts[0]);
+    let p = prompt(&s, &texts[0]);
     let sampled = SamplingParams {
         temperature: 0.8,
         seed: 7,
