@@ -14,7 +14,8 @@
 #        run), spec_bench (k = 4: plain batch-1 decode, then proposals replayed from it corrupted at
 #        0, 10, 25, 50, 75%: tok/s, acceptance, the verification step against a plain step, tokens
 #        equal to plain), then spec_bench again with `decode_gemm=off` (the step's products on the
-#        matrix-vector kernels instead of the tensor-core GEMMs)
+#        matrix-vector kernels instead of the tensor-core GEMMs) and, on q4_1, `tma_gemm=off` (the
+#        one-warpgroup GEMMs instead of the warp-specialised ones)
 #   bash ci/gpu/spec.sh call2  carry .sp2          SmolLM2's files and the model's second part
 #   bash ci/gpu/spec.sh call3  carry .sp3          the model's last part; the model assembled and
 #        checked; cuda_model's exactness test (100 prompts, greedy verification against plain greedy
@@ -76,12 +77,14 @@ call1)
     k=$H/b/k/h200-llama-3.1-8b-$q/kernels
     CB_TIMEOUT=120 cb_run "$H/s/l8b-$q.gguf" "$k" $T8/$q floor-$q \
       --batch 1 --steps 128 --depth 8192,32768
-    for g in on off; do
-      step "spec_bench $q decode_gemm=$g: k = 4, 128 tokens, corrupted 0/10/25/50/75%, 3 repetitions"
-      METRALE_CUDA_TUNING=decode_gemm=$g timeout 150 "$H/b/bin/spec_bench" "$H/s/l8b-$q.gguf" \
-        --cuda "$k" $T8/$q --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$R/spec-$q-gemm-$g.json" \
-        > "$R/spec-$q-gemm-$g.txt" 2>&1
-      echo "rc=$?" >> "$R/spec-$q-gemm-$g.txt"; cat "$R/spec-$q-gemm-$g.txt"
+    tunings="decode_gemm=on decode_gemm=off"
+    [ $q = bf16 ] || tunings="$tunings tma_gemm=off"
+    for g in $tunings; do
+      step "spec_bench $q $g: k = 4, 128 tokens, corrupted 0/10/25/50/75%, 3 repetitions"
+      f=$R/spec-$q-${g/=/-}
+      METRALE_CUDA_TUNING=$g timeout 150 "$H/b/bin/spec_bench" "$H/s/l8b-$q.gguf" --cuda "$k" $T8/$q \
+        --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$f.json" > "$f.txt" 2>&1
+      echo "rc=$?" >> "$f.txt"; cat "$f.txt"
       [ "$(left)" -gt 60 ] || break 2
     done
   done
