@@ -16,6 +16,8 @@
 #        equal to plain), then spec_bench again with `decode_gemm=off` (the step's products on the
 #        matrix-vector kernels instead of the tensor-core GEMMs) and, on q4_1, `tma_gemm=off` (the
 #        one-warpgroup GEMMs instead of the warp-specialised ones)
+#   bash ci/gpu/spec.sh curve  carry .sp1         call1's figures alone, in ~3 minutes: the 8B GGUFs,
+#        cuda_bench at depths and spec_bench by default on each (no peer, no kernel tests, no A/B)
 #   bash ci/gpu/spec.sh call2  carry .sp2          SmolLM2's files and the model's second part
 #   bash ci/gpu/spec.sh call3  carry .sp3          the model's last part; the model assembled and
 #        checked; cuda_model's exactness test (100 prompts, greedy verification against plain greedy
@@ -60,25 +62,28 @@ prepare)
     echo "carry $c: $(du -cb $c | tail -1 | cut -f1) bytes + the tree ($tree; at most 67108864)"
   done
   ;;
-call1)
+call1|curve)
   unpack .sp1
   mkdir -p "$PARTS" && cp .sp1/part.* "$PARTS/"
-  step "llama.cpp build (background, cores 2-15, niced)"
-  taskset -c 2-15 nice -n 10 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  if [ "$1" = call1 ]; then
+    step "llama.cpp build (background, cores 2-15, niced)"
+    taskset -c 2-15 nice -n 10 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  fi
   X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
   step "synth-model: 8B bf16 and q4_1 GGUFs"
   for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf"; do
     $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
   done
-  kernel_tests llama-3.1-8b/bf16 llama-3.1-8b/q4_1
+  [ "$1" = curve ] || kernel_tests llama-3.1-8b/bf16 llama-3.1-8b/q4_1
   taskset -pc 0,1 $$ > /dev/null  # this shell and what it starts from here on: cores 0-1
   export METRALE_TARGETS=$PWD/targets
   for q in q4_1 bf16; do
     k=$H/b/k/h200-llama-3.1-8b-$q/kernels
     CB_TIMEOUT=120 cb_run "$H/s/l8b-$q.gguf" "$k" $T8/$q floor-$q \
       --batch 1 --steps 128 --depth 8192,32768
-    tunings="decode_gemm=on decode_gemm=off"
-    [ $q = bf16 ] || tunings="$tunings tma_gemm=off"
+    tunings="decode_gemm=on"
+    [ "$1" = curve ] || tunings="$tunings decode_gemm=off"
+    [ "$1" = curve ] || [ $q = bf16 ] || tunings="$tunings tma_gemm=off"
     for g in $tunings; do
       step "spec_bench $q $g: k = 4, 128 tokens, corrupted 0/10/25/50/75%, 3 repetitions"
       f=$R/spec-$q-${g/=/-}
@@ -88,7 +93,7 @@ call1)
       [ "$(left)" -gt 60 ] || break 2
     done
   done
-  finish call1
+  finish "$1"
   ;;
 call2)
   more .sp2

@@ -81,13 +81,13 @@ fn main() {
     let load_s = t0.elapsed().as_secs_f64();
     let cap = (prompt.len() + decode.len() + 16).next_multiple_of(16);
     let (mut b, kv) = match idx {
-        Some(i) => cuda_backend(&mut m, &args[i + 1], &args[i + 2], cap, 0),
+        Some(i) => cuda_backend(&mut m, &args[i + 1], &args[i + 2], (1, cap), 0),
         None => {
             let kv = match opt(&args, "--kv") {
                 Some(k) => KvDtype::parse(k).expect("--kv f32 or bf16"),
                 None => KvDtype::F32,
             };
-            (cpu_backend(&m, kv, exact, cap), kv)
+            (cpu_backend(&m, kv, exact, (1, cap)), kv)
         }
     };
     let info = b.info();
@@ -171,7 +171,7 @@ fn main() {
         ok &= worst == 0.0;
     }
     if args.iter().any(|a| a == "--vs-cpu") && idx.is_some() {
-        let mut c = cpu_backend(&m, kv, true, cap);
+        let mut c = cpu_backend(&m, kv, true, (1, cap));
         let crows = run(c.as_mut(), &prompt, &decode, None);
         let per: Vec<f32> = rows
             .iter()

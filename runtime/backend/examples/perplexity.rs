@@ -178,9 +178,9 @@ fn main() {
                 .position(|a| a == "--cuda")
                 .and_then(|i| args.get(i + 2))
                 .expect("--cuda KERNEL_DIR TARGET_ID");
-            cuda_backend(&mut m, dir, target, ctx, 0).0
+            cuda_backend(&mut m, dir, target, (1, ctx), 0).0
         }
-        None => cpu_backend(&m, kv, exact, ctx),
+        None => cpu_backend(&m, kv, exact, (1, ctx)),
     };
     let reference = opt(&args, "--reference").map(|p| {
         let r = metrale_model::Model::load(std::path::Path::new(p)).unwrap_or_else(|e| {
@@ -194,7 +194,7 @@ fn main() {
             eprintln!("--reference {p}: its tokenizer encodes the text differently");
             std::process::exit(1);
         }
-        let b = cpu_backend(&r, KvDtype::F32, exact, ctx);
+        let b = cpu_backend(&r, KvDtype::F32, exact, (1, ctx));
         (p.to_string(), b)
     });
     let mut reference = reference;

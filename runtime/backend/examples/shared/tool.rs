@@ -13,17 +13,18 @@ pub fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
+/// The CPU backend on `m`: `slots` slots of `cap` positions.
 pub fn cpu_backend(
     m: &metrale_model::Model,
     kv: KvDtype,
     exact: bool,
-    cap: usize,
+    (slots, cap): (usize, usize),
 ) -> Box<dyn Backend> {
     let mut b = metrale_backend::cpu::CpuBackend::load_kv(
         m,
         KvConfig {
             dtype: kv,
-            ..KvConfig::per_slot(1, cap)
+            ..KvConfig::per_slot(slots, cap)
         },
         0,
     )
@@ -32,7 +33,7 @@ pub fn cpu_backend(
     Box::new(b)
 }
 
-/// The CUDA backend of `target` on the kernels in `dir`, one slot of `cap` positions, verifying up
+/// The CUDA backend of `target` on the kernels in `dir`, `slots` slots of `cap` positions, verifying up
 /// to `max_drafts` proposed tokens a step. A target whose kernels read fp8 layer matrices
 /// (`[quant] weights = "fp8"`) given a checkpoint without them has its layer matrices quantized at
 /// load first, as the server does (`metrale_model::fp8::quantize_at_load`: a backend made from
@@ -42,7 +43,7 @@ pub fn cuda_backend(
     m: &mut metrale_model::Model,
     dir: &str,
     target: &str,
-    cap: usize,
+    (slots, cap): (usize, usize),
     max_drafts: usize,
 ) -> (Box<dyn Backend>, KvDtype) {
     use metrale_backend::cuda::{CudaBackend, CudaOptions, KernelSet};
@@ -69,9 +70,9 @@ pub fn cuda_backend(
         &m.config,
         &m.weights,
         CudaOptions {
-            slots: 1,
+            slots,
             slot_capacity: cap,
-            kv_blocks: metrale_backend::blocks_for(cap),
+            kv_blocks: slots * metrale_backend::blocks_for(cap),
             max_drafts,
             tuning,
             ..Default::default()
@@ -86,7 +87,7 @@ pub fn cuda_backend(
     _: &mut metrale_model::Model,
     _: &str,
     _: &str,
-    _: usize,
+    _: (usize, usize),
     _: usize,
 ) -> (Box<dyn Backend>, KvDtype) {
     eprintln!("--cuda needs this example built with --features cuda");
