@@ -77,7 +77,9 @@ call1|curve)
   [ "$1" = curve ] || kernel_tests llama-3.1-8b/bf16 llama-3.1-8b/q4_1
   taskset -pc 0,1 $$ > /dev/null  # this shell and what it starts from here on: cores 0-1
   export METRALE_TARGETS=$PWD/targets
-  for q in q4_1 bf16; do
+  order="q4_1 bf16"
+  [ "$1" = call1 ] || order="bf16 q4_1"
+  for q in $order; do
     k=$H/b/k/h200-llama-3.1-8b-$q/kernels
     CB_TIMEOUT=120 cb_run "$H/s/l8b-$q.gguf" "$k" $T8/$q floor-$q \
       --batch 1 --steps 128 --depth 8192,32768
