@@ -163,7 +163,8 @@ fn run(
                 break;
             }
             if replay.is_some() && !parted && reference.tokens.get(j) != Some(&tok) {
-                r.partings.push((j, reference.margins.get(j).copied().unwrap_or(f32::NAN)));
+                r.partings
+                    .push((j, reference.margins.get(j).copied().unwrap_or(f32::NAN)));
                 parted = true;
             }
             r.tokens.push(tok);
