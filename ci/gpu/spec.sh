@@ -92,6 +92,7 @@ call1|curve)
       METRALE_CUDA_TUNING=$g timeout 150 "$H/b/bin/spec_bench" "$H/s/l8b-$q.gguf" --cuda "$k" $T8/$q \
         --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$f.json" > "$f.txt" 2>&1
       echo "rc=$?" >> "$f.txt"; cat "$f.txt"
+      finish "$1"  # what has run so far, should the call be cut short
       [ "$(left)" -gt 60 ] || break 2
     done
   done
