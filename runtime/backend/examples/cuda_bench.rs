@@ -4,7 +4,10 @@
 //! with the host clock around `Backend::step` (what a caller sees per token: input copies, graph
 //! replay, output copies); the median and p10/p90 are reported. Prefill: one step of `--pp` tokens
 //! (pp512 by default) into a fresh slot, median of 15 after 3 warm-ups. Batched decode: `--batch`
-//! sequences stepped together. Writes one JSON object to `--out` (and prints it).
+//! sequences stepped together, the step's graph replayed alone, and its stages timed two ways: each
+//! kernel repeated on layer 0 (its weights partly in L2) and launched once a layer in a row (its
+//! bytes from memory, as in the step: `profile_kernels_across_layers`); the graph's time beyond the
+//! second sum is what the hand-overs between different kernels cost. Writes one JSON object to `--out` (and prints it).
 //!
 //! Floors: the device-to-device copy rate is measured first (bytes read + written per second, 2 GiB
 //! copies); each decode figure is reported beside the time the bytes it must read take at that
@@ -494,31 +497,45 @@ fn main() {
                 nb,
                 true,
             );
-        let mut sum = 0.0;
-        for (name, us) in &prof_b {
-            if *name == "moe_route" {
-                // timed inside ffn_in too: shown, not added
-                eprintln!(
-                    "  decode batch {nb}: kernel {name:15} {us:9.2} us/launch (part of ffn_in)"
-                );
-                continue;
+        // the stages on the path the step ran, per launch and summed over a step: `prof` as timed
+        let on_path = |prof: &[(&'static str, f64)], label: &str| {
+            let mut sum = 0.0;
+            for (name, us) in prof {
+                if *name == "moe_route" {
+                    // timed inside ffn_in too: shown, not added
+                    eprintln!(
+                        "  decode batch {nb}: kernel {name:15} {us:9.2} us/launch {label}(part of ffn_in)"
+                    );
+                    continue;
+                }
+                let counted = match *name {
+                    "embed" | "lm_head" => Some(1.0),
+                    "attention" | "attention_flash" => Some(layers),
+                    n if n.starts_with("gemm_") == gemm_path => Some(layers),
+                    _ => None,
+                };
+                if let Some(times) = counted {
+                    sum += us * times;
+                    eprintln!("  decode batch {nb}: kernel {name:15} {us:9.2} us/launch {label}");
+                }
             }
-            let counted = match *name {
-                "embed" | "lm_head" => Some(1.0),
-                "attention" | "attention_flash" => Some(layers),
-                n if n.starts_with("gemm_") == gemm_path => Some(layers),
-                _ => None,
-            };
-            if let Some(times) = counted {
-                sum += us * times;
-                eprintln!("  decode batch {nb}: kernel {name:15} {us:9.2} us/launch");
-            }
-        }
+            sum
+        };
+        let sum = on_path(&prof_b, "");
         eprintln!("  decode batch {nb}: the stages alone sum to {sum:.1} us/step");
+        // each launch on the next layer's weights: their bytes from memory, as in the step
+        let prof_x = b.profile_kernels_across_layers(5).unwrap();
+        let sum_x = on_path(&prof_x, "across layers ");
+        eprintln!(
+            "  decode batch {nb}: the stages across layers sum to {sum_x:.1} us/step; the step's \
+             graph {:.1} us beyond them (hand-overs between different kernels)",
+            replay - sum_x
+        );
         let prof_b_json = kernel_us_json(&prof_b);
         batch_res.push(format!(
-            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"us_p10\": {p10:.2}, \"us_p90\": {p90:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}, \"graph_replay_us\": {replay:.1}, \"stages_alone_us\": {sum:.1}, \"kernel_us\": {{{}}}}}",
-            prof_b_json
+            "{{\"batch\": {nb}, \"us_per_step\": {m:.2}, \"us_p10\": {p10:.2}, \"us_p90\": {p90:.2}, \"tok_s\": {tok_s:.1}, \"tflops\": {tflops:.2}, \"weight_gbs\": {weight_gbs:.1}, \"graph_replay_us\": {replay:.1}, \"stages_alone_us\": {sum:.1}, \"stages_across_layers_us\": {sum_x:.1}, \"kernel_us\": {{{}}}, \"kernel_across_layers_us\": {{{}}}}}",
+            prof_b_json,
+            kernel_us_json(&prof_x)
         ));
     }
     // the routed experts' histogram over the whole run (every step above), where there are some

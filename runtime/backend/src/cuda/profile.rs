@@ -320,6 +320,28 @@ impl CudaBackend {
         reps: usize,
         rounds: usize,
     ) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        self.profile_stages(reps, rounds, false)
+    }
+
+    /// [`CudaBackend::profile_kernels`] with each launch of a layer's kernel on the next layer's
+    /// weights and KV entries (a graph of one launch a layer, replayed `rounds` times): what the
+    /// stage costs where its weights come from memory, not from the L2 the repeats of one layer's
+    /// launch leave them in, and with the hand-over between launches of one kernel. Beside a step's
+    /// graph replay, the difference is what the hand-overs between different kernels cost.
+    pub fn profile_kernels_across_layers(
+        &mut self,
+        rounds: usize,
+    ) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        let layers = self.w.layers.len();
+        self.profile_stages(layers, rounds, true)
+    }
+
+    fn profile_stages(
+        &mut self,
+        reps: usize,
+        rounds: usize,
+        across_layers: bool,
+    ) -> Result<Vec<(&'static str, f64)>, BackendError> {
         let Some((ntok, _, attn)) = self.last_key else {
             return Ok(Vec::new());
         };
@@ -353,8 +375,12 @@ impl CudaBackend {
             if let (Stage::Out, Some(_)) = (stage, pf) {
                 self.launch_stage(Stage::Attention, 0, pf, (ntok, nout, attn))?;
             }
+            let layers = self.w.layers.len();
+            let next = std::cell::Cell::new(0usize);
             let us = replay_mean_us(g, reps, rounds, || {
-                self.launch_stage(stage, 0, pf, (ntok, nout, attn))
+                let l = next.replace(next.get() + 1) % layers;
+                let l = if across_layers { l } else { 0 };
+                self.launch_stage(stage, l, pf, (ntok, nout, attn))
             })?;
             out.push((name, us));
         }
