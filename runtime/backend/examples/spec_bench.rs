@@ -244,14 +244,12 @@ fn main() {
     prompt.truncate(plen);
     // the plain rate, then the continuation every replay proposes from, with its margins (one
     // more plain run, untimed, that reads its logits)
-    let plain_secs: Vec<f64> = (0..reps)
-        .map(|_| {
-            let r = run(b.as_mut(), MEASURED, &prompt, n, None, false);
-            assert_eq!(r.steps, n - 1);
-            r.secs
-        })
+    let plains: Vec<Run> = (0..reps)
+        .map(|_| run(b.as_mut(), MEASURED, &prompt, n, None, false))
         .collect();
-    let timed = run(b.as_mut(), MEASURED, &prompt, n, None, false).tokens;
+    assert!(plains.iter().all(|r| r.steps == n - 1));
+    let timed = plains[0].tokens.clone();
+    let plain_secs: Vec<f64> = plains.iter().map(|r| r.secs).collect();
     let with_logits = run(b.as_mut(), MEASURED, &prompt, n, None, true);
     assert_eq!(
         with_logits.tokens, timed,
