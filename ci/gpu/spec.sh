@@ -18,6 +18,9 @@
 #        one-warpgroup GEMMs instead of the warp-specialised ones)
 #   bash ci/gpu/spec.sh curve  carry .sp1         call1's figures alone, in ~3 minutes: the 8B GGUFs,
 #        cuda_bench at depths and spec_bench by default on each (no peer, no kernel tests, no A/B)
+#   bash ci/gpu/spec.sh steps  (carry nothing; after call1 or curve on the same machine) where a
+#        5-token step's time goes: cuda_bench --batch 1,5 on both 8B files, each stage timed alone,
+#        across layers, and the step's graph
 #   bash ci/gpu/spec.sh call2  carry .sp2          SmolLM2's files and the model's second part
 #   bash ci/gpu/spec.sh call3  carry .sp3          the model's last part; the model assembled and
 #        checked; cuda_model's exactness test (100 prompts, greedy verification against plain greedy
@@ -98,6 +101,16 @@ call1|curve)
   done
   finish "$1"
   ;;
+steps)
+  rm -rf "$R" && mkdir -p "$R"
+  export METRALE_TARGETS=$PWD/targets
+  for q in q4_1 bf16; do
+    CB_GREP="decode batch|across layers" CB_TIMEOUT=150 cb_run "$H/s/l8b-$q.gguf" \
+      "$H/b/k/h200-llama-3.1-8b-$q/kernels" $T8/$q "steps-$q" --batch 1,5 --steps 64
+    [ "$(left)" -gt 60 ] || break
+  done
+  finish steps
+  ;;
 call2)
   more .sp2
   finish call2
@@ -136,5 +149,5 @@ call3)
   finish call3
   ;;
 *)
-  sed -n 2,23p "$0"; exit 2 ;;
+  sed -n 2,30p "$0"; exit 2 ;;
 esac
