@@ -751,14 +751,6 @@ fn top2_margin(row: &[f32]) -> f32 {
     a - b
 }
 
-/// Speculative verification (`SeqStep::drafted`, a backend started with `max_drafts = 4`):
-/// proposals replayed from a plain greedy run of the same backend, every third one corrupted,
-/// verified 4 at a time for two sequences in one step. The accepted proposals and the pick after
-/// them must be the plain run's token for token, except where the plain run's own pick sat at a
-/// near-tie (its two best logits within `NEAR_TIE`, the run-to-run difference of the decode and the
-/// many-token kernels): there the runs may part, the margin is printed and that sequence is
-/// compared no further. 16 prompts. A sampled request (host verification) reproduces with its
-/// seed; more proposals than `max_drafts` are refused by name.
 /// The exactness test's 100 prompts: 16 questions, then 84 copy-heavy ones (repeat, continue or
 /// quote a passage) over windows of `bench/perplexity/text.txt` at seeded offsets (xorshift64*,
 /// seed 23), so that the same prompts run every time.
@@ -803,6 +795,14 @@ fn spec_prompts() -> Vec<String> {
     texts
 }
 
+/// Speculative verification (`SeqStep::drafted`, a backend started with `max_drafts = 4`):
+/// proposals replayed from a plain greedy run of the same backend, every third one corrupted,
+/// verified 4 at a time for two sequences in one step. The accepted proposals and the pick after
+/// them must be the plain run's token for token, except where the plain run's own pick sat at a
+/// near-tie (its two best logits within `NEAR_TIE`, the run-to-run difference of the decode and the
+/// many-token kernels): there the runs may part, the margin is printed and that sequence is
+/// compared no further. 100 prompts ([`spec_prompts`]). A sampled request (host verification)
+/// reproduces with its seed; more proposals than `max_drafts` are refused by name.
 #[test]
 fn speculative_verification_matches_plain_greedy() {
     let Some(s) = setup("cuda_model") else { return };
