@@ -7,7 +7,8 @@
 //! sequences stepped together, the step's graph replayed alone, and its stages timed two ways: each
 //! kernel repeated on layer 0 (its weights partly in L2) and launched once a layer in a row (its
 //! bytes from memory, as in the step: `profile_kernels_across_layers`); the graph's time beyond the
-//! second sum is what the hand-overs between different kernels cost. Writes one JSON object to `--out` (and prints it).
+//! second sum is what the hand-overs between different kernels cost. Writes one JSON object to
+//! `--out` (and prints it).
 //!
 //! Floors: the device-to-device copy rate is measured first (bytes read + written per second, 2 GiB
 //! copies); each decode figure is reported beside the time the bytes it must read take at that

@@ -172,9 +172,8 @@ fn run(
         }
         if parted && r.tokens.len() < n {
             // re-synchronise: the plain continuation of this run's history, untimed, on the
-            // other slot, with its margins for any later parting
+            // other slot (which `run` releases), with its margins for any later parting
             let more = run(b, RESYNC, &hist, n - r.tokens.len(), None, true);
-            b.release(RESYNC);
             reference.tokens.truncate(r.tokens.len());
             reference.tokens.extend(&more.tokens);
             reference.margins.resize(r.tokens.len(), f32::NAN);

@@ -378,8 +378,10 @@ impl CudaBackend {
             let layers = self.w.layers.len();
             let next = std::cell::Cell::new(0usize);
             let us = replay_mean_us(g, reps, rounds, || {
-                let l = next.replace(next.get() + 1) % layers;
-                let l = if across_layers { l } else { 0 };
+                let l = match across_layers {
+                    true => next.replace(next.get() + 1) % layers,
+                    false => 0,
+                };
                 self.launch_stage(stage, l, pf, (ntok, nout, attn))
             })?;
             out.push((name, us));
