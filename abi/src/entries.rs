@@ -12,7 +12,7 @@ use crate::{EntryDecl, KernelArgs, Param, Ty};
 use crate::{
     ATT_THREADS, DECODE_THREADS, EMBED_THREADS, FLASH_THREADS, GEMM_THREADS, MOE_SORT_THREADS,
     MV_THREADS, QKV_ROPE_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_THREADS, WG_THREADS,
-    WQ_THREADS,
+    WN_THREADS, WQ_THREADS,
 };
 
 macro_rules! field_ty {
@@ -85,45 +85,44 @@ macro_rules! twin_from {
     };
 }
 
-// One declaration of `entries!`: the entry, and its twin where it has one.
+// One declaration of `entries!`: the entry, and its twins where it has some.
 macro_rules! entry_pair {
-    ([$(#[doc = $doc:expr])*] $name:ident = $template:literal / $entry:literal, threads $threads:expr, [] $fields:tt) => {
-        entry_struct! { $(#[doc = $doc])* $name = $template / $entry, threads $threads, $fields }
-    };
     (
         [$(#[doc = $doc:expr])*] $name:ident = $template:literal / $entry:literal, threads $threads:expr,
-        [twin $twin:ident = $tentry:literal, threads $tthreads:expr] $fields:tt
+        [$(twin $twin:ident = $tentry:literal, threads $tthreads:expr),*] $fields:tt
     ) => {
         entry_struct! { $(#[doc = $doc])* $name = $template / $entry, threads $threads, $fields }
-        entry_struct! {
-            #[doc = concat!("`", $tentry, "`: the twin of [`", stringify!($name), "`] (the same parameters).")]
-            $twin = $template / $tentry, threads $tthreads, $fields
-        }
-        twin_from!($name => $twin, $fields);
+        $(
+            entry_struct! {
+                #[doc = concat!("`", $tentry, "`: a twin of [`", stringify!($name), "`] (the same parameters).")]
+                $twin = $template / $tentry, threads $tthreads, $fields
+            }
+            twin_from!($name => $twin, $fields);
+        )*
     };
 }
 
-// Every entry: `Name = "template" / "entry", threads N, { params }`. `twin Name2 = "entry2",
-// threads M` after the threads declares a second entry of the same template taking the same
+// Every entry: `Name = "template" / "entry", threads N, { params }`. Each `twin Name2 = "entry2",
+// threads M,` after the threads declares another entry of the same template taking the same
 // parameters (another block shape of the same product), with `From<Name> for Name2`.
 macro_rules! entries {
     ($(
         $(#[doc = $doc:literal])*
         $name:ident = $template:literal / $entry:literal, threads $threads:expr,
-        $(twin $twin:ident = $tentry:literal, threads $tthreads:expr,)?
+        $(twin $twin:ident = $tentry:literal, threads $tthreads:expr,)*
         { $($fields:tt)* }
     )*) => {
         /// Every entry point: the index of its declaration in [`ENTRIES`].
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum Entry { $($name, $($twin,)?)* }
+        pub enum Entry { $($name, $($twin,)*)* }
 
         /// Every entry point's declaration, in [`Entry`] order.
-        pub const ENTRIES: &[EntryDecl] = &[$(<$name as KernelArgs>::DECL, $(<$twin as KernelArgs>::DECL,)?)*];
+        pub const ENTRIES: &[EntryDecl] = &[$(<$name as KernelArgs>::DECL, $(<$twin as KernelArgs>::DECL,)*)*];
 
         $(
             entry_pair! {
                 [$(#[doc = $doc])*] $name = $template / $entry, threads $threads,
-                [$(twin $twin = $tentry, threads $tthreads)?] { $($fields)* }
+                [$(twin $twin = $tentry, threads $tthreads),*] { $($fields)* }
             }
         )*
     };
@@ -651,7 +650,8 @@ entries! {
     /// warpgroups), grid and dynamic shared memory `plan::wq_plan`. The input `a` is unscaled
     /// (`WgActNorm`): a token's outputs are scaled by the RMSNorm factor of its squares in `ss`.
     WgQkv = "gemm_hopper" / "wg_qkv", threads WG_THREADS,
-        twin WqQkv = "wq_qkv", threads WQ_THREADS, {
+        twin WqQkv = "wq_qkv", threads WQ_THREADS,
+        twin WnQkv = "wn_qkv", threads WN_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -673,7 +673,8 @@ entries! {
     /// Hopper GEMM path: output projection + residual; where `an` is not null, the next product's
     /// input from the new residual as `wg_act_norm` writes it (`norm_w`: its RMSNorm's weight).
     WgO = "gemm_hopper" / "wg_o", threads WG_THREADS,
-        twin WqO = "wq_o", threads WQ_THREADS, {
+        twin WqO = "wq_o", threads WQ_THREADS,
+        twin WnO = "wn_o", threads WN_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -690,7 +691,8 @@ entries! {
     /// as it reads them (no conversion between the two). Its input is unscaled: each token's
     /// products are scaled by the RMSNorm factor of its squares in `ss` (`abi::SS_COLS`), as QKV's.
     WgGu = "gemm_hopper" / "wg_gu", threads WG_THREADS,
-        twin WqGu = "wq_gu", threads WQ_THREADS, {
+        twin WqGu = "wq_gu", threads WQ_THREADS,
+        twin WnGu = "wn_gu", threads WN_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,
@@ -715,7 +717,8 @@ entries! {
     }
     /// Hopper GEMM path: down projection + residual, and the next product's input as `WgO`.
     WgDown = "gemm_hopper" / "wg_down", threads WG_THREADS,
-        twin WqDown = "wq_down", threads WQ_THREADS, {
+        twin WqDown = "wq_down", threads WQ_THREADS,
+        twin WnDown = "wn_down", threads WN_THREADS, {
         a: ptr<"const act_t">,
         w: ptr<"const void">,
         wsc: ptr<"const void">,

@@ -11,7 +11,8 @@ use metrale_core::shape::{Dims, KvDtype};
 use crate::{
     DECODE_MAX_SPLITS, DECODE_NSTAMP, DECODE_TILE, FLASH_BN, FLASH_THREADS, PADDED_BLOCK,
     Q41_PANEL, TMA_BK, TMA_MAX_STAGES, TMA_SMEM, TOK_TILE_BYTES, TOK_TILE_MAX, WG_BK, WG_BM,
-    WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL, WQ_KS, WQ_MAX_STAGES, WQ_ROWS, WQ_SMEM,
+    WG_MAX_STAGES, WG_SMEM_LARGE, WG_SMEM_SMALL, WN_PANEL_BYTES, WQ_KS, WQ_MAX_STAGES, WQ_ROWS,
+    WQ_SMEM,
 };
 
 /// Elements (`kv_t`) of one (block, layer, KV head) segment of the paged KV pool
@@ -228,6 +229,12 @@ pub fn q41_panel(k: usize) -> usize {
     } else {
         nb
     }
+}
+
+/// Dynamic shared memory of a narrow GEMM block (`wn_*`, narrow_gemm.cuh) whose split covers
+/// `panels` q4_1 panels of K: their activations, [`WN_PANEL_BYTES`] each.
+pub fn wn_smem_bytes(panels: usize) -> usize {
+    panels * WN_PANEL_BYTES as usize
 }
 
 /// Dynamic shared memory of a `wq_*` block (`wq::smem_bytes`): its stages and 1 KiB of alignment.

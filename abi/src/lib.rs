@@ -239,6 +239,16 @@ pub const WQ_ROWS: u32 = 256;
 pub const WQ_KS: u32 = 2;
 pub const WQ_SMEM: u32 = 200704;
 pub const WQ_MAX_STAGES: u32 = 16;
+/// Threads per block of the narrow Hopper GEMMs of q4_1 weights (`wn_*`,
+/// kernels/cuda/gemm_hopper.cu.hbs, narrow_gemm.cuh): chunks of at most [`WN_TOKENS`] tokens (a
+/// verification step, a few sequences) on mma.sync, each warp on 16 weight rows that it streams
+/// from memory into registers and dequantises there, [`WN_ROWS`] rows a block, K split across
+/// blocks so that two blocks an SM fill the GPU. The block's share of the activations is staged in
+/// shared memory, [`WN_PANEL_BYTES`] for each q4_1 panel of K.
+pub const WN_THREADS: u32 = 256;
+pub const WN_TOKENS: u32 = 8;
+pub const WN_ROWS: u32 = 16 * (WN_THREADS / 32);
+pub const WN_PANEL_BYTES: u32 = WN_TOKENS * Q41_PANEL * 32 * 2;
 /// The q4_1 device layout's panel: [`Q41_PANEL`] 32-element blocks of K (one `wq_*` stage of
 /// [`WQ_KS`] k-steps). A q4_1 matrix is stored panel by panel, each panel row-major over all the
 /// rows, so that one stage of every row tile is one contiguous span (`layout::q41_panel`).
@@ -312,6 +322,10 @@ pub const CONSTS: &[(&str, i64)] = &[
     ("WQ_SMEM", WQ_SMEM as i64),
     ("WQ_MAX_STAGES", WQ_MAX_STAGES as i64),
     ("Q41_PANEL", Q41_PANEL as i64),
+    ("WN_THREADS", WN_THREADS as i64),
+    ("WN_TOKENS", WN_TOKENS as i64),
+    ("WN_ROWS", WN_ROWS as i64),
+    ("WN_PANEL_BYTES", WN_PANEL_BYTES as i64),
     ("SPLIT_THREADS", SPLIT_THREADS as i64),
     ("SS_COLS", SS_COLS as i64),
     ("TMA_THREADS", TMA_THREADS as i64),

@@ -20,7 +20,12 @@
 #        cuda_bench at depths and spec_bench by default on each (no peer, no kernel tests, no A/B)
 #   bash ci/gpu/spec.sh steps  (carry nothing; after call1 or curve on the same machine) where a
 #        5-token step's time goes: cuda_bench --batch 1,5 on both 8B files, each stage timed alone,
-#        across layers, and the step's graph
+#        across layers, and the step's graph; gemm_bench's q4_1 products at 5 and 16 tokens, and
+#        Nsight Compute on layer 0's four W4A16 launches of a 5-token chunk
+#   bash ci/gpu/spec.sh narrow carry .sp1        the narrow GEMMs (q4_1, chunks of at most 8 tokens)
+#        against the warp-specialised ones in one call: their kernel tests, cuda_bench --batch 1,5
+#        with both (floors at depth on the default), spec_bench with both, gemm_bench at 5 and 16
+#        tokens; then bf16's floors at depth and spec_bench as time allows
 #   bash ci/gpu/spec.sh call2  carry .sp2          SmolLM2's files and the model's second part
 #   bash ci/gpu/spec.sh call3  carry .sp3          the model's last part; the model assembled and
 #        checked; cuda_model's exactness test (100 prompts, greedy verification against plain greedy
@@ -45,7 +50,7 @@ prepare)
   pack_start .sp1 prepare "${2:-}"
   rm -rf .sp2 .sp3 && mkdir -p .sp2/b/bin .sp2/b/k .sp2/b/srv .sp3
   kernels .sp1 llama-3.1-8b/bf16 llama-3.1-8b/q4_1
-  tools .sp1 spec_bench cuda_bench
+  tools .sp1 spec_bench cuda_bench gemm_bench
   vocab .sp1 llama-3.1-8b vocab-8b.gguf
   pack_end .sp1 .peer
   kernels .sp2 smollm2-135m/q4_1
@@ -109,7 +114,69 @@ steps)
       "$H/b/k/h200-llama-3.1-8b-$q/kernels" $T8/$q "steps-$q" --batch 1,5 --steps 64
     [ "$(left)" -gt 60 ] || break
   done
+  # each q4_1 product alone at 5 and 16 tokens, then Nsight Compute on layer 0's four W4A16
+  # launches of a 5-token chunk (caches flushed before each: weights from memory)
+  step "gemm_bench q4_1 at 5 and 16 tokens"
+  METRALE_TARGETS=$PWD/targets timeout 120 "$H/b/bin/gemm_bench" "$H/s/l8b-q4_1.gguf" \
+    "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --tokens 5,16 --out "$R/gemm-q4_1.jsonl" \
+    > "$R/gemm-q4_1.txt" 2>&1; echo "rc=$?" >> "$R/gemm-q4_1.txt"; tail -14 "$R/gemm-q4_1.txt"
+  if command -v ncu > /dev/null && [ "$(left)" -gt 90 ]; then
+    step "ncu: layer 0's W4A16 products at 5 tokens"
+    METRALE_TARGETS=$PWD/targets timeout 150 ncu --clock-control none -k 'regex:^wq_(qkv|o|gu|down)$' -c 4 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      "$H/b/bin/gemm_bench" "$H/s/l8b-q4_1.gguf" "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --tokens 5 \
+      --out "$R/ncu-gemm.jsonl" 2>&1 | sed "s|$H/|\$H/|g" > "$R/ncu-wq-5.txt"
+    echo "rc=${PIPESTATUS[0]}" >> "$R/ncu-wq-5.txt"
+    grep -E "^  wq_|Duration|DRAM Throughput|Grid Size|Achieved Occupancy|No Eligible|Warp Cycles Per Issued|rc=" "$R/ncu-wq-5.txt" | head -40
+    awk '/issue_stalled/ && $NF + 0 > 0.5 { print "   ", $1, $NF }' "$R/ncu-wq-5.txt" | head -30
+  fi
   finish steps
+  ;;
+narrow)
+  # the narrow GEMMs (wn_*) against the warp-specialised ones (narrow_gemm=off), same call: their
+  # kernel tests, the 5-token step's decomposition, the verification step and the acceptance
+  # curve on q4_1; the H200 curve of both 8B targets (floors at depth, spec_bench)
+  unpack .sp1
+  export METRALE_TARGETS=$PWD/targets
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 and q4_1 GGUFs"
+  for a in "--out $H/s/l8b-bf16.gguf" "--quant q4_1 --out $H/s/l8b-q4_1.gguf"; do
+    $X $a 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  done
+  KT_FILTER=gemm kernel_tests llama-3.1-8b/q4_1
+  taskset -pc 0,1 $$ > /dev/null
+  kq=$H/b/k/h200-llama-3.1-8b-q4_1/kernels kb=$H/b/k/h200-llama-3.1-8b-bf16/kernels
+  CB_GREP="decode batch 5|across layers" CB_TIMEOUT=150 cb_run "$H/s/l8b-q4_1.gguf" "$kq" $T8/q4_1 floor-q4_1 \
+    --batch 1,5 --steps 64 --depth 8192,32768
+  METRALE_CUDA_TUNING=narrow_gemm=off CB_GREP="decode batch 5|across layers" CB_TIMEOUT=120 \
+    cb_run "$H/s/l8b-q4_1.gguf" "$kq" $T8/q4_1 steps-q4_1-narrow-off --batch 5 --steps 64 --pp 64
+  finish narrow
+  for g in narrow_gemm=on narrow_gemm=off; do
+    step "spec_bench q4_1 $g: k = 4, 128 tokens, corrupted 0/10/25/50/75%, 3 repetitions"
+    f=$R/spec-q4_1-${g/=/-}
+    METRALE_CUDA_TUNING=$g timeout 150 "$H/b/bin/spec_bench" "$H/s/l8b-q4_1.gguf" --cuda "$kq" $T8/q4_1 \
+      --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$f.json" > "$f.txt" 2>&1
+    echo "rc=$?" >> "$f.txt"; cat "$f.txt"
+  done
+  finish narrow
+  step "gemm_bench q4_1 at 5 and 16 tokens"
+  METRALE_TARGETS=$PWD/targets timeout 90 "$H/b/bin/gemm_bench" "$H/s/l8b-q4_1.gguf" "$kq" $T8/q4_1 \
+    --tokens 5,16 --out "$R/gemm-q4_1.jsonl" > "$R/gemm-q4_1.txt" 2>&1; echo "rc=$?" >> "$R/gemm-q4_1.txt"
+  tail -14 "$R/gemm-q4_1.txt"
+  finish narrow
+  if [ "$(left)" -gt 150 ]; then
+    CB_TIMEOUT=120 cb_run "$H/s/l8b-bf16.gguf" "$kb" $T8/bf16 floor-bf16 --batch 1 --steps 128 --depth 8192,32768
+    finish narrow
+  fi
+  if [ "$(left)" -gt 60 ]; then
+    step "spec_bench bf16: k = 4, 128 tokens, corrupted 0/10/25/50/75%, 3 repetitions"
+    f=$R/spec-bf16-decode_gemm-on
+    timeout $(($(left) - 10)) "$H/b/bin/spec_bench" "$H/s/l8b-bf16.gguf" --cuda "$kb" $T8/bf16 \
+      --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$f.json" > "$f.txt" 2>&1
+    echo "rc=$?" >> "$f.txt"; cat "$f.txt"
+  fi
+  finish narrow
   ;;
 call2)
   more .sp2

@@ -1477,6 +1477,20 @@ fn gemm_prefill_products_match_cpu_ops() {
     for n in [16, 29, 77, 160, 300] {
         check_gemm_products(&mut e, &p, &w, n);
     }
+    if p.hopper() && e.gpu.wn_gemm {
+        // a verification step's chunk and a few sequences (the narrow wn_* kernels, split K), then
+        // the same chunks on the warp-specialised kernels they stand in for
+        eprintln!("  path: Hopper narrow (mma.sync, q4_1 rows streamed into registers)");
+        for n in [2, 5, 8] {
+            check_gemm_products(&mut e, &p, &w, n);
+        }
+        e.gpu.wn_gemm = false;
+        eprintln!("  path: Hopper (warp-specialised wgmma) at the narrow kernels' sizes");
+        for n in [5, 8] {
+            check_gemm_products(&mut e, &p, &w, n);
+        }
+        e.gpu.wn_gemm = true;
+    }
     if p.hopper() && e.gpu.wq_gemm {
         // the one-warpgroup wg_* kernels too (what `tma_gemm=off` runs): their stages read half a
         // q4_1 panel each

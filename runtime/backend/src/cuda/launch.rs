@@ -90,6 +90,10 @@ pub struct Gpu {
     /// `gemm_hopper.cu.hbs`'s `gemm_ws`): as [`Gpu::hopper_gemm`] with quantized weights, and the
     /// driver gave their blocks the dynamic shared memory they need.
     pub wq_gemm: bool,
+    /// Chunks of at most `abi::WN_TOKENS` tokens run the Hopper GEMMs of q4_1 layers on the narrow
+    /// kernels (`wn_*`, narrow_gemm.cuh): as [`Gpu::wq_gemm`], on a shape whose products they
+    /// take (`plan::wn_pays`), and the driver gave their blocks the shared memory they stage.
+    pub wn_gemm: bool,
     /// Prompt chunks run their attention on the tensor cores (`attention_flash`): the target's KV
     /// cache is bf16 and the driver gave the kernel the dynamic shared memory it needs.
     pub flash_attention: bool,
@@ -125,7 +129,11 @@ tiled!(
     abi::WqO,
     abi::WqGu,
     abi::WqDown,
-    abi::WqLogits
+    abi::WqLogits,
+    abi::WnQkv,
+    abi::WnO,
+    abi::WnGu,
+    abi::WnDown
 );
 
 /// Resident blocks per SM assumed for a matrix-vector kernel whose occupancy is not asked (the
@@ -223,6 +231,32 @@ fn wq_gemm_ready(kernels: &Kernels, formats: [WgFormat; 2]) -> bool {
         formats,
         abi::layout::wq_smem_bytes,
     )
+}
+
+/// The narrow GEMMs of q4_1 weights (`wn_*`) ready for the largest split their plans on
+/// `sm_count` SMs stage (`plan::wn_plan` of each of the four layer products of `dims`).
+fn wn_gemm_ready(kernels: &Kernels, dims: &metrale_core::shape::Dims, sm_count: usize) -> bool {
+    let entries = [abi::WnQkv::ID, abi::WnO::ID, abi::WnGu::ID, abi::WnDown::ID];
+    let products = [
+        (dims.qd() + 2 * dims.kd(), dims.hidden),
+        (dims.hidden, dims.qd()),
+        (2 * dims.ffn, dims.hidden),
+        (dims.hidden, dims.ffn),
+    ];
+    let f = WgFormat::Q4_1;
+    products
+        .iter()
+        .all(|&(rows, k)| plan::wn_pays(f, rows, k, 1))
+        && entries.iter().all(|&e| kernels.has(e))
+        && allow_smem(
+            kernels,
+            &entries,
+            products
+                .iter()
+                .map(|&(rows, k)| plan::wn_plan(rows, k, sm_count).smem as usize)
+                .max()
+                .unwrap_or(0),
+        )
 }
 
 /// The routed experts' Hopper products (`moe_*_wg`, and with quantized weights `moe_*_wq`) ready
@@ -344,6 +378,8 @@ impl Gpu {
             && hopper_gemm_ready(&kernels, formats);
         let tma_gemm = hopper_gemm && weights_bf16 && tma_gemm_ready(&kernels);
         let wq_gemm = hopper_gemm && !weights_bf16 && wq_gemm_ready(&kernels, formats);
+        let dims = metrale_core::shape::Dims::from_shape(&set.spec.model);
+        let wn_gemm = wq_gemm && wn_gemm_ready(&kernels, &dims, dev.sm_count);
         let flash_smem = abi::layout::flash_smem_bytes(set.spec.model.head_dim as usize);
         let flash_attention = set.spec.quant.kv == "bf16"
             && allow_smem(&kernels, &[abi::AttentionFlash::ID], flash_smem);
@@ -356,7 +392,6 @@ impl Gpu {
             0
         };
         let moe = MoeShape::of(&set.spec.model).filter(|_| kernels.has(abi::MoeRoute::ID));
-        let dims = metrale_core::shape::Dims::from_shape(&set.spec.model);
         // attn_in_head where its grid is one wave: a head's blocks are one cluster, and a second
         // wave would wait a whole product behind the first (bf16 rows' registers hold 2 blocks an
         // SM: 264 of Qwen3-30B-A3B's 320 on an H100, so it runs attn_in + qkv_rope); and where a
@@ -392,6 +427,7 @@ impl Gpu {
             hopper_gemm,
             tma_gemm,
             wq_gemm,
+            wn_gemm,
             flash_attention,
             wg_layer: WgFormat::of(&q.weights),
             wg_head: WgFormat::of(&q.embedding),
@@ -980,10 +1016,11 @@ impl Gpu {
     }
 
     /// A Hopper GEMM of `rows` output rows and row length `k` over `a`'s `ntok` tokens in format
-    /// `f`: on the warp-specialised kernel `Q` where [`Gpu::wq_gemm`] and `plan::wq_pays`
+    /// `f`: on the narrow kernel `W` where [`Gpu::wn_gemm`] and `plan::wn_pays` (`plan::wn_plan`),
+    /// else on the warp-specialised kernel `Q` where [`Gpu::wq_gemm`] and `plan::wq_pays`
     /// (`plan::wq_plan`), else on `G`'s one-warpgroup kernel (`plan::wg_plan`); the arguments carry
     /// the token tile the plan chose.
-    fn hopper_launch<G: Tiled, Q: Tiled + From<G>>(
+    fn hopper_launch<G: Tiled, Q: Tiled + From<G>, W: Tiled + From<G>>(
         &self,
         rows: usize,
         k: usize,
@@ -992,6 +1029,16 @@ impl Gpu {
         mut a: G,
     ) -> Result<(), BackendError> {
         let ntok = ntok.max(0) as usize;
+        if self.wn_gemm && plan::wn_pays(f, rows, k, ntok) {
+            let p = plan::wn_plan(rows, k, self.sm_count);
+            let mut n = W::from(a);
+            n.set_tile(p.tile_n as i32);
+            let how = LaunchHow {
+                smem: p.smem,
+                ..self.plain()
+            };
+            return self.launch(p.grid, how, n);
+        }
         if self.wq_gemm && plan::wq_pays(f, rows, ntok) {
             let p = plan::wq_plan(rows, k, ntok, self.sm_count, f);
             let mut q = Q::from(a);
@@ -1014,7 +1061,7 @@ impl Gpu {
     /// Hopper GEMM path: QKV projection + RoPE + KV write.
     pub fn wg_qkv(&self, a: abi::WgQkv) -> Result<(), BackendError> {
         let d = self.dims;
-        self.hopper_launch::<_, abi::WqQkv>(
+        self.hopper_launch::<_, abi::WqQkv, abi::WnQkv>(
             d.qd() + 2 * d.kd(),
             d.hidden,
             a.ntok,
@@ -1026,19 +1073,37 @@ impl Gpu {
     /// Hopper GEMM path: output projection + residual.
     pub fn wg_o(&self, a: abi::WgO) -> Result<(), BackendError> {
         let d = self.dims;
-        self.hopper_launch::<_, abi::WqO>(d.hidden, d.qd(), a.ntok, self.layer_format(), a)
+        self.hopper_launch::<_, abi::WqO, abi::WnO>(
+            d.hidden,
+            d.qd(),
+            a.ntok,
+            self.layer_format(),
+            a,
+        )
     }
 
     /// Hopper GEMM path: gate/up + SiLU.
     pub fn wg_gu(&self, a: abi::WgGu) -> Result<(), BackendError> {
         let d = self.dims;
-        self.hopper_launch::<_, abi::WqGu>(2 * d.ffn, d.hidden, a.ntok, self.layer_format(), a)
+        self.hopper_launch::<_, abi::WqGu, abi::WnGu>(
+            2 * d.ffn,
+            d.hidden,
+            a.ntok,
+            self.layer_format(),
+            a,
+        )
     }
 
     /// Hopper GEMM path: down projection + residual.
     pub fn wg_down(&self, a: abi::WgDown) -> Result<(), BackendError> {
         let d = self.dims;
-        self.hopper_launch::<_, abi::WqDown>(d.hidden, d.ffn, a.ntok, self.layer_format(), a)
+        self.hopper_launch::<_, abi::WqDown, abi::WnDown>(
+            d.hidden,
+            d.ffn,
+            a.ntok,
+            self.layer_format(),
+            a,
+        )
     }
 
     /// Hopper GEMM path: bf16(RMSNorm(x[sel])), the LM head's input.
@@ -1049,7 +1114,14 @@ impl Gpu {
     /// Hopper GEMM path: the LM head's logits.
     pub fn wg_logits(&self, a: abi::WgLogits) -> Result<(), BackendError> {
         let d = self.dims;
-        self.hopper_launch::<_, abi::WqLogits>(d.vocab, d.hidden, a.ntok, self.head_format(), a)
+        // (no narrow head: `plan::wn_pays` takes q4_1 layers only)
+        self.hopper_launch::<_, abi::WqLogits, abi::WqLogits>(
+            d.vocab,
+            d.hidden,
+            a.ntok,
+            self.head_format(),
+            a,
+        )
     }
 
     /// A warp-specialised GEMM (`tma_*`) as `p` plans it (`plan::tma_plan`); the arguments carry

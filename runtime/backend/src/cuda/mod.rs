@@ -109,6 +109,10 @@ pub struct Tuning {
     /// `wq_*`: a cp.async producer warpgroup, two consumer warpgroups dequantising into
     /// registers); else on `gemm_hopper.cu.hbs`'s one-warpgroup kernels.
     pub tma_gemm: bool,
+    /// q4_1 layers' products of chunks of at most `abi::WN_TOKENS` tokens (a verification step, a
+    /// few sequences) run on the narrow GEMMs (`wn_*`, narrow_gemm.cuh: mma.sync, each warp's
+    /// weight rows streamed into registers), else on the warp-specialised ones.
+    pub narrow_gemm: bool,
     /// Prompt chunks run their attention on the tensor cores (`attention_flash`, targets with a bf16
     /// KV cache), else on the split-K `attention` kernel as decode steps do.
     pub flash_attention: bool,
@@ -181,6 +185,7 @@ impl Default for Tuning {
             attention_transpose: true,
             hopper_gemm: true,
             tma_gemm: true,
+            narrow_gemm: true,
             flash_attention: true,
             mask_zero_copy: true,
             attention_pack: true,
@@ -202,7 +207,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 23] = [
+    pub const KEYS: [&'static str; 24] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -213,6 +218,7 @@ impl Tuning {
         "attention_transpose",
         "hopper_gemm",
         "tma_gemm",
+        "narrow_gemm",
         "flash_attention",
         "mask_zero_copy",
         "attention_pack",
@@ -257,6 +263,7 @@ impl Tuning {
                 "attention_transpose" => self.attention_transpose = on,
                 "hopper_gemm" => self.hopper_gemm = on,
                 "tma_gemm" => self.tma_gemm = on,
+                "narrow_gemm" => self.narrow_gemm = on,
                 "flash_attention" => self.flash_attention = on,
                 "mask_zero_copy" => self.mask_zero_copy = on,
                 "attention_pack" => self.attention_pack = on,
@@ -463,6 +470,7 @@ impl CudaBackend {
         gpu.hopper_gemm &= opts.tuning.hopper_gemm;
         gpu.tma_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
         gpu.wq_gemm &= gpu.hopper_gemm && opts.tuning.tma_gemm;
+        gpu.wn_gemm &= gpu.wq_gemm && opts.tuning.narrow_gemm;
         gpu.moe_wg &= gpu.hopper_gemm && opts.tuning.moe_wgmma;
         let w = ModelWeights::load(&gpu, &d, formats, config, weights, opts.slot_capacity)?;
         // at most one output per sequence (= slot) of a chunk, or 1 + max_drafts verifying

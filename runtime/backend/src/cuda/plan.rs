@@ -7,12 +7,12 @@
 //! `metrale_abi::entries` states.
 
 use metrale_abi::layout::{
-    decode_products, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes,
-    wq_smem_bytes, WgFormat, TMA_CONFIGS, WG_TILES, WQ_TILES,
+    decode_products, q41_panel, tma_smem_bytes, tok_tile, wg_blocks_per_sm, wg_rows, wg_smem_bytes,
+    wn_smem_bytes, wq_smem_bytes, WgFormat, TMA_CONFIGS, WG_TILES, WQ_TILES,
 };
 use metrale_abi::{
-    DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, SAMPLE_THREADS, SPLIT_THREADS, TMA_BK, WG_BK,
-    WQ_KS, WQ_ROWS,
+    DECODE_MAX_SPLITS, GEMM_BM, GEMM_BN, MV_THREADS, Q41_PANEL, SAMPLE_THREADS, SPLIT_THREADS,
+    TMA_BK, WG_BK, WN_ROWS, WN_TOKENS, WQ_KS, WQ_ROWS,
 };
 use metrale_core::shape::Dims;
 
@@ -372,6 +372,40 @@ pub fn wq_pays(f: WgFormat, rows: usize, ntok: usize) -> bool {
     }
 }
 
+/// Blocks per SM a narrow GEMM launch plans for (its `__launch_bounds__`: registers for two).
+pub const WN_BLOCKS_PER_SM: usize = 2;
+
+/// Fewest q4_1 panels of K one split of a narrow GEMM covers: below it the combine of the
+/// splits' partial tiles costs more than the rows' share of the copy.
+pub const WN_MIN_SPLIT_PANELS: usize = 4;
+
+/// Whether a product of `rows` rows of length `k` in format `f` over `ntok` tokens runs on the
+/// narrow GEMMs (`wn_*`, [`wn_plan`]): q4_1 weights in panels of [`Q41_PANEL`] blocks, whole
+/// blocks of [`WN_ROWS`] rows, at most [`WN_TOKENS`] tokens.
+pub fn wn_pays(f: WgFormat, rows: usize, k: usize, ntok: usize) -> bool {
+    f == WgFormat::Q4_1
+        && (1..=WN_TOKENS as usize).contains(&ntok)
+        && rows.is_multiple_of(WN_ROWS as usize)
+        && q41_panel(k) == Q41_PANEL as usize
+        && (k / 32).is_multiple_of(Q41_PANEL as usize)
+}
+
+/// The narrow GEMM launch of a product with `rows` output rows (a multiple of `WN_ROWS`) and row
+/// length `k` on `sm_count` SMs: a block per `WN_ROWS` rows, K split in whole panels so that
+/// [`WN_BLOCKS_PER_SM`] blocks an SM fill the GPU once (each split at least
+/// [`WN_MIN_SPLIT_PANELS`] panels), the dynamic shared memory of the largest split's activations.
+pub fn wn_plan(rows: usize, k: usize, sm_count: usize) -> WgPlan {
+    let row_tiles = rows / WN_ROWS as usize;
+    let panels = k / (32 * Q41_PANEL as usize);
+    let want = WN_BLOCKS_PER_SM * sm_count.max(1);
+    let splits = (want / row_tiles.max(1)).clamp(1, (panels / WN_MIN_SPLIT_PANELS).max(1));
+    WgPlan {
+        tile_n: WN_TOKENS as usize,
+        grid: (1, row_tiles as u32, splits as u32),
+        smem: wn_smem_bytes(panels.div_ceil(splits)) as u32,
+    }
+}
+
 /// Bytes of the split-K partials and of the tickets any [`wg_plan`] or [`wq_plan`] launch on
 /// `sm_count` SMs uses: a launch splits only while its tiles times splits fill the SMs at most
 /// once, and each split's partial is one block's output tile in f32.
@@ -388,6 +422,10 @@ pub fn wg_scratch_bytes(sm_count: usize) -> (usize, usize) {
         ws = ws.max(sm_count.max(1) * WQ_ROWS as usize * n * 4);
         tickets = tickets.max(sm_count.max(1) * 4);
     }
+    // wn_plan: its blocks are at most WN_BLOCKS_PER_SM an SM where it splits
+    let wn_blocks = WN_BLOCKS_PER_SM * sm_count.max(1);
+    ws = ws.max(wn_blocks * WN_ROWS as usize * WN_TOKENS as usize * 4);
+    tickets = tickets.max(wn_blocks * 4);
     (ws, tickets)
 }
 
@@ -823,6 +861,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn wn_plans_fill_two_blocks_an_sm_and_fit_their_scratch() {
+        // 8B q4_1 at 132 SMs: QKV's 48 tiles of 128 rows split K in 5 (240 blocks, 6-7 panels a
+        // split), O's and down's 32 in 8, gate/up's 224 not at all (its whole row: 64 KiB)
+        let qkv = wn_plan(6144, 4096, 132);
+        assert_eq!((qkv.grid, qkv.smem), ((1, 48, 5), 7 * 2048));
+        assert_eq!(wn_plan(4096, 4096, 132).grid, (1, 32, 8));
+        let gu = wn_plan(28672, 4096, 132);
+        assert_eq!((gu.grid, gu.smem), ((1, 224, 1), 32 * 2048));
+        let down = wn_plan(4096, 14336, 132);
+        assert_eq!((down.grid, down.smem), ((1, 32, 8), 14 * 2048));
+        let (ws, cnt) = wg_scratch_bytes(132);
+        for (rows, k) in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] {
+            assert!(wn_pays(WgFormat::Q4_1, rows, k, 5));
+            let p = wn_plan(rows, k, 132);
+            let blocks = (p.grid.1 * p.grid.2) as usize;
+            assert!(blocks <= WN_BLOCKS_PER_SM * 132);
+            assert!(blocks * WN_ROWS as usize * WN_TOKENS as usize * 4 <= ws);
+            assert!(p.grid.1 as usize * 4 <= cnt);
+            assert!(p.smem as usize <= 113 * 1024, "two blocks an SM");
+        }
+        // not the formats, token counts or shapes it is not made for: bf16, 9 tokens, SmolLM2's
+        // 960-row QKV and 576-wide rows (one panel a row), Qwen's 151,936-row head
+        assert!(!wn_pays(WgFormat::Bf16, 4096, 4096, 5));
+        assert!(!wn_pays(WgFormat::Q4_1, 4096, 4096, 9));
+        assert!(!wn_pays(WgFormat::Q4_1, 4096, 4096, 0));
+        assert!(!wn_pays(WgFormat::Q4_1, 960, 576, 5));
+        assert!(!wn_pays(WgFormat::Q4_1, 1536, 576, 5));
     }
 
     #[test]
