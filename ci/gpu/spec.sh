@@ -25,7 +25,8 @@
 #   bash ci/gpu/spec.sh narrow carry .sp1        the narrow GEMMs (q4_1, chunks of at most 8 tokens)
 #        against the warp-specialised ones in one call: their kernel tests, cuda_bench --batch 1,5
 #        with both (floors at depth on the default), spec_bench with both, gemm_bench at 5 and 16
-#        tokens; then bf16's floors at depth and spec_bench as time allows
+#        tokens, batch 1 with its products on the narrow GEMMs too (narrow_one); then bf16's floors
+#        at depth and spec_bench as time allows
 #   bash ci/gpu/spec.sh call2  carry .sp2          SmolLM2's files and the model's second part
 #   bash ci/gpu/spec.sh call3  carry .sp3          the model's last part; the model assembled and
 #        checked; cuda_model's exactness test (100 prompts, greedy verification against plain greedy
@@ -159,6 +160,10 @@ narrow)
       --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$f.json" > "$f.txt" 2>&1
     echo "rc=$?" >> "$f.txt"; cat "$f.txt"
   done
+  finish narrow
+  # batch 1 with its one-token layer products on the narrow GEMMs too (narrow_one)
+  METRALE_CUDA_TUNING=narrow_one=on CB_GREP="decode batch 1: (median|the step)" CB_TIMEOUT=90 \
+    cb_run "$H/s/l8b-q4_1.gguf" "$kq" $T8/q4_1 floor-q4_1-narrow-one --batch 1 --steps 64 --pp 64
   finish narrow
   step "gemm_bench q4_1 at 5 and 16 tokens"
   METRALE_TARGETS=$PWD/targets timeout 90 "$H/b/bin/gemm_bench" "$H/s/l8b-q4_1.gguf" "$kq" $T8/q4_1 \

@@ -113,6 +113,9 @@ pub struct Tuning {
     /// few sequences) run on the narrow GEMMs (`wn_*`, narrow_gemm.cuh: mma.sync, each warp's
     /// weight rows streamed into registers), else on the warp-specialised ones.
     pub narrow_gemm: bool,
+    /// One-token chunks' layer products on the narrow GEMMs too, where they run (off by default:
+    /// a measurement against the matrix-vector kernels, which take them otherwise).
+    pub narrow_one: bool,
     /// Prompt chunks run their attention on the tensor cores (`attention_flash`, targets with a bf16
     /// KV cache), else on the split-K `attention` kernel as decode steps do.
     pub flash_attention: bool,
@@ -186,6 +189,7 @@ impl Default for Tuning {
             hopper_gemm: true,
             tma_gemm: true,
             narrow_gemm: true,
+            narrow_one: false,
             flash_attention: true,
             mask_zero_copy: true,
             attention_pack: true,
@@ -207,7 +211,7 @@ impl Tuning {
     /// The environment variable the server and the bench tools read it from.
     pub const ENV: &'static str = "METRALE_CUDA_TUNING";
     /// Its keys, each `on` or `off`.
-    pub const KEYS: [&'static str; 24] = [
+    pub const KEYS: [&'static str; 25] = [
         "persistent_decode",
         "run_ahead",
         "graphs",
@@ -219,6 +223,7 @@ impl Tuning {
         "hopper_gemm",
         "tma_gemm",
         "narrow_gemm",
+        "narrow_one",
         "flash_attention",
         "mask_zero_copy",
         "attention_pack",
@@ -264,6 +269,7 @@ impl Tuning {
                 "hopper_gemm" => self.hopper_gemm = on,
                 "tma_gemm" => self.tma_gemm = on,
                 "narrow_gemm" => self.narrow_gemm = on,
+                "narrow_one" => self.narrow_one = on,
                 "flash_attention" => self.flash_attention = on,
                 "mask_zero_copy" => self.mask_zero_copy = on,
                 "attention_pack" => self.attention_pack = on,
@@ -688,7 +694,8 @@ impl CudaBackend {
         self.gpu.write_async(&self.b.io_in, 0, &io)?;
         self.last_key = Some((ntok, nout, attn));
         // long chunks take the tensor-core GEMM path; decode steps too unless tuned off
-        let gemm = gemm::gemm_pays_on(&self.gpu.dims, ntok, self.gemm.hopper())
+        let narrow_one = ntok == 1 && self.opts.tuning.narrow_one && self.gpu.wn_gemm;
+        let gemm = (gemm::gemm_pays_on(&self.gpu.dims, ntok, self.gemm.hopper()) || narrow_one)
             && (!decode || self.opts.tuning.decode_gemm);
         if decode && self.opts.tuning.graphs {
             let key = (ntok, nout, attn);
