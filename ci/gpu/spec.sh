@@ -27,6 +27,9 @@
 #        with both (floors at depth on the default), spec_bench with both, gemm_bench at 5 and 16
 #        tokens, batch 1 with its products on the narrow GEMMs too (narrow_one); then bf16's floors
 #        at depth and spec_bench as time allows
+#   bash ci/gpu/spec.sh narrow2 carry .sp1 .peer  after a change to the narrow GEMMs: their kernel
+#        tests, cuda_bench --batch 1,5 at depths, spec_bench (q4_1), and llama.cpp's tg128 at the
+#        same depths (built in the background meanwhile)
 #   bash ci/gpu/spec.sh call2  carry .sp2          SmolLM2's files and the model's second part
 #   bash ci/gpu/spec.sh call3  carry .sp3          the model's last part; the model assembled and
 #        checked; cuda_model's exactness test (100 prompts, greedy verification against plain greedy
@@ -182,6 +185,37 @@ narrow)
     echo "rc=$?" >> "$f.txt"; cat "$f.txt"
   fi
   finish narrow
+  ;;
+narrow2)
+  # the narrow GEMMs again (after a change to them), beside llama.cpp's tg128 at depth: llama.cpp
+  # builds in the background while the kernel tests, cuda_bench and spec_bench of q4_1 run
+  unpack .sp1
+  step "llama.cpp build (background, cores 2-15, niced)"
+  taskset -c 2-15 nice -n 10 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  step "synth-model: 8B q4_1 GGUF"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"
+  KT_FILTER=gemm kernel_tests llama-3.1-8b/q4_1
+  taskset -pc 0,1 $$ > /dev/null
+  export METRALE_TARGETS=$PWD/targets
+  kq=$H/b/k/h200-llama-3.1-8b-q4_1/kernels
+  CB_GREP="decode batch 5|across layers" CB_TIMEOUT=150 cb_run "$H/s/l8b-q4_1.gguf" "$kq" $T8/q4_1 floor-q4_1 \
+    --batch 1,5 --steps 64 --depth 8192,32768
+  step "spec_bench q4_1: k = 4, 128 tokens, corrupted 0/10/25/50/75%, 3 repetitions"
+  f=$R/spec-q4_1-decode_gemm-on
+  timeout 120 "$H/b/bin/spec_bench" "$H/s/l8b-q4_1.gguf" --cuda "$kq" $T8/q4_1 \
+    --k 4 --tokens 128 --rates 0,10,25,50,75 --reps 3 --out "$f.json" > "$f.txt" 2>&1
+  echo "rc=$?" >> "$f.txt"; cat "$f.txt"
+  finish narrow2
+  step "llama.cpp build: waiting for it"
+  peer_wait $(( $(left) - 45 ))
+  if [ "$(left)" -gt 35 ]; then
+    step "llama-bench tg128 at depths 0, 8192, 32768: q4_1"
+    timeout "$(( $(left) - 5 ))" "$H/llamacpp/build/bin/llama-bench" -m "$H/s/l8b-q4_1.gguf" -ngl 99 -fa 1 -p 0 \
+      -n 128 -d 0,8192,32768 -r 3 -o md > "$R/llama-bench-depth-q4_1.md" 2> "$R/llama-bench-depth-q4_1.err"
+    echo "rc=$?"; cat "$R/llama-bench-depth-q4_1.md"
+  fi
+  finish narrow2
   ;;
 call2)
   more .sp2
