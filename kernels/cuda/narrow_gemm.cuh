@@ -38,7 +38,7 @@ namespace wg {
 namespace wn {
 constexpr int N = abi::WN_TOKENS, T = abi::WN_THREADS, WARPS = T / 32, F = abi::WN_ROWS;
 constexpr int PK = abi::Q41_PANEL * 32;  // elements of K a panel
-constexpr int D = 6;                     // panels of weights in flight per thread
+constexpr int D = 4;                     // panels of weights in flight per thread
 static_assert(N == 8 && F == 16 * WARPS && abi::WN_PANEL_BYTES == N * PK * 2, "one n8 MMA tile of tokens");
 static_assert(abi::Q41_PANEL == 4, "a thread's block of each panel: lane % 4");
 
