@@ -11,7 +11,10 @@
 //!   thread's bulk tensor copies into a ring of stages, two consumer warpgroups, persistent tiles
 //!   of 64-128 tokens by 128-256 weight rows, K split where the tiles are few: `plan::tma_plan`),
 //!   below it `gemm_hopper.cu.hbs`'s (one warpgroup, cp.async, weight rows on the instruction's M
-//!   side so that a 16-token tile wastes nothing: `plan::wg_plan`);
+//!   side so that a 16-token tile wastes nothing: `plan::wg_plan`); for q4_1 weights its
+//!   warp-specialised `wq_*` (`plan::wq_plan`), and for chunks of at most `abi::WN_TOKENS` tokens
+//!   its narrow `wn_*` on mma.sync, each warp's weight rows streamed into registers
+//!   (`plan::wn_plan`: a verification step's products cost about what one token's do);
 //! - elsewhere, `gemm.cu.hbs` on mma.sync, each product's activations split once into f16 hi/lo
 //!   pairs and block sums (RMSNorm folded into the split), exact to the f32 reference's ~1e-6.
 //!
