@@ -261,5 +261,5 @@ call3)
   finish call3
   ;;
 *)
-  sed -n 2,30p "$0"; exit 2 ;;
+  sed -n 2,39p "$0"; exit 2 ;;
 esac
