@@ -6,8 +6,8 @@
 // Why not the wq_* kernels at these sizes: a wq_* block stages 256 rows of weights through shared
 // memory for a token tile of 16, and its fixed costs (the ring's barriers, one block per SM, the
 // split-K combine of 256-row partials) are paid for 5 tokens as for 16. Here each warp streams its
-// own 16 weight rows straight from memory into registers, abi::WN_PREFETCH panels ahead (the first
-// of them before the PDL wait: weights are never written by a kernel), as the batch-1
+// own 16 weight rows straight from memory into registers, wn::D panels ahead (the first of them
+// before the PDL wait: weights are never written by a kernel), as the batch-1
 // matrix-vector kernels do, and the tensor cores make the token count nearly free: an MMA covers
 // 16 rows x 16 elements of K for all 8 tokens.
 //
@@ -20,9 +20,10 @@
 // 16 bytes of nibbles and its (d, m) each. The order of K inside one MMA is free as long as both
 // operands follow it, so k16 step s of a panel (s = 0..7) takes from each thread's block its
 // elements e = 4s .. 4s + 3 (word s % 4 of the block's nibbles: byte b holds element b in its low
-// nibble and b + 16 in its high one, so the low nibbles for s < 4, the high ones after): the A columns 2q, 2q + 1 get elements (e, e + 2)
-// (bytes 0 and 2 of the word, one lop3), the columns 2q + 8, 2q + 9 get (e + 1, e + 3), and B's
-// rows 2q.. / 2q + 8.. the same elements of token g's activations. A weight becomes f16 as in
+// nibble and b + 16 in its high one, so the low nibbles for s < 4, the high ones after): the A
+// columns 2q, 2q + 1 get elements (e, e + 2) (bytes 0 and 2 of the word, one lop3), the columns
+// 2q + 8, 2q + 9 get (e + 1, e + 3), and B's rows 2q.. / 2q + 8.. the same elements of token g's
+// activations. A weight becomes f16 as in
 // wg_gemm.cuh's FQ41: (1024 + q) by OR-ing in the exponent, exactly q after one subtraction (the
 // high nibble: (1024 + 16q) / 16 - 64), then q * d + m in one rounding; the numerics are the wq_*
 // kernels' (f16 weights and activations, f32 accumulation), only the order of the sums differs.
