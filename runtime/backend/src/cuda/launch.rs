@@ -1026,30 +1026,22 @@ impl Gpu {
         k: usize,
         ntok: i32,
         f: abi::layout::WgFormat,
-        mut a: G,
+        a: G,
     ) -> Result<(), BackendError> {
         let ntok = ntok.max(0) as usize;
         if self.wn_gemm && plan::wn_pays(f, rows, k, ntok) {
-            let p = plan::wn_plan(rows, k, self.sm_count);
-            let mut n = W::from(a);
-            n.set_tile(p.tile_n as i32);
-            let how = LaunchHow {
-                smem: p.smem,
-                ..self.plain()
-            };
-            return self.launch(p.grid, how, n);
+            return self.launch_planned(plan::wn_plan(rows, k, self.sm_count), W::from(a));
         }
         if self.wq_gemm && plan::wq_pays(f, rows, ntok) {
             let p = plan::wq_plan(rows, k, ntok, self.sm_count, f);
-            let mut q = Q::from(a);
-            q.set_tile(p.tile_n as i32);
-            let how = LaunchHow {
-                smem: p.smem,
-                ..self.plain()
-            };
-            return self.launch(p.grid, how, q);
+            return self.launch_planned(p, Q::from(a));
         }
-        let p = plan::wg_plan(rows, k, ntok, self.sm_count, f);
+        self.launch_planned(plan::wg_plan(rows, k, ntok, self.sm_count, f), a)
+    }
+
+    /// Launch a Hopper GEMM as plan `p` says: its grid, its dynamic shared memory, its token tile
+    /// in the arguments.
+    fn launch_planned<A: Tiled>(&self, p: plan::WgPlan, mut a: A) -> Result<(), BackendError> {
         a.set_tile(p.tile_n as i32);
         let how = LaunchHow {
             smem: p.smem,

@@ -387,7 +387,6 @@ pub fn wn_pays(f: WgFormat, rows: usize, k: usize, ntok: usize) -> bool {
         && (1..=WN_TOKENS as usize).contains(&ntok)
         && rows.is_multiple_of(WN_ROWS as usize)
         && q41_panel(k) == Q41_PANEL as usize
-        && (k / 32).is_multiple_of(Q41_PANEL as usize)
 }
 
 /// The narrow GEMM launch of a product with `rows` output rows (a multiple of `WN_ROWS`) and row
@@ -885,7 +884,7 @@ mod tests {
             assert!(p.smem as usize <= 113 * 1024, "two blocks an SM");
         }
         // not the formats, token counts or shapes it is not made for: bf16, 9 tokens, SmolLM2's
-        // 960-row QKV and 576-wide rows (one panel a row), Qwen's 151,936-row head
+        // 960-row QKV and 576-wide rows (one panel a row)
         assert!(!wn_pays(WgFormat::Bf16, 4096, 4096, 5));
         assert!(!wn_pays(WgFormat::Q4_1, 4096, 4096, 9));
         assert!(!wn_pays(WgFormat::Q4_1, 4096, 4096, 0));
