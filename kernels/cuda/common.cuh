@@ -368,14 +368,14 @@ MT_INLINE void stage_row(const float* x, const NormW<K>& nw, float eps, float* x
 
 // One warp computes rows r0 and r0+1 of W (K columns) against the nt (<= TB) staged activation rows
 // in xs (stage_row's form for W, stride XRow<W, K>::WORDS; the generic version reads f32 rows). Result (already warp-reduced, valid on every lane) in acc.
-// p0/p1 hold the raw block `lane` of rows r0 and r0+1, fetched ahead by the caller (see
-// prefetch2); once consumed they are refilled with block `lane` of rows r_next, r_next+1 (r_next < 0:
-// none), so the next row pair's first loads are in flight while this one computes.
+// `ah` holds what the warp has in flight of rows r0 and r0+1 (Ahead, filled by `prefetch` before
+// the kernel's dependency wait, then by the rows2_dot before); once consumed it is refilled from
+// rows r_next, r_next+1 (r_next < 0: none), so the next row pair's first loads are in flight while
+// this one computes.
 // With q4_1 panels of 4 blocks (PanelLanes) the lanes follow the memory instead: lane l reads row
 // r0 + ((l >> 2) & 1), blocks 16c + 4 (l >> 3) + (l & 3) (c = 0, 1, ...), so that 8 lanes read the
 // two rows' 128 contiguous bytes of one panel and a warp's load is 4 whole lines, as a row-major
-// row's 512 bytes are (block `lane` of each row reads 64-byte halves of 8 lines); p0/p1 then hold
-// the lane's blocks c = 0 and 1 of its row.
+// row's 512 bytes are (block `lane` of each row reads 64-byte halves of 8 lines).
 template <class W, int K> struct PanelLanes {
     static constexpr bool ON = false;
 };
@@ -387,24 +387,52 @@ template <int K> struct PanelLanes<WQ41, K> {
 MT_INLINE int panel_lane_row(int lane) { return (lane >> 2) & 1; }
 MT_INLINE int panel_lane_block(int lane, int c) { return 16 * c + 4 * (lane >> 3) + (lane & 3); }
 
+// The largest divisor of n that is at most 4: the depth of a panel lane's ring of loads. A ring of
+// 8 (a 4096-wide row pair whole) measured slower: ffn_in 31.0 -> 40.9 us across layers on an H100,
+// its 80 registers holding the next pair while the current one computes (bench/floor/README.md).
+__host__ __device__ constexpr int ring_depth(int n) {
+    return n % 4 == 0 ? 4 : n % 3 == 0 ? 3 : n % 2 == 0 ? 2 : 1;
+}
+// What a warp has in flight for its next row pair. In general block `lane` of each row (p0, p1).
+// On q4_1 panels a ring of the lane's next G blocks (G = ring_depth of the NC blocks a lane reads
+// a row): rows2_dot_panels refills a slot as soon as it has consumed it, from the same row pair
+// while it has blocks left, then from the next, so each lane keeps G loads in flight from the
+// kernel's dependency wait to its last row pair.
+template <class W, int K, bool RING = PanelLanes<W, K>::ON> struct Ahead {
+    static constexpr bool IS_RING = false;
+    typename W::Raw p0, p1;
+};
+template <class W, int K> struct Ahead<W, K, true> {
+    static constexpr bool IS_RING = true;
+    static constexpr int NC = K / 32 / 16;  // blocks a lane reads of its row
+    static constexpr int G = ring_depth(NC);
+    typename W::Raw raw[G];
+};
+
 template <class W, int K>
 MT_INLINE void prefetch2(const W& w, int r0, typename W::Raw& p0, typename W::Raw& p1) {
     const int lane = threadIdx.x & 31;
-    if constexpr (PanelLanes<W, K>::ON) {
-        if (r0 >= 0) {
-            const int r = r0 + panel_lane_row(lane);
-            p0 = w.template fetch<K>(r, panel_lane_block(lane, 0));
-            p1 = w.template fetch<K>(r, panel_lane_block(lane, 1));
-        }
-    } else if (r0 >= 0 && lane < K / 32) {
+    if (r0 >= 0 && lane < K / 32) {
         p0 = w.template fetch<K>(r0, lane);
         p1 = w.template fetch<K>(r0 + 1, lane);
     }
 }
+// Fill `ah` with the first loads of row pair r0 (r0 < 0: nothing).
+template <class W, int K> MT_INLINE void prefetch(const W& w, int r0, Ahead<W, K>& ah) {
+    if constexpr (Ahead<W, K>::IS_RING) {
+        const int lane = threadIdx.x & 31;
+        if (r0 >= 0) {
+#pragma unroll
+            for (int j = 0; j < Ahead<W, K>::G; ++j)
+                ah.raw[j] = w.template fetch<K>(r0 + panel_lane_row(lane), panel_lane_block(lane, j));
+        }
+    } else {
+        prefetch2<W, K>(w, r0, ah.p0, ah.p1);
+    }
+}
 
 template <int K, int TB, class W>
-MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
-                         typename W::Raw& p0, typename W::Raw& p1) {
+MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB], Ahead<W, K>& ah) {
     constexpr int NB = K / 32;
     constexpr int XS = Padded<K>::FLOATS;
     const int lane = threadIdx.x & 31;
@@ -415,9 +443,9 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
     for (int b = lane; b < NB; b += 32) {
         float w0[32], w1[32];
         if (b == lane) {
-            W::dequant(p0, w0);
-            W::dequant(p1, w1);
-            prefetch2<W, K>(w, r_next, p0, p1);
+            W::dequant(ah.p0, w0);
+            W::dequant(ah.p1, w1);
+            prefetch2<W, K>(w, r_next, ah.p0, ah.p1);
         } else {
             W::dequant(w.template fetch<K>(r0, b), w0);
             W::dequant(w.template fetch<K>(r0 + 1, b), w1);
@@ -456,11 +484,10 @@ MT_INLINE void rows2_dot(const W& w, int r0, int r_next, const float* xs, int nt
 // 16-bit activations times two weight nibbles widened to bytes), one scale per block and token.
 // Nibble byte j of a block holds element j (low) and j + 16 (high): word j of the 16 bytes,
 // masked, gives elements 4j..4j+3 as bytes; shifted by 4, elements 16+4j..16+4j+3.
-// A lane's blocks of the two rows are loaded G at a time (all four of a 4096-wide row at once), so
-// that each lane has G x 40 bytes in flight instead of 40: at 20 bytes per 32 weights a q4_1 lane
-// otherwise moves too little per memory round trip to keep up with the bandwidth.
-// Two versions: rows2_dot_panels where the lanes follow q4_1's panels (PanelLanes: one row a lane,
-// 8 blocks of it in flight), rows2_dot_pairs elsewhere (block `lane` of both rows).
+// A lane has several blocks in flight (at 20 bytes per 32 weights a q4_1 lane otherwise moves too
+// little per memory round trip to keep up with the bandwidth). Two versions: rows2_dot_panels where
+// the lanes follow q4_1's panels (PanelLanes: one row a lane, Ahead's ring of up to 4 blocks in
+// flight throughout), rows2_dot_pairs elsewhere (block `lane` of both rows, G at a time).
 #if defined(METRALE_A_i16)
 // A q4_1 block as dp2a reads it: word i's nibbles widened to bytes, elements 4i.. (lo) and
 // 16 + 4i.. (hi), and (d, m).
@@ -495,32 +522,29 @@ MT_INLINE float q41_block_dot(const Q41Bytes& w, const float* blk) {
     return w.dm.x * ds.x * (float)is + w.dm.y * ds.y;
 }
 
-// rows2_dot on q4_1 panels (PanelLanes): each lane sums its row's blocks (NB / 16 of them, up to
-// 8 loads in flight, as the row-pair version has), then both rows are reduced over the warp (a
-// lane adds nothing to the row it does not read).
+// rows2_dot on q4_1 panels (PanelLanes): each lane sums its row's NC blocks from the ring `ah`
+// (Ahead: G loads in flight; a slot is refilled once consumed, from this row pair while it has
+// blocks left, then from row pair r_next), then both rows are reduced over the warp (a lane adds
+// nothing to the row it does not read).
 template <int K, int TB>
 MT_INLINE void rows2_dot_panels(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
-                                WQ41::Raw& p0, WQ41::Raw& p1) {
-    constexpr int NC = K / 32 / 16;  // blocks per lane
-    constexpr int G = NC < 8 ? NC : 8;
+                                Ahead<WQ41, K>& ah) {
+    constexpr int NC = Ahead<WQ41, K>::NC;
+    constexpr int G = Ahead<WQ41, K>::G;
     constexpr int XW = XRow<WQ41, K>::WORDS;
     const int lane = threadIdx.x & 31, rl = panel_lane_row(lane);
     float a[TB];
 #pragma unroll
     for (int t = 0; t < TB; ++t) a[t] = 0.f;
     for (int c0 = 0; c0 < NC; c0 += G) {
-        WQ41::Raw raw[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             const int c = c0 + j;
-            if (c < NC) raw[j] = c == 0 ? p0 : (c == 1 ? p1 : w.template fetch<K>(r0 + rl, panel_lane_block(lane, c)));
-        }
-        if (c0 == 0) prefetch2<WQ41, K>(w, r_next, p0, p1);  // the next row pair's first blocks
-#pragma unroll
-        for (int j = 0; j < G; ++j) {
-            const int c = c0 + j;
-            if (c >= NC) continue;
-            const Q41Bytes wb(raw[j]);
+            const Q41Bytes wb(ah.raw[j]);
+            if (c0 + G < NC)
+                ah.raw[j] = w.template fetch<K>(r0 + rl, panel_lane_block(lane, c + G));
+            else if (r_next >= 0)
+                ah.raw[j] = w.template fetch<K>(r_next + rl, panel_lane_block(lane, j));
             const float* blk = xs + panel_lane_block(lane, c) * Q16_WORDS;
 #pragma unroll
             for (int t = 0; t < TB; ++t)
@@ -536,7 +560,7 @@ MT_INLINE void rows2_dot_panels(const WQ41& w, int r0, int r_next, const float* 
 
 template <int K, int TB>
 MT_INLINE void rows2_dot_pairs(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
-                               WQ41::Raw& p0, WQ41::Raw& p1) {
+                               Ahead<WQ41, K>& ah) {
     constexpr int NB = K / 32;
     constexpr int NBL = (NB + 31) / 32;  // blocks per lane (lanes past NB % 32 have one fewer)
     constexpr int G = NBL < 4 ? NBL : 4;
@@ -553,15 +577,15 @@ MT_INLINE void rows2_dot_pairs(const WQ41& w, int r0, int r_next, const float* x
             const int b = lane + 32 * (g0 + j);
             if (g0 + j < NBL && b < NB) {
                 if (g0 + j == 0) {
-                    raw[j][0] = p0;
-                    raw[j][1] = p1;
+                    raw[j][0] = ah.p0;
+                    raw[j][1] = ah.p1;
                 } else {
                     raw[j][0] = w.template fetch<K>(r0, b);
                     raw[j][1] = w.template fetch<K>(r0 + 1, b);
                 }
             }
         }
-        if (g0 == 0) prefetch2<WQ41, K>(w, r_next, p0, p1);  // the next row pair's first blocks
+        if (g0 == 0) prefetch2<WQ41, K>(w, r_next, ah.p0, ah.p1);  // the next row pair's first blocks
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             const int b = lane + 32 * (g0 + j);
@@ -611,9 +635,9 @@ MT_INLINE void rows2_dot_pairs(const WQ41& w, int r0, int r_next, const float* x
 
 template <int K, int TB>
 MT_INLINE void rows2_dot(const WQ41& w, int r0, int r_next, const float* xs, int nt, float acc[2][TB],
-                         WQ41::Raw& p0, WQ41::Raw& p1) {
-    if constexpr (PanelLanes<WQ41, K>::ON) rows2_dot_panels<K, TB>(w, r0, r_next, xs, nt, acc, p0, p1);
-    else rows2_dot_pairs<K, TB>(w, r0, r_next, xs, nt, acc, p0, p1);
+                         Ahead<WQ41, K>& ah) {
+    if constexpr (PanelLanes<WQ41, K>::ON) rows2_dot_panels<K, TB>(w, r0, r_next, xs, nt, acc, ah);
+    else rows2_dot_pairs<K, TB>(w, r0, r_next, xs, nt, acc, ah);
 }
 #endif
 
