@@ -18,6 +18,19 @@
 #   bash ci/gpu/floor.sh call3   carry .fl1         the 2-layer check at depth 8192 (an 8192-token
 #        prompt) against HF transformers and the CPU backend; one decode step's q4_1 layer kernels
 #        under Nsight Compute
+#   bash ci/gpu/floor.sh prepare-ab MODEL.gguf NAME=DIR...   CPU machine: .fl1/ (and .peer/) with
+#        both 8B targets' kernels from this tree and from each DIR (a folder holding kernels/ and
+#        targets/, such as a worktree of another revision; the kernels' ABI must be this tree's),
+#        the SmolLM2 kernels, cuda_kernels, cuda_bench and xtask
+#   bash ci/gpu/floor.sh ab      carry .fl1 .peer   kernel variants side by side in one call:
+#        llama.cpp's build (background); the 8B GGUFs; this tree's kernel tests (8B q4_1 and bf16,
+#        SmolLM2); cuda_bench batch 1 for this tree's kernels and each variant (those AB_BF16 and
+#        AB_Q4_1 name alone: default base on bf16, all on q4_1), alternating, twice each (the
+#        greedy texts must agree); this tree's at depths 8192 and 32768; llama-bench tg128 at the
+#        same depths; Nsight Compute on a decode step's kernels (q4_1 layer, bf16 attn_in, ffn_out
+#        and LM head)
+#   bash ci/gpu/floor.sh ab-depth carry .fl1        q4_1 batch 1 at depths 0, 8192, 32768: variant AB_DEPTH
+#        (default ring4), base, the variant again
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 Q="bf16 q4_1"
@@ -71,6 +84,124 @@ prepare)
   tar cJf .fl1/b.tar.xz -C .fl1 b && rm -rf .fl1/b
   [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
   echo "carry .fl1 .peer: $(du -cb .fl1 .peer | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  ;;
+prepare-ab)
+  set -e
+  model=${2:-${METRALE_MODEL:-}}
+  [ -f "$model" ] || { echo "usage: ci/gpu/floor.sh prepare-ab MODEL.gguf NAME=DIR..." >&2; exit 2; }
+  shift 2
+  rm -rf .fl1 && mkdir -p .fl1/b/bin .fl1/b/k
+  for q in $Q; do
+    cargo xtask build-target --hw h200 --model llama-3.1-8b --quant $q --kernels-only --out ".fl1/b/k/h200-llama-3.1-8b-$q" 2>&1 | tail -1
+  done
+  cargo xtask build-target --hw h200 --model smollm2-135m --quant q4_1 --kernels-only --out .fl1/b/k/h200-smollm2-135m-q4_1 2>&1 | tail -1
+  for v in "$@"; do
+    n=${v%%=*} d=${v#*=}
+    [ -d "$d/kernels" ] && [ -d "$d/targets" ] || { echo "$d: no kernels/ and targets/ there" >&2; exit 2; }
+    for q in $Q; do
+      cargo xtask build-target --hw h200 --model llama-3.1-8b --quant $q --kernels-only --repo "$d" \
+        --out ".fl1/b/k/h200-llama-3.1-8b-$q-$n" 2>&1 | tail -1
+    done
+    (cd "$d" && git rev-parse HEAD 2>/dev/null; git -C "$d" status --short 2>/dev/null) > ".fl1/b/k/variant-$n.txt" || true
+  done
+  C="--release -p metrale-backend --features cuda"
+  cp "$(exe test $C --no-run --test cuda_kernels)" .fl1/b/bin/cuda_kernels
+  cp "$(exe build $C --example cuda_bench)" .fl1/b/bin/cuda_bench
+  cp "$(exe build --release -p xtask)" .fl1/b/bin/xtask
+  strip .fl1/b/bin/*
+  cargo xtask synth-model llama-3.1-8b --tokenizer "$model" --format vocab --out .fl1/b/vocab-8b.gguf >/dev/null
+  tar cJf .fl1/b.tar.xz -C .fl1 b && rm -rf .fl1/b
+  [ -f .peer/llamacpp-src.tgz ] || bash ci/gpu/llamacpp.sh pack .peer/llamacpp-src.tgz
+  echo "carry .fl1 .peer: $(du -cb .fl1 .peer | tail -1 | cut -f1) bytes + the tree (at most 67108864)"
+  ;;
+ab)
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
+  cat "$H"/b/k/variant-*.txt > "$R/variants.txt" 2>/dev/null
+  peer=0
+  if [ -f .peer/llamacpp-src.tgz ]; then
+    peer=1
+    step "llama.cpp build (background, cores 2-15, niced)"
+    taskset -c 2-15 nice -n 10 bash ci/gpu/llamacpp.sh bench .peer/llamacpp-src.tgz > "$R/llamacpp-build.txt" 2>&1
+  fi
+  X="$H/b/bin/xtask synth-model llama-3.1-8b --tokenizer $H/b/vocab-8b.gguf --seed 0"
+  step "synth-model: 8B bf16 and q4_1 GGUFs"
+  for q in $Q; do $X --quant $q --out "$H/s/l8b-$q.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"; done
+  taskset -pc 0,1 $$ > /dev/null
+  KT_FILTER="attn attention ffn lm_head" kernel_tests llama-3.1-8b/q4_1
+  KT_FILTER="attn attention ffn" kernel_tests llama-3.1-8b/bf16 smollm2-135m/q4_1
+  finish ab
+  CB_GREP="across layers"
+  # this tree's kernels (suffix "") and each variant's, alternating, twice: a drift of the GPU
+  # shows as a difference between the two rounds of the same kernels
+  for round in 1 2; do
+    for q in q4_1 bf16; do
+      for k in "$H/b/k/h200-llama-3.1-8b-$q" "$H"/b/k/h200-llama-3.1-8b-$q-*; do
+        [ -d "$k" ] || continue
+        v=${k##*/h200-llama-3.1-8b-$q}
+        # the variants AB_BF16 and AB_Q4_1 name alone (default: base on bf16, all on q4_1)
+        names=${AB_Q4_1:-${v#-}}; [ $q = bf16 ] && names=${AB_BF16:-base}
+        [ -n "$v" ] && [[ " $names " != *" ${v#-} "* ]] && continue
+        CB_TIMEOUT=100 bench "$k/kernels" $q "ab-$q${v:--this}-$round" --batch 1 --steps 128 --pp 64
+      done
+    done
+    finish ab
+  done
+  step "greedy texts: each variant's against this tree's (the same model and kernels' arithmetic)"
+  for f in "$R"/ab-*.txt; do printf '%s %s\n' "$(grep -m1 '^text:' "$f" | sha1sum | cut -c1-12)" "${f##*/}"; done | sort | tee "$R/texts.txt"
+  for q in $Q; do
+    CB_TIMEOUT=150 bench "$H/b/k/h200-llama-3.1-8b-$q/kernels" $q "depth-$q" --batch 1 --steps 64 --pp 64 --depth 8192,32768
+  done
+  finish ab
+  if [ $peer = 1 ]; then
+    step "llama.cpp build: waiting for it"
+    peer_wait $(( $(left) - 100 ))
+    for q in q4_1 bf16; do
+      [ "$(left)" -gt 50 ] || break
+      step "llama-bench tg128 at depths 0, 8192, 32768: $q"
+      timeout "$(( $(left) - 40 ))" "$H/llamacpp/build/bin/llama-bench" -m "$H/s/l8b-$q.gguf" -ngl 99 -fa 1 -p 0 \
+        -n 128 -d 0,8192,32768 -r 3 -o md > "$R/llama-bench-depth-$q.md" 2> "$R/llama-bench-depth-$q.err"
+      echo "rc=$?"; cat "$R/llama-bench-depth-$q.md"
+    done
+    finish ab
+  fi
+  if [ "$(left)" -gt 60 ]; then
+    step "ncu: a q4_1 decode step's layer kernels (this tree's)"
+    METRALE_TARGETS=$PWD/targets timeout $(( $(left) - 10 )) ncu --clock-control none --graph-profiling node \
+      --kernel-name 'regex:^(attn_in|attention|attn_out|ffn_in|ffn_out)$' --launch-skip 400 --launch-count 5 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats \
+      "$H/b/bin/cuda_bench" "$H/s/l8b-q4_1.gguf" "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --batch 1 --steps 16 --pp 16 \
+      > "$R/ncu-q4_1.txt" 2>&1
+    echo "rc=$?"; grep -E "^  [a-z_]+ \(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible" "$R/ncu-q4_1.txt" | head -40
+  fi
+  if [ "$(left)" -gt 60 ]; then
+    step "ncu: a bf16 decode step's attn_in, ffn_out and LM head (this tree's)"
+    METRALE_TARGETS=$PWD/targets timeout $(( $(left) - 10 )) ncu --clock-control none --graph-profiling node \
+      --kernel-name 'regex:^(attn_in|ffn_out|lm_head_1)$' --launch-skip 200 --launch-count 3 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats \
+      "$H/b/bin/cuda_bench" "$H/s/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --batch 1 --steps 16 --pp 16 \
+      > "$R/ncu-bf16.txt" 2>&1
+    echo "rc=$?"; grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible" "$R/ncu-bf16.txt" | head -30
+  fi
+  finish ab
+  ;;
+ab-depth)
+  # carry .fl1: q4_1 batch 1 at depths 0, 8192 and 32768, variant AB_DEPTH (default ring4), base,
+  # then the variant again
+  rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee "$R/gpu.txt"
+  "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
+    --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model
+  taskset -pc 0,1 $$ > /dev/null
+  n=0
+  for v in "${AB_DEPTH:-ring4}" base "${AB_DEPTH:-ring4}"; do
+    n=$((n + 1))
+    CB_TIMEOUT=60 bench "$H/b/k/h200-llama-3.1-8b-q4_1-$v/kernels" q4_1 "depth-q4_1-$v-$n" \
+      --batch 1 --steps 64 --pp 64 --depth 8192,32768
+  done
+  finish depth
   ;;
 call1)
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
