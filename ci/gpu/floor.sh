@@ -42,6 +42,20 @@ bench() {
   CB=$cb TG=$tg CB_TIMEOUT=200 cb_run "$H/s/l8b-$q.gguf" "$k" $T8/$q "$n" "$@"
 }
 
+# ncu_step SECONDS QUANT REGEX SKIP COUNT NAME [cuda_bench args]: Nsight Compute (clocks left
+# alone, graph nodes one by one) on COUNT launches of the kernels REGEX matches, after SKIP of
+# them, in a batch-1 cuda_bench run of the 8B QUANT file and this tree's kernels; $R/NAME.txt
+ncu_step() {
+  local s=$1 q=$2 re=$3 skip=$4 count=$5 n=$6; shift 6
+  METRALE_TARGETS=$PWD/targets timeout "$s" ncu --clock-control none --graph-profiling node \
+    --kernel-name "regex:^($re)\$" --launch-skip "$skip" --launch-count "$count" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats \
+    "$H/b/bin/cuda_bench" "$H/s/l8b-$q.gguf" "$H/b/k/h200-llama-3.1-8b-$q/kernels" $T8/$q --batch 1 "$@" \
+    > "$R/$n.txt" 2>&1
+  echo "rc=$?"; grep -E "^  [a-z_0-9]+ \(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit Reg|Warp Cycles Per Issued|No Eligible" "$R/$n.txt" | head -70
+}
+
 case "${1:-}" in
 prepare)
   set -e
@@ -167,23 +181,11 @@ ab)
   fi
   if [ "$(left)" -gt 60 ]; then
     step "ncu: a q4_1 decode step's layer kernels (this tree's)"
-    METRALE_TARGETS=$PWD/targets timeout $(( $(left) - 10 )) ncu --clock-control none --graph-profiling node \
-      --kernel-name 'regex:^(attn_in|attention|attn_out|ffn_in|ffn_out)$' --launch-skip 400 --launch-count 5 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats \
-      "$H/b/bin/cuda_bench" "$H/s/l8b-q4_1.gguf" "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --batch 1 --steps 16 --pp 16 \
-      > "$R/ncu-q4_1.txt" 2>&1
-    echo "rc=$?"; grep -E "^  [a-z_]+ \(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible" "$R/ncu-q4_1.txt" | head -40
+    ncu_step $(( $(left) - 10 )) q4_1 'attn_in|attention|attn_out|ffn_in|ffn_out' 400 5 ncu-q4_1 --steps 16 --pp 16
   fi
   if [ "$(left)" -gt 60 ]; then
     step "ncu: a bf16 decode step's attn_in, ffn_out and LM head (this tree's)"
-    METRALE_TARGETS=$PWD/targets timeout $(( $(left) - 10 )) ncu --clock-control none --graph-profiling node \
-      --kernel-name 'regex:^(attn_in|ffn_out|lm_head_1)$' --launch-skip 200 --launch-count 3 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats \
-      "$H/b/bin/cuda_bench" "$H/s/l8b-bf16.gguf" "$H/b/k/h200-llama-3.1-8b-bf16/kernels" $T8/bf16 --batch 1 --steps 16 --pp 16 \
-      > "$R/ncu-bf16.txt" 2>&1
-    echo "rc=$?"; grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible" "$R/ncu-bf16.txt" | head -30
+    ncu_step $(( $(left) - 10 )) bf16 'attn_in|ffn_out|lm_head_1' 200 3 ncu-bf16 --steps 16 --pp 16
   fi
   finish ab
   ;;
@@ -296,13 +298,7 @@ call3)
   [ -f "$H/s/l8b-q4_1.gguf" ] || "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 \
     --quant q4_1 --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model
   step "ncu: one decode step's layer kernels, q4_1"
-  METRALE_TARGETS=$PWD/targets timeout 150 ncu --clock-control none --graph-profiling node \
-    --kernel-name 'regex:^(attn_in|attention|attn_out|ffn_in|ffn_out)$' --launch-skip 400 --launch-count 5 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section SchedulerStats \
-    "$H/b/bin/cuda_bench" "$H/s/l8b-q4_1.gguf" "$H/b/k/h200-llama-3.1-8b-q4_1/kernels" $T8/q4_1 --batch 1 --steps 16 \
-    > "$R/ncu-q4_1.txt" 2>&1
-  echo "rc=$?"; grep -E "^  [a-z_]+ \(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit Reg|Warp Cycles Per Issued|No Eligible" "$R/ncu-q4_1.txt" | head -70
+  ncu_step 150 q4_1 'attn_in|attention|attn_out|ffn_in|ffn_out' 400 5 ncu-q4_1 --steps 16
   finish call3
   ;;
 *)
