@@ -29,8 +29,8 @@
 #        greedy texts must agree); this tree's at depths 8192 and 32768; llama-bench tg128 at the
 #        same depths; Nsight Compute on a decode step's kernels (q4_1 layer, bf16 attn_in, ffn_out
 #        and LM head)
-#   bash ci/gpu/floor.sh ab-depth carry .fl1        q4_1 batch 1 at depths 0, 8192, 32768: variant AB_DEPTH
-#        (default ring4), base, the variant again
+#   bash ci/gpu/floor.sh ab-depth carry .fl1        q4_1 batch 1 at depths 0, 8192, 32768 for each
+#        kernel set AB_DEPTH names in turn ("this": this tree's; default "this base this")
 # Each call leaves $OUT/<call>.tgz (its results folder). ci/gpu/README.md says what they predict.
 REAL_SIZE_LIB=1 source "$(dirname "$0")/real-size.sh"
 Q="bf16 q4_1"
@@ -190,18 +190,19 @@ ab)
   finish ab
   ;;
 ab-depth)
-  # carry .fl1: q4_1 batch 1 at depths 0, 8192 and 32768, variant AB_DEPTH (default ring4), base,
-  # then the variant again
+  # carry .fl1: q4_1 batch 1 at depths 0, 8192 and 32768 for each kernel set AB_DEPTH names in
+  # turn ("this": this tree's; default "this base this")
   rm -rf "$R" "$H/b" "$H/s" && mkdir -p "$R" "$H/s" && tar xJf .fl1/b.tar.xz -C "$H"
   nvidia-smi --query-gpu=name --format=csv,noheader | tee "$R/gpu.txt"
   "$H/b/bin/xtask" synth-model llama-3.1-8b --tokenizer "$H/b/vocab-8b.gguf" --seed 0 --quant q4_1 \
     --out "$H/s/l8b-q4_1.gguf" 2>&1 | grep synth-model
   taskset -pc 0,1 $$ > /dev/null
   n=0
-  for v in "${AB_DEPTH:-ring4}" base "${AB_DEPTH:-ring4}"; do
+  for v in ${AB_DEPTH:-this base this}; do
     n=$((n + 1))
-    CB_TIMEOUT=60 bench "$H/b/k/h200-llama-3.1-8b-q4_1-$v/kernels" q4_1 "depth-q4_1-$v-$n" \
-      --batch 1 --steps 64 --pp 64 --depth 8192,32768
+    k=$H/b/k/h200-llama-3.1-8b-q4_1-$v
+    [ "$v" = this ] && k=$H/b/k/h200-llama-3.1-8b-q4_1
+    CB_TIMEOUT=60 bench "$k/kernels" q4_1 "depth-q4_1-$v-$n" --batch 1 --steps 64 --pp 64 --depth 8192,32768
   done
   finish depth
   ;;

@@ -62,6 +62,22 @@ MT_INLINE float warp_max(float v) {
 // read-only path (ld.global.nc: `__ldg`, or a `const __restrict__` pointer), which assumes the data
 // does not change while the kernel lives: read-only parameters and helper arguments that point at
 // activations are plain `const T*`, and only weights use `__ldg`.
+// Where the dense kernels (embed, attn_in, attn_out, ffn_in, ffn_out, the LM heads) let the next
+// one launch is the weight format's choice, measured (bench/floor/README.md, 2026-12-07):
+// pdl_trigger_early() right after their own wait, pdl_trigger_late() at their end; each is
+// pdl_launch() where the format says so and nothing elsewhere. On q4_1 layers the trigger comes
+// early: the next kernel's blocks then take each SM as this kernel's blocks leave it and have their
+// first weights in flight while its last blocks finish (a batch-1 step 2.5-4% faster at 8,192 and
+// 32,768 cached positions on an H100, the same at depth 0). On bf16 layers an early trigger made
+// the step 0.5-0.8% slower (the next kernel's loads compete with this one's last, longer rows), so
+// it comes at the end. The next kernel's blocks cannot launch before every block of this one has
+// started (the trigger counts blocks that have run it or exited), so they never hold an SM this
+// grid still needs.
+#if defined(METRALE_W_q4_1)
+constexpr bool PDL_TRIGGER_EARLY = true;
+#else
+constexpr bool PDL_TRIGGER_EARLY = false;
+#endif
 MT_INLINE void pdl_wait() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -71,6 +87,12 @@ MT_INLINE void pdl_launch() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+MT_INLINE void pdl_trigger_early() {
+    if constexpr (PDL_TRIGGER_EARLY) pdl_launch();
+}
+MT_INLINE void pdl_trigger_late() {
+    if constexpr (!PDL_TRIGGER_EARLY) pdl_launch();
 }
 
 // Thread-block clusters (sm_90+): a kernel launched with a cluster dimension can read the shared
