@@ -143,7 +143,7 @@ ab)
   for q in $Q; do $X --quant $q --out "$H/s/l8b-$q.gguf" 2>&1 | grep synth-model | tee -a "$R/synth.txt"; done
   taskset -pc 0,1 $$ > /dev/null
   KT_FILTER="attn attention ffn lm_head" kernel_tests llama-3.1-8b/q4_1
-  KT_FILTER="attn attention ffn" kernel_tests llama-3.1-8b/bf16 smollm2-135m/q4_1
+  KT_FILTER="attn attention ffn lm_head" kernel_tests llama-3.1-8b/bf16 smollm2-135m/q4_1
   finish ab
   CB_GREP="across layers"
   # this tree's kernels (suffix "") and each variant's, alternating, twice: a drift of the GPU
