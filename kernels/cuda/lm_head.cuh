@@ -9,9 +9,13 @@ namespace mt {
 __host__ __device__ constexpr int cgcd(int a, int b) { return b == 0 ? a : cgcd(b, a % b); }
 
 // Each warp takes batches of R1 consecutive rows: R1 * C1 16-byte chunks (C1 = HIDDEN / CHUNK per
-// row), J1 per lane, all loaded at once (full 512-byte warp loads, every lane busy). A lane's chunks
+// row), JB per lane (full 512-byte warp loads, every lane busy), loaded in SEG segments of J1 (one
+// where JB <= 4 or R1 > 1), each segment in flight while the one before computes. A lane's chunks
 // belong to at most R1 rows; the row sums come out of one transpose-reduce (R1 - 1 + log2(32 / R1)
 // shuffles). The lanes holding row sums keep running (max, sum exp, arg-max) over the warp's batches.
+// Segments: a 4096-wide bf16 row whole (16 chunks a lane, and the next row's 16) took lm_head_1 128
+// registers and two blocks an SM, 431 us for the 8B head's 1.05 GB on an H100 (81% of the copy
+// rate); in 4 segments, 80 registers and three blocks, 368 us (94%) (bench/floor/README.md).
 template <int HIDDEN, int VOCAB> struct Lm1 {
     static constexpr int CH = WEmbed::CHUNK;
     static constexpr int C1 = HIDDEN / CH;
@@ -19,15 +23,21 @@ template <int HIDDEN, int VOCAB> struct Lm1 {
     static constexpr int R0 = 32 / cgcd(C1, 32);
     static constexpr int J0 = R0 * C1 / 32;
     static constexpr int R1 = R0 * (J0 >= 8 ? 1 : 8 / J0);  // rows per warp batch (8 for 576-wide Q8_0)
-    static constexpr int J1 = R1 * C1 / 32;                  // chunks per lane per batch (9 for 576-wide Q8_0)
+    static constexpr int JB = R1 * C1 / 32;                  // chunks per lane per batch (9 for 576-wide Q8_0)
+    // A one-row batch of more than 4 chunks a lane (bf16 rows of 4096: 16) is read in SEG segments of
+    // 4, each loaded while the one before computes, so that a lane holds 8 chunks rather than 32 and
+    // three blocks fit an SM where two did.
+    static constexpr int SEG = (R1 == 1 && JB > 4 && JB % 4 == 0) ? JB / 4 : 1;
+    static constexpr int J1 = JB / SEG;                      // chunks per lane loaded at once
+    static constexpr int MIN_BLOCKS = SEG > 1 ? 3 : 2;       // lm_head_1's blocks an SM
     static_assert(R1 <= 32 && VOCAB % R1 == 0, "vocab must split into whole batches");
     static_assert((R1 & (R1 - 1)) == 0, "rows per batch must be a power of two");
     static constexpr int NBATCH = VOCAB / R1;
     typedef typename WEmbed::CRaw CRaw;
 
-    // Load batch bt's chunks of this lane.
-    static MT_INLINE void fetch(const WEmbed& w, CRaw (&dst)[J1], int bt) {
-        const unsigned int base = (unsigned int)bt * (R1 * C1) + (threadIdx.x & 31);
+    // Load segment sg of batch bt: this lane's chunks.
+    static MT_INLINE void fetch(const WEmbed& w, CRaw (&dst)[J1], int bt, int sg = 0) {
+        const unsigned int base = (unsigned int)bt * (R1 * C1) + (unsigned int)sg * (32 * J1) + (threadIdx.x & 31);
 #pragma unroll
         for (int j = 0; j < J1; ++j) dst[j] = w.template cfetch<HIDDEN>(base + 32 * j);
     }
@@ -75,12 +85,46 @@ template <int HIDDEN, int VOCAB> struct Lm1 {
     // caller); the next batch is loaded while the current one computes.
     static MT_INLINE void rows(const WEmbed& w, CRaw (&raw)[J1], int gw, int nwarps, const float* xs, float scale,
                                float* __restrict__ logits, Acc& best) {
+        if constexpr (SEG > 1) {
+            rows_seg(w, raw, gw, nwarps, xs, scale, logits, best);
+            return;
+        }
         for (int bt = gw; bt < NBATCH; bt += nwarps) {
             CRaw nxt[J1];
             if (bt + nwarps < NBATCH) fetch(w, nxt, bt + nwarps);  // in flight while this batch computes
             batch(raw, bt, xs, scale, logits, best);
 #pragma unroll
             for (int j = 0; j < J1; ++j) raw[j] = nxt[j];
+        }
+    }
+
+    // rows for one-row batches read in SEG segments (R1 == 1): the lane's products added in the
+    // order `batch` adds them, one butterfly a row.
+    static MT_INLINE void rows_seg(const WEmbed& w, CRaw (&raw)[J1], int gw, int nwarps, const float* xs, float scale,
+                                   float* __restrict__ logits, Acc& best) {
+        const int lane = threadIdx.x & 31;
+        for (int bt = gw; bt < NBATCH; bt += nwarps) {
+            float v = 0.f;
+#pragma unroll
+            for (int sg = 0; sg < SEG; ++sg) {
+                CRaw nxt[J1];
+                if (sg + 1 < SEG) fetch(w, nxt, bt, sg + 1);  // in flight while this segment computes
+                else if (bt + nwarps < NBATCH) fetch(w, nxt, bt + nwarps, 0);
+                float d[J1];
+#pragma unroll
+                for (int j = 0; j < J1; ++j) d[j] = WEmbed::cdot(raw[j], xs + pad_idx((sg * 32 * J1 + lane + 32 * j) * CH));
+#pragma unroll
+                for (int j = 0; j < J1; ++j) v += d[j];
+#pragma unroll
+                for (int j = 0; j < J1; ++j) raw[j] = nxt[j];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) {
+                const float lg = v * scale;
+                logits[bt] = lg;
+                acc_push(best, lg, bt);
+            }
         }
     }
 
