@@ -141,16 +141,20 @@ def test_one_json_log_line_per_request(web):
     assert 0 < e["ttft_s"] <= e["duration_s"]
 
 
-def test_a_small_step_budget_prefills_in_pieces_with_the_same_answers(client, tmp_path):
-    """--max-num-batched-tokens 24: a 300-token prompt is prefilled in pieces between another
-    request's decode steps; both answers equal the default server's (the CPU backend's rows do
-    not depend on how tokens are grouped into steps)."""
+def test_a_small_step_budget_prefills_in_pieces_with_the_same_answers(client, server, tmp_path):
+    """--max-num-batched-tokens 48 --long-prefill-token-threshold 24: a 300-token prompt is
+    prefilled 24 tokens a step between another request's decode steps; both answers equal the
+    default server's (the CPU backend's rows do not depend on how tokens are grouped into
+    steps). Without the threshold a prompt takes the whole budget of a step."""
     import concurrent.futures
 
     s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--parallel", "2", "--api-key", "k",
-                                        "--max-num-batched-tokens", "24"])
+                                        "--max-num-batched-tokens", "48",
+                                        "--long-prefill-token-threshold", "24"])
     try:
-        assert "scheduler: up to 24 tokens a step (decodes first, then prompt chunks of up to 24)" in s.log()
+        assert ("scheduler: up to 48 tokens a step (decodes first, then prompt chunks of up to 24 "
+                "a request)") in s.log()
+        assert "prompt chunks of up to 512 a request" in server.log()  # the default server
         small = s.openai(api_key="k")
         long_prompt = "Summarise: " + " ".join(f"item {i} is blue;" for i in range(60))
         asks = [("Count from one to twenty.", 60), (long_prompt, 16)]

@@ -124,10 +124,17 @@ pub struct Cli {
 
     /// Most tokens one engine step carries (vLLM's flag): every running decode's token (and its
     /// speculative proposals) first, then prompt chunks up to the budget, so a long prompt is
-    /// prefilled in pieces between decode steps instead of stalling them. A prompt takes at most
-    /// 256 tokens a step (or the whole budget, if smaller).
+    /// prefilled in pieces between decode steps instead of stalling them. A prompt may take the
+    /// whole budget of a step (see --long-prefill-token-threshold).
     #[arg(long, default_value_t = 512)]
     pub max_num_batched_tokens: usize,
+
+    /// Most prompt tokens one request prefills in a step (vLLM's flag); 0 (the default): as many
+    /// as the step's budget leaves. A lower cap shares each step's budget among several prompts
+    /// arriving together, at the cost of more steps (each reading every weight once) for a prompt
+    /// alone: a 512-token prompt in two steps of 256 instead of one.
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
 
     /// Speculative decoding: `ngram` proposes the tokens that followed the latest earlier
     /// occurrence of the sequence's last few tokens (prompt lookup) and verifies them in the decode

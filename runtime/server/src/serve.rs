@@ -527,11 +527,12 @@ fn load(
         }
     };
     let vocab = c.vocab;
-    let prefill_chunk = EngineConfig::default()
-        .prefill_chunk
-        .min(cli.max_num_batched_tokens);
+    let prefill_chunk = match cli.long_prefill_token_threshold {
+        0 => cli.max_num_batched_tokens,
+        cap => cap.min(cli.max_num_batched_tokens),
+    };
     eprintln!(
-        "  scheduler: up to {} tokens a step (decodes first, then prompt chunks of up to {prefill_chunk})",
+        "  scheduler: up to {} tokens a step (decodes first, then prompt chunks of up to {prefill_chunk} a request)",
         cli.max_num_batched_tokens,
     );
     let speculation = speculation(cli, &backend.info())?;
