@@ -23,9 +23,10 @@
 #        targets/, such as a worktree of another revision; the kernels' ABI must be this tree's),
 #        the SmolLM2 kernels, cuda_kernels, cuda_bench and xtask
 #   bash ci/gpu/floor.sh ab      carry .fl1 .peer   kernel variants side by side in one call:
-#        llama.cpp's build (background); the 8B GGUFs; this tree's kernel tests (8B q4_1 and bf16,
-#        SmolLM2); cuda_bench batch 1 for this tree's kernels and each variant (those AB_BF16 and
-#        AB_Q4_1 name alone: default base on bf16, all on q4_1), alternating, twice each (the
+#        llama.cpp's build (background, when .peer is carried); the 8B GGUFs; this tree's kernel
+#        tests (8B q4_1 and bf16, SmolLM2); cuda_bench batch 1 for this tree's kernels and each
+#        variant (those AB_BF16 and AB_Q4_1 name alone, "none" for none: default base on bf16, all
+#        on q4_1), alternating, twice each (the
 #        greedy texts must agree); this tree's at depths 8192 and 32768; llama-bench tg128 at the
 #        same depths; Nsight Compute on a decode step's kernels (q4_1 layer, bf16 attn_in, ffn_out
 #        and LM head)

@@ -792,3 +792,32 @@ fn greedy_draft_model_speculation_gives_plain_greedy_output() {
         );
     }
 }
+
+/// By default a prompt alone is prefilled in one step when it fits the step's budget (vLLM's
+/// chunked prefill: a request may take the whole budget): a 512-token prompt takes one step where
+/// a 256-token cap per request (`prefill_chunk`, the server's --long-prefill-token-threshold) takes
+/// two, each of which reads every weight once.
+#[test]
+fn a_prompt_alone_takes_the_whole_step_budget_by_default() {
+    let steps = |cfg: EngineConfig| {
+        let kv = metrale_backend::KvConfig {
+            slots: 1,
+            slot_capacity: 640,
+            blocks: 0,
+            dtype: metrale_backend::KvDtype::F32,
+        };
+        let e = Engine::spawn(Box::new(tiny_backend_kv(DType::Q4_1, 3, kv, 2)), cfg);
+        let prompt: Vec<u32> = (0..512u32).map(|i| 1 + i % 40).collect();
+        let (ids, done) = collect(e.submit(req(prompt, 1)).unwrap());
+        assert_eq!(ids.len(), 1, "{done:?}");
+        e.metrics().engine_steps_total
+    };
+    let d = EngineConfig::default();
+    assert_eq!((d.prefill_chunk, d.max_step_tokens), (512, 512));
+    assert_eq!(steps(EngineConfig::default()), 1);
+    let capped = EngineConfig {
+        prefill_chunk: 256,
+        ..EngineConfig::default()
+    };
+    assert_eq!(steps(capped), 2);
+}
