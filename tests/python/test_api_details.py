@@ -145,7 +145,7 @@ def test_a_small_step_budget_prefills_in_pieces_with_the_same_answers(client, se
     """--max-num-batched-tokens 48 --long-prefill-token-threshold 24: a 300-token prompt is
     prefilled 24 tokens a step between another request's decode steps; both answers equal the
     default server's (the CPU backend's rows do not depend on how tokens are grouped into
-    steps). Without the threshold a prompt takes the whole budget of a step."""
+    steps). Without the threshold a prompt takes the backend's chunk (the CPU's 256)."""
     import concurrent.futures
 
     s = start_server(tmp_path / "log", ["--ctx-size", "1024", "--parallel", "2", "--api-key", "k",
@@ -154,7 +154,8 @@ def test_a_small_step_budget_prefills_in_pieces_with_the_same_answers(client, se
     try:
         assert ("scheduler: up to 48 tokens a step (decodes first, then prompt chunks of up to 24 "
                 "a request)") in s.log()
-        assert "prompt chunks of up to 512 a request" in server.log()  # the default server
+        # the default server: the CPU backend's own chunk (BackendInfo::prefill_chunk)
+        assert "prompt chunks of up to 256 a request" in server.log()
         small = s.openai(api_key="k")
         long_prompt = "Summarise: " + " ".join(f"item {i} is blue;" for i in range(60))
         asks = [("Count from one to twenty.", 60), (long_prompt, 16)]

@@ -226,6 +226,9 @@ pub struct BackendInfo {
     pub kv_bytes: u64,
     /// Whether `step` runs verification entries (`SeqStep::drafted` > 0).
     pub verifies_drafts: bool,
+    /// Most prompt tokens of one sequence a step should carry, where the backend measured that
+    /// more in one step costs more than another step (`None`: as many as the step budget allows).
+    pub prefill_chunk: Option<usize>,
 }
 
 /// Logits of a prompt prefilled in steps of at most `chunk` tokens (`None`: one step), then of

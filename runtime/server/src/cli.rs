@@ -129,10 +129,10 @@ pub struct Cli {
     #[arg(long, default_value_t = 512)]
     pub max_num_batched_tokens: usize,
 
-    /// Most prompt tokens one request prefills in a step (vLLM's flag); 0 (the default): as many
-    /// as the step's budget leaves. A lower cap shares each step's budget among several prompts
-    /// arriving together, at the cost of more steps (each reading every weight once) for a prompt
-    /// alone: a 512-token prompt in two steps of 256 instead of one.
+    /// Most prompt tokens one request prefills in a step (vLLM's flag); 0 (the default): the
+    /// backend's measured choice (the CPU backend 256; CUDA as many as the step's budget leaves,
+    /// since each step reads every weight once). A lower cap shares each step's budget among
+    /// several prompts arriving together, at the cost of more steps for a prompt alone.
     #[arg(long, default_value_t = 0)]
     pub long_prefill_token_threshold: usize,
 

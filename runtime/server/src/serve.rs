@@ -528,9 +528,10 @@ fn load(
     };
     let vocab = c.vocab;
     let prefill_chunk = match cli.long_prefill_token_threshold {
-        0 => cli.max_num_batched_tokens,
-        cap => cap.min(cli.max_num_batched_tokens),
-    };
+        0 => backend.info().prefill_chunk.unwrap_or(usize::MAX),
+        cap => cap,
+    }
+    .min(cli.max_num_batched_tokens);
     eprintln!(
         "  scheduler: up to {} tokens a step (decodes first, then prompt chunks of up to {prefill_chunk} a request)",
         cli.max_num_batched_tokens,

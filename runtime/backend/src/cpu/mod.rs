@@ -1350,6 +1350,10 @@ impl Backend for CpuBackend {
             weight_bytes: self.weight_bytes(),
             kv_bytes,
             verifies_drafts: true,
+            // a 505-token prompt of the default model on 2 cores: 1,311-1,324 ms to the first
+            // token over HTTP in chunks of 256, 1,479-1,512 ms in one step of 505 (the server's
+            // --long-prefill-token-threshold, 2026-12-07, bench/cpu/NOTES.md)
+            prefill_chunk: Some(256),
         }
     }
 

@@ -1124,6 +1124,8 @@ impl Backend for CudaBackend {
             weight_bytes: self.w.bytes(),
             kv_bytes: self.kv.bytes(),
             verifies_drafts: self.opts.max_drafts > 0,
+            // every step reads every weight once: a prompt takes as much of a step as it can
+            prefill_chunk: None,
         }
     }
 
