@@ -17,14 +17,7 @@
 // measures it: the floor's rate.
 //
 // Build and run on the GPU machine: nvcc -O3 -std=c++17 -arch=sm_90a -o mv_probe mv_probe.cu && ./mv_probe
-#include <cuda_runtime.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
-#include <algorithm>
-
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+#include "probe.cuh"
 
 constexpr int WARPS = 8, THREADS = 32 * WARPS;
 
@@ -33,34 +26,19 @@ struct Mat { const uint4* qs; const uint32_t* sc; int rows, nb; };
 // The address of load i (of L) of a lane for row pair rp.
 template <bool PANELS> struct Lanes;
 template <> struct Lanes<true> {
-    static __device__ __forceinline__ size_t at(const Mat& m, int rp, int i, int lane) {
-        const int row = 2 * rp + ((lane >> 2) & 1), b = 16 * i + 4 * (lane >> 3) + (lane & 3);
-        return (size_t)(b >> 2) * m.rows * 4 + (size_t)row * 4 + (b & 3);
-    }
-    static __host__ __device__ int loads(int nb) { return nb / 16; }
+    static __device__ __forceinline__ size_t at(const Mat& m, int rp, int i, int lane) { return panel_at(m.rows, rp, i, lane); }
 };
 template <> struct Lanes<false> {
     static __device__ __forceinline__ size_t at(const Mat& m, int rp, int i, int lane) {
         const int row = 2 * rp + (i & 1), b = lane + 32 * (i >> 1);
         return (size_t)row * m.nb + b;
     }
-    static __host__ __device__ int loads(int nb) { return 2 * nb / 32; }
 };
 
-// the work a real kernel does on a block: 16 dp2a against an activation word, a scale FMA
+// a block folded into the checksum: the dot product's work (probe.cuh) or a bare xor
 template <bool WORK> __device__ __forceinline__ void fold(uint32_t& acc, float& f, uint4 q, uint32_t s) {
     if (WORK) {
-        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-        int is = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int lo = (int)(w[j] & 0x0f0f0f0fu), hi = (int)((w[j] >> 4) & 0x0f0f0f0fu);
-            is = __dp2a_lo(0x00030001 + j, lo, is);
-            is = __dp2a_hi(0x00050007 + j, lo, is);
-            is = __dp2a_lo(0x00020009 + j, hi, is);
-            is = __dp2a_hi(0x00040006 + j, hi, is);
-        }
-        f += __uint_as_float(s & 0x3f7fffffu) * (float)is;
+        f += dp2a_block(q, s);
     } else {
         acc ^= q.x ^ q.y ^ q.z ^ q.w ^ s;
     }
@@ -259,24 +237,9 @@ int main() {
     CK(cudaMalloc(&pool, pool_bytes));
     CK(cudaMemset(pool, 0x5a, pool_bytes));
     CK(cudaMalloc(&dout, 16));
-    // the copy rate as cuda_bench measures it: bytes read + written a second, a 1 GiB copy between
-    // the pool's halves, median of 7
+    // the copy rate as cuda_bench measures it: a 1 GiB copy between the pool's halves
     {
-        cudaEvent_t a, b;
-        CK(cudaEventCreate(&a));
-        CK(cudaEventCreate(&b));
-        std::vector<float> t;
-        for (int r = 0; r < 8; ++r) {
-            CK(cudaEventRecord(a));
-            CK(cudaMemcpy(pool + (pool_bytes / 2), pool, pool_bytes / 2, cudaMemcpyDeviceToDevice));
-            CK(cudaEventRecord(b));
-            CK(cudaEventSynchronize(b));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, a, b));
-            if (r) t.push_back(ms);
-        }
-        std::sort(t.begin(), t.end());
-        const double copy_gbs = pool_bytes / (t[t.size() / 2] * 1e-3) / 1e9;  // read + written
+        const double copy_gbs = copy_rate_gbs(pool, pool_bytes / 2);
         printf("device-to-device copy: %.1f GB/s (bytes read + written)\n", copy_gbs);
         const size_t big = (size_t)256 << 20;
         const double us = time_us([&](char* base) { stream<<<sms * 8, THREADS>>>(reinterpret_cast<const uint4*>(base), big / 16, dout); }, big, 7);

@@ -15,14 +15,7 @@
 // written a second, cuda_bench's floor).
 //
 // Build and run on the GPU machine: nvcc -O3 -std=c++17 -arch=sm_90a -o step_probe step_probe.cu && ./step_probe
-#include <cuda_runtime.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
-#include <algorithm>
-
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+#include "probe.cuh"
 
 constexpr int WARPS = 8, THREADS = 32 * WARPS, G = 4, LAYERS = 32, NPROD = 4 * LAYERS;
 constexpr int HIDDEN = 4096, QKV = 6144, FFN = 14336;
@@ -30,25 +23,8 @@ constexpr int HIDDEN = 4096, QKV = 6144, FFN = 14336;
 struct Prod { const uint4* qs; const uint32_t* sc; int rows, nb; };
 struct Step { Prod p[NPROD]; const float* vec; };
 
-// panels: qs uint4 [NB/4][ROWS][4]; lane l reads row r0 + ((l >> 2) & 1), block 16i + 4(l >> 3) + (l & 3)
-__device__ __forceinline__ size_t at(const Prod& m, int rp, int i, int lane) {
-    const int row = 2 * rp + ((lane >> 2) & 1), b = 16 * i + 4 * (lane >> 3) + (lane & 3);
-    return (size_t)(b >> 2) * m.rows * 4 + (size_t)row * 4 + (b & 3);
-}
-
-__device__ __forceinline__ void fold(float& f, uint4 q, uint32_t s) {
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    int is = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int lo = (int)(w[j] & 0x0f0f0f0fu), hi = (int)((w[j] >> 4) & 0x0f0f0f0fu);
-        is = __dp2a_lo(0x00030001 + j, lo, is);
-        is = __dp2a_hi(0x00050007 + j, lo, is);
-        is = __dp2a_lo(0x00020009 + j, hi, is);
-        is = __dp2a_hi(0x00040006 + j, hi, is);
-    }
-    f += __uint_as_float(s & 0x3f7fffffu) * (float)is;
-}
+// the panel address of load i of a lane (probe.cuh)
+__device__ __forceinline__ size_t at(const Prod& m, int rp, int i, int lane) { return panel_at(m.rows, rp, i, lane); }
 
 struct Ring { uint4 q[G]; uint32_t s[G]; };
 
@@ -74,7 +50,7 @@ __device__ __forceinline__ void product(const Prod& m, const Prod* next, Ring& r
         for (int c0 = 0; c0 < L; c0 += G) {
 #pragma unroll
             for (int j = 0; j < G; ++j) {
-                fold(f, r.q[j], r.s[j]);
+                f += dp2a_block(r.q[j], r.s[j]);
                 const int i = c0 + G + j;
                 if (i < L) {
                     const size_t a = at(m, rp, i, lane);
@@ -181,45 +157,12 @@ int main() {
             off += qb + sb;
         }
     s.vec = vec;
-    // copy rate: 1 GiB within the pool, median of 7
-    double copy_gbs;
-    {
-        cudaEvent_t a, b;
-        CK(cudaEventCreate(&a));
-        CK(cudaEventCreate(&b));
-        std::vector<float> t;
-        const size_t half = (size_t)1 << 30;
-        for (int r = 0; r < 8; ++r) {
-            CK(cudaEventRecord(a));
-            CK(cudaMemcpy(pool + half, pool, half, cudaMemcpyDeviceToDevice));
-            CK(cudaEventRecord(b));
-            CK(cudaEventSynchronize(b));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, a, b));
-            if (r) t.push_back(ms);
-        }
-        std::sort(t.begin(), t.end());
-        copy_gbs = 2.0 * half / (t[t.size() / 2] * 1e-3) / 1e9;
-    }
+    const double copy_gbs = copy_rate_gbs(pool, (size_t)1 << 30);  // 1 GiB within the pool
     const double floor_us = total / copy_gbs / 1e3;
     printf("copy rate %.1f GB/s; the step's %zu q4_1 bytes (32 layers, head left out) at it: %.1f us\n", copy_gbs, total, floor_us);
-    auto timed = [&](const char* name, auto run) {
-        cudaEvent_t a, b;
-        CK(cudaEventCreate(&a));
-        CK(cudaEventCreate(&b));
-        std::vector<float> t;
-        for (int r = 0; r < 9; ++r) {
-            CK(cudaEventRecord(a));
-            run();
-            CK(cudaEventRecord(b));
-            CK(cudaEventSynchronize(b));
-            CK(cudaGetLastError());
-            float ms;
-            CK(cudaEventElapsedTime(&ms, a, b));
-            if (r >= 2) t.push_back(ms);
-        }
-        std::sort(t.begin(), t.end());
-        const double us = 1000.0 * t[t.size() / 2];
+    // a step run 9 times on `st`, the median of the last 7
+    auto timed = [&](const char* name, cudaStream_t st, auto run) {
+        const double us = 1000.0 * median_ms(st, 9, 2, run);
         printf("%-44s %8.1f us  %5.1f%% of the floor  (%.1f us a product above the floor's share)\n", name, us,
                100.0 * floor_us / us, (us - floor_us) / NPROD);
     };
@@ -229,9 +172,9 @@ int main() {
         const int grid = std::min(per, occ) * sms;
         char name[96];
         snprintf(name, sizeof name, "stream, %d blocks an SM (grid %d)", std::min(per, occ), grid);
-        timed(name, [&] { step_stream<<<grid, THREADS>>>(s, out); });
+        timed(name, 0, [&] { step_stream<<<grid, THREADS>>>(s, out); });
         snprintf(name, sizeof name, "barrier, %d blocks an SM (cooperative)", std::min(per, occ));
-        timed(name, [&] {
+        timed(name, 0, [&] {
             void* args[] = {&s, &out};
             CK(cudaLaunchCooperativeKernel((void*)step_barrier, grid, THREADS, args, 0, 0));
         });
@@ -263,23 +206,7 @@ int main() {
             CK(cudaGraphInstantiate(&ge, g, 0));
             char name[96];
             snprintf(name, sizeof name, "launches, %d blocks an SM (graph + PDL)", std::min(per, occ));
-            cudaEvent_t a, b;
-            CK(cudaEventCreate(&a));
-            CK(cudaEventCreate(&b));
-            std::vector<float> t;
-            for (int r = 0; r < 9; ++r) {
-                CK(cudaEventRecord(a, st));
-                CK(cudaGraphLaunch(ge, st));
-                CK(cudaEventRecord(b, st));
-                CK(cudaEventSynchronize(b));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, a, b));
-                if (r >= 2) t.push_back(ms);
-            }
-            std::sort(t.begin(), t.end());
-            const double us = 1000.0 * t[t.size() / 2];
-            printf("%-44s %8.1f us  %5.1f%% of the floor  (%.1f us a product above the floor's share)\n", name, us,
-                   100.0 * floor_us / us, (us - floor_us) / NPROD);
+            timed(name, st, [&] { CK(cudaGraphLaunch(ge, st)); });
         }
     }
     CK(cudaDeviceSynchronize());
